@@ -1,0 +1,46 @@
+# Every target sets up .venv when it is missing (or when pyproject.toml / constraints.txt changed).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: setup test lint typecheck pytest bench bench-quick serve loadtest clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+# The whole suite: lint, types, tests. This is what .ci/run calls.
+test: lint typecheck pytest
+
+# The paper's CPU benchmark tables, side by side (full nn.Embedding, reference ROBE-Z, fused ROBE-Z).
+bench: $(STAMP)
+	$(BIN)/python -m robez_core.bench $(ARGS)
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m robez_core.bench --quick $(ARGS)
+
+# Serve the built-in default table on 127.0.0.1:8000.
+serve: $(STAMP)
+	$(BIN)/robez serve $(ARGS)
+
+loadtest: $(STAMP)
+	$(BIN)/python -m loadtest $(ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
