@@ -1,0 +1,94 @@
+"""The durability hook between the table store and a write-ahead log.
+
+``TableStore`` (``service/store.py``) calls a ``Journal`` at fixed points, per docs/architecture.md
+"Journal hook": ``append`` under the table's cross-worker update lock, before the update is applied and
+before the response is sent; ``create`` / ``snapshot`` / ``drop`` when tables come and go; ``load`` and
+``names`` at start-up. ``NullJournal`` (no data directory) keeps nothing: tables live in memory only.
+``service/wal.py`` provides the durable implementation, ``WalJournal``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from robez_core.table import Table
+    from torch import Tensor
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """One gradient push, as it is journalled before it is applied.
+
+    Attributes:
+        table: table name.
+        version: the table version this update produces (previous version + 1).
+        ids: int64 (N,) ids, as sent (duplicates not yet summed).
+        grads: float32 (N, d) gradients of the looked-up rows.
+        lr: the learning rate actually applied (the request's override or the table's lr).
+    """
+
+    table: str
+    version: int
+    ids: Tensor
+    grads: Tensor
+    lr: float
+
+
+@runtime_checkable
+class Journal(Protocol):
+    """Where the store makes tables and their updates durable; every method may raise ``RobezError``."""
+
+    def load(self, name: str) -> tuple[Table, int] | None:
+        """The table's last snapshot with its log replayed, and its version; None if unknown."""
+        ...
+
+    def names(self) -> list[str]:
+        """Names of the tables present in the data directory."""
+        ...
+
+    def create(self, name: str, table: Table, version: int) -> None:
+        """Write the first snapshot of a new table."""
+        ...
+
+    def append(self, record: UpdateRecord) -> None:
+        """Log one update; durable (per the fsync policy) when this returns."""
+        ...
+
+    def snapshot(self, name: str, table: Table, version: int) -> None:
+        """Write a snapshot atomically, then truncate the table's log."""
+        ...
+
+    def drop(self, name: str) -> None:
+        """Forget a table: remove its snapshot and log."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release files."""
+        ...
+
+
+class NullJournal:
+    """The journal of a server without a data directory: nothing is persisted, nothing is loaded."""
+
+    def load(self, name: str) -> tuple[Table, int] | None:
+        return None
+
+    def names(self) -> list[str]:
+        return []
+
+    def create(self, name: str, table: Table, version: int) -> None:
+        pass
+
+    def append(self, record: UpdateRecord) -> None:
+        pass
+
+    def snapshot(self, name: str, table: Table, version: int) -> None:
+        pass
+
+    def drop(self, name: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
