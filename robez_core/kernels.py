@@ -1,0 +1,701 @@
+"""Fused CPU kernels for ROBE-Z tables (numba): hash + gather, bags, scatter, coalesce, optimizer steps.
+
+This is the only compiled code of the project. Every kernel here agrees with the pure-torch reference in
+``hashing.py`` bit for bit on forward (same int64 wrap-around, same floor mod) and within float tolerance
+on gradients and optimizer updates; ``tests/core/test_kernels.py`` checks both.
+
+Why the kernels are fast:
+
+- one hash per (id, chunk) instead of one per value, and no (N, d) int64 index tensor: each chunk's
+  ``chunk_size`` contiguous floats are copied straight from ``weight`` into the output row;
+- the paper's prime is a compile-time constant in a specialised loop, so ``mod P`` becomes a
+  multiply-high sequence instead of a 64-bit division (a generic loop keeps any other P working, e.g.
+  constants imported from a paper state_dict);
+- ``(h mod P) < 2**31``, so the second reduction ``mod (m - Z + 1)`` uses a float64 reciprocal and a
+  +-1 fix-up (exact for all operands below 2**52);
+- loops over ids run in parallel (``prange``) and release the GIL (``nogil=True``).
+
+Compilation is cached on disk (``cache=True``): the first process compiles each signature once (several
+seconds) and writes the result to ``__pycache__`` next to this file, or to ``NUMBA_CACHE_DIR`` when that
+environment variable is set (needed when the package directory is read-only); later processes load the
+cached machine code in milliseconds. The cache is keyed on this file's contents and the CPU, so editing
+the file or moving to another CPU recompiles once.
+
+Threads: every public function sets numba's thread count to ``torch.get_num_threads()`` (capped at
+numba's pool size), so ``torch.set_num_threads(1)`` makes the kernels single-threaded too.
+
+All functions take and return CPU torch tensors; numba works on zero-copy ``.numpy()`` views, so
+``weight`` and optimizer state are updated in place (they may live in shared memory).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from .errors import ConfigError, InvalidInputError
+from .hashing import FMIX_C1, FMIX_C2, HASH_NAMES, MAX_FAST_RANGE, NUM_RANDOM_NUMBERS, PAPER_PRIME
+
+__all__ = [
+    "adagrad_step",
+    "adam_step",
+    "chunk_offsets",
+    "coalesce_grad",
+    "gather",
+    "lookup",
+    "lookup_bag",
+    "scatter_grad",
+    "set_kernel_threads",
+    "sgd_step",
+]
+
+BagMode = Literal["sum", "mean"]
+
+_HASH_PAPER = 0
+_HASH_FAST = 1
+_FMIX_C1 = np.uint64(FMIX_C1 & 0xFFFFFFFFFFFFFFFF)
+_FMIX_C2 = np.uint64(FMIX_C2 & 0xFFFFFFFFFFFFFFFF)
+_SHIFT_33 = np.uint64(33)
+_SHIFT_32 = np.uint64(32)
+# Above this many array locations per gradient value the coalesce switches from a dense (m,) scratch
+# buffer to sorting chunk starts: the dense buffer costs O(m) to clear and scan, the sort O(NC log NC).
+_DENSE_COALESCE_FACTOR = 4
+
+
+# --------------------------------------------------------------------------------------------------
+# hashing (scalar helpers, inlined by LLVM into the loops below)
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _reduce_below_2_52(value, divisor, inv_divisor):
+    """``value mod divisor`` for 0 <= value < 2**52 via a float reciprocal, corrected by at most one step."""
+    quotient = np.int64(value * inv_divisor)
+    remainder = value - quotient * divisor
+    if remainder < 0:
+        remainder += divisor
+    elif remainder >= divisor:
+        remainder -= divisor
+    return remainder
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _paper_offset_const(key_term, chunk_term, r1, range_size, inv_range):
+    # PAPER_PRIME is a compile-time constant here: LLVM turns the floor mod into multiply-high + fix-up.
+    h = (key_term + chunk_term + r1) % PAPER_PRIME
+    return _reduce_below_2_52(h, range_size, inv_range)
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _paper_offset_generic(key_term, chunk_term, r1, prime, range_size):
+    return ((key_term + chunk_term + r1) % prime) % range_size
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _fast_offset(key_term, chunk_term, r1, range_size):
+    h = np.uint64(key_term + chunk_term + r1)
+    h ^= h >> _SHIFT_33
+    h *= _FMIX_C1
+    h ^= h >> _SHIFT_33
+    h *= _FMIX_C2
+    h ^= h >> _SHIFT_33
+    return np.int64(((h >> _SHIFT_32) * range_size) >> _SHIFT_32)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _row_offsets(
+    key: int,
+    num_chunks: int,
+    hash_kind: int,
+    random_numbers: np.ndarray,
+    range_size: int,
+    inv_range: float,
+    out: np.ndarray,
+) -> None:
+    """Chunk start offsets of one (already val_offset-shifted) key into ``out[:num_chunks]``."""
+    prime = random_numbers[0]
+    r1 = random_numbers[1]
+    r2 = random_numbers[2]
+    r3 = random_numbers[3]
+    if hash_kind == _HASH_PAPER:
+        key_term = key * r3
+        if prime == PAPER_PRIME and range_size < (1 << 52):
+            for c in range(num_chunks):
+                out[c] = _paper_offset_const(key_term, c * r2, r1, range_size, inv_range)
+        else:
+            for c in range(num_chunks):
+                out[c] = _paper_offset_generic(key_term, c * r2, r1, prime, range_size)
+    else:
+        key_term = key * (r3 | 1)
+        urange = np.uint64(range_size)
+        for c in range(num_chunks):
+            out[c] = _fast_offset(key_term, c * r2, r1, urange)
+
+
+# --------------------------------------------------------------------------------------------------
+# forward
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _chunk_offsets_kernel(ids, val_offset, num_chunks, hash_kind, random_numbers, range_size, out):
+    inv_range = 1.0 / range_size
+    for n in prange(ids.shape[0]):
+        _row_offsets(
+            ids[n] + val_offset, num_chunks, hash_kind, random_numbers, range_size, inv_range, out[n]
+        )
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _gather_kernel(weight, offsets, embedding_dim, chunk_size, out):
+    num_chunks = offsets.shape[1]
+    for n in prange(offsets.shape[0]):
+        row = out[n]
+        for c in range(num_chunks):
+            start = c * chunk_size
+            length = min(chunk_size, embedding_dim - start)
+            src = offsets[n, c]
+            for j in range(length):
+                row[start + j] = weight[src + j]
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, hash_kind, random_numbers, out):
+    num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
+    range_size = weight.shape[0] - chunk_size + 1
+    inv_range = 1.0 / range_size
+    for n in prange(ids.shape[0]):
+        row_offsets = np.empty(num_chunks, dtype=np.int64)
+        _row_offsets(
+            ids[n] + val_offset, num_chunks, hash_kind, random_numbers, range_size, inv_range, row_offsets
+        )
+        row = out[n]
+        for c in range(num_chunks):
+            start = c * chunk_size
+            length = min(chunk_size, embedding_dim - start)
+            src = row_offsets[c]
+            for j in range(length):
+                row[start + j] = weight[src + j]
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _lookup_bag_kernel(
+    weight,
+    ids,
+    bag_offsets,
+    per_sample_weights,
+    has_weights,
+    mean,
+    val_offset,
+    embedding_dim,
+    chunk_size,
+    hash_kind,
+    random_numbers,
+    out,
+):
+    num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
+    range_size = weight.shape[0] - chunk_size + 1
+    inv_range = 1.0 / range_size
+    num_bags = bag_offsets.shape[0]
+    num_ids = ids.shape[0]
+    for b in prange(num_bags):
+        begin = bag_offsets[b]
+        end = bag_offsets[b + 1] if b + 1 < num_bags else num_ids
+        row = out[b]
+        row[:] = 0.0
+        row_offsets = np.empty(num_chunks, dtype=np.int64)
+        for i in range(begin, end):
+            _row_offsets(
+                ids[i] + val_offset, num_chunks, hash_kind, random_numbers, range_size, inv_range, row_offsets
+            )
+            scale = per_sample_weights[i] if has_weights else np.float32(1.0)
+            for c in range(num_chunks):
+                start = c * chunk_size
+                length = min(chunk_size, embedding_dim - start)
+                src = row_offsets[c]
+                for j in range(length):
+                    row[start + j] += scale * weight[src + j]
+        if mean and end > begin:
+            inv_count = np.float32(1.0) / np.float32(end - begin)
+            for j in range(embedding_dim):
+                row[j] *= inv_count
+
+
+# --------------------------------------------------------------------------------------------------
+# backward
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _scatter_kernel(grad_rows, offsets, embedding_dim, chunk_size, out, num_parts):
+    # Each part owns a contiguous slice of ``out`` and scans every chunk, adding only what falls in its
+    # slice: no two threads write the same location, so no atomics, and the sum order is deterministic.
+    memory_size = out.shape[0]
+    num_rows, num_chunks = offsets.shape
+    for part in prange(num_parts):
+        lo = memory_size * part // num_parts
+        hi = memory_size * (part + 1) // num_parts
+        for n in range(num_rows):
+            for c in range(num_chunks):
+                start = c * chunk_size
+                length = min(chunk_size, embedding_dim - start)
+                dst = offsets[n, c]
+                if dst + length <= lo or dst >= hi:
+                    continue
+                j_begin = max(0, lo - dst)
+                j_end = min(length, hi - dst)
+                for j in range(j_begin, j_end):
+                    out[dst + j] += grad_rows[n, start + j]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _coalesce_dense_kernel(grad_rows, offsets, embedding_dim, chunk_size, memory_size):
+    values_dense = np.zeros(memory_size, dtype=np.float32)
+    touched = np.zeros(memory_size, dtype=np.bool_)
+    num_rows, num_chunks = offsets.shape
+    for n in range(num_rows):
+        for c in range(num_chunks):
+            start = c * chunk_size
+            length = min(chunk_size, embedding_dim - start)
+            dst = offsets[n, c]
+            for j in range(length):
+                values_dense[dst + j] += grad_rows[n, start + j]
+                touched[dst + j] = True
+    count = 0
+    for i in range(memory_size):
+        if touched[i]:
+            count += 1
+    locations = np.empty(count, dtype=np.int64)
+    values = np.empty(count, dtype=np.float32)
+    k = 0
+    for i in range(memory_size):
+        if touched[i]:
+            locations[k] = i
+            values[k] = values_dense[i]
+            k += 1
+    return locations, values
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _coalesce_sorted_kernel(grad_rows, offsets, embedding_dim, chunk_size):
+    # Sort chunk starts; overlapping or touching chunks merge into runs that cover a contiguous range,
+    # so the output is the union of those ranges, each filled from a small zeroed segment.
+    num_chunks = offsets.shape[1]
+    flat_offsets = offsets.reshape(-1)
+    order = np.argsort(flat_offsets, kind="mergesort")
+    total = 0
+    run_end = np.int64(-1)
+    for k in range(order.shape[0]):
+        idx = order[k]
+        c = idx % num_chunks
+        length = min(chunk_size, embedding_dim - c * chunk_size)
+        dst = flat_offsets[idx]
+        end = dst + length
+        if dst > run_end or run_end < 0:
+            total += length
+            run_end = end
+        elif end > run_end:
+            total += end - run_end
+            run_end = end
+    locations = np.empty(total, dtype=np.int64)
+    values = np.zeros(total, dtype=np.float32)
+    base = -1  # output index of the current run's first location
+    run_start = np.int64(0)
+    run_end = np.int64(-1)
+    filled = 0
+    for k in range(order.shape[0]):
+        idx = order[k]
+        n = idx // num_chunks
+        c = idx % num_chunks
+        start = c * chunk_size
+        length = min(chunk_size, embedding_dim - start)
+        dst = flat_offsets[idx]
+        end = dst + length
+        if dst > run_end or run_end < 0:
+            base = filled
+            run_start = dst
+            run_end = end
+            for j in range(length):
+                locations[filled + j] = dst + j
+            filled += length
+        elif end > run_end:
+            extra = end - run_end
+            for j in range(extra):
+                locations[filled + j] = run_end + j
+            filled += extra
+            run_end = end
+        out_pos = base + (dst - run_start)
+        for j in range(length):
+            values[out_pos + j] += grad_rows[n, start + j]
+    return locations, values
+
+
+# --------------------------------------------------------------------------------------------------
+# optimizer steps (locations are unique, so the loops run in parallel without races)
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _sgd_kernel(weight, locations, values, lr):
+    for k in prange(locations.shape[0]):
+        weight[locations[k]] -= lr * values[k]
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _adagrad_kernel(weight, state_sum, locations, values, lr, eps):
+    for k in prange(locations.shape[0]):
+        i = locations[k]
+        g = values[k]
+        s = state_sum[i] + g * g
+        state_sum[i] = s
+        weight[i] -= lr * (g / (np.sqrt(s) + eps))
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _adam_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, eps, step_size):
+    one_minus_beta1 = np.float32(1.0) - beta1
+    one_minus_beta2 = np.float32(1.0) - beta2
+    for k in prange(locations.shape[0]):
+        i = locations[k]
+        g = values[k]
+        m = exp_avg[i] + (g - exp_avg[i]) * one_minus_beta1
+        v = exp_avg_sq[i] + (g * g - exp_avg_sq[i]) * one_minus_beta2
+        exp_avg[i] = m
+        exp_avg_sq[i] = v
+        weight[i] -= step_size * (m / (np.sqrt(v) + eps))
+
+
+# --------------------------------------------------------------------------------------------------
+# public API (torch in, torch out)
+
+
+def set_kernel_threads() -> int:
+    """Make numba use ``torch.get_num_threads()`` threads (capped at numba's pool); returns the count."""
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    return threads
+
+
+def _hash_kind(hash: str) -> int:
+    if hash == "paper":
+        return _HASH_PAPER
+    if hash == "fast":
+        return _HASH_FAST
+    raise ConfigError(f"unknown hash {hash!r}; expected one of {HASH_NAMES}")
+
+
+def _check_shape(memory_size: int, chunk_size: int, embedding_dim: int, hash: str) -> int:
+    if chunk_size < 1 or embedding_dim < 1:
+        raise ConfigError(f"chunk_size and embedding_dim must be >= 1, got {chunk_size}, {embedding_dim}")
+    range_size = memory_size - chunk_size + 1
+    if range_size < 1:
+        raise ConfigError(f"memory_size ({memory_size}) must be >= chunk_size ({chunk_size})")
+    if _hash_kind(hash) == _HASH_FAST and range_size > MAX_FAST_RANGE:
+        raise ConfigError(f"hash='fast' needs memory_size - chunk_size + 1 <= 2**32, got {range_size}")
+    return range_size
+
+
+def _random_numbers_np(random_numbers: torch.Tensor) -> np.ndarray:
+    if random_numbers.dtype != torch.int64 or tuple(random_numbers.shape) != (NUM_RANDOM_NUMBERS,):
+        raise ConfigError(f"random_numbers must be int64 ({NUM_RANDOM_NUMBERS},)")
+    if int(random_numbers[0]) <= 0:
+        raise ConfigError("random_numbers[0] is the modulus P and must be positive")
+    return random_numbers.contiguous().numpy()
+
+
+def _ids_np(ids: torch.Tensor) -> np.ndarray:
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise InvalidInputError(
+            f"ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
+        )
+    return ids.contiguous().numpy()
+
+
+def _weight_np(weight: torch.Tensor) -> np.ndarray:
+    if weight.dtype != torch.float32 or weight.dim() != 1 or not weight.is_contiguous():
+        raise ConfigError("weight must be a contiguous 1-D float32 tensor")
+    return weight.detach().numpy()
+
+
+def _wrap_int64(value: int) -> int:
+    """Python int -> the int64 with the same low 64 bits (val_offset is added with wrap-around)."""
+    return ((int(value) + (1 << 63)) % (1 << 64)) - (1 << 63)
+
+
+def _num_chunks(embedding_dim: int, chunk_size: int) -> int:
+    return -(-embedding_dim // chunk_size)
+
+
+def chunk_offsets(
+    ids: torch.Tensor,
+    num_chunks: int,
+    chunk_size: int,
+    memory_size: int,
+    random_numbers: torch.Tensor,
+    val_offset: int = 0,
+    hash: str = "paper",
+) -> torch.Tensor:
+    """Start offset of every chunk of every id: int64 (N, num_chunks) in ``[0, memory_size - chunk_size]``.
+
+    Bit-exact with ``hashing.reference_chunk_offsets``. ``ids`` is int64 (N,); any int64 value is valid.
+    """
+    range_size = _check_shape(memory_size, chunk_size, 1, hash)
+    ids_np = _ids_np(ids)
+    out = torch.empty((ids_np.shape[0], num_chunks), dtype=torch.int64)
+    if ids_np.shape[0] and num_chunks:
+        set_kernel_threads()
+        _chunk_offsets_kernel(
+            ids_np,
+            np.int64(_wrap_int64(val_offset)),
+            num_chunks,
+            _hash_kind(hash),
+            _random_numbers_np(random_numbers),
+            range_size,
+            out.numpy(),
+        )
+    return out
+
+
+def _out_rows(out: torch.Tensor | None, num_rows: int, embedding_dim: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty((num_rows, embedding_dim), dtype=torch.float32)
+    if out.dtype != torch.float32 or tuple(out.shape) != (num_rows, embedding_dim) or not out.is_contiguous():
+        raise ConfigError(f"out must be a contiguous float32 tensor of shape ({num_rows}, {embedding_dim})")
+    return out
+
+
+def gather(
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    embedding_dim: int,
+    chunk_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows from chunk offsets: float32 (N, embedding_dim); ``offsets`` int64 (N, ceil(d / Z)).
+
+    Offsets are trusted to lie in ``[0, len(weight) - chunk_size]`` (as ``chunk_offsets`` makes them).
+    """
+    weight_np = _weight_np(weight)
+    if offsets.dtype != torch.int64 or offsets.dim() != 2:
+        raise InvalidInputError("offsets must be a 2-D int64 tensor")
+    if offsets.shape[1] != _num_chunks(embedding_dim, chunk_size):
+        raise InvalidInputError(f"offsets must have {_num_chunks(embedding_dim, chunk_size)} columns")
+    result = _out_rows(out, offsets.shape[0], embedding_dim)
+    if offsets.shape[0]:
+        set_kernel_threads()
+        _gather_kernel(weight_np, offsets.contiguous().numpy(), embedding_dim, chunk_size, result.numpy())
+    return result
+
+
+def lookup(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    embedding_dim: int,
+    chunk_size: int,
+    random_numbers: torch.Tensor,
+    val_offset: int = 0,
+    hash: str = "paper",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fused hash + gather: float32 (N, embedding_dim) rows of int64 ``ids`` (N,) from ``weight`` (m,)."""
+    _check_shape(weight.shape[0], chunk_size, embedding_dim, hash)
+    weight_np = _weight_np(weight)
+    ids_np = _ids_np(ids)
+    result = _out_rows(out, ids_np.shape[0], embedding_dim)
+    if ids_np.shape[0]:
+        set_kernel_threads()
+        _lookup_kernel(
+            weight_np,
+            ids_np,
+            np.int64(_wrap_int64(val_offset)),
+            embedding_dim,
+            chunk_size,
+            _hash_kind(hash),
+            _random_numbers_np(random_numbers),
+            result.numpy(),
+        )
+    return result
+
+
+def lookup_bag(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    bag_offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mode: BagMode,
+    embedding_dim: int,
+    chunk_size: int,
+    random_numbers: torch.Tensor,
+    val_offset: int = 0,
+    hash: str = "paper",
+) -> torch.Tensor:
+    """Fused pooled lookup: float32 (B, embedding_dim), like ``F.embedding_bag(..., offsets=bag_offsets)``.
+
+    ``bag_offsets`` int64 (B,) are the start of each bag in ``ids`` (N,) (non-decreasing, first 0, last
+    <= N; a bag runs to the next start or to N). ``per_sample_weights`` float32 (N,) scales each row
+    before pooling (``mode="sum"`` only, as in torch). Empty bags give zeros.
+    """
+    _check_shape(weight.shape[0], chunk_size, embedding_dim, hash)
+    if mode not in ("sum", "mean"):
+        raise ConfigError(f"mode must be 'sum' or 'mean', got {mode!r}")
+    weight_np = _weight_np(weight)
+    ids_np = _ids_np(ids)
+    if bag_offsets.dtype != torch.int64 or bag_offsets.dim() != 1:
+        raise InvalidInputError("bag offsets must be a 1-D int64 tensor")
+    offsets_np = bag_offsets.contiguous().numpy()
+    if offsets_np.shape[0] and (
+        offsets_np[0] != 0 or offsets_np[-1] > ids_np.shape[0] or np.any(np.diff(offsets_np) < 0)
+    ):
+        raise InvalidInputError("bag offsets must start at 0, be non-decreasing and not exceed len(ids)")
+    if per_sample_weights is None:
+        weights_np = np.empty(0, dtype=np.float32)
+    else:
+        if mode != "sum":
+            raise InvalidInputError("per_sample_weights is only supported with mode='sum'")
+        if per_sample_weights.dtype != torch.float32 or tuple(per_sample_weights.shape) != tuple(ids.shape):
+            raise InvalidInputError("per_sample_weights must be float32 with the shape of ids")
+        weights_np = per_sample_weights.detach().contiguous().numpy()
+    out = torch.empty((offsets_np.shape[0], embedding_dim), dtype=torch.float32)
+    if offsets_np.shape[0]:
+        set_kernel_threads()
+        _lookup_bag_kernel(
+            weight_np,
+            ids_np,
+            offsets_np,
+            weights_np,
+            per_sample_weights is not None,
+            mode == "mean",
+            np.int64(_wrap_int64(val_offset)),
+            embedding_dim,
+            chunk_size,
+            _hash_kind(hash),
+            _random_numbers_np(random_numbers),
+            out.numpy(),
+        )
+    return out
+
+
+def _grad_inputs(
+    grad_rows: torch.Tensor, offsets: torch.Tensor, chunk_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    if grad_rows.dim() != 2 or offsets.dim() != 2 or grad_rows.shape[0] != offsets.shape[0]:
+        raise InvalidInputError("grad_rows (N, d) and offsets (N, C) must have the same N")
+    if offsets.shape[1] != _num_chunks(grad_rows.shape[1], chunk_size):
+        raise InvalidInputError("offsets must have ceil(d / chunk_size) columns")
+    grads = grad_rows.detach().to(torch.float32).contiguous().numpy()
+    return grads, offsets.to(torch.int64).contiguous().numpy()
+
+
+def scatter_grad(grad_rows: torch.Tensor, offsets: torch.Tensor, chunk_size: int, out: torch.Tensor) -> None:
+    """Dense backward, in place: ``out[offsets[n, c] + j] += grad_rows[n, c * Z + j]``; out float32 (m,)."""
+    grads, offsets_np = _grad_inputs(grad_rows, offsets, chunk_size)
+    if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
+        raise ConfigError("out must be a contiguous 1-D float32 tensor")
+    if grads.shape[0] == 0:
+        return
+    threads = set_kernel_threads()
+    # A part per thread (and a few more for balance) when the array is big enough to split.
+    num_parts = 1 if threads == 1 or out.shape[0] < 4096 else 4 * threads
+    _scatter_kernel(grads, offsets_np, grads.shape[1], chunk_size, out.detach().numpy(), num_parts)
+
+
+def coalesce_grad(
+    grad_rows: torch.Tensor, offsets: torch.Tensor, chunk_size: int, memory_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse backward: sorted unique locations int64 (K,) and their summed gradients float32 (K,).
+
+    Uses a dense (m,) scratch buffer when ``memory_size`` is small next to the number of gradient values,
+    and a sort of the chunk starts otherwise, so a huge array never costs O(m) memory or time.
+    """
+    grads, offsets_np = _grad_inputs(grad_rows, offsets, chunk_size)
+    if grads.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
+    if memory_size <= _DENSE_COALESCE_FACTOR * grads.size:
+        locations, values = _coalesce_dense_kernel(grads, offsets_np, grads.shape[1], chunk_size, memory_size)
+    else:
+        locations, values = _coalesce_sorted_kernel(grads, offsets_np, grads.shape[1], chunk_size)
+    return torch.from_numpy(locations), torch.from_numpy(values)
+
+
+def _step_inputs(
+    weight: torch.Tensor, locations: torch.Tensor, values: torch.Tensor
+) -> tuple[np.ndarray, ...]:
+    if (
+        locations.dtype != torch.int64
+        or locations.dim() != 1
+        or tuple(values.shape) != tuple(locations.shape)
+    ):
+        raise InvalidInputError("locations must be int64 (K,) and values (K,)")
+    return (
+        _weight_np(weight),
+        locations.contiguous().numpy(),
+        values.detach().to(torch.float32).contiguous().numpy(),
+    )
+
+
+def _state_np(state: torch.Tensor, weight: torch.Tensor, name: str) -> np.ndarray:
+    if state.dtype != torch.float32 or state.shape != weight.shape or not state.is_contiguous():
+        raise ConfigError(f"{name} must be a contiguous float32 tensor shaped like weight")
+    return state.detach().numpy()
+
+
+def sgd_step(weight: torch.Tensor, locations: torch.Tensor, values: torch.Tensor, lr: float) -> None:
+    """In place ``weight[loc] -= lr * g`` (like ``torch.optim.SGD``); ``locations`` must be unique."""
+    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
+    set_kernel_threads()
+    _sgd_kernel(weight_np, loc_np, val_np, np.float32(lr))
+
+
+def adagrad_step(
+    weight: torch.Tensor,
+    state_sum: torch.Tensor,
+    locations: torch.Tensor,
+    values: torch.Tensor,
+    lr: float,
+    eps: float,
+) -> None:
+    """In place Adagrad (``torch.optim.Adagrad``, lr_decay=0): ``sum += g*g; w -= lr*g / (sqrt(sum)+eps)``.
+
+    ``state_sum`` float32 (m,) starts at the initial accumulator value; ``locations`` must be unique.
+    """
+    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
+    set_kernel_threads()
+    _adagrad_kernel(
+        weight_np, _state_np(state_sum, weight, "state_sum"), loc_np, val_np, np.float32(lr), np.float32(eps)
+    )
+
+
+def adam_step(
+    weight: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    locations: torch.Tensor,
+    values: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+) -> None:
+    """In place lazy Adam, as ``torch.optim.SparseAdam``: only ``locations`` (unique) are touched.
+
+    ``step`` is the step number being taken (1 for the first update); the bias corrections use it.
+    """
+    if step < 1:
+        raise ConfigError(f"step must be >= 1, got {step}")
+    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
+    step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+    set_kernel_threads()
+    _adam_kernel(
+        weight_np,
+        _state_np(exp_avg, weight, "exp_avg"),
+        _state_np(exp_avg_sq, weight, "exp_avg_sq"),
+        loc_np,
+        val_np,
+        np.float32(beta1),
+        np.float32(beta2),
+        np.float32(eps),
+        np.float32(step_size),
+    )
