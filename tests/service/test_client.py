@@ -140,16 +140,16 @@ class FakeServer:
         if path == "/v1/tables/t":
             return httpx.Response(200, json={"name": "t", "config": {"embedding_dim": self.rows.shape[1]}})
         if path == "/v1/tables/t/lookup":
-            ids = np.frombuffer(request.content, dtype="<i8")
-            rows = self.rows[torch.from_numpy(ids.copy())]
+            lookup_ids = torch.from_numpy(np.frombuffer(request.content, dtype="<i8").copy())
+            rows = self.rows[lookup_ids]
             body, (n, d) = encode_rows(rows)
             return httpx.Response(200, content=body, headers={SHAPE_HEADER: f"{n},{d}", **timing})
         if path == "/v1/tables/t/update":
             n, d = (int(v) for v in request.headers[SHAPE_HEADER].split(","))
-            ids = torch.from_numpy(np.frombuffer(request.content[: 8 * n], dtype="<i8").copy())
+            update_ids = torch.from_numpy(np.frombuffer(request.content[: 8 * n], dtype="<i8").copy())
             grads = decode_rows(request.content[8 * n :], (n, d))
             lr = float(request.url.params.get("lr", self.lr))
-            self.rows.index_add_(0, ids, grads, alpha=-lr)
+            self.rows.index_add_(0, update_ids, grads, alpha=-lr)
             self.version += 1
             return httpx.Response(200, json={"version": self.version}, headers=timing)
         return httpx.Response(404, json={"error": f"no route {path}", "error_type": "NotFoundError"})
@@ -300,7 +300,8 @@ def test_json_calls() -> None:
             "share_array_with": "b",
         },
     )
-    assert client.delete_table("a") is None
+    client.delete_table("a")
+    assert seen[-1][:2] == ("DELETE", "/v1/tables/a")
 
 
 def test_async_client_matches_sync() -> None:
