@@ -1,0 +1,50 @@
+# robez service image: `docker build -t robez .` then `docker run -p 8000:8000 --shm-size=1g robez`
+# (or `docker compose up`). CPU only: torch comes from PyTorch's CPU wheel index, so the image carries
+# no CUDA libraries.
+
+FROM python:3.11-slim AS build
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+
+# torch first, from the CPU index: the pin in constraints.txt (torch==2.13.0) also matches
+# 2.13.0+cpu, so the second install keeps it instead of pulling the CUDA build from PyPI.
+COPY constraints.txt ./
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
+
+COPY pyproject.toml README.md ./
+COPY robez_core ./robez_core
+COPY service ./service
+COPY loadtest ./loadtest
+RUN pip install -c constraints.txt . \
+    && python -c "import torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
+
+
+FROM python:3.11-slim
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    # numba's cache=True cannot write next to the read-only installed package; compiled kernels go here.
+    NUMBA_CACHE_DIR=/home/robez/.cache/numba \
+    ROBEZ_PORT=8000
+
+RUN groupadd --system --gid 10001 robez \
+    && useradd --system --uid 10001 --gid robez --create-home --home-dir /home/robez robez \
+    && mkdir -p /data /config \
+    && chown robez:robez /data
+COPY --from=build /opt/venv /opt/venv
+
+USER robez
+WORKDIR /home/robez
+VOLUME ["/data"]
+EXPOSE 8000
+
+# slim has no curl: probe with the interpreter. urlopen raises (exit 1) on refusal, timeout or non-2xx.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('ROBEZ_PORT', '8000') + '/healthz', timeout=4)"]
+
+CMD ["robez", "serve", "--host", "0.0.0.0", "--data-dir", "/data"]
