@@ -12,6 +12,8 @@ from .errors import (
     RobezError,
 )
 from .hashing import PAPER_PRIME, paper_random_numbers
+from .modules import RobezEmbedding, RobezEmbeddingBag
+from .table import Table, import_paper_state_dict
 
 __all__ = [
     "PAPER_PRIME",
@@ -23,7 +25,11 @@ __all__ = [
     "LimitExceededError",
     "NotFoundError",
     "OptimizerConfig",
+    "RobezEmbedding",
+    "RobezEmbeddingBag",
     "RobezError",
+    "Table",
     "TableConfig",
+    "import_paper_state_dict",
     "paper_random_numbers",
 ]

@@ -1,0 +1,137 @@
+"""Server-side optimizer state and fused steps (sgd, adagrad, lazy adam) over a ROBE-Z array.
+
+An update arrives as ids already hashed to chunk offsets (N, C) plus the gradient of each output row
+(N, d). It is coalesced first (every touched array location once, duplicates summed: ``K`` locations),
+then the optimizer moves only those ``K`` locations. No dense (m,) gradient is ever built, so the cost
+is O(N * d) whatever the array size m.
+
+State layout (``state_layout``), the tensors a ``Table`` keeps beside its ``weight`` (m,):
+
+- ``sgd``:     ``{}``
+- ``adagrad``: ``{"sum": float32 (m,)}``, filled with ``initial_accumulator_value``
+- ``adam``:    ``{"exp_avg": float32 (m,), "exp_avg_sq": float32 (m,), "step": int64 (1,)}``; lazy like
+  ``torch.optim.SparseAdam``: untouched locations keep their moments; ``step`` counts updates per table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import kernels
+from .config import OptimizerConfig
+from .errors import ConfigError, InvalidInputError
+
+__all__ = ["apply_coalesced", "fused_update", "init_state", "state_layout", "validate_state"]
+
+StateLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def state_layout(optimizer: OptimizerConfig, memory_size: int) -> StateLayout:
+    """Name -> (shape, dtype) of each state tensor ``optimizer`` needs for an array of ``memory_size``."""
+    if optimizer.name == "sgd":
+        return {}
+    if optimizer.name == "adagrad":
+        return {"sum": ((memory_size,), torch.float32)}
+    if optimizer.name == "adam":
+        return {
+            "exp_avg": ((memory_size,), torch.float32),
+            "exp_avg_sq": ((memory_size,), torch.float32),
+            "step": ((1,), torch.int64),
+        }
+    raise ConfigError(f"unknown optimizer {optimizer.name!r}")
+
+
+def init_state(optimizer: OptimizerConfig, memory_size: int) -> dict[str, Tensor]:
+    """Fresh state tensors for ``optimizer`` (zeros; adagrad's ``sum`` at its initial accumulator value)."""
+    state = {
+        name: torch.zeros(shape, dtype=dtype)
+        for name, (shape, dtype) in state_layout(optimizer, memory_size).items()
+    }
+    if optimizer.name == "adagrad" and optimizer.initial_accumulator_value:
+        state["sum"].fill_(optimizer.initial_accumulator_value)
+    return state
+
+
+def validate_state(optimizer: OptimizerConfig, memory_size: int, state: dict[str, Tensor]) -> None:
+    """Raise ``ConfigError`` unless ``state`` matches the layout's names, shapes and dtypes, contiguous."""
+    layout = state_layout(optimizer, memory_size)
+    if set(state) != set(layout):
+        raise ConfigError(f"optimizer {optimizer.name!r} needs state {sorted(layout)}, got {sorted(state)}")
+    for name, (shape, dtype) in layout.items():
+        tensor = state[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
+            raise ConfigError(
+                f"state {name!r} must be a contiguous {dtype} tensor of shape {shape}, "
+                f"got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        if tensor.device.type != "cpu":
+            raise ConfigError(f"state {name!r} must live on the CPU")
+
+
+def _check_lr(lr: float) -> float:
+    lr = float(lr)
+    if not (lr > 0 and math.isfinite(lr)):
+        raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
+    return lr
+
+
+def apply_coalesced(
+    optimizer: OptimizerConfig,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    locations: Tensor,
+    values: Tensor,
+    lr: float | None = None,
+) -> None:
+    """One step at distinct ``locations`` int64 (K,) with summed gradients ``values`` float32 (K,), in place.
+
+    ``lr`` overrides ``optimizer.lr`` for this step. Adam increments ``state["step"]`` first, so the first
+    update is step 1 (as in torch).
+    """
+    step_lr = optimizer.lr if lr is None else _check_lr(lr)
+    with torch.no_grad():
+        if optimizer.name == "sgd":
+            kernels.sgd_step(weight, locations, values, step_lr)
+        elif optimizer.name == "adagrad":
+            kernels.adagrad_step(weight, state["sum"], locations, values, step_lr, optimizer.eps)
+        elif optimizer.name == "adam":
+            step = int(state["step"][0]) + 1
+            beta1, beta2 = optimizer.betas
+            kernels.adam_step(
+                weight,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                locations,
+                values,
+                step_lr,
+                beta1,
+                beta2,
+                optimizer.eps,
+                step,
+            )
+            state["step"][0] = step
+        else:
+            raise ConfigError(f"unknown optimizer {optimizer.name!r}")
+
+
+def fused_update(
+    optimizer: OptimizerConfig,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    offsets: Tensor,
+    grad_rows: Tensor,
+    chunk_size: int,
+    lr: float | None = None,
+) -> None:
+    """Coalesce output-row gradients (N, d) at chunk ``offsets`` (N, C), then step in place.
+
+    Rows hashed to overlapping locations (duplicate ids included) have their gradients summed before the
+    step, so an update equals one ``torch.optim`` step on the sparse gradient of the same batch.
+    """
+    step_lr = optimizer.lr if lr is None else _check_lr(lr)
+    locations, values = kernels.coalesce_grad(grad_rows, offsets, chunk_size, weight.numel())
+    # An empty batch still counts as an adam step, as an empty sparse grad does for SparseAdam.
+    apply_coalesced(optimizer, weight, state, locations, values, step_lr)

@@ -1,0 +1,516 @@
+"""``Table``: one ROBE-Z array with its config and optimizer state; checkpoints; the paper's state_dict.
+
+This is what the service builds on. A table never reallocates the tensors it was given (they may live in
+shared memory across worker processes); every update happens in place through the fused kernels.
+
+Checkpoints are safetensors files (never pickle) holding ``weight`` and ``state.<name>`` tensors, with
+the configuration in the header's string metadata:
+
+=================  ==========================================================================
+``format``         ``"robez-table"``
+``format_version`` ``"1"``
+``config``         JSON of ``TableConfig`` (hash, seed, chunk_size Z, memory_size m, embedding_dim d,
+                   val_offset, num_embeddings, init_scale, random_numbers or null)
+``random_numbers`` JSON list of the 11 hash constants actually used ``[P, r0..r9]``
+``optimizer``      JSON of ``OptimizerConfig``
+``checksums``      JSON ``{tensor name: blake2b-128 hex of its bytes}``; safetensors has no checksum
+                   of its own, and a flipped bit in an array must not be served
+=================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from . import kernels, optim
+from .config import OptimizerConfig, TableConfig
+from .errors import ConfigError, CorruptionError, InvalidInputError, NotFoundError
+from .hashing import NUM_RANDOM_NUMBERS, paper_random_numbers, validate_random_numbers
+
+if TYPE_CHECKING:
+    from .modules import RobezEmbedding
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Table", "import_paper_state_dict"]
+
+FORMAT_NAME = "robez-table"
+FORMAT_VERSION = 1
+_STATE_PREFIX = "state."
+
+
+def _checksum(tensor: Tensor) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    if tensor.numel():
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Table:
+    """A ROBE-Z table: ``weight`` float32 (m,), its ``TableConfig``, optimizer config and state.
+
+    Args:
+        config: shape and hash of the table.
+        optimizer: the server-side optimizer for :meth:`apply_gradients`; default ``OptimizerConfig()``
+            (sgd, lr 0.01).
+        weight: an existing float32 (m,) contiguous CPU array to use in place (e.g. in shared memory);
+            None draws a new one U(-init_scale, init_scale) from ``torch.Generator`` seeded ``config.seed``.
+        state: existing optimizer state tensors per :meth:`state_layout`, used in place; None makes fresh
+            ones.
+
+    Example::
+
+        >>> config = TableConfig(1_000_000, 64, memory_size=1 << 20)
+        >>> table = Table(config, OptimizerConfig("adagrad", lr=0.05))
+        >>> ids = torch.tensor([7, 7, 42])
+        >>> rows = table.lookup(ids)                       # (3, 64)
+        >>> table.apply_gradients(ids, torch.ones(3, 64))  # duplicates summed, one Adagrad step
+        >>> table.save("t.safetensors"); Table.load("t.safetensors")
+    """
+
+    def __init__(
+        self,
+        config: TableConfig,
+        optimizer: OptimizerConfig | None = None,
+        *,
+        weight: Tensor | None = None,
+        state: dict[str, Tensor] | None = None,
+    ) -> None:
+        from .modules import init_weight
+
+        self.config = config
+        self.optimizer = optimizer if optimizer is not None else OptimizerConfig()
+        if config.random_numbers is None:
+            self.random_numbers = paper_random_numbers(config.seed)
+        else:
+            self.random_numbers = torch.tensor(config.random_numbers, dtype=torch.int64)
+        memory_size = config.memory_size
+        if weight is None:
+            weight = init_weight(memory_size, config.init_scale, config.seed)
+        elif (
+            tuple(weight.shape) != (memory_size,)
+            or weight.dtype != torch.float32
+            or not weight.is_contiguous()
+            or weight.device.type != "cpu"
+        ):
+            raise ConfigError(
+                f"weight must be a contiguous float32 CPU tensor of shape ({memory_size},), "
+                f"got {weight.dtype} {tuple(weight.shape)}"
+            )
+        if state is None:
+            state = optim.init_state(self.optimizer, memory_size)
+        else:
+            optim.validate_state(self.optimizer, memory_size, state)
+        self.weight: Tensor = weight.detach()
+        self.state: dict[str, Tensor] = dict(state)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Table(num_embeddings={c.num_embeddings}, embedding_dim={c.embedding_dim}, "
+            f"memory_size={c.memory_size}, chunk_size={c.chunk_size}, hash={c.hash!r}, "
+            f"val_offset={c.val_offset}, optimizer={self.optimizer.name!r})"
+        )
+
+    @staticmethod
+    def state_layout(
+        optimizer: OptimizerConfig, memory_size: int
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of each optimizer state tensor (see ``optim.py``)."""
+        return optim.state_layout(optimizer, memory_size)
+
+    # ------------------------------------------------------------------ validation
+
+    def validate_ids(self, ids: Tensor) -> None:
+        """Raise ``InvalidInputError`` unless ``ids`` is a 1-D int64 CPU tensor (any int64 value is valid)."""
+        if not isinstance(ids, Tensor):
+            raise InvalidInputError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+        if ids.dtype != torch.int64 or ids.dim() != 1 or ids.device.type != "cpu":
+            raise InvalidInputError(
+                f"ids must be a 1-D int64 CPU tensor, got {ids.dtype} {tuple(ids.shape)} on {ids.device}"
+            )
+
+    def validate_grads(self, ids: Tensor, grads: Tensor) -> None:
+        """Raise ``InvalidInputError`` unless ``grads`` is finite float32 (len(ids), d) on the CPU."""
+        self.validate_ids(ids)
+        self._validate_grad_rows(grads, ids.shape[0])
+
+    def _validate_grad_rows(self, grads: Tensor, num_rows: int) -> None:
+        d = self.config.embedding_dim
+        if not isinstance(grads, Tensor):
+            raise InvalidInputError(f"grads must be a torch.Tensor, got {type(grads).__name__}")
+        if grads.dtype != torch.float32 or tuple(grads.shape) != (num_rows, d) or grads.device.type != "cpu":
+            raise InvalidInputError(
+                f"grads must be a float32 CPU tensor of shape ({num_rows}, {d}), "
+                f"got {grads.dtype} {tuple(grads.shape)}"
+            )
+        if not bool(torch.isfinite(grads).all()):
+            raise InvalidInputError("grads contain NaN or Inf")
+
+    def _validate_offsets(self, offsets: Tensor) -> None:
+        c = self.config
+        if not isinstance(offsets, Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 2:
+            raise InvalidInputError("offsets must be a 2-D int64 tensor of chunk offsets")
+        if offsets.shape[1] != c.num_chunks or offsets.device.type != "cpu":
+            raise InvalidInputError(
+                f"offsets must have shape (N, {c.num_chunks}), got {tuple(offsets.shape)}"
+            )
+        # Offsets outside the array would read or write out of bounds in the kernels.
+        if offsets.numel() and (int(offsets.min()) < 0 or int(offsets.max()) > c.memory_size - c.chunk_size):
+            raise InvalidInputError(f"offsets must lie in [0, {c.memory_size - c.chunk_size}]")
+
+    @staticmethod
+    def _validate_lr(lr: float | None) -> None:
+        if lr is not None and not (isinstance(lr, int | float) and lr > 0 and math.isfinite(lr)):
+            raise InvalidInputError(f"lr must be a positive finite number, got {lr!r}")
+
+    # ------------------------------------------------------------------ reads
+
+    def hash(self, ids: Tensor) -> Tensor:
+        """Chunk offsets of ``ids`` int64 (N,): int64 (N, C) in ``[0, m - Z]``."""
+        self.validate_ids(ids)
+        c = self.config
+        return kernels.chunk_offsets(
+            ids.contiguous(),
+            c.num_chunks,
+            c.chunk_size,
+            c.memory_size,
+            self.random_numbers,
+            c.val_offset,
+            c.hash,
+        )
+
+    def gather(self, offsets: Tensor) -> Tensor:
+        """Rows at chunk ``offsets`` int64 (N, C): float32 (N, d)."""
+        self._validate_offsets(offsets)
+        return kernels.gather(
+            self.weight, offsets.contiguous(), self.config.embedding_dim, self.config.chunk_size
+        )
+
+    def lookup(self, ids: Tensor) -> Tensor:
+        """Rows of ``ids`` int64 (N,): float32 (N, d), hashing fused with the gather."""
+        self.validate_ids(ids)
+        c = self.config
+        return kernels.lookup(
+            self.weight,
+            ids.contiguous(),
+            c.embedding_dim,
+            c.chunk_size,
+            self.random_numbers,
+            c.val_offset,
+            c.hash,
+        )
+
+    def lookup_bag(
+        self,
+        ids: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None = None,
+        mode: str = "sum",
+    ) -> Tensor:
+        """Pooled rows float32 (B, d) of ``ids`` int64 (N,) in bags starting at ``offsets`` int64 (B,).
+
+        As ``torch.nn.functional.embedding_bag``: bag b is ``ids[offsets[b]:offsets[b+1]]`` (the last runs
+        to N); ``mode`` ``"sum"`` or ``"mean"``; ``per_sample_weights`` float32 (N,) with ``"sum"`` only.
+        """
+        self.validate_ids(ids)
+        if mode not in ("sum", "mean"):
+            raise InvalidInputError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        if not isinstance(offsets, Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1:
+            raise InvalidInputError("bag offsets must be a 1-D int64 tensor")
+        if per_sample_weights is not None and (
+            per_sample_weights.dtype != torch.float32 or tuple(per_sample_weights.shape) != tuple(ids.shape)
+        ):
+            raise InvalidInputError("per_sample_weights must be float32 with the shape of ids")
+        c = self.config
+        return kernels.lookup_bag(
+            self.weight,
+            ids.contiguous(),
+            offsets.contiguous(),
+            per_sample_weights,
+            mode,  # type: ignore[arg-type]
+            c.embedding_dim,
+            c.chunk_size,
+            self.random_numbers,
+            c.val_offset,
+            c.hash,
+        )
+
+    # ------------------------------------------------------------------ updates
+
+    def apply_gradients(self, ids: Tensor, grads: Tensor, lr: float | None = None) -> None:
+        """One fused optimizer step from output-row gradients ``grads`` float32 (N, d) of ``ids`` (N,).
+
+        Gradients of duplicate ids (and of ids whose blocks overlap) are summed first; only the hashed
+        locations change. ``lr`` overrides the optimizer's. Invalid input raises ``InvalidInputError``
+        before anything changes.
+        """
+        self.validate_grads(ids, grads)
+        self._validate_lr(lr)
+        self._apply(self.hash(ids), grads, lr)
+
+    def apply_gradients_at(self, offsets: Tensor, grads: Tensor, lr: float | None = None) -> None:
+        """As :meth:`apply_gradients` with ids already hashed to chunk ``offsets`` int64 (N, C)."""
+        self._validate_offsets(offsets)
+        self._validate_grad_rows(grads, offsets.shape[0])
+        self._validate_lr(lr)
+        self._apply(offsets.contiguous(), grads, lr)
+
+    def _apply(self, offsets: Tensor, grads: Tensor, lr: float | None) -> None:
+        optim.fused_update(
+            self.optimizer, self.weight, self.state, offsets, grads.contiguous(), self.config.chunk_size, lr
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Everything a checkpoint stores: ``{"weight": (m,), "state.<name>": ...}`` (the live tensors)."""
+        out = {"weight": self.weight}
+        out.update({_STATE_PREFIX + name: tensor for name, tensor in self.state.items()})
+        return out
+
+    def metadata(self) -> dict[str, str]:
+        """Checkpoint header metadata: format, version, config, constants, optimizer (JSON strings)."""
+        return {
+            "format": FORMAT_NAME,
+            "format_version": str(FORMAT_VERSION),
+            "config": json.dumps(self.config.to_dict(), sort_keys=True),
+            "random_numbers": json.dumps(self.random_numbers.tolist()),
+            "optimizer": json.dumps(self.optimizer.to_dict(), sort_keys=True),
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write a safetensors checkpoint atomically: temp file, fsync, rename over ``path``, fsync the dir.
+
+        A crash leaves either the old file or the new one, never a torn one. The caller keeps the table
+        from changing during the save (the service holds the table's update lock).
+        """
+        path = Path(path)
+        tensors = self.tensors()
+        metadata = self.metadata()
+        metadata["checksums"] = json.dumps(
+            {name: _checksum(t) for name, t in tensors.items()}, sort_keys=True
+        )
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            save_file({name: t.detach() for name, t in tensors.items()}, str(tmp), metadata=metadata)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        _fsync_dir(path.parent)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Table:
+        """Read a checkpoint written by :meth:`save`: a bitwise-identical table.
+
+        Raises ``NotFoundError`` when ``path`` does not exist and ``CorruptionError`` when it is not a valid
+        robez checkpoint (unreadable header, wrong format or version, bad config, missing/extra/misshapen
+        tensors, checksum mismatch).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise NotFoundError(f"checkpoint {str(path)!r} does not exist")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+                tensors = {name: f.get_tensor(name).clone() for name in f.keys()}  # noqa: SIM118
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CorruptionError(
+                f"checkpoint {str(path)!r} is not a readable safetensors file: {exc}"
+            ) from exc
+        return cls._from_checkpoint(str(path), metadata, tensors)
+
+    @classmethod
+    def _from_checkpoint(cls, where: str, metadata: Mapping[str, str], tensors: dict[str, Tensor]) -> Table:
+        def bad(reason: str) -> CorruptionError:
+            return CorruptionError(f"checkpoint {where!r}: {reason}")
+
+        if metadata.get("format") != FORMAT_NAME:
+            raise bad(f"not a robez table (format={metadata.get('format')!r})")
+        if metadata.get("format_version") != str(FORMAT_VERSION):
+            raise bad(
+                f"unsupported format_version {metadata.get('format_version')!r} (expected {FORMAT_VERSION})"
+            )
+        try:
+            config = TableConfig.from_dict(json.loads(metadata["config"]))
+            optimizer = OptimizerConfig.from_dict(json.loads(metadata["optimizer"]))
+            random_numbers = json.loads(metadata["random_numbers"])
+            checksums = json.loads(metadata["checksums"])
+        except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
+            raise bad(f"invalid metadata: {exc}") from exc
+        expected_rn = (
+            paper_random_numbers(config.seed).tolist()
+            if config.random_numbers is None
+            else list(config.random_numbers)
+        )
+        if random_numbers != expected_rn:
+            raise bad("random_numbers disagree with the config's seed / constants")
+        layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            "weight": ((config.memory_size,), torch.float32)
+        }
+        layout.update(
+            {_STATE_PREFIX + k: v for k, v in optim.state_layout(optimizer, config.memory_size).items()}
+        )
+        if set(tensors) != set(layout) or not isinstance(checksums, dict) or set(checksums) != set(layout):
+            raise bad(f"expected tensors {sorted(layout)}, found {sorted(tensors)}")
+        for name, (shape, dtype) in layout.items():
+            tensor = tensors[name]
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise bad(
+                    f"tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, expected {dtype} {shape}"
+                )
+            if _checksum(tensor) != checksums[name]:
+                raise bad(f"checksum mismatch in tensor {name!r}")
+        state = {name[len(_STATE_PREFIX) :]: tensors[name] for name in layout if name != "weight"}
+        return cls(config, optimizer, weight=tensors["weight"], state=state)
+
+    # ------------------------------------------------------------------ modules
+
+    @classmethod
+    def from_module(cls, module: Any, optimizer: OptimizerConfig | None = None) -> Table:
+        """A table over the same array as a ``RobezEmbedding(Bag)`` (shared, not copied)."""
+        config = module.config
+        random_numbers = tuple(module.random_numbers.tolist())
+        if (
+            config.random_numbers is None
+            and list(random_numbers) == paper_random_numbers(config.seed).tolist()
+        ):
+            rn_config: tuple[int, ...] | None = None
+        else:
+            rn_config = random_numbers
+        config = TableConfig.from_dict({**config.to_dict(), "random_numbers": rn_config})
+        return cls(config, optimizer, weight=module.weight.data)
+
+    def to_module(self, *, sparse: bool = False, backend: str = "fused") -> RobezEmbedding:
+        """A ``RobezEmbedding`` whose ``weight`` Parameter shares this table's array."""
+        from .modules import RobezEmbedding
+
+        c = self.config
+        return RobezEmbedding(
+            c.num_embeddings,
+            c.embedding_dim,
+            weight=self.weight,
+            chunk_size=c.chunk_size,
+            seed=c.seed,
+            val_offset=c.val_offset,
+            hash=c.hash,
+            sparse=sparse,
+            backend=backend,  # type: ignore[arg-type]
+            init_scale=c.init_scale,
+            random_numbers=c.random_numbers,
+        )
+
+
+# ---------------------------------------------------------------------- the paper's state_dict
+
+_PAPER_KEYS = ("weight", "random_numbers", "helper_Eidx_base", "helper_Eidx_offset", "helper_E1sR")
+
+
+def _infer_chunk_size(embedding_dim: int, eidx_offset: list[int], chunk_size: int | None) -> int:
+    """Z from ``helper_Eidx_offset`` = ``[j % Z for j < d]``.
+
+    When d > Z the offsets wrap to 0 at j = Z, which pins Z down. When d <= Z they are just 0..d-1 and
+    every Z >= d fits, yet Z still enters the hash (its range is m - Z + 1): the caller must say.
+    """
+    wraps = [j for j in range(1, embedding_dim) if eidx_offset[j] == 0]
+    if wraps:
+        inferred = wraps[0]
+        if chunk_size is not None and chunk_size != inferred:
+            raise ConfigError(
+                f"chunk_size={chunk_size} disagrees with the state_dict's helpers (Z = {inferred})"
+            )
+        return inferred
+    if chunk_size is None:
+        raise ConfigError(
+            f"the state_dict cannot tell chunk_size: embedding_dim ({embedding_dim}) is at most one chunk, "
+            "so any chunk_size >= embedding_dim fits its helpers; pass chunk_size= (the paper's "
+            "robez_chunk_size)"
+        )
+    if chunk_size < embedding_dim:
+        raise ConfigError(
+            f"chunk_size={chunk_size} disagrees with the state_dict's helpers (Z >= {embedding_dim})"
+        )
+    return chunk_size
+
+
+def import_paper_state_dict(
+    state_dict: Mapping[str, Tensor],
+    *,
+    num_embeddings: int | None = None,
+    chunk_size: int | None = None,
+    val_offset: int = 0,
+    optimizer: OptimizerConfig | None = None,
+) -> Table:
+    """A ``Table`` reading exactly the rows of the paper's ``RobezEmbedding`` with this ``state_dict``.
+
+    The paper's module stores ``weight`` float32 (m,), ``random_numbers`` int64 (11,) = P then ten draws,
+    and int64 (d,) helpers ``helper_Eidx_base`` (j // Z), ``helper_Eidx_offset`` (j % Z) and
+    ``helper_E1sR`` (R[3] repeated). The hash constants come from ``random_numbers`` (never re-derived
+    from a seed); d comes from the helpers; Z from ``helper_Eidx_offset`` when d > Z, otherwise from
+    ``chunk_size`` (required then). ``num_embeddings`` and ``val_offset`` are module attributes the
+    state_dict does not hold: pass them (``num_embeddings`` defaults to m, which only affects reporting).
+    A missing key raises ``ConfigError``; tensors that contradict each other raise ``CorruptionError``.
+    """
+    missing = [key for key in _PAPER_KEYS if key not in state_dict]
+    if missing:
+        raise ConfigError(
+            f"not a paper ROBE-Z state_dict: missing {missing} (expected keys {list(_PAPER_KEYS)})"
+        )
+    weight = state_dict["weight"].detach()
+    base, offset, e1sr = (state_dict[k].detach() for k in _PAPER_KEYS[2:])
+    if weight.dim() != 1 or weight.dtype != torch.float32 or weight.numel() == 0:
+        raise CorruptionError(f"weight must be float32 (m,), got {weight.dtype} {tuple(weight.shape)}")
+    try:
+        random_numbers = validate_random_numbers(state_dict["random_numbers"].detach().cpu())
+    except ConfigError as exc:
+        raise CorruptionError(f"random_numbers: {exc}") from exc
+    for name, helper in zip(_PAPER_KEYS[2:], (base, offset, e1sr), strict=True):
+        if helper.dim() != 1 or helper.dtype != torch.int64 or helper.numel() == 0:
+            raise CorruptionError(f"{name} must be int64 (d,), got {helper.dtype} {tuple(helper.shape)}")
+    embedding_dim = base.numel()
+    if offset.numel() != embedding_dim or e1sr.numel() != embedding_dim:
+        raise CorruptionError("helper_Eidx_base, helper_Eidx_offset and helper_E1sR differ in length")
+    z = _infer_chunk_size(embedding_dim, offset.tolist(), chunk_size)
+    j = torch.arange(embedding_dim, dtype=torch.int64)
+    if not torch.equal(offset.cpu(), j % z) or not torch.equal(base.cpu(), j // z):
+        raise CorruptionError(f"helper_Eidx_base / helper_Eidx_offset are not j // Z, j % Z for Z = {z}")
+    if not bool((e1sr.cpu() == random_numbers[3]).all()):
+        raise CorruptionError("helper_E1sR must repeat random_numbers[3] (the id multiplier)")
+    memory_size = weight.numel()
+    if memory_size < z:
+        raise CorruptionError(f"weight has {memory_size} values, fewer than one chunk ({z})")
+    rn = tuple(random_numbers.tolist())
+    assert len(rn) == NUM_RANDOM_NUMBERS
+    config = TableConfig(
+        num_embeddings=memory_size if num_embeddings is None else num_embeddings,
+        embedding_dim=embedding_dim,
+        memory_size=memory_size,
+        chunk_size=z,
+        val_offset=val_offset,
+        hash="paper",
+        random_numbers=rn,
+    )
+    return Table(config, optimizer, weight=weight.cpu().contiguous().clone())
