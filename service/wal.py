@@ -1,0 +1,738 @@
+"""Durable tables: per-table snapshots plus a checksummed, append-only log of gradient pushes.
+
+``WalJournal`` implements the store's ``Journal`` hook (``service/journal.py``). Layout under the data
+directory, one folder per table (formats and guarantees in docs/durability.md)::
+
+    <data_dir>/<name>/meta.json                     the commit point: generation, version, snapshot file
+    <data_dir>/<name>/snapshot-<generation>.safetensors   Table.save of the table at ``version``
+    <data_dir>/<name>/updates.wal                   header (generation, base version) + update records
+
+A snapshot bumps the generation: the new snapshot and a fresh log are written and fsynced first, then
+``meta.json`` is replaced atomically (the commit), then the fresh log is renamed over the old one. A log
+whose generation is older than ``meta.json``'s was left by a crash between those two renames; its records
+are all in the snapshot already, so it is discarded.
+
+Recovery (``load``) verifies the snapshot's CRC32, loads it, and replays the log's records in order. A
+bad record at the very end (a torn write) is dropped with a warning and the file truncated to the last
+good record; a bad record followed by a valid one, a bad snapshot or inconsistent metadata raises
+``CorruptionError``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError
+
+from .journal import UpdateRecord
+
+if TYPE_CHECKING:
+    from robez_core.table import Table
+
+__all__ = [
+    "FSYNC_POLICIES",
+    "LOG_FILE",
+    "META_FILE",
+    "FsyncPolicy",
+    "LogScan",
+    "RecordSpan",
+    "WalJournal",
+    "decode_record",
+    "encode_log_header",
+    "encode_record",
+    "scan_log",
+]
+
+logger = logging.getLogger("robez.wal")
+
+# What replay calls for each record: ``Table.apply_gradients(ids, grads, lr)``.
+_ApplyFn = Callable[[torch.Tensor, torch.Tensor, float], None]
+
+FsyncPolicy = Literal["always", "interval", "never"]
+FSYNC_POLICIES: tuple[str, ...] = ("always", "interval", "never")
+
+META_FILE = "meta.json"
+LOG_FILE = "updates.wal"
+META_FORMAT = "robez-table-dir"
+META_FORMAT_VERSION = 1
+
+# Log file header: magic, format version, embedding_dim, generation, base_version; then its CRC32.
+LOG_MAGIC = b"ROBEZWAL"
+LOG_FORMAT_VERSION = 1
+_LOG_HEADER = struct.Struct("<8sIIQQ")
+LOG_HEADER_SIZE = _LOG_HEADER.size + 4
+
+# Record header: magic, format version, reserved (0), embedding_dim, n ids, version produced, lr; then
+# the CRC32 of those 36 bytes, so a flipped length field is caught before it is trusted. The payload is
+# n int64 ids then n * dim float32 gradients (little-endian), then the CRC32 of header + payload.
+RECORD_MAGIC = b"RZUP"
+RECORD_FORMAT_VERSION = 1
+_RECORD_HEADER = struct.Struct("<4sHHIQQd")
+RECORD_HEADER_SIZE = _RECORD_HEADER.size + 4
+_CRC = struct.Struct("<I")
+
+
+def _crc(data: Any, value: int = 0) -> int:
+    return zlib.crc32(data, value) & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Record and log encoding
+
+
+def encode_log_header(embedding_dim: int, generation: int, base_version: int) -> bytes:
+    """The 36-byte header that starts every log file."""
+    head = _LOG_HEADER.pack(LOG_MAGIC, LOG_FORMAT_VERSION, embedding_dim, generation, base_version)
+    return head + _CRC.pack(_crc(head))
+
+
+def encode_record(version: int, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> list[Any]:
+    """One log record as buffers for ``os.writev``: header, ids, grads, trailing CRC32.
+
+    Args:
+        version: the table version this update produces.
+        ids: int64 (N,).
+        grads: float32 (N, d).
+        lr: the learning rate applied.
+    """
+    ids_array = np.ascontiguousarray(ids.detach().cpu().numpy(), dtype="<i8")
+    grads_array = np.ascontiguousarray(grads.detach().cpu().numpy(), dtype="<f4")
+    if grads_array.ndim != 2 or ids_array.ndim != 1 or grads_array.shape[0] != ids_array.shape[0]:
+        raise InvalidInputError(
+            f"record needs ids (N,) and grads (N, d); got {ids_array.shape}, {grads_array.shape}"
+        )
+    num_ids, embedding_dim = grads_array.shape
+    head = _RECORD_HEADER.pack(RECORD_MAGIC, RECORD_FORMAT_VERSION, 0, embedding_dim, num_ids, version, lr)
+    head += _CRC.pack(_crc(head))
+    crc = _crc(grads_array, _crc(ids_array, _crc(head)))
+    # Flat byte views: writev and the CRC see the same bytes, with no copy (empty updates included).
+    return [
+        head,
+        ids_array.reshape(-1).view(np.uint8),
+        grads_array.reshape(-1).view(np.uint8),
+        _CRC.pack(crc),
+    ]
+
+
+@dataclass(frozen=True)
+class RecordSpan:
+    """Where one verified record lies in a log buffer (byte offsets)."""
+
+    offset: int
+    length: int
+    version: int
+    num_ids: int
+    embedding_dim: int
+    lr: float
+
+
+@dataclass(frozen=True)
+class LogScan:
+    """The result of checking a whole log: its header, verified records, and any dropped tail."""
+
+    generation: int
+    base_version: int
+    embedding_dim: int
+    records: list[RecordSpan]
+    good_length: int  # bytes up to the end of the last good record; the file is cut here
+    file_length: int
+    tail_problem: str | None  # why the bytes after good_length were dropped; None when there are none
+
+
+def _parse_record(buf: Any, offset: int) -> RecordSpan | str:
+    """The verified record at ``offset``, or why there is none (the caller decides what that means)."""
+    size = len(buf)
+    if size - offset < RECORD_HEADER_SIZE:
+        return f"{size - offset} bytes, less than a record header"
+    head = bytes(buf[offset : offset + _RECORD_HEADER.size])
+    magic, fmt, _reserved, dim, num_ids, version, lr = _RECORD_HEADER.unpack(head)
+    if magic != RECORD_MAGIC:
+        return "bad record magic"
+    (head_crc,) = _CRC.unpack_from(buf, offset + _RECORD_HEADER.size)
+    if head_crc != _crc(head):
+        return "record header checksum mismatch"
+    if fmt != RECORD_FORMAT_VERSION:
+        return f"unknown record format {fmt}"
+    length = RECORD_HEADER_SIZE + num_ids * 8 + num_ids * dim * 4 + 4
+    if offset + length > size:
+        return f"record of {length} bytes cut short at {size - offset}"
+    (crc,) = _CRC.unpack_from(buf, offset + length - 4)
+    if crc != _crc(buf[offset : offset + length - 4]):
+        return "record checksum mismatch"
+    return RecordSpan(offset, length, version, num_ids, dim, lr)
+
+
+def _valid_record_after(buf: Any, start: int) -> int | None:
+    """Offset of the first fully valid record at or after ``start``, searching byte by byte for the magic."""
+    position = buf.find(RECORD_MAGIC, start)
+    while position != -1:
+        if isinstance(_parse_record(buf, position), RecordSpan):
+            return int(position)
+        position = buf.find(RECORD_MAGIC, position + 1)
+    return None
+
+
+def scan_log(buf: Any, where: str = "log") -> LogScan:
+    """Verify a whole log held in ``buf`` (bytes or mmap).
+
+    A bad record with no valid record anywhere after it is a torn tail: reported in ``tail_problem`` and
+    left out of ``records``. Raises ``CorruptionError`` for a bad header, a bad record followed by a valid
+    one (damage in the middle of the log), a record of another dim, or versions that do not follow on.
+    """
+    size = len(buf)
+    if size < LOG_HEADER_SIZE:
+        raise CorruptionError(f"{where}: {size} bytes, too short for the log header")
+    head = bytes(buf[: _LOG_HEADER.size])
+    magic, fmt, dim, generation, base_version = _LOG_HEADER.unpack(head)
+    (head_crc,) = _CRC.unpack_from(buf, _LOG_HEADER.size)
+    if magic != LOG_MAGIC or head_crc != _crc(head):
+        raise CorruptionError(f"{where}: bad log header (magic or checksum)")
+    if fmt != LOG_FORMAT_VERSION:
+        raise CorruptionError(f"{where}: unknown log format version {fmt}")
+    records: list[RecordSpan] = []
+    offset = LOG_HEADER_SIZE
+    expected_version = base_version + 1
+    tail_problem: str | None = None
+    while offset < size:
+        parsed = _parse_record(buf, offset)
+        if isinstance(parsed, str):
+            later = _valid_record_after(buf, offset + 1)
+            if later is not None:
+                raise CorruptionError(
+                    f"{where}: record at byte {offset} is bad ({parsed}) but a valid record follows at byte "
+                    f"{later}: the log is damaged in the middle, not torn at its end"
+                )
+            tail_problem = f"{parsed} at byte {offset}"
+            break
+        if parsed.embedding_dim != dim:
+            raise CorruptionError(
+                f"{where}: record at byte {offset} has dim {parsed.embedding_dim}, log has {dim}"
+            )
+        if parsed.version != expected_version:
+            raise CorruptionError(
+                f"{where}: record at byte {offset} produces version {parsed.version}, "
+                f"expected {expected_version}"
+            )
+        records.append(parsed)
+        expected_version += 1
+        offset += parsed.length
+    return LogScan(generation, base_version, dim, records, offset, size, tail_problem)
+
+
+def decode_record(buf: Any, span: RecordSpan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids int64 (N,) and grads float32 (N, d) of a verified record, copied out of ``buf``."""
+    start = span.offset + RECORD_HEADER_SIZE
+    ids = np.frombuffer(buf, dtype="<i8", count=span.num_ids, offset=start).astype(np.int64)
+    grads = np.frombuffer(
+        buf, dtype="<f4", count=span.num_ids * span.embedding_dim, offset=start + span.num_ids * 8
+    ).astype(np.float32)
+    return torch.from_numpy(ids), torch.from_numpy(grads.reshape(span.num_ids, span.embedding_dim))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Small file-system helpers: every durable step is write, fsync, rename, fsync the folder.
+
+
+def _sync_data(fd: int) -> None:
+    # fdatasync also flushes the file size, which is all an appended log needs.
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(fd)
+    else:  # pragma: no cover - macOS
+        os.fsync(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the folder."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _file_crc(path: Path, chunk_bytes: int = 1 << 24) -> tuple[int, int]:
+    """CRC32 and size of a file, read in chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            crc = _crc(chunk, crc)
+            size += len(chunk)
+    return crc, size
+
+
+def _write_all(fd: int, buffers: list[Any]) -> None:
+    total = sum(memoryview(b).nbytes for b in buffers)
+    written = os.writev(fd, buffers)
+    if written != total:  # a short writev (rare on regular files): finish with one joined write
+        rest = b"".join(buffers)[written:]
+        view = memoryview(rest)
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def validate_table_name(name: str) -> None:
+    """Refuse names that could leave the data directory or collide with our temporary folders."""
+    if (
+        not name
+        or name.startswith(".")
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or name != name.strip()
+        or len(name) > 200
+    ):
+        raise InvalidInputError(f"table name {name!r} cannot be stored in the data directory")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The journal
+
+
+@dataclass
+class _Meta:
+    generation: int
+    version: int
+    snapshot: str
+    snapshot_crc32: int
+    snapshot_bytes: int
+    embedding_dim: int
+    created_unix: float
+
+    def to_json(self) -> bytes:
+        data = {"format": META_FORMAT, "format_version": META_FORMAT_VERSION, **self.__dict__}
+        return json.dumps(data, indent=2, sort_keys=True).encode() + b"\n"
+
+
+@dataclass
+class _OpenLog:
+    """This process's append handle on a table's log; reopened when another process replaced the file."""
+
+    fd: int
+    inode: int
+    generation: int
+    base_version: int
+    embedding_dim: int
+    snapshot_unix: float
+    dirty: bool = False
+
+
+class WalJournal:
+    """Snapshots plus a write-ahead log per table under ``data_dir`` (see the module docstring).
+
+    Every method that changes files must be called under the table's cross-worker update lock (the store
+    does so), which is what keeps one ordered log per table across worker processes: each process opens
+    the log ``O_APPEND`` and notices, by inode, when another process has replaced it.
+
+    Args:
+        data_dir: root folder; created if missing.
+        fsync: ``"always"`` — ``append`` returns after the record is written and fdatasync'ed;
+            ``"interval"`` — ``append`` returns after ``write`` (the record survives a crash of the
+            process), a background thread fdatasyncs every ``fsync_interval_ms`` (an OS crash or power
+            loss can lose the last interval's updates); ``"never"`` — the OS writes back when it likes.
+        fsync_interval_ms: period of the background flush for ``"interval"``.
+        snapshot_every_updates: take a snapshot once the log holds this many records (0: never).
+        snapshot_every_seconds: take one when the last is older than this and the log is not empty (0: never).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        fsync: FsyncPolicy = "always",
+        fsync_interval_ms: float = 10.0,
+        snapshot_every_updates: int = 0,
+        snapshot_every_seconds: float = 0.0,
+    ) -> None:
+        if fsync not in FSYNC_POLICIES:
+            raise ConfigError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
+        if not fsync_interval_ms > 0:
+            raise ConfigError(f"fsync_interval_ms must be > 0, got {fsync_interval_ms}")
+        if snapshot_every_updates < 0 or snapshot_every_seconds < 0:
+            raise ConfigError("snapshot_every_updates and snapshot_every_seconds must be >= 0")
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        self.fsync_interval_ms = float(fsync_interval_ms)
+        self.snapshot_every_updates = snapshot_every_updates
+        self.snapshot_every_seconds = snapshot_every_seconds
+        self._logs: dict[str, _OpenLog] = {}
+        self._tables: dict[str, Callable[[], tuple[Table, int]] | None] = {}
+        # Guards self._logs and the life of its file descriptors against the flusher thread.
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._flusher: threading.Thread | None = None
+
+    # -- paths -------------------------------------------------------------------------------------------
+
+    def table_dir(self, name: str) -> Path:
+        """The folder of one table (its name validated first)."""
+        validate_table_name(name)
+        return self.data_dir / name
+
+    def snapshot_path(self, name: str) -> Path | None:
+        """The committed snapshot file of a table, or None if the table has none."""
+        meta = self._read_meta(name)
+        return None if meta is None else self.table_dir(name) / meta.snapshot
+
+    def snapshot_version(self, name: str) -> int | None:
+        """The version the committed snapshot holds, or None if the table has none."""
+        meta = self._read_meta(name)
+        return None if meta is None else meta.version
+
+    # -- Journal protocol --------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Tables with a committed snapshot in the data directory, sorted."""
+        return sorted(
+            entry.name
+            for entry in self.data_dir.iterdir()
+            if not entry.name.startswith(".") and (entry / META_FILE).is_file()
+        )
+
+    def create(self, name: str, table: Table, version: int) -> None:
+        """Write the first snapshot and an empty log, built in a hidden folder then renamed into place."""
+        directory = self.table_dir(name)
+        if (directory / META_FILE).exists():
+            raise ConflictError(f"table {name!r} already exists in {self.data_dir}")
+        staging = self.data_dir / f".creating-{name}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+        try:
+            self._write_generation(staging, table, version, generation=1)
+            os.replace(staging / f"{LOG_FILE}.new", staging / LOG_FILE)
+            if directory.exists():  # left by a crash before its meta.json was written: nothing committed
+                shutil.rmtree(directory)
+            os.replace(staging, directory)
+            _fsync_dir(self.data_dir)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        self._forget_log(name)
+
+    def append(self, record: UpdateRecord) -> None:
+        """Write one record; returns when it is as durable as the fsync policy promises.
+
+        If the write fails the file is cut back to where it was and the error raised, so a failed append
+        leaves no partial record for later appends to follow (which recovery would call corruption).
+        """
+        log = self._log_for_append(record.table)
+        if record.version <= log.base_version:
+            raise ConflictError(
+                f"table {record.table!r}: update would produce version {record.version}, but the snapshot "
+                f"is already at version {log.base_version}"
+            )
+        if record.grads.dim() != 2 or record.grads.shape[1] != log.embedding_dim:
+            raise InvalidInputError(
+                f"table {record.table!r}: grads of shape {tuple(record.grads.shape)}, the log has dim "
+                f"{log.embedding_dim}"
+            )
+        buffers = encode_record(record.version, record.ids, record.grads, record.lr)
+        size_before = os.fstat(log.fd).st_size
+        try:
+            _write_all(log.fd, buffers)
+            if self.fsync == "always":
+                _sync_data(log.fd)
+        except BaseException:
+            os.ftruncate(log.fd, size_before)
+            raise
+        if self.fsync == "interval":
+            log.dirty = True
+            self._ensure_flusher()
+
+    def snapshot(self, name: str, table: Table, version: int) -> None:
+        """Commit a snapshot of ``table`` at ``version`` and start an empty log after it."""
+        directory = self.table_dir(name)
+        meta = self._read_meta(name)
+        if meta is None:
+            raise CorruptionError(f"table {name!r} has no committed snapshot in {directory}; cannot snapshot")
+        if meta.version == version and (directory / LOG_FILE).exists() and self._log_is_empty(name):
+            return  # nothing new since the last snapshot
+        old_snapshot = meta.snapshot
+        self._write_generation(directory, table, version, generation=meta.generation + 1)
+        # meta.json now names the new generation; the old log is stale from here on.
+        os.replace(directory / f"{LOG_FILE}.new", directory / LOG_FILE)
+        _fsync_dir(directory)
+        if old_snapshot != self._require_meta(name).snapshot:
+            (directory / old_snapshot).unlink(missing_ok=True)
+        self._forget_log(name)
+
+    def load(self, name: str) -> tuple[Table, int] | None:
+        """The committed snapshot with its log replayed, and the version reached; None if absent.
+
+        Cleans up what a crash may have left (temporary files, a snapshot that was never committed, a stale
+        log) and cuts a torn tail off the log, logging a warning. Raises ``CorruptionError`` for damage
+        that cannot be told apart from lost updates.
+        """
+        from robez_core.table import Table
+
+        directory = self.table_dir(name)
+        meta = self._read_meta(name)
+        if meta is None:
+            return None
+        self._remove_leftovers(directory, meta)
+        snapshot_file = directory / meta.snapshot
+        if not snapshot_file.is_file():
+            raise CorruptionError(f"table {name!r}: snapshot {snapshot_file} named by meta.json is missing")
+        crc, size = _file_crc(snapshot_file)
+        if (crc, size) != (meta.snapshot_crc32, meta.snapshot_bytes):
+            raise CorruptionError(
+                f"table {name!r}: snapshot {snapshot_file} fails its checksum "
+                f"(crc32 {crc:08x}, {size} bytes; meta.json says {meta.snapshot_crc32:08x}, "
+                f"{meta.snapshot_bytes} bytes)"
+            )
+        table = Table.load(snapshot_file)
+        if table.config.embedding_dim != meta.embedding_dim:
+            raise CorruptionError(f"table {name!r}: snapshot dim differs from meta.json")
+        version = self._replay(name, meta, table.apply_gradients)
+        self._forget_log(name)
+        return table, version
+
+    def drop(self, name: str) -> None:
+        """Remove a table's folder (renamed aside first, so a crash leaves either all or nothing)."""
+        directory = self.table_dir(name)
+        self._forget_log(name)
+        if not directory.exists():
+            return
+        doomed = self.data_dir / f".dropped-{name}-{uuid.uuid4().hex[:8]}"
+        os.replace(directory, doomed)
+        _fsync_dir(self.data_dir)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def close(self) -> None:
+        """Stop the flusher, fdatasync every log written since its last flush, close the files."""
+        self._closed.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=10.0)
+        with self._lock:
+            for log in self._logs.values():
+                if log.dirty:
+                    _sync_data(log.fd)
+                os.close(log.fd)
+            self._logs.clear()
+
+    # -- periodic snapshots --------------------------------------------------------------------------------
+
+    def snapshot_due(self, name: str, version: int) -> bool:
+        """Whether the table at ``version`` should be snapshotted now under the configured N / T policy."""
+        log = self._logs.get(name)
+        if log is None:
+            meta = self._read_meta(name)
+            if meta is None:
+                return False
+            base_version, snapshot_unix = meta.version, meta.created_unix
+        else:
+            base_version, snapshot_unix = log.base_version, log.snapshot_unix
+        pending = version - base_version
+        if pending <= 0:
+            return False
+        if self.snapshot_every_updates and pending >= self.snapshot_every_updates:
+            return True
+        return (
+            bool(self.snapshot_every_seconds) and time.time() - snapshot_unix >= self.snapshot_every_seconds
+        )
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _write_generation(self, directory: Path, table: Table, version: int, generation: int) -> None:
+        """Write snapshot-<generation>, a fresh ``updates.wal.new``, then commit meta.json, in that order."""
+        snapshot_name = f"snapshot-{generation}.safetensors"
+        snapshot_file = directory / snapshot_name
+        table.save(snapshot_file)
+        with open(snapshot_file, "rb") as handle:  # Table.save renames; make sure the bytes are down too
+            os.fsync(handle.fileno())
+        crc, size = _file_crc(snapshot_file)
+        embedding_dim = table.config.embedding_dim
+        new_log = directory / f"{LOG_FILE}.new"
+        with open(new_log, "wb") as handle:
+            handle.write(encode_log_header(embedding_dim, generation, version))
+            handle.flush()
+            os.fsync(handle.fileno())
+        _fsync_dir(directory)
+        meta = _Meta(generation, version, snapshot_name, crc, size, embedding_dim, time.time())
+        _write_file_durably(directory / META_FILE, meta.to_json())
+
+    def _read_meta(self, name: str) -> _Meta | None:
+        path = self.table_dir(name) / META_FILE
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            data = json.loads(raw)
+            if data.pop("format") != META_FORMAT or data.pop("format_version") != META_FORMAT_VERSION:
+                raise ValueError("unknown format")
+            meta = _Meta(**data)
+            if Path(meta.snapshot).name != meta.snapshot:
+                raise ValueError("snapshot must be a file name")
+            return meta
+        except (ValueError, TypeError, KeyError) as error:
+            raise CorruptionError(f"table {name!r}: {path} is not valid table metadata ({error})") from error
+
+    def _require_meta(self, name: str) -> _Meta:
+        meta = self._read_meta(name)
+        if meta is None:
+            raise CorruptionError(f"table {name!r}: meta.json is missing in {self.table_dir(name)}")
+        return meta
+
+    def _remove_leftovers(self, directory: Path, meta: _Meta) -> None:
+        for entry in directory.iterdir():
+            stray_snapshot = entry.name.startswith("snapshot-") and entry.name != meta.snapshot
+            if ".tmp" in entry.name or entry.name == f"{LOG_FILE}.new" or stray_snapshot:
+                logger.info("removing %s, left by an interrupted write", entry)
+                entry.unlink(missing_ok=True)
+
+    def _replay(
+        self, name: str, meta: _Meta, apply: Callable[[torch.Tensor, torch.Tensor, float], None]
+    ) -> int:
+        """Check the committed log whole, then ``apply(ids, grads, lr)`` each record in order.
+
+        Returns the version reached. A stale log (older generation) is replaced by an empty one; a torn
+        tail is cut off, after a warning.
+        """
+        path = self.table_dir(name) / LOG_FILE
+        where = f"table {name!r} log {path}"
+        if not path.is_file():
+            raise CorruptionError(f"{where} is missing; acknowledged updates may be lost")
+        version = meta.version
+        with open(path, "r+b") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size == 0:
+                raise CorruptionError(f"{where} is empty (not even a header)")
+            with mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ) as buf:
+                scan = scan_log(buf, where=where)
+                stale = scan.generation < meta.generation
+                if not stale:
+                    self._check_log_matches(name, scan, meta)
+                    for span in scan.records:
+                        ids, grads = decode_record(buf, span)
+                        apply(ids, grads, span.lr)
+                        version = span.version
+            if not stale and scan.tail_problem is not None:
+                logger.warning(
+                    "table %r: dropping a torn tail of %d bytes from %s (%s); every update before it is kept",
+                    name,
+                    scan.file_length - scan.good_length,
+                    path,
+                    scan.tail_problem,
+                )
+                os.ftruncate(handle.fileno(), scan.good_length)
+                os.fsync(handle.fileno())
+        if stale:
+            logger.warning(
+                "table %r: log generation %d is older than the snapshot's %d (a crash while snapshotting); "
+                "its updates are all in the snapshot, starting an empty log",
+                name,
+                scan.generation,
+                meta.generation,
+            )
+            _write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
+        return version
+
+    @staticmethod
+    def _check_log_matches(name: str, scan: LogScan, meta: _Meta) -> None:
+        if scan.generation > meta.generation:
+            raise CorruptionError(
+                f"table {name!r}: log generation {scan.generation} is newer than the committed snapshot's "
+                f"{meta.generation}"
+            )
+        if scan.base_version != meta.version or scan.embedding_dim != meta.embedding_dim:
+            raise CorruptionError(
+                f"table {name!r}: log starts after version {scan.base_version} (dim {scan.embedding_dim}) "
+                f"but the snapshot is version {meta.version} (dim {meta.embedding_dim})"
+            )
+
+    def _log_is_empty(self, name: str) -> bool:
+        try:
+            return (self.table_dir(name) / LOG_FILE).stat().st_size <= LOG_HEADER_SIZE
+        except FileNotFoundError:
+            return True
+
+    def _log_for_append(self, name: str) -> _OpenLog:
+        """This process's handle on the table's current log, reopened if another process replaced it."""
+        path = self.table_dir(name) / LOG_FILE
+        try:
+            inode = path.stat().st_ino
+        except FileNotFoundError as error:
+            raise CorruptionError(f"table {name!r}: no log at {path} (was the table created?)") from error
+        log = self._logs.get(name)
+        if log is not None and log.inode == inode:
+            return log
+        meta = self._require_meta(name)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        try:
+            head = os.pread(fd, LOG_HEADER_SIZE, 0)
+            if len(head) != LOG_HEADER_SIZE or _CRC.unpack_from(head, _LOG_HEADER.size)[0] != _crc(
+                head[: _LOG_HEADER.size]
+            ):
+                raise CorruptionError(f"table {name!r}: log {path} has a bad header")
+            magic, _fmt, dim, generation, base_version = _LOG_HEADER.unpack(head[: _LOG_HEADER.size])
+            if magic != LOG_MAGIC or (generation, base_version) != (meta.generation, meta.version):
+                raise CorruptionError(
+                    f"table {name!r}: log {path} (generation {generation}) does not match meta.json "
+                    f"(generation {meta.generation}); restart the server to recover the table"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        new_log = _OpenLog(fd, os.fstat(fd).st_ino, generation, base_version, dim, meta.created_unix)
+        with self._lock:
+            old = self._logs.pop(name, None)
+            if old is not None:
+                if old.dirty:
+                    _sync_data(old.fd)
+                os.close(old.fd)
+            self._logs[name] = new_log
+        return new_log
+
+    def _forget_log(self, name: str) -> None:
+        with self._lock:
+            old = self._logs.pop(name, None)
+            if old is not None:
+                if old.dirty:
+                    _sync_data(old.fd)
+                os.close(old.fd)
+
+    def _ensure_flusher(self) -> None:
+        if self._flusher is None or not self._flusher.is_alive():
+            # Started lazily, so it lives in the worker process that appends (not a parent that forked).
+            self._flusher = threading.Thread(target=self._flush_loop, name="robez-wal-flusher", daemon=True)
+            self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        period = self.fsync_interval_ms / 1000.0
+        while not self._closed.wait(period):
+            with self._lock:
+                for log in self._logs.values():
+                    if log.dirty:
+                        # Cleared before the sync: a record written meanwhile keeps it set for next time.
+                        log.dirty = False
+                        try:
+                            _sync_data(log.fd)
+                        except OSError:
+                            log.dirty = True
+                            logger.exception("background fdatasync of a table log failed")
