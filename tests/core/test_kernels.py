@@ -1,0 +1,483 @@
+"""Fused kernels against the pure-torch reference (bit for bit on forward) and torch's own ops/optimizers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numba
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from robez_core import kernels
+from robez_core.errors import ConfigError, InvalidInputError
+from robez_core.hashing import (
+    MAX_FAST_RANGE,
+    PAPER_PRIME,
+    paper_random_numbers,
+    reference_chunk_offsets,
+    reference_indices,
+)
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+EDGE_IDS = [INT64_MIN, INT64_MIN + 1, -1, 0, 1, INT64_MAX - 1, INT64_MAX, PAPER_PRIME, -PAPER_PRIME]
+RANDOM_NUMBERS = paper_random_numbers()
+HASHES = ("paper", "fast")
+
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+int64s = st.integers(INT64_MIN, INT64_MAX)
+id_lists = st.lists(st.one_of(int64s, st.sampled_from(EDGE_IDS)), min_size=0, max_size=40)
+
+
+def _num_chunks(embedding_dim: int, chunk_size: int) -> int:
+    return -(-embedding_dim // chunk_size)
+
+
+def _wrap(value: int) -> int:
+    return ((value + (1 << 63)) % (1 << 64)) - (1 << 63)
+
+
+def _python_paper_offset(
+    x: int, chunk: int, memory_size: int, chunk_size: int, val_offset: int, r: list[int]
+) -> int:
+    """The paper's formula on Python ints, with int64 wrap-around made explicit at every step."""
+    key = _wrap(x + val_offset)
+    h = _wrap(_wrap(_wrap(key * r[3]) + _wrap(chunk * r[2])) + r[1])
+    return (h % r[0]) % (memory_size - chunk_size + 1)  # Python's % is floor mod, like torch's
+
+
+def _python_fast_offset(
+    x: int, chunk: int, memory_size: int, chunk_size: int, val_offset: int, r: list[int]
+) -> int:
+    mask = (1 << 64) - 1
+    h = ((x + val_offset) * (r[3] | 1) + chunk * r[2] + r[1]) & mask
+    for multiplier in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
+        h ^= h >> 33
+        h = (h * multiplier) & mask
+    h ^= h >> 33
+    return ((h >> 32) * (memory_size - chunk_size + 1)) >> 32
+
+
+# --------------------------------------------------------------------------------------------------
+# the reference itself against Python ints (so "bit-exact with the reference" means "with the paper")
+
+
+@PROPERTY
+@given(
+    ids=st.lists(st.one_of(int64s, st.sampled_from(EDGE_IDS)), min_size=1, max_size=10),
+    val_offset=st.one_of(int64s, st.sampled_from([0, INT64_MIN, INT64_MAX])),
+    chunk_size=st.integers(1, 40),
+    extra_memory=st.integers(0, 1 << 40),
+    num_chunks=st.integers(1, 5),
+)
+def test_reference_paper_hash_wraps_like_python_int_oracle(
+    ids, val_offset, chunk_size, extra_memory, num_chunks
+):
+    memory_size = chunk_size + extra_memory
+    r = RANDOM_NUMBERS.tolist()
+    got = reference_chunk_offsets(
+        torch.tensor(ids), num_chunks, chunk_size, memory_size, RANDOM_NUMBERS, _wrap(val_offset), "paper"
+    )
+    expected = [
+        [_python_paper_offset(x, c, memory_size, chunk_size, val_offset, r) for c in range(num_chunks)]
+        for x in ids
+    ]
+    assert got.tolist() == expected
+
+
+@PROPERTY
+@given(
+    ids=st.lists(st.one_of(int64s, st.sampled_from(EDGE_IDS)), min_size=1, max_size=10),
+    val_offset=int64s,
+    chunk_size=st.integers(1, 40),
+    extra_memory=st.integers(0, MAX_FAST_RANGE - 1),
+)
+def test_reference_fast_hash_matches_python_int_oracle(ids, val_offset, chunk_size, extra_memory):
+    memory_size = chunk_size + extra_memory
+    r = RANDOM_NUMBERS.tolist()
+    got = reference_chunk_offsets(
+        torch.tensor(ids), 3, chunk_size, memory_size, RANDOM_NUMBERS, val_offset, "fast"
+    )
+    expected = [
+        [_python_fast_offset(x, c, memory_size, chunk_size, val_offset, r) for c in range(3)] for x in ids
+    ]
+    assert got.tolist() == expected
+
+
+# --------------------------------------------------------------------------------------------------
+# forward: bit for bit
+
+
+@PROPERTY
+@given(
+    ids=id_lists,
+    val_offset=st.one_of(int64s, st.sampled_from([0, INT64_MIN, INT64_MAX])),
+    chunk_size=st.integers(1, 40),
+    extra_memory=st.one_of(st.integers(0, 100), st.integers(0, 1 << 45), st.integers(0, MAX_FAST_RANGE - 1)),
+    num_chunks=st.integers(1, 6),
+    hash=st.sampled_from(HASHES),
+)
+def test_chunk_offsets_bit_exact(ids, val_offset, chunk_size, extra_memory, num_chunks, hash):
+    memory_size = chunk_size + extra_memory
+    assume(hash == "paper" or memory_size - chunk_size + 1 <= MAX_FAST_RANGE)
+    ids_t = torch.tensor(ids, dtype=torch.int64)
+    expected = reference_chunk_offsets(
+        ids_t, num_chunks, chunk_size, memory_size, RANDOM_NUMBERS, val_offset, hash
+    )
+    got = kernels.chunk_offsets(ids_t, num_chunks, chunk_size, memory_size, RANDOM_NUMBERS, val_offset, hash)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, expected)
+
+
+@PROPERTY
+@given(
+    ids=st.lists(int64s, min_size=1, max_size=20),
+    prime=st.one_of(st.integers(1, 1000), st.integers(1, INT64_MAX), st.just(PAPER_PRIME)),
+    draws=st.lists(int64s, min_size=10, max_size=10),
+    extra_memory=st.one_of(st.integers(0, 1000), st.integers(0, 1 << 62)),
+)
+def test_paper_hash_with_imported_constants(ids, prime, draws, extra_memory):
+    """Any P and constants (state_dicts from elsewhere) take the generic path and still agree."""
+    random_numbers = torch.tensor([prime, *draws], dtype=torch.int64)
+    memory_size = 8 + extra_memory
+    ids_t = torch.tensor(ids, dtype=torch.int64)
+    expected = reference_chunk_offsets(ids_t, 4, 8, memory_size, random_numbers, 17, "paper")
+    assert torch.equal(kernels.chunk_offsets(ids_t, 4, 8, memory_size, random_numbers, 17, "paper"), expected)
+
+
+@PROPERTY
+@given(
+    ids=id_lists,
+    val_offset=st.one_of(int64s, st.sampled_from([0, INT64_MIN, INT64_MAX])),
+    embedding_dim=st.integers(1, 70),
+    chunk_size=st.integers(1, 40),
+    extra_memory=st.one_of(st.just(0), st.integers(0, 50), st.integers(0, 5000)),
+    hash=st.sampled_from(HASHES),
+)
+def test_lookup_and_gather_bit_exact(ids, val_offset, embedding_dim, chunk_size, extra_memory, hash):
+    memory_size = chunk_size + extra_memory  # extra_memory == 0 is m == Z: every chunk starts at 0
+    weight = torch.randn(memory_size)
+    ids_t = torch.tensor(ids, dtype=torch.int64)
+    expected = weight[
+        reference_indices(ids_t, embedding_dim, chunk_size, memory_size, RANDOM_NUMBERS, val_offset, hash)
+    ]
+    got = kernels.lookup(weight, ids_t, embedding_dim, chunk_size, RANDOM_NUMBERS, val_offset, hash)
+    assert torch.equal(got, expected)
+    offsets = kernels.chunk_offsets(
+        ids_t,
+        _num_chunks(embedding_dim, chunk_size),
+        chunk_size,
+        memory_size,
+        RANDOM_NUMBERS,
+        val_offset,
+        hash,
+    )
+    assert torch.equal(kernels.gather(weight, offsets, embedding_dim, chunk_size), expected)
+
+
+@pytest.mark.parametrize("hash", HASHES)
+def test_tables_sharing_one_array_read_their_own_rows(hash):
+    weight = torch.randn(1000)
+    ids = torch.tensor([INT64_MIN, -5, 0, 3, INT64_MAX])
+    for val_offset in (0, 1_000_000, INT64_MAX, INT64_MIN):
+        indices = reference_indices(ids, 37, 8, 1000, RANDOM_NUMBERS, val_offset, hash)
+        got = kernels.lookup(weight, ids, 37, 8, RANDOM_NUMBERS, val_offset, hash)
+        assert torch.equal(got, weight[indices])
+    # different offsets really are different tables
+    assert not torch.equal(
+        kernels.lookup(weight, ids, 37, 8, RANDOM_NUMBERS, 0, hash),
+        kernels.lookup(weight, ids, 37, 8, RANDOM_NUMBERS, 1_000_000, hash),
+    )
+
+
+def test_lookup_writes_into_out_and_handles_empty():
+    weight = torch.randn(300)
+    ids = torch.arange(-10, 10)
+    out = torch.full((20, 50), float("nan"))
+    result = kernels.lookup(weight, ids, 50, 32, RANDOM_NUMBERS, out=out)
+    assert result is out
+    assert torch.equal(out, weight[reference_indices(ids, 50, 32, 300, RANDOM_NUMBERS)])
+    assert kernels.lookup(weight, torch.empty(0, dtype=torch.int64), 50, 32, RANDOM_NUMBERS).shape == (0, 50)
+
+
+def test_large_batch_paper_configuration_bit_exact():
+    """The benchmark's shape (d=100, Z=32, m=262144) on a real batch, through the parallel loops."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(INT64_MIN, INT64_MAX, (20_000,), generator=generator)
+    weight = torch.rand(262_144, generator=generator)
+    for hash in HASHES:
+        expected = weight[reference_indices(ids, 100, 32, 262_144, RANDOM_NUMBERS, 0, hash)]
+        assert torch.equal(kernels.lookup(weight, ids, 100, 32, RANDOM_NUMBERS, 0, hash), expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# bags
+
+
+@st.composite
+def bags(draw):
+    num_ids = draw(st.integers(0, 30))
+    cuts = sorted(draw(st.lists(st.integers(0, num_ids), min_size=0, max_size=8)))
+    return num_ids, [0, *cuts]  # leading 0 plus repeats gives empty bags, a trailing num_ids too
+
+
+@PROPERTY
+@given(
+    bag_layout=bags(),
+    embedding_dim=st.integers(1, 40),
+    chunk_size=st.integers(1, 16),
+    mode=st.sampled_from(["sum", "mean", "weighted"]),
+    hash=st.sampled_from(HASHES),
+    val_offset=int64s,
+)
+def test_lookup_bag_matches_embedding_bag(bag_layout, embedding_dim, chunk_size, mode, hash, val_offset):
+    num_ids, starts = bag_layout
+    generator = torch.Generator().manual_seed(num_ids)
+    memory_size = chunk_size + 97
+    weight = torch.randn(memory_size, generator=generator)
+    ids = torch.randint(INT64_MIN, INT64_MAX, (num_ids,), generator=generator)
+    bag_offsets = torch.tensor(starts, dtype=torch.int64)
+    per_sample_weights = torch.rand(num_ids, generator=generator) if mode == "weighted" else None
+    torch_mode = "sum" if mode == "weighted" else mode
+    rows = weight[
+        reference_indices(ids, embedding_dim, chunk_size, memory_size, RANDOM_NUMBERS, val_offset, hash)
+    ]
+    expected = F.embedding_bag(
+        torch.arange(num_ids), rows, bag_offsets, mode=torch_mode, per_sample_weights=per_sample_weights
+    )
+    got = kernels.lookup_bag(
+        weight,
+        ids,
+        bag_offsets,
+        per_sample_weights,
+        torch_mode,
+        embedding_dim,
+        chunk_size,
+        RANDOM_NUMBERS,
+        val_offset,
+        hash,
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_lookup_bag_rejects_bad_offsets_and_mean_weights():
+    weight = torch.randn(100)
+    ids = torch.arange(5)
+    args = (10, 4, RANDOM_NUMBERS)
+    with pytest.raises(InvalidInputError):
+        kernels.lookup_bag(weight, ids, torch.tensor([1, 2]), None, "sum", *args)
+    with pytest.raises(InvalidInputError):
+        kernels.lookup_bag(weight, ids, torch.tensor([0, 3, 2]), None, "sum", *args)
+    with pytest.raises(InvalidInputError):
+        kernels.lookup_bag(weight, ids, torch.tensor([0, 6]), None, "sum", *args)
+    with pytest.raises(InvalidInputError):
+        kernels.lookup_bag(weight, ids, torch.tensor([0]), torch.ones(5), "mean", *args)
+
+
+# --------------------------------------------------------------------------------------------------
+# backward
+
+
+def _sparse_case(num_ids, embedding_dim, chunk_size, memory_size, seed, hash="paper"):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(INT64_MIN, INT64_MAX, (num_ids,), generator=generator)
+    if num_ids > 2:
+        ids[::3] = ids[0]  # repeated ids: their gradients must be summed
+    grads = torch.randn(num_ids, embedding_dim, generator=generator)
+    num_chunks = _num_chunks(embedding_dim, chunk_size)
+    offsets = kernels.chunk_offsets(ids, num_chunks, chunk_size, memory_size, RANDOM_NUMBERS, 0, hash)
+    indices = reference_indices(ids, embedding_dim, chunk_size, memory_size, RANDOM_NUMBERS, 0, hash)
+    dense = torch.zeros(memory_size, dtype=torch.float64).index_add_(
+        0, indices.reshape(-1), grads.reshape(-1).double()
+    )
+    return grads, offsets, indices, dense
+
+
+@PROPERTY
+@given(
+    num_ids=st.integers(0, 60),
+    embedding_dim=st.integers(1, 50),
+    chunk_size=st.integers(1, 20),
+    extra_memory=st.one_of(st.integers(0, 30), st.integers(0, 20_000)),
+    hash=st.sampled_from(HASHES),
+    seed=st.integers(0, 1000),
+)
+def test_scatter_and_coalesce_match_index_add(num_ids, embedding_dim, chunk_size, extra_memory, hash, seed):
+    memory_size = chunk_size + extra_memory
+    grads, offsets, indices, dense = _sparse_case(num_ids, embedding_dim, chunk_size, memory_size, seed, hash)
+    out = torch.zeros(memory_size)
+    kernels.scatter_grad(grads, offsets, chunk_size, out)
+    torch.testing.assert_close(out, dense.float(), rtol=1e-5, atol=1e-5)
+
+    locations, values = kernels.coalesce_grad(grads, offsets, chunk_size, memory_size)
+    expected_locations = torch.unique(indices.reshape(-1))
+    assert torch.equal(locations, expected_locations)
+    torch.testing.assert_close(values, dense[expected_locations].float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("memory_size", [40, 5_000, 10**9])
+def test_coalesce_both_strategies(memory_size):
+    """m small next to N*d uses the dense scratch buffer, m huge the sort; both give the same answer."""
+    grads, offsets, indices, _ = _sparse_case(50, 45, 16, memory_size, seed=3)
+    locations, values = kernels.coalesce_grad(grads, offsets, 16, memory_size)
+    flat = indices.reshape(-1)
+    expected_locations, inverse = torch.unique(flat, return_inverse=True)
+    expected_values = torch.zeros(len(expected_locations), dtype=torch.float64).index_add_(
+        0, inverse, grads.reshape(-1).double()
+    )
+    assert torch.equal(locations, expected_locations)
+    torch.testing.assert_close(values, expected_values.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_scatter_accumulates_with_many_threads_into_a_large_array():
+    grads, offsets, _, dense = _sparse_case(3000, 100, 32, 262_144, seed=5)
+    out = torch.ones(262_144)
+    kernels.scatter_grad(grads, offsets, 32, out)
+    torch.testing.assert_close(out, (dense + 1).float(), rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# optimizer steps vs torch.optim on the same sparse gradient
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("memory_size", [50, 4_000])
+def test_optimizer_steps_match_torch(optimizer, memory_size):
+    lr, eps, betas, initial_accumulator = 0.05, 1e-8, (0.8, 0.95), 0.1
+    weight = torch.randn(memory_size, generator=torch.Generator().manual_seed(1))
+    param = torch.nn.Parameter(weight.clone())
+    torch_optimizer: torch.optim.Optimizer
+    if optimizer == "sgd":
+        torch_optimizer = torch.optim.SGD([param], lr=lr)
+    elif optimizer == "adagrad":
+        torch_optimizer = torch.optim.Adagrad(
+            [param], lr=lr, eps=eps, initial_accumulator_value=initial_accumulator
+        )
+        state_sum = torch.full((memory_size,), initial_accumulator)
+    else:
+        torch_optimizer = torch.optim.SparseAdam([param], lr=lr, betas=betas, eps=eps)
+        exp_avg, exp_avg_sq = torch.zeros(memory_size), torch.zeros(memory_size)
+    for step in range(1, 5):
+        grads, offsets, indices, _ = _sparse_case(40, 37, 8, memory_size, seed=step)
+        param.grad = torch.sparse_coo_tensor(
+            indices.reshape(1, -1), grads.reshape(-1), (memory_size,), check_invariants=True
+        )
+        torch_optimizer.step()
+        locations, values = kernels.coalesce_grad(grads, offsets, 8, memory_size)
+        if optimizer == "sgd":
+            kernels.sgd_step(weight, locations, values, lr)
+        elif optimizer == "adagrad":
+            kernels.adagrad_step(weight, state_sum, locations, values, lr, eps)
+        else:
+            kernels.adam_step(weight, exp_avg, exp_avg_sq, locations, values, lr, *betas, eps, step)
+        torch.testing.assert_close(weight, param.detach(), rtol=1e-5, atol=1e-6)
+    if optimizer == "adagrad":
+        torch.testing.assert_close(state_sum, torch_optimizer.state[param]["sum"], rtol=1e-5, atol=1e-6)
+    if optimizer == "adam":
+        torch.testing.assert_close(exp_avg, torch_optimizer.state[param]["exp_avg"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            exp_avg_sq, torch_optimizer.state[param]["exp_avg_sq"], rtol=1e-5, atol=1e-6
+        )
+
+
+def test_steps_touch_only_the_given_locations():
+    weight = torch.randn(100)
+    exp_avg, exp_avg_sq = torch.zeros(100), torch.zeros(100)
+    before = weight.clone()
+    locations = torch.tensor([3, 50, 99])
+    kernels.adam_step(weight, exp_avg, exp_avg_sq, locations, torch.ones(3), 0.1, 0.9, 0.999, 1e-8, 1)
+    changed = (weight != before).nonzero().reshape(-1)
+    assert torch.equal(changed, locations)
+    assert torch.equal(exp_avg.nonzero().reshape(-1), locations)
+
+
+# --------------------------------------------------------------------------------------------------
+# validation, threads, GIL, cache
+
+
+def test_invalid_configurations_raise():
+    ids = torch.arange(3)
+    with pytest.raises(ConfigError):
+        kernels.chunk_offsets(ids, 2, 32, 31, RANDOM_NUMBERS)
+    with pytest.raises(ConfigError):
+        kernels.chunk_offsets(ids, 2, 32, 1000, RANDOM_NUMBERS, hash="nope")
+    with pytest.raises(ConfigError):
+        kernels.chunk_offsets(ids, 2, 1, MAX_FAST_RANGE + 1, RANDOM_NUMBERS, hash="fast")
+    with pytest.raises(ConfigError):
+        kernels.chunk_offsets(ids, 2, 4, 100, torch.tensor([0, *RANDOM_NUMBERS[1:].tolist()]))
+    with pytest.raises(InvalidInputError):
+        kernels.lookup(torch.randn(100), ids.int(), 8, 4, RANDOM_NUMBERS)
+    with pytest.raises(ConfigError):
+        kernels.adam_step(
+            torch.zeros(4), torch.zeros(4), torch.zeros(4), ids, torch.ones(3), 0.1, 0.9, 0.9, 1e-8, 0
+        )
+
+
+def test_kernel_threads_follow_torch():
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        kernels.lookup(torch.randn(100), torch.arange(10), 8, 4, RANDOM_NUMBERS)
+        assert numba.get_num_threads() == 1
+        torch.set_num_threads(max(previous, 2))
+        assert kernels.set_kernel_threads() == min(max(previous, 2), numba.config.NUMBA_NUM_THREADS)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_concurrent_calls_from_python_threads_agree():
+    """Kernels release the GIL and may run from several threads at once (the service does)."""
+    weight = torch.randn(262_144)
+    ids = torch.randint(INT64_MIN, INT64_MAX, (4096,), generator=torch.Generator().manual_seed(9))
+    expected = weight[reference_indices(ids, 100, 32, 262_144, RANDOM_NUMBERS)]
+    results: list[bool] = []
+
+    def worker() -> None:
+        for _ in range(5):
+            results.append(torch.equal(kernels.lookup(weight, ids, 100, 32, RANDOM_NUMBERS), expected))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results == [True] * 20
+
+
+_CACHE_PROBE = """
+import json, torch
+from robez_core import kernels
+kernels.lookup(torch.randn(100), torch.arange(10), 8, 4, __import__("robez_core").paper_random_numbers())
+stats = kernels._lookup_kernel.stats
+print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
+"""
+
+
+@pytest.mark.slow
+def test_compiled_kernels_are_cached_on_disk(tmp_path: Path):
+    """A second process loads the machine code from NUMBA_CACHE_DIR instead of compiling again."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    root = Path(__file__).resolve().parents[2]
+    runs = []
+    for _ in range(2):
+        completed = subprocess.run(
+            [sys.executable, "-c", _CACHE_PROBE],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert completed.returncode == 0, completed.stderr
+        runs.append(json.loads(completed.stdout.strip().splitlines()[-1]))
+    assert runs[0]["misses"] == 1
+    assert runs[1] == {"hits": 1, "misses": 0}
+    assert any(tmp_path.rglob("*.nbi"))
