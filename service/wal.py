@@ -470,8 +470,6 @@ class WalJournal:
         meta = self._read_meta(name)
         if meta is None:
             raise CorruptionError(f"table {name!r} has no committed snapshot in {directory}; cannot snapshot")
-        if meta.version == version and (directory / LOG_FILE).exists() and self._log_is_empty(name):
-            return  # nothing new since the last snapshot
         old_snapshot = meta.snapshot
         self._write_generation(directory, table, version, generation=meta.generation + 1)
         # meta.json now names the new generation; the old log is stale from here on.
@@ -562,9 +560,7 @@ class WalJournal:
         """Write snapshot-<generation>, a fresh ``updates.wal.new``, then commit meta.json, in that order."""
         snapshot_name = f"snapshot-{generation}.safetensors"
         snapshot_file = directory / snapshot_name
-        table.save(snapshot_file)
-        with open(snapshot_file, "rb") as handle:  # Table.save renames; make sure the bytes are down too
-            os.fsync(handle.fileno())
+        table.save(snapshot_file)  # atomic and fsynced, folder included
         crc, size = _file_crc(snapshot_file)
         embedding_dim = table.config.embedding_dim
         new_log = directory / f"{LOG_FILE}.new"

@@ -1,17 +1,30 @@
-"""The update log's format on its own: round trips, torn tails at every byte, bit flips, bad headers."""
+"""The update log (round trips, torn tails at every byte, bit flips) and WalJournal recovery."""
 
 from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
-from robez_core.errors import CorruptionError
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.errors import ConflictError, CorruptionError, InvalidInputError
+from robez_core.table import Table
+from service.journal import UpdateRecord
 from service.wal import (
+    LOG_FILE,
     LOG_HEADER_SIZE,
     RECORD_HEADER_SIZE,
+    WalJournal,
     decode_record,
     encode_log_header,
     encode_record,
@@ -152,3 +165,317 @@ def test_a_record_of_another_dim_is_corruption() -> None:
 def test_short_file_is_corruption() -> None:
     with pytest.raises(CorruptionError, match="too short"):
         scan_log(encode_log_header(DIM, 1, 0)[:-1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# WalJournal over real tables
+
+
+def _table(optimizer: str = "adam", seed: int = 3) -> Table:
+    config = TableConfig(num_embeddings=1000, embedding_dim=DIM, memory_size=64, chunk_size=2, seed=seed)
+    return Table(config, OptimizerConfig(name=optimizer, lr=0.05))  # type: ignore[arg-type]
+
+
+def _copy(table: Table) -> Table:
+    state = {name: tensor.clone() for name, tensor in table.state.items()}
+    return Table(table.config, table.optimizer, weight=table.weight.clone(), state=state)
+
+
+def _assert_same(left: Table, right: Table) -> None:
+    assert (left.config, left.optimizer) == (right.config, right.optimizer)
+    left_tensors, right_tensors = left.tensors(), right.tensors()
+    assert left_tensors.keys() == right_tensors.keys()
+    for key, tensor in left_tensors.items():
+        assert torch.equal(tensor.view(torch.uint8), right_tensors[key].view(torch.uint8)), key
+
+
+class _Server:
+    """What the store does per update (append, then apply), against one live table."""
+
+    def __init__(self, journal: WalJournal, name: str, table: Table, version: int = 0) -> None:
+        self.journal, self.name, self.table, self.version = journal, name, table, version
+        self.updates: list[tuple[Tensor, Tensor, float]] = []
+        self.generator = torch.Generator().manual_seed(version + 17)
+
+    def update(self, num_ids: int = 3, lr: float = 0.05) -> None:
+        ids = torch.randint(0, 50, (num_ids,), generator=self.generator)
+        grads = torch.randn(num_ids, self.table.config.embedding_dim, generator=self.generator)
+        self.journal.append(UpdateRecord(self.name, self.version + 1, ids, grads, lr))
+        self.table.apply_gradients(ids, grads, lr)
+        self.version += 1
+        self.updates.append((ids, grads, lr))
+
+
+def _oracle(initial: Table, updates: list[tuple[Tensor, Tensor, float]]) -> Table:
+    table = _copy(initial)
+    for ids, grads, lr in updates:
+        table.apply_gradients(ids, grads, lr)
+    return table
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Iterator[WalJournal]:
+    wal = WalJournal(tmp_path / "data")
+    yield wal
+    wal.close()
+
+
+def test_create_then_load_gives_the_same_table(journal: WalJournal) -> None:
+    table = _table()
+    journal.create("t", table, 0)
+    assert journal.names() == ["t"]
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 0
+    _assert_same(loaded[0], table)
+    assert journal.load("missing") is None
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_updates_are_replayed_bitwise(journal: WalJournal, optimizer: str) -> None:
+    initial = _table(optimizer)
+    journal.create("t", initial, 0)
+    server = _Server(journal, "t", _copy(initial))
+    for index in range(6):
+        server.update(num_ids=1 + index, lr=0.01 * (index + 1))
+    assert not torch.equal(server.table.weight, initial.weight)  # the updates did change something
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 6
+    _assert_same(loaded[0], server.table)
+
+
+def test_snapshot_resets_the_log_and_keeps_later_updates(journal: WalJournal, tmp_path: Path) -> None:
+    journal.create("t", _table(), 0)
+    server = _Server(journal, "t", _table())
+    for _ in range(3):
+        server.update()
+    journal.snapshot("t", server.table, server.version)
+    directory = tmp_path / "data" / "t"
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "meta.json",
+        "snapshot-2.safetensors",
+        "updates.wal",
+    ]
+    assert (directory / "updates.wal").stat().st_size == LOG_HEADER_SIZE
+    for _ in range(2):
+        server.update()
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 5
+    _assert_same(loaded[0], server.table)
+
+
+def _log_and_oracle(journal: WalJournal, num_updates: int) -> tuple[Path, bytes, Table, Table]:
+    """A table with ``num_updates`` logged; returns the log path, its bytes, the oracle with all the
+    updates and the oracle without the last one."""
+    initial = _table()
+    journal.create("t", initial, 0)
+    server = _Server(journal, "t", _copy(initial))
+    for _ in range(num_updates):
+        server.update(num_ids=2)
+    path = journal.data_dir / "t" / LOG_FILE
+    return path, path.read_bytes(), server.table, _oracle(initial, server.updates[:-1])
+
+
+def test_torn_tail_at_every_byte_is_dropped_with_a_warning(
+    journal: WalJournal, caplog: pytest.LogCaptureFixture
+) -> None:
+    path, full, everything, without_last = _log_and_oracle(journal, 3)
+    last_start = scan_log(full).records[-1].offset
+    for cut in range(last_start, len(full) + 1):
+        path.write_bytes(full[:cut])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="robez.wal"):
+            loaded = journal.load("t")
+        assert loaded is not None
+        table, version = loaded
+        if cut == len(full):
+            assert version == 3 and not caplog.records
+            _assert_same(table, everything)
+        else:
+            assert version == 2, cut
+            _assert_same(table, without_last)
+            assert (cut == last_start) == (not caplog.records), cut
+            assert path.stat().st_size == last_start  # the torn bytes are gone for good
+    # After a cut the log takes new updates right where the good records end.
+    path.write_bytes(full[: last_start + 5])
+    loaded = journal.load("t")
+    assert loaded is not None
+    server = _Server(journal, "t", loaded[0], version=loaded[1])
+    server.update()
+    reloaded = journal.load("t")
+    assert reloaded is not None and reloaded[1] == 3
+    _assert_same(reloaded[0], server.table)
+
+
+def test_bit_flip_in_the_middle_refuses_to_load(journal: WalJournal) -> None:
+    path, full, _, _ = _log_and_oracle(journal, 3)
+    middle = scan_log(full).records[1]
+    for position in (
+        middle.offset,
+        middle.offset + RECORD_HEADER_SIZE + 3,
+        middle.offset + middle.length - 1,
+    ):
+        path.write_bytes(_flip_bit(full, position, 3))
+        with pytest.raises(CorruptionError, match="damaged in the middle"):
+            journal.load("t")
+        assert path.read_bytes() == _flip_bit(full, position, 3)  # nothing was "repaired"
+
+
+def test_journal_drops_a_bit_flip_in_the_last_record(journal: WalJournal) -> None:
+    path, full, _, without_last = _log_and_oracle(journal, 3)
+    last = scan_log(full).records[-1]
+    path.write_bytes(_flip_bit(full, last.offset + RECORD_HEADER_SIZE + 9, 6))
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 2
+    _assert_same(loaded[0], without_last)
+
+
+def test_bit_flip_in_the_snapshot_refuses_to_load(journal: WalJournal) -> None:
+    journal.create("t", _table(), 0)
+    snapshot = journal.snapshot_path("t")
+    assert snapshot is not None
+    data = snapshot.read_bytes()
+    snapshot.write_bytes(_flip_bit(data, len(data) - 10, 2))
+    with pytest.raises(CorruptionError, match="checksum"):
+        journal.load("t")
+
+
+def test_crash_between_snapshot_commit_and_log_switch(journal: WalJournal, tmp_path: Path) -> None:
+    journal.create("t", _table(), 0)
+    server = _Server(journal, "t", _table())
+    for _ in range(3):
+        server.update()
+    directory = tmp_path / "data" / "t"
+    old_log = (directory / LOG_FILE).read_bytes()
+    journal.snapshot("t", server.table, server.version)
+    # Put the previous generation's log back: what a crash right after meta.json's rename leaves.
+    (directory / LOG_FILE).write_bytes(old_log)
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 3  # the old records are not applied a second time
+    _assert_same(loaded[0], server.table)
+    assert (directory / LOG_FILE).stat().st_size == LOG_HEADER_SIZE
+    server.update()
+    reloaded = journal.load("t")
+    assert reloaded is not None and reloaded[1] == 4
+    _assert_same(reloaded[0], server.table)
+
+
+def test_crash_before_snapshot_commit_keeps_the_old_generation(journal: WalJournal, tmp_path: Path) -> None:
+    journal.create("t", _table(), 0)
+    server = _Server(journal, "t", _table())
+    for _ in range(2):
+        server.update()
+    directory = tmp_path / "data" / "t"
+    # What a crash after writing the next snapshot and log, before meta.json, leaves behind.
+    server.table.save(directory / "snapshot-2.safetensors")
+    (directory / f"{LOG_FILE}.new").write_bytes(encode_log_header(DIM, 2, 2))
+    (directory / "meta.json.tmp-123").write_bytes(b"{")
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 2
+    _assert_same(loaded[0], server.table)
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "meta.json",
+        "snapshot-1.safetensors",
+        "updates.wal",
+    ]
+
+
+def test_two_processes_share_one_ordered_log(tmp_path: Path) -> None:
+    """Two journals on one folder (as two workers): appends and a snapshot interleave correctly."""
+    first, second = WalJournal(tmp_path), WalJournal(tmp_path)
+    try:
+        initial = _table("adagrad")
+        first.create("t", initial, 0)
+        live = _copy(initial)
+        server = _Server(first, "t", live)
+        for journal in (first, second, first, second):
+            server.journal = journal
+            server.update()
+        second.snapshot("t", live, server.version)
+        for journal in (first, second, second, first):  # `first` must notice the new log file
+            server.journal = journal
+            server.update()
+        loaded = WalJournal(tmp_path).load("t")
+        assert loaded is not None and loaded[1] == 8
+        _assert_same(loaded[0], live)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_interval_policy_flushes_in_the_background(tmp_path: Path) -> None:
+    wal = WalJournal(tmp_path, fsync="interval", fsync_interval_ms=1.0)
+    try:
+        initial = _table()
+        wal.create("t", initial, 0)
+        server = _Server(wal, "t", _copy(initial))
+        server.update()
+        deadline = time.monotonic() + 10.0
+        while wal._logs["t"].dirty and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not wal._logs["t"].dirty
+        server.update()
+    finally:
+        wal.close()
+    loaded = WalJournal(tmp_path, fsync="never").load("t")
+    assert loaded is not None and loaded[1] == 2
+    _assert_same(loaded[0], server.table)
+
+
+def test_a_failed_write_leaves_no_partial_record(
+    journal: WalJournal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    initial = _table()
+    journal.create("t", initial, 0)
+    server = _Server(journal, "t", _copy(initial))
+    server.update()
+
+    def half_write(fd: int, buffers: list[Any]) -> int:
+        os.write(fd, bytes(buffers[0])[:10])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", half_write)
+    with pytest.raises(OSError, match="No space"):
+        journal.append(UpdateRecord("t", 2, torch.tensor([1]), torch.ones(1, DIM), 0.1))
+    monkeypatch.undo()
+    server.update()  # version 2 again: the failed one was never applied
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 2
+    _assert_same(loaded[0], server.table)
+
+
+def test_append_refuses_versions_the_snapshot_already_holds(journal: WalJournal) -> None:
+    journal.create("t", _table(), 5)
+    with pytest.raises(ConflictError):
+        journal.append(UpdateRecord("t", 5, torch.tensor([1]), torch.ones(1, DIM), 0.1))
+    with pytest.raises(InvalidInputError):
+        journal.append(UpdateRecord("t", 6, torch.tensor([1]), torch.ones(1, DIM + 1), 0.1))
+
+
+def test_drop_removes_the_table(journal: WalJournal, tmp_path: Path) -> None:
+    journal.create("t", _table(), 0)
+    journal.drop("t")
+    assert journal.names() == [] and journal.load("t") is None
+    assert list((tmp_path / "data").iterdir()) == []
+    journal.create("t", _table(seed=9), 0)  # the name can be used again
+    assert journal.names() == ["t"]
+    with pytest.raises(ConflictError):
+        journal.create("t", _table(), 0)
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", ".hidden", "a\\b", " t"])
+def test_unsafe_names_never_reach_the_file_system(journal: WalJournal, name: str) -> None:
+    with pytest.raises(InvalidInputError):
+        journal.create(name, _table(), 0)
+
+
+def test_snapshot_due_follows_the_policy(tmp_path: Path) -> None:
+    wal = WalJournal(tmp_path, snapshot_every_updates=3)
+    try:
+        wal.create("t", _table(), 10)
+        assert [wal.snapshot_due("t", version) for version in (10, 12, 13)] == [False, False, True]
+    finally:
+        wal.close()
+    timed = WalJournal(tmp_path, snapshot_every_seconds=3600)
+    assert not timed.snapshot_due("t", 11)
+    timed.snapshot_every_seconds = 1e-9
+    assert timed.snapshot_due("t", 11) and not timed.snapshot_due("t", 10)
