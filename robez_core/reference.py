@@ -78,7 +78,9 @@ def coalesce_grad(grad_rows: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
 def sparse_grad(grad_rows: Tensor, indices: Tensor, memory_size: int) -> Tensor:
     """The same gradient as :func:`dense_grad` as a coalesced ``torch.sparse_coo`` tensor of shape (m,)."""
     locations, values = coalesce_grad(grad_rows, indices)
-    return torch.sparse_coo_tensor(locations.unsqueeze(0), values, (memory_size,), is_coalesced=True)
+    return torch.sparse_coo_tensor(
+        locations.unsqueeze(0), values, (memory_size,), is_coalesced=True, check_invariants=False
+    )
 
 
 class _ReferenceLookup(torch.autograd.Function):
