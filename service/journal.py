@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from robez_core.table import Table
     from torch import Tensor
+
+    from robez_core.table import Table
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,138 @@
+"""The FastAPI application: ``create_app(settings)``; ``create_app_from_env`` is uvicorn's factory.
+
+Start-up (lifespan): set this worker's kernel threads, open the journal, attach to the shared tables
+prepared by ``robez serve`` (``settings.shm_path``) or, in a single in-process app (tests, embedding),
+prepare them here and remove them on shutdown.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import torch
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from . import codec
+from .config import Settings
+from .errors import install_error_handlers
+from .journal import Journal, NullJournal
+from .limits import BodySizeLimitMiddleware, InFlightLimitMiddleware
+from .metrics import Metrics, RequestMetricsMiddleware
+from .routes import health, lookup, tables, update
+from .store import SharedDirectory, TableStore
+
+logger = logging.getLogger("robez.app")
+
+API_VERSION = "1"
+# Bodies read by hand (JSON or binary) are described by these models in the OpenAPI schema.
+_HAND_READ_MODELS: tuple[type[Any], ...] = (
+    codec.LookupRequest,
+    codec.MultiLookupRequest,
+    codec.UpdateRequest,
+)
+
+
+def open_journal(settings: Settings) -> Journal:
+    """``WalJournal`` when a data directory is set (imported only then), else the in-memory NullJournal."""
+    if settings.data_dir is None:
+        return NullJournal()
+    from .wal import WalJournal  # issue 4; only a server with a data directory needs it
+
+    journal: Journal = WalJournal(
+        settings.data_dir,
+        fsync=settings.wal_fsync,
+        fsync_interval_ms=settings.wal_fsync_interval_ms,
+        snapshot_every_updates=settings.snapshot_every_updates,
+        snapshot_every_seconds=settings.snapshot_every_seconds,
+    )
+    return journal
+
+
+def shared_directory_for(settings: Settings) -> SharedDirectory | None:
+    return SharedDirectory(settings.shm_path) if settings.shm_path is not None else None
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    torch.set_num_threads(settings.kernel_threads())
+    journal = open_journal(settings)
+    owned: SharedDirectory | None = None
+    try:
+        directory = shared_directory_for(settings)
+        if directory is None:
+            directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, settings, journal)
+        store = TableStore(directory, settings, journal)
+        app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
+        app.state.store = store
+        logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())
+        try:
+            yield
+        finally:
+            del app.state.store
+            store.close()
+    finally:
+        journal.close()
+        if owned is not None:
+            owned.remove()
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in _HAND_READ_MODELS:
+            model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, definition in model_schema.pop("$defs", {}).items():
+                components.setdefault(name, definition)
+            components[model.__name__] = model_schema
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The robez HTTP API over ``settings`` (default: read from ``ROBEZ_*``). Tables are attached (or
+    prepared) when the app starts, i.e. inside ``with TestClient(app)`` or under uvicorn."""
+    settings = settings if settings is not None else Settings()
+    app = FastAPI(
+        title="robez",
+        version=API_VERSION,
+        description="ROBE-Z compressed embedding tables: batched lookups and gradient-push training.",
+        lifespan=_lifespan,
+    )
+    app.state.settings = settings
+    metrics_dir = (
+        settings.shm_path / "metrics" if settings.shm_path is not None and settings.workers > 1 else None
+    )
+    metrics = Metrics(metrics_dir)
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    for module in (health, tables, lookup, update):
+        app.include_router(module.router)
+    if importlib.util.find_spec("service.routes.durability") is not None:  # issue 4's endpoints
+        app.include_router(importlib.import_module("service.routes.durability").router)
+    # Added innermost first: metrics see every answer, including the 503s and 413s below them.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        InFlightLimitMiddleware,
+        max_in_flight=settings.max_in_flight,
+        retry_after_s=settings.retry_after_s,
+        metrics=metrics,
+    )
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def create_app_from_env() -> FastAPI:
+    """uvicorn factory (``service.app:create_app_from_env``): settings from ``ROBEZ_*``."""
+    return create_app(Settings())

@@ -1,0 +1,328 @@
+"""Request decoding and response encoding: JSON (pydantic models, orjson out) and the binary wire format.
+
+Binary format (little-endian, no framing beyond one header):
+
+- lookup request: body = n int64 ids; response body = n*d float32 row-major, ``X-Robez-Shape: n,d``.
+- update request: ``X-Robez-Shape: n,d``, body = n int64 ids then n*d float32 gradients.
+- multi-table lookup request: ``X-Robez-Tables: name=n,name=n,...``, body = the ids of each table in
+  that order; response body = the rows of each table in that order, ``X-Robez-Shapes: n,d;n,d;...``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import orjson
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import Response
+from torch import Tensor
+
+from robez_core.config import INT64_MAX, INT64_MIN, OptimizerConfig, TableConfig
+from robez_core.errors import InvalidInputError
+
+from .config import TableSpec
+from .errors import summarize_validation_errors
+from .store import TABLE_NAME_PATTERN, LookupResult, Pooling, TableInfo, UpdateResult
+
+OCTET_STREAM = "application/octet-stream"
+SHAPE_HEADER = "X-Robez-Shape"
+SHAPES_HEADER = "X-Robez-Shapes"
+TABLES_HEADER = "X-Robez-Tables"
+VERSION_HEADER = "X-Robez-Version"
+_IDS_DTYPE = np.dtype("<i8")
+_ROWS_DTYPE = np.dtype("<f4")
+
+Int64 = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
+TableName = Annotated[str, Field(pattern=TABLE_NAME_PATTERN.pattern, examples=["demo"])]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# -- requests -------------------------------------------------------------------------------------
+
+
+class LookupRequest(_Model):
+    """Rows of ``ids``; with ``pooling`` sum/mean, bags starting at ``offsets`` (as nn.EmbeddingBag)."""
+
+    ids: list[Int64] = Field(examples=[[1, 2, 3]])
+    offsets: list[Int64] | None = None
+    pooling: Literal["none", "sum", "mean"] = "none"
+    per_sample_weights: list[float] | None = None
+
+    def tensors(self) -> tuple[Tensor, Tensor | None, Pooling, Tensor | None]:
+        """(ids int64 (n,), offsets int64 (B,) | None, pooling, per_sample_weights float32 (n,) | None)."""
+        offsets = None if self.offsets is None else ids_tensor(self.offsets)
+        weights = (
+            None
+            if self.per_sample_weights is None
+            else torch.tensor(self.per_sample_weights, dtype=torch.float32)
+        )
+        return ids_tensor(self.ids), offsets, self.pooling, weights
+
+
+class TableLookup(LookupRequest):
+    table: TableName
+
+
+class MultiLookupRequest(_Model):
+    lookups: list[TableLookup]
+
+
+class UpdateRequest(_Model):
+    """Gradients ``grads`` (n, d) of the output rows of ``ids`` (n,); ``lr`` overrides the table's."""
+
+    ids: list[Int64] = Field(examples=[[1, 2]])
+    # NaN/Inf must reach the table's own check (422 with a clear message), so this field allows them.
+    grads: list[list[Annotated[float, Field(allow_inf_nan=True)]]] = Field(examples=[[[0.1] * 4, [0.2] * 4]])
+    lr: float | None = Field(default=None, gt=0)
+
+
+class OptimizerModel(_Model):
+    name: Literal["sgd", "adagrad", "adam"] = "sgd"
+    lr: float = Field(default=0.01, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)
+    initial_accumulator_value: float = Field(default=0.0, ge=0)
+
+
+class TableConfigModel(_Model):
+    num_embeddings: int = Field(ge=1, le=INT64_MAX, examples=[1_000_000])
+    embedding_dim: int = Field(ge=1, le=INT64_MAX, examples=[16])
+    memory_size: int = Field(ge=1, le=INT64_MAX, examples=[65536])
+    chunk_size: int = Field(default=32, ge=1, le=INT64_MAX)
+    seed: int = Field(default=1024, ge=0, lt=2**32)
+    val_offset: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    hash: Literal["paper", "fast"] = "paper"
+    init_scale: float = Field(default=0.001, ge=0)
+    random_numbers: list[Int64] | None = None
+
+
+class CreateTableRequest(_Model):
+    """A new table: its config, optimizer (default sgd lr 0.01), optionally another table's array."""
+
+    name: TableName
+    config: TableConfigModel
+    optimizer: OptimizerModel | None = None
+    share_array_with: str | None = None
+
+    def spec(self) -> TableSpec:
+        """The core configs (ConfigError when the combination is invalid)."""
+        config = TableConfig.from_dict(self.config.model_dump())
+        optimizer = (
+            OptimizerConfig.from_dict(self.optimizer.model_dump()) if self.optimizer else OptimizerConfig()
+        )
+        return TableSpec(config, optimizer, self.share_array_with)
+
+
+# -- responses (documentation of what the encoders below write) --------------------------------------
+
+
+class LookupTiming(_Model):
+    hash_ms: float
+    lookup_ms: float
+    total_ms: float
+
+
+class UpdateTiming(_Model):
+    hash_ms: float
+    apply_ms: float
+    total_ms: float
+
+
+class LookupResponse(_Model):
+    table: str
+    shape: tuple[int, int]
+    embeddings: list[list[float]]
+    version: int
+    timing: LookupTiming
+
+
+class MultiLookupResponse(_Model):
+    results: list[LookupResponse]
+    timing: LookupTiming
+
+
+class UpdateResponse(_Model):
+    table: str
+    version: int
+    timing: UpdateTiming
+
+
+class TableInfoResponse(_Model):
+    name: str
+    config: TableConfigModel
+    optimizer: OptimizerModel
+    version: int
+    compression_ratio: float
+    memory_bytes: int
+    array: str
+    array_tables: list[str]
+
+
+class TableListResponse(_Model):
+    tables: list[TableInfoResponse]
+
+
+class JSONBytesResponse(Response):
+    """JSON rendered by orjson (numpy arrays natively, so embeddings never become Python floats)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+# -- decoding ---------------------------------------------------------------------------------------
+
+
+def _validated(model: type[_Model], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise InvalidInputError(summarize_validation_errors(list(exc.errors()))) from exc
+
+
+def ids_tensor(ids: list[int]) -> Tensor:
+    """int64 (n,) from already range-checked ints."""
+    return torch.tensor(ids, dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)
+
+
+def decode_lookup_json(body: bytes) -> LookupRequest:
+    request: LookupRequest = _validated(LookupRequest, body)
+    return request
+
+
+def decode_multi_lookup_json(body: bytes) -> MultiLookupRequest:
+    request: MultiLookupRequest = _validated(MultiLookupRequest, body)
+    return request
+
+
+def decode_update_json(body: bytes, embedding_dim: int) -> tuple[Tensor, Tensor, float | None]:
+    """(ids int64 (n,), grads float32 (n, d), lr) from a JSON update."""
+    request: UpdateRequest = _validated(UpdateRequest, body)
+    if any(len(row) != embedding_dim for row in request.grads):
+        raise InvalidInputError(f"grads must be rows of embedding_dim = {embedding_dim} values")
+    if len(request.grads) != len(request.ids):
+        raise InvalidInputError(f"grads has {len(request.grads)} rows for {len(request.ids)} ids")
+    grads = np.asarray(request.grads, dtype=np.float64).reshape(len(request.grads), embedding_dim)
+    # Values beyond float32's range become Inf here, which the table then rejects like any Inf.
+    with np.errstate(over="ignore"):
+        grads32 = grads.astype(np.float32)
+    return ids_tensor(request.ids), torch.from_numpy(grads32), request.lr
+
+
+def decode_ids(body: bytes) -> Tensor:
+    """int64 (n,) from a little-endian int64 body."""
+    if len(body) % _IDS_DTYPE.itemsize:
+        raise InvalidInputError(f"a binary ids body must be a multiple of 8 bytes, got {len(body)}")
+    return torch.from_numpy(np.frombuffer(body, dtype=_IDS_DTYPE).astype(np.int64))
+
+
+def parse_shape(header: str | None) -> tuple[int, int]:
+    """``"n,d"`` -> (n, d)."""
+    if header is None:
+        raise InvalidInputError(f"a binary update needs the header {SHAPE_HEADER}: n,d")
+    parts = header.split(",")
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+        raise InvalidInputError(f"{SHAPE_HEADER} must be 'n,d' with non-negative integers, got {header!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def decode_update_binary(body: bytes, shape_header: str | None) -> tuple[Tensor, Tensor]:
+    """(ids int64 (n,), grads float32 (n, d)) from n int64 ids followed by n*d float32 values."""
+    n, d = parse_shape(shape_header)
+    expected = n * _IDS_DTYPE.itemsize + n * d * _ROWS_DTYPE.itemsize
+    if len(body) != expected:
+        raise InvalidInputError(
+            f"{SHAPE_HEADER}: {n},{d} needs {expected} bytes (n int64 ids, n*d float32), got {len(body)}"
+        )
+    split = n * _IDS_DTYPE.itemsize
+    ids = np.frombuffer(body, dtype=_IDS_DTYPE, count=n).astype(np.int64)
+    grads = np.frombuffer(body, dtype=_ROWS_DTYPE, offset=split).astype(np.float32).reshape(n, d)
+    return torch.from_numpy(ids), torch.from_numpy(grads)
+
+
+def parse_tables_header(header: str | None) -> list[tuple[str, int]]:
+    """``"name=n,name=n"`` -> [(name, n), ...] for a binary multi-table lookup."""
+    if not header:
+        raise InvalidInputError(f"a binary multi-table lookup needs the header {TABLES_HEADER}: name=n,...")
+    items = []
+    for part in header.split(","):
+        name, sep, count = part.strip().partition("=")
+        if not sep or not count.isdigit() or not TABLE_NAME_PATTERN.fullmatch(name):
+            raise InvalidInputError(f"{TABLES_HEADER} must be 'name=n,name=n,...', got {header!r}")
+        items.append((name, int(count)))
+    return items
+
+
+def split_ids(body: bytes, counts: list[int]) -> list[Tensor]:
+    """Cut one binary ids body into one int64 tensor per table."""
+    ids = decode_ids(body)
+    if int(ids.shape[0]) != sum(counts):
+        raise InvalidInputError(
+            f"{TABLES_HEADER} names {sum(counts)} ids, the body holds {int(ids.shape[0])}"
+        )
+    return list(torch.split(ids, counts)) if counts else []
+
+
+# -- encoding ---------------------------------------------------------------------------------------
+
+
+def milliseconds(seconds: float) -> float:
+    return round(seconds * 1000.0, 4)
+
+
+def lookup_timing(hash_seconds: float, lookup_seconds: float, total_seconds: float) -> dict[str, float]:
+    return {
+        "hash_ms": milliseconds(hash_seconds),
+        "lookup_ms": milliseconds(lookup_seconds),
+        "total_ms": milliseconds(total_seconds),
+    }
+
+
+def lookup_json(table: str, result: LookupResult, total_seconds: float) -> dict[str, Any]:
+    rows = result.rows
+    return {
+        "table": table,
+        "shape": [int(rows.shape[0]), int(rows.shape[1])],
+        "embeddings": rows.numpy(),
+        "version": result.version,
+        "timing": lookup_timing(result.hash_seconds, result.lookup_seconds, total_seconds),
+    }
+
+
+def rows_bytes(rows: Tensor) -> bytes:
+    """float32 (n, d) -> little-endian row-major bytes."""
+    return np.ascontiguousarray(rows.numpy(), dtype=_ROWS_DTYPE).tobytes()
+
+
+def update_json(table: str, result: UpdateResult, total_seconds: float) -> dict[str, Any]:
+    return {
+        "table": table,
+        "version": result.version,
+        "timing": {
+            "hash_ms": milliseconds(result.hash_seconds),
+            "apply_ms": milliseconds(result.apply_seconds),
+            "total_ms": milliseconds(total_seconds),
+        },
+    }
+
+
+def table_info_json(info: TableInfo) -> dict[str, Any]:
+    config = info.config.to_dict()
+    if config.get("random_numbers") is not None:
+        config["random_numbers"] = list(config["random_numbers"])
+    return {
+        "name": info.name,
+        "config": config,
+        "optimizer": info.optimizer.to_dict(),
+        "version": info.version,
+        "compression_ratio": info.config.compression_ratio,
+        "memory_bytes": info.memory_bytes,
+        "array": info.array,
+        "array_tables": list(info.array_tables),
+    }

@@ -1,0 +1,157 @@
+"""Server settings (the only place the environment is read) and the tables file.
+
+Every knob has a default and can be set as ``ROBEZ_<NAME>`` (e.g. ``ROBEZ_PORT=9000``); ``robez serve``
+options override the environment. Tables come from a TOML file (``--config tables.toml``), from the data
+directory (``--data-dir``), or, when neither names any, from the built-in ``demo`` table.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.errors import ConfigError
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# The table served when nothing else is configured: d = 64, Z = 32, m = 262144 (1 MiB of float32).
+DEMO_TABLE_NAME = "demo"
+DEMO_TABLE_CONFIG = TableConfig(
+    num_embeddings=10_000_000, embedding_dim=64, memory_size=262_144, chunk_size=32
+)
+DEMO_OPTIMIZER = OptimizerConfig(name="sgd", lr=0.01)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (cgroup/affinity aware where the OS tells us)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class Settings(BaseSettings):
+    """Everything the server can be told, with defaults; env prefix ``ROBEZ_``."""
+
+    model_config = SettingsConfigDict(env_prefix="ROBEZ_", extra="ignore", validate_default=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    workers: int = Field(default=1, ge=1, le=256, description="uvicorn worker processes")
+    config: Path | None = Field(default=None, description="tables file (TOML); see docs/api.md")
+    data_dir: Path | None = Field(default=None, description="durable tables (WAL + snapshots); None = memory")
+    # Write-ahead log (service/wal.py), used when data_dir is set; see docs/durability.md.
+    wal_fsync: Literal["always", "interval", "never"] = "always"
+    wal_fsync_interval_ms: float = Field(default=10.0, gt=0)
+    snapshot_every_updates: int = Field(default=0, ge=0, description="0 = only on request")
+    snapshot_every_seconds: float = Field(default=0.0, ge=0, description="0 = only on request")
+    default_table: bool = Field(default=True, description="serve `demo` when no table is configured")
+    log_level: str = "info"
+
+    # Kernel threads per worker; None = max(1, cpus // workers) so N workers never oversubscribe the CPUs.
+    threads_per_worker: int | None = Field(default=None, ge=1)
+    # Requests computing at once in one worker (each uses threads_per_worker kernel threads).
+    compute_slots: int = Field(default=2, ge=1, le=64)
+
+    api_key: SecretStr | None = None
+    read_api_key: SecretStr | None = None
+
+    max_body_bytes: int = Field(default=64 * MiB, ge=1)
+    max_ids_per_request: int = Field(default=1 << 18, ge=1)
+    # Bounds the (n, d) rows a request may ask for or push, whatever d is.
+    max_values_per_request: int = Field(default=1 << 25, ge=1)
+    max_tables: int = Field(default=64, ge=1)
+    max_embedding_dim: int = Field(default=4096, ge=1)
+    max_memory_size: int = Field(default=1 << 28, ge=1, description="float32 values per table array")
+    max_total_memory_bytes: int = Field(default=8 * GiB, ge=1, description="all arrays + optimizer state")
+    max_in_flight: int = Field(default=64, ge=1, description="requests admitted per worker before 503")
+    retry_after_s: int = Field(default=1, ge=0)
+
+    shm_dir: Path = Field(default=Path("/dev/shm"), description="where shared table memory is created")
+    # Set by `robez serve` for its workers: the prepared shared-memory directory to attach to.
+    shm_path: Path | None = None
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_log_level(cls, value: str) -> str:
+        value = value.lower()
+        if value not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ValueError(f"unknown log level {value!r}")
+        return value
+
+    @field_validator("api_key", "read_api_key")
+    @classmethod
+    def _no_empty_key(cls, value: SecretStr | None) -> SecretStr | None:
+        # An empty ROBEZ_API_KEY= must not silently mean "no auth" to someone who meant to set one.
+        if value is not None and not value.get_secret_value():
+            raise ValueError("an API key must not be empty; unset the variable to disable it")
+        return value
+
+    def kernel_threads(self) -> int:
+        """Kernel threads each worker uses: the setting, or the CPUs shared out over the workers."""
+        if self.threads_per_worker is not None:
+            return self.threads_per_worker
+        return max(1, available_cpus() // self.workers)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One table as the tables file (or a create request) describes it."""
+
+    config: TableConfig
+    optimizer: OptimizerConfig
+    share_array_with: str | None = None
+
+
+def demo_table_spec() -> TableSpec:
+    return TableSpec(DEMO_TABLE_CONFIG, DEMO_OPTIMIZER)
+
+
+def table_spec_from_mapping(name: str, data: dict[str, Any]) -> TableSpec:
+    """A ``TableSpec`` from one ``[tables.<name>]`` section; ConfigError names the table and the problem."""
+    data = dict(data)
+    optimizer_data = data.pop("optimizer", {})
+    share = data.pop("share_array_with", None)
+    if not isinstance(optimizer_data, dict):
+        raise ConfigError(f"table {name!r}: 'optimizer' must be a table, e.g. [tables.{name}.optimizer]")
+    if share is not None and not isinstance(share, str):
+        raise ConfigError(f"table {name!r}: share_array_with must be a table name")
+    try:
+        return TableSpec(TableConfig.from_dict(data), OptimizerConfig.from_dict(optimizer_data), share)
+    except TypeError as exc:  # unknown or missing keys
+        raise ConfigError(f"table {name!r}: {exc}") from exc
+    except ConfigError as exc:
+        raise ConfigError(f"table {name!r}: {exc}") from exc
+
+
+def load_tables_file(path: Path) -> dict[str, TableSpec]:
+    """Parse a tables file: ``[tables.<name>]`` sections, in file order (shared arrays after their source)."""
+    try:
+        with path.open("rb") as file:
+            document = tomllib.load(file)
+    except OSError as exc:
+        raise ConfigError(f"cannot read tables file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"tables file {path} is not valid TOML: {exc}") from exc
+    unknown = set(document) - {"tables"}
+    if unknown:
+        raise ConfigError(
+            f"tables file {path}: unknown top-level keys {sorted(unknown)}; expected [tables.<name>]"
+        )
+    tables = document.get("tables", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"tables file {path}: 'tables' must be a table of [tables.<name>] sections")
+    specs: dict[str, TableSpec] = {}
+    for name, section in tables.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"tables file {path}: [tables.{name}] must be a table")
+        specs[name] = table_spec_from_mapping(name, section)
+    return specs

@@ -1,0 +1,132 @@
+"""Errors -> HTTP responses, in one table and one set of handlers.
+
+Every error body is ``{"error": <message>, "error_type": <name>}``: core ``RobezError`` subclasses,
+request validation errors, unknown routes and unexpected failures alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from robez_core.errors import (
+    BusyError,
+    ConfigError,
+    ConflictError,
+    CorruptionError,
+    InvalidInputError,
+    LimitExceededError,
+    NotFoundError,
+    RobezError,
+)
+
+logger = logging.getLogger("robez.errors")
+
+
+class UnauthorizedError(RobezError):
+    """No credentials where a key is required (401)."""
+
+
+class ForbiddenError(RobezError):
+    """Credentials given but wrong (403)."""
+
+
+class PayloadTooLargeError(LimitExceededError):
+    """The request body is over ``max_body_bytes`` (413); other limits answer 422."""
+
+
+# Most specific first: an error takes the status of the first class in its MRO found here.
+STATUS_BY_ERROR: Mapping[type[RobezError], int] = {
+    UnauthorizedError: 401,
+    ForbiddenError: 403,
+    PayloadTooLargeError: 413,
+    NotFoundError: 404,
+    ConflictError: 409,
+    LimitExceededError: 422,
+    InvalidInputError: 422,
+    ConfigError: 422,
+    BusyError: 503,
+    CorruptionError: 500,
+    RobezError: 500,
+}
+
+_MAX_VALIDATION_ERRORS_SHOWN = 5
+
+
+def status_for(error: RobezError) -> int:
+    """The HTTP status of a ``RobezError`` per ``STATUS_BY_ERROR``."""
+    for cls in type(error).__mro__:
+        status = STATUS_BY_ERROR.get(cls)
+        if status is not None:
+            return status
+    return 500
+
+
+def error_response(
+    status: int, message: str, error_type: str, headers: Mapping[str, str] | None = None
+) -> Response:
+    """The one error body shape: ``{"error", "error_type"}``."""
+    body = orjson.dumps({"error": message, "error_type": error_type})
+    return Response(body, status_code=status, media_type="application/json", headers=dict(headers or {}))
+
+
+def summarize_validation_errors(errors: Sequence[Any]) -> str:
+    """A short message from pydantic errors; never echoes the (possibly huge) input."""
+    parts = []
+    for error in errors[:_MAX_VALIDATION_ERRORS_SHOWN]:
+        location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
+    if len(errors) > _MAX_VALIDATION_ERRORS_SHOWN:
+        parts.append(f"... and {len(errors) - _MAX_VALIDATION_ERRORS_SHOWN} more")
+    return "invalid request: " + "; ".join(parts)
+
+
+def _headers_for(error: RobezError, request: Request) -> dict[str, str]:
+    if isinstance(error, UnauthorizedError):
+        return {"WWW-Authenticate": "Bearer"}
+    if isinstance(error, BusyError):
+        return {"Retry-After": str(request.app.state.settings.retry_after_s)}
+    return {}
+
+
+async def _robez_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RobezError)
+    status = status_for(exc)
+    if status >= 500:
+        logger.error("%s on %s %s: %s", type(exc).__name__, request.method, request.url.path, exc)
+    return error_response(status, str(exc), type(exc).__name__, _headers_for(exc, request))
+
+
+async def _request_validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError | ValidationError)
+    return error_response(422, summarize_validation_errors(list(exc.errors())), "ValidationError")
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error_type = {404: "NotFound", 405: "MethodNotAllowed", 413: "PayloadTooLargeError"}.get(
+        exc.status_code, "HTTPError"
+    )
+    return error_response(exc.status_code, str(exc.detail), error_type, exc.headers)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal server error", "InternalError")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through the one body shape."""
+    app.add_exception_handler(RobezError, _robez_error)
+    app.add_exception_handler(RequestValidationError, _request_validation_error)
+    app.add_exception_handler(ValidationError, _request_validation_error)
+    app.add_exception_handler(HTTPException, _http_exception)
+    app.add_exception_handler(Exception, _unexpected_error)

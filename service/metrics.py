@@ -1,0 +1,149 @@
+"""Prometheus metrics (prefix ``robez_``) and the ``Server-Timing`` header.
+
+With several workers, metrics use prometheus_client's multiprocess mode: each worker writes its samples
+to files in ``<shared dir>/metrics`` (``PROMETHEUS_MULTIPROC_DIR``, set by ``robez serve`` before the
+workers start) and ``/metrics`` through any worker sums them all.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# Stage times run from a few microseconds (small hash) to seconds (a huge JSON request).
+_STAGE_BUCKETS = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    1.0,
+)
+_REQUEST_BUCKETS = (
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
+
+
+class Metrics:
+    """The server's metrics, registered in a registry of their own (one per app).
+
+    Args:
+        multiprocess_dir: the directory workers write samples to, or None in a single process.
+    """
+
+    def __init__(self, multiprocess_dir: Path | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir
+        self.registry = CollectorRegistry()
+        self.hash_seconds = Histogram(
+            "robez_hash_seconds",
+            "Time hashing ids to chunk offsets",
+            ["table"],
+            registry=self.registry,
+            buckets=_STAGE_BUCKETS,
+        )
+        self.lookup_seconds = Histogram(
+            "robez_lookup_seconds",
+            "Time gathering (and pooling) rows",
+            ["table"],
+            registry=self.registry,
+            buckets=_STAGE_BUCKETS,
+        )
+        self.update_apply_seconds = Histogram(
+            "robez_update_apply_seconds",
+            "Time applying an optimizer step under the table lock",
+            ["table"],
+            registry=self.registry,
+            buckets=_STAGE_BUCKETS,
+        )
+        self.request_duration_seconds = Histogram(
+            "robez_request_duration_seconds",
+            "Request time in the app",
+            ["endpoint", "method", "table", "status"],
+            registry=self.registry,
+            buckets=_REQUEST_BUCKETS,
+        )
+        self.requests_total = Counter(
+            "robez_requests",
+            "Requests answered",
+            ["endpoint", "method", "table", "status"],
+            registry=self.registry,
+        )
+        self.rejected_total = Counter(
+            "robez_rejected", "Requests refused before reaching a route", ["reason"], registry=self.registry
+        )
+
+    def render(self) -> tuple[bytes, str]:
+        """Prometheus text exposition of every worker's samples, and its content type."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(self.multiprocess_dir))
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def server_timing(**stages_seconds: float) -> str:
+    """``Server-Timing`` value, e.g. ``hash;dur=0.012, lookup;dur=0.030, total;dur=0.101`` (milliseconds)."""
+    return ", ".join(f"{name};dur={seconds * 1000.0:.4f}" for name, seconds in stages_seconds.items())
+
+
+class RequestMetricsMiddleware:
+    """Counts and times every HTTP request by route template, method, table and status (pure ASGI).
+
+    The table label is set only by routes that resolved an existing table (``request.state.table``), so
+    requests for unknown names cannot grow the label set.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            route: Any = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            table = str(scope.get("state", {}).get("table", ""))
+            labels = (endpoint, scope["method"], table, str(status))
+            self.metrics.request_duration_seconds.labels(*labels).observe(time.perf_counter() - start)
+            self.metrics.requests_total.labels(*labels).inc()

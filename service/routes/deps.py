@@ -1,0 +1,62 @@
+"""Dependencies shared by the route modules: the store, the metrics, running work off the event loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import anyio.to_thread
+from fastapi import Depends, Request
+
+from ..codec import OCTET_STREAM
+from ..metrics import Metrics
+from ..store import TableStore
+
+T = TypeVar("T")
+
+
+def get_store(request: Request) -> TableStore:
+    store: TableStore = request.app.state.store
+    return store
+
+
+def get_metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
+StoreDep = Annotated[TableStore, Depends(get_store)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+
+
+async def compute(request: Request, work: Callable[[], T]) -> T:
+    """Run decoding + kernels in a worker thread, at most ``compute_slots`` at once per worker, so the
+    event loop keeps accepting (and, when saturated, refusing) requests meanwhile."""
+    result: T = await anyio.to_thread.run_sync(work, limiter=request.app.state.compute_limiter)
+    return result
+
+
+def is_binary(request: Request) -> bool:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower() == OCTET_STREAM
+
+
+def wants_binary(request: Request) -> bool:
+    """Binary response when the request was binary or ``Accept`` asks only for octet-stream."""
+    accept = request.headers.get("accept", "").split(";")[0].strip().lower()
+    return is_binary(request) or accept == OCTET_STREAM
+
+
+def body_doc(json_schema_ref: str, binary_description: str, **binary_headers: Any) -> dict[str, Any]:
+    """OpenAPI for a body read by hand: the JSON model by reference, or raw octets."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{json_schema_ref}"}},
+                OCTET_STREAM: {
+                    "schema": {"type": "string", "format": "binary"},
+                    "description": binary_description,
+                },
+            },
+        }
+    }

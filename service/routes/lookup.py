@@ -1,0 +1,132 @@
+"""Lookups: one table (JSON or binary) and several tables in one request (JSON or binary)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from ..auth import ReadAccess
+from ..codec import (
+    OCTET_STREAM,
+    SHAPE_HEADER,
+    SHAPES_HEADER,
+    TABLES_HEADER,
+    VERSION_HEADER,
+    JSONBytesResponse,
+    LookupResponse,
+    MultiLookupResponse,
+    decode_ids,
+    decode_lookup_json,
+    decode_multi_lookup_json,
+    lookup_json,
+    lookup_timing,
+    parse_tables_header,
+    rows_bytes,
+    split_ids,
+)
+from ..metrics import Metrics, server_timing
+from ..store import LookupRequestItem, LookupResult
+from .deps import MetricsDep, StoreDep, body_doc, compute, is_binary, wants_binary
+
+router = APIRouter(prefix="/v1", tags=["lookup"])
+
+_BINARY_LOOKUP = "n little-endian int64 ids; the response is n*d little-endian float32, X-Robez-Shape: n,d"
+_BINARY_MULTI = (
+    "the ids of every table named in X-Robez-Tables (name=n,...), in that order, little-endian int64; the "
+    "response is each table's rows in that order, X-Robez-Shapes: n,d;n,d;..."
+)
+_BINARY_RESPONSE = {"content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}
+
+
+def _observe(metrics: Metrics, table: str, result: LookupResult) -> None:
+    metrics.hash_seconds.labels(table).observe(result.hash_seconds)
+    metrics.lookup_seconds.labels(table).observe(result.lookup_seconds)
+
+
+@router.post(
+    "/tables/{name}/lookup",
+    response_model=LookupResponse,
+    responses={200: _BINARY_RESPONSE},
+    openapi_extra=body_doc("LookupRequest", _BINARY_LOOKUP),
+    summary="Rows (or pooled bags) of ids from one table",
+)
+async def lookup(
+    name: str, request: Request, store: StoreDep, metrics: MetricsDep, _: ReadAccess
+) -> Response:
+    start = time.perf_counter()
+    body = await request.body()
+    if is_binary(request):
+        result = await compute(request, lambda: store.lookup(name, decode_ids(body)))
+    else:
+
+        def work() -> LookupResult:
+            parsed = decode_lookup_json(body)
+            return store.lookup(name, *parsed.tensors())
+
+        result = await compute(request, work)
+    request.state.table = name
+    _observe(metrics, name, result)
+    total = time.perf_counter() - start
+    headers = {
+        "Server-Timing": server_timing(hash=result.hash_seconds, lookup=result.lookup_seconds, total=total),
+        VERSION_HEADER: str(result.version),
+    }
+    if wants_binary(request):
+        rows = result.rows
+        headers[SHAPE_HEADER] = f"{int(rows.shape[0])},{int(rows.shape[1])}"
+        return Response(rows_bytes(rows), media_type=OCTET_STREAM, headers=headers)
+    return JSONBytesResponse(lookup_json(name, result, total), headers=headers)
+
+
+@router.post(
+    "/lookup",
+    response_model=MultiLookupResponse,
+    responses={200: _BINARY_RESPONSE},
+    openapi_extra=body_doc("MultiLookupRequest", _BINARY_MULTI),
+    summary="Rows from several tables in one request",
+)
+async def lookup_many(request: Request, store: StoreDep, metrics: MetricsDep, _: ReadAccess) -> Response:
+    start = time.perf_counter()
+    body = await request.body()
+    if is_binary(request):
+        tables = parse_tables_header(request.headers.get(TABLES_HEADER))
+
+        def work() -> list[LookupResult]:
+            ids = split_ids(body, [count for _, count in tables])
+            return store.lookup_many(
+                [LookupRequestItem(name, t) for (name, _), t in zip(tables, ids, strict=True)]
+            )
+
+        names = [name for name, _ in tables]
+    else:
+        parsed = await compute(request, lambda: decode_multi_lookup_json(body))
+        names = [item.table for item in parsed.lookups]
+
+        def work() -> list[LookupResult]:
+            return store.lookup_many(
+                [LookupRequestItem(item.table, *item.tensors()) for item in parsed.lookups]
+            )
+
+    results = await compute(request, work)
+    for name, result in zip(names, results, strict=True):
+        _observe(metrics, name, result)
+    total = time.perf_counter() - start
+    hash_seconds = sum(result.hash_seconds for result in results)
+    lookup_seconds = sum(result.lookup_seconds for result in results)
+    headers = {"Server-Timing": server_timing(hash=hash_seconds, lookup=lookup_seconds, total=total)}
+    if wants_binary(request):
+        headers[SHAPES_HEADER] = ";".join(f"{int(r.rows.shape[0])},{int(r.rows.shape[1])}" for r in results)
+        headers[VERSION_HEADER] = ",".join(str(result.version) for result in results)
+        return Response(
+            b"".join(rows_bytes(r.rows) for r in results), media_type=OCTET_STREAM, headers=headers
+        )
+    payload = {
+        "results": [
+            lookup_json(name, result, result.hash_seconds + result.lookup_seconds)
+            for name, result in zip(names, results, strict=True)
+        ],
+        "timing": lookup_timing(hash_seconds, lookup_seconds, total),
+    }
+    return JSONBytesResponse(payload, headers=headers)
