@@ -1,0 +1,626 @@
+"""Turn a ``SweepResult`` into the markdown report, the CSV and the PNG plots under ``docs/loadtest/``.
+
+Every figure in these files comes from the run that wrote them; nothing is typed in by hand.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .baseline import KernelResult
+from .runner import RunResult
+from .stats import efficiency
+from .sweep import REFERENCE_BATCH, SweepResult
+
+BINARY_KERNEL_TARGET = 0.5
+JSON_FLOOR_TARGET = 0.7
+EFFICIENCY_TARGET = 0.8
+EFFICIENCY_WORKERS = 4
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    """One of the issue's target ratios: what was measured and whether it met the threshold."""
+
+    name: str
+    threshold: float
+    ratio: float | None
+    detail: str
+
+    @property
+    def status(self) -> str:
+        if self.ratio is None or math.isnan(self.ratio):
+            return "not measurable"
+        return "met" if self.ratio >= self.threshold else "missed"
+
+    @property
+    def shortfall(self) -> str:
+        """How far off a missed target is, in words (empty when met or not measured)."""
+        if self.status != "missed" or self.ratio is None:
+            return ""
+        factor = self.threshold / self.ratio if self.ratio > 0 else math.inf
+        return (
+            f"missed by {self.threshold - self.ratio:.2f} ({self.ratio:.2f} vs {self.threshold:.2f}): "
+            f"{factor:.2f}x the measured throughput would be needed"
+        )
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    markdown: Path
+    csv: Path
+    plots: tuple[Path, ...]
+
+
+def find_run(
+    runs: Iterable[RunResult],
+    scenario: str,
+    batch_size: int,
+    server_cores: int | None,
+    *,
+    mode: str = "closed",
+    transport: str | None = None,
+) -> RunResult | None:
+    """The first run matching these, skipping the transport cross-check unless ``transport`` is given."""
+    for run in runs:
+        spec = run.spec
+        if (spec.scenario, spec.batch_size, spec.mode, run.server_cores) != (
+            scenario,
+            batch_size,
+            mode,
+            server_cores,
+        ):
+            continue
+        if transport is not None and spec.transport != transport:
+            continue
+        if transport is None and "httpx client" in spec.label:
+            continue
+        return run
+    return None
+
+
+def _kernel(result: SweepResult, batch_size: int) -> KernelResult | None:
+    return next((k for k in result.kernel if k.batch_size == batch_size), None)
+
+
+def _one_worker(result: SweepResult) -> int | None:
+    """The server-cores key of the single-worker runs (None when targeting an external server)."""
+    return None if result.config.url else 1
+
+
+def target_checks(result: SweepResult) -> list[TargetCheck]:
+    """The issue's three target ratios, computed from this sweep's runs."""
+    one = _one_worker(result)
+    checks = []
+    binary = find_run(result.runs, "binary", REFERENCE_BATCH, one)
+    kernel = _kernel(result, REFERENCE_BATCH)
+    name = f"binary lookups of {REFERENCE_BATCH} ids, 1 worker: server ids/s / in-process kernel+encode ids/s"
+    if binary is None or kernel is None:
+        checks.append(
+            TargetCheck(name, BINARY_KERNEL_TARGET, None, f"batch {REFERENCE_BATCH} was not measured")
+        )
+    else:
+        ratio = binary.ids_per_s / kernel.ids_per_s if kernel.ids_per_s > 0 else math.nan
+        checks.append(
+            TargetCheck(
+                name,
+                BINARY_KERNEL_TARGET,
+                ratio,
+                f"{binary.ids_per_s:,.0f} / {kernel.ids_per_s:,.0f} ids/s",
+            )
+        )
+    json_run = find_run(result.runs, "json", 1, one)
+    floor = find_run(result.runs, "healthz", 1, one)
+    name = "single-id JSON lookups: req/s / trivial endpoint (/healthz) req/s"
+    if json_run is None or floor is None:
+        checks.append(TargetCheck(name, JSON_FLOOR_TARGET, None, "the json or healthz scenario was not run"))
+    else:
+        ratio = json_run.requests_per_s / floor.requests_per_s if floor.requests_per_s > 0 else math.nan
+        checks.append(
+            TargetCheck(
+                name,
+                JSON_FLOOR_TARGET,
+                ratio,
+                f"{json_run.requests_per_s:,.0f} / {floor.requests_per_s:,.0f} req/s",
+            )
+        )
+    name = f"scaling efficiency at {EFFICIENCY_WORKERS} workers (binary, {REFERENCE_BATCH} ids)"
+    at_one = find_run(result.runs, "binary", REFERENCE_BATCH, 1)
+    at_four = find_run(result.runs, "binary", REFERENCE_BATCH, EFFICIENCY_WORKERS)
+    cores = int(result.machine.get("cores", "0"))
+    if at_one is None or at_four is None:
+        if result.config.url:
+            reason = "targets an external server (--url): its cores are not under the load test's control"
+        elif cores < EFFICIENCY_WORKERS + 1:
+            reason = (
+                f"this machine has {cores} cores; {EFFICIENCY_WORKERS} pinned workers plus at least one"
+                f" client core need {EFFICIENCY_WORKERS + 1}, so it cannot be measured here"
+            )
+        else:
+            reason = f"--cpus did not include both 1 and {EFFICIENCY_WORKERS}"
+        checks.append(TargetCheck(name, EFFICIENCY_TARGET, None, reason))
+    else:
+        ratio = efficiency(at_four.ids_per_s, EFFICIENCY_WORKERS, at_one.ids_per_s)
+        detail = f"{at_four.ids_per_s:,.0f} ids/s at 4 workers / (4 x {at_one.ids_per_s:,.0f} at 1)"
+        if SHARED_NOTE in at_four.notes:
+            detail += "; the clients shared the server's cores, so this understates the server"
+        checks.append(TargetCheck(name, EFFICIENCY_TARGET, ratio, detail))
+    return checks
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:,.{digits}f}"
+
+
+def _load(run: RunResult) -> str:
+    spec = run.spec
+    return f"open {spec.rate:,.0f}/s" if spec.mode == "open" else f"closed c={spec.concurrency}"
+
+
+def _cores(run: RunResult) -> str:
+    return str(run.server_cores) if run.server_cores is not None else "ext"
+
+
+def _runs_table(runs: list[RunResult]) -> list[str]:
+    lines = [
+        "| server cores | run | scenario | batch | load | client | ok | errors | req/s | ids/s | MB/s "
+        "| p50 ms | p90 ms | p99 ms | max ms | hash p50/p99 ms | lookup p50/p99 ms | server CPU (cores) "
+        "| client CPU | notes |",
+        "|" + "---|" * 20,
+    ]
+    for run in runs:
+        errors = sum(run.errors.values())
+        error_text = (
+            str(errors) if not run.expected else f"{errors} (+{sum(run.expected.values())} expected 503)"
+        )
+        notes = list(run.notes)
+        if run.spec.mode == "open" and run.max_send_lag_ms > 5.0:
+            notes.append(f"client sent up to {run.max_send_lag_ms:.0f} ms behind schedule")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    _cores(run),
+                    run.spec.label,
+                    run.spec.scenario,
+                    str(run.spec.batch_size),
+                    _load(run),
+                    f"{run.spec.transport} x{run.spec.processes}",
+                    str(run.ok),
+                    error_text,
+                    _fmt(run.requests_per_s, 0),
+                    _fmt(run.ids_per_s, 0),
+                    _fmt(run.embedding_bytes_per_s / 1e6, 1),
+                    _fmt(run.latency_ms.p50),
+                    _fmt(run.latency_ms.p90),
+                    _fmt(run.latency_ms.p99),
+                    _fmt(run.latency_ms.max),
+                    f"{_fmt(run.hash_ms.p50, 3)} / {_fmt(run.hash_ms.p99, 3)}",
+                    f"{_fmt(run.lookup_ms.p50, 3)} / {_fmt(run.lookup_ms.p99, 3)}",
+                    _fmt(run.server_cpu_cores),
+                    "/".join(f"{cpu:.0%}" for cpu in run.client_cpu),
+                    "; ".join(notes),
+                ]
+            )
+            + " |"
+        )
+    return lines
+
+
+def _kernel_table(kernel: list[KernelResult]) -> list[str]:
+    lines = [
+        "| batch | calls | ids/s | call p50 ms | hash p50 ms | gather p50 ms | fused lookup p50 ms "
+        "| encode p50 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for k in kernel:
+        lines.append(
+            f"| {k.batch_size} | {k.calls} | {k.ids_per_s:,.0f} | {k.call_ms_p50:.3f} | {k.hash_ms_p50:.3f} "
+            f"| {k.gather_ms_p50:.3f} | {k.lookup_ms_p50:.3f} | {k.encode_ms_p50:.3f} |"
+        )
+    return lines
+
+
+def _scaling_rows(result: SweepResult) -> list[tuple[str, int, int, float, str, float]]:
+    """(scenario, batch, cores, throughput, unit, efficiency) for every closed-loop run measured at 1 core."""
+    rows = []
+    for run in result.runs:
+        spec = run.spec
+        if spec.mode != "closed" or run.server_cores is None or "httpx client" in spec.label:
+            continue
+        base = find_run(result.runs, spec.scenario, spec.batch_size, 1)
+        if base is None:
+            continue
+        unit = "req/s" if spec.scenario in ("healthz", "json") and spec.batch_size == 1 else "ids/s"
+        value = run.requests_per_s if unit == "req/s" else run.ids_per_s
+        base_value = base.requests_per_s if unit == "req/s" else base.ids_per_s
+        rows.append(
+            (
+                spec.scenario,
+                spec.batch_size,
+                run.server_cores,
+                value,
+                unit,
+                efficiency(value, run.server_cores, base_value),
+            )
+        )
+    return rows
+
+
+def _time_split(result: SweepResult) -> list[tuple[str, dict[str, float]]]:
+    """Per binary batch at 1 worker: server CPU ms per request split by Server-Timing; kernel parts alone.
+
+    Server-Timing means are additive (hash + lookup + rest of handler = total); the server's CPU per
+    request (process-tree CPU over the run / requests) minus the handler total is HTTP, framework and
+    event-loop work outside the handler.
+    """
+    one = _one_worker(result)
+    bars: list[tuple[str, dict[str, float]]] = []
+    for batch in result.config.batch_sizes:
+        run = find_run(result.runs, "binary", batch, one)
+        if run is None or run.ok == 0:
+            continue
+        hash_ms = _finite(run.hash_ms.mean)
+        lookup_ms = _finite(run.lookup_ms.mean)
+        total_ms = _finite(run.server_total_ms.mean)
+        parts = {
+            "hash": hash_ms,
+            "lookup (gather)": lookup_ms,
+            "rest of handler": max(0.0, total_ms - hash_ms - lookup_ms),
+        }
+        if run.server_cpu_cores is not None:
+            cpu_ms = run.server_cpu_cores * run.window_s / run.ok * 1e3
+            parts["HTTP + framework (CPU)"] = max(0.0, cpu_ms - total_ms)
+        bars.append((f"server, batch {batch}", parts))
+        kernel = _kernel(result, batch)
+        if kernel is not None:
+            bars.append(
+                (
+                    f"kernel, batch {batch}",
+                    {
+                        "hash": kernel.hash_ms_p50,
+                        "lookup (gather)": kernel.gather_ms_p50,
+                        "encode": kernel.encode_ms_p50,
+                    },
+                )
+            )
+    return bars
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
+
+
+SHARED_NOTE = "clients shared the server's cores"
+
+
+def _run_row(run: RunResult) -> dict[str, object]:
+    spec = run.spec
+    return {
+        "kind": "http",
+        "server_cores": "" if run.server_cores is None else run.server_cores,
+        "label": spec.label,
+        "scenario": spec.scenario,
+        "batch_size": spec.batch_size,
+        "mode": spec.mode,
+        "concurrency": spec.concurrency,
+        "offered_rate": f"{spec.rate:.1f}",
+        "transport": spec.transport,
+        "client_processes": spec.processes,
+        "window_s": f"{run.window_s:.4f}",
+        "scheduled": run.scheduled,
+        "sent": run.sent,
+        "completed": run.completed,
+        "ok": run.ok,
+        "errors": run.error_count,
+        "expected_errors": sum(run.expected.values()),
+        "requests_per_s": f"{run.requests_per_s:.2f}",
+        "ids_per_s": f"{run.ids_per_s:.1f}",
+        "embedding_bytes_per_s": f"{run.embedding_bytes_per_s:.1f}",
+        "latency_p50_ms": f"{run.latency_ms.p50:.4f}",
+        "latency_p90_ms": f"{run.latency_ms.p90:.4f}",
+        "latency_p99_ms": f"{run.latency_ms.p99:.4f}",
+        "latency_max_ms": f"{run.latency_ms.max:.4f}",
+        "hash_p50_ms": f"{run.hash_ms.p50:.4f}",
+        "hash_p99_ms": f"{run.hash_ms.p99:.4f}",
+        "lookup_p50_ms": f"{run.lookup_ms.p50:.4f}",
+        "lookup_p99_ms": f"{run.lookup_ms.p99:.4f}",
+        "server_total_p50_ms": f"{run.server_total_ms.p50:.4f}",
+        "server_cpu_cores": "" if run.server_cpu_cores is None else f"{run.server_cpu_cores:.3f}",
+        "client_cpu_max": f"{max(run.client_cpu, default=math.nan):.3f}",
+        "client_saturated": run.client_saturated,
+        "clients_shared_cores": SHARED_NOTE in run.notes,
+    }
+
+
+def _kernel_row(kernel: KernelResult) -> dict[str, object]:
+    return {
+        "kind": "kernel",
+        "server_cores": len(kernel.cores) if kernel.cores else "",
+        "label": "in-process kernel + encode",
+        "scenario": "kernel",
+        "batch_size": kernel.batch_size,
+        "window_s": f"{kernel.seconds:.4f}",
+        "ok": kernel.calls,
+        "errors": 0,
+        "requests_per_s": f"{kernel.calls_per_s:.2f}",
+        "ids_per_s": f"{kernel.ids_per_s:.1f}",
+        "latency_p50_ms": f"{kernel.call_ms_p50:.4f}",
+        "hash_p50_ms": f"{kernel.hash_ms_p50:.4f}",
+        "lookup_p50_ms": f"{kernel.gather_ms_p50:.4f}",
+    }
+
+
+def write_csv(result: SweepResult, path: Path) -> None:
+    """One row per HTTP run and one per kernel batch size (``kind`` tells them apart)."""
+    rows = [_run_row(run) for run in result.runs] + [_kernel_row(kernel) for kernel in result.kernel]
+    columns = list(_run_row(result.runs[0]).keys()) if result.runs else list(_kernel_row(result.kernel[0]))
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_plots(result: SweepResult, stem: Path) -> tuple[Path, ...]:
+    """Throughput vs cores, latency percentiles vs offered load, time split per request (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+
+    # throughput vs cores
+    rows = _scaling_rows(result)
+    if rows:
+        figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+        series: dict[tuple[str, int, str], list[tuple[int, float]]] = {}
+        for scenario, batch, cores, value, unit, _ in rows:
+            series.setdefault((scenario, batch, unit), []).append((cores, value))
+        for (scenario, batch, unit), points in sorted(series.items()):
+            points.sort()
+            axis = left if unit == "req/s" else right
+            xs, ys = zip(*points, strict=True)
+            axis.plot(xs, ys, marker="o", label=f"{scenario} batch {batch}")
+            axis.plot(xs, [ys[0] * x for x in xs], linestyle=":", color=axis.lines[-1].get_color(), alpha=0.6)
+        for axis, unit in ((left, "requests/s"), (right, "ids/s")):
+            axis.set_xlabel("server workers (= pinned cores)")
+            axis.set_ylabel(unit)
+            axis.set_xticks(sorted({r[2] for r in rows}))
+            axis.grid(alpha=0.3)
+            if axis.lines:
+                axis.legend(fontsize=7)
+        right.set_yscale("log")
+        figure.suptitle("Throughput vs cores (dotted: perfect linear scaling from 1 core)")
+        figure.tight_layout()
+        path = stem.with_name(stem.name + "-throughput.png")
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+
+    # latency percentiles vs offered load
+    open_runs = sorted((r for r in result.runs if r.spec.mode == "open"), key=lambda r: r.spec.rate)
+    if open_runs:
+        figure, axis = plt.subplots(figsize=(7, 4.2))
+        offered = [r.spec.rate for r in open_runs]
+        for name in ("p50", "p90", "p99", "max"):
+            axis.plot(offered, [getattr(r.latency_ms, name) for r in open_runs], marker="o", label=name)
+        axis.set_xlabel("offered load (requests/s, open loop)")
+        axis.set_ylabel("latency from scheduled send (ms)")
+        axis.set_yscale("log")
+        axis.grid(alpha=0.3)
+        twin = axis.twinx()
+        twin.plot(
+            offered,
+            [r.requests_per_s for r in open_runs],
+            color="gray",
+            linestyle="--",
+            label="achieved req/s",
+        )
+        twin.set_ylabel("achieved requests/s")
+        lines = axis.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        labels = axis.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
+        axis.legend(lines, labels, fontsize=8, loc="upper left")
+        batch = open_runs[0].spec.batch_size
+        axis.set_title(f"Binary lookups of {batch} ids, 1 worker: latency vs offered load")
+        figure.tight_layout()
+        path = stem.with_name(stem.name + "-latency.png")
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+
+    # time split per request
+    bars = _time_split(result)
+    if bars:
+        figure, axis = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.5))
+        colours = {
+            "hash": "#4c72b0",
+            "lookup (gather)": "#55a868",
+            "rest of handler": "#c44e52",
+            "encode": "#c44e52",
+            "HTTP + framework (CPU)": "#8172b2",
+        }
+        labels_seen: set[str] = set()
+        for row, (_, parts) in enumerate(bars):
+            left_edge = 0.0
+            for part, value in parts.items():
+                legend = part if part not in labels_seen else None
+                labels_seen.add(part)
+                axis.barh(row, value, left=left_edge, color=colours.get(part, "gray"), label=legend)
+                left_edge += value
+        axis.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+        axis.invert_yaxis()
+        axis.set_xscale("symlog", linthresh=0.01)
+        axis.set_xlabel("ms per request (server: Server-Timing means + CPU per request; kernel: medians)")
+        axis.legend(fontsize=7, loc="lower right")
+        axis.set_title("Where a request's time goes, 1 worker")
+        figure.tight_layout()
+        path = stem.with_name(stem.name + "-timesplit.png")
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return tuple(written)
+
+
+def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path) -> str:
+    """The report text."""
+    config = result.config
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(result.started))
+    pinned = "`robez serve --workers k` pinned to cores 0..k-1"
+    server_text = f"external at {config.url}" if config.url else pinned
+    lines = [f"# Load test: {started} on {result.machine.get('host', '?')}", ""]
+    lines += [
+        f"Command: `{result.command}` (took {result.finished - result.started:.0f} s).",
+        "Produced by `python -m loadtest` (`make loadtest`); every figure below comes from that one run.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {key} | {value} |" for key, value in result.machine.items()),
+        "",
+        "No accelerator / 16-core device machine was lent to this task, so only this machine's figures"
+        " exist.",
+        "The machine is shared with other work: figures are noisy and the ratios (taken in one run) are what"
+        " to compare, not absolute rates.",
+        "",
+        "## Setup",
+        "",
+        f"- server: {server_text}"
+        f"; table d=64, Z=32, m=262144 (the issue's reference); clients: `{config.transport}` transport,"
+        " one process per spare core (on all cores when none is spare).",
+        f"- ids: {config.distribution}"
+        + (f" (exponent {config.zipf_exponent})" if config.distribution == "zipf" else "")
+        + f" over {config.num_ids:,} ids; each run at most {config.max_requests:,} requests and"
+        f" {config.duration_s:g} s; closed loop at {config.concurrency_per_worker} in flight per worker.",
+        "- latency is client-side (send to last byte; open loop: from the *scheduled* send); hash/lookup are"
+        " the server's own `Server-Timing`; server CPU is the process tree's user+system time over the run.",
+        "- in-process kernel baseline: decode int64 bytes + fused `Table.lookup` + float32 rows to bytes,"
+        " pinned to core 0, 1 kernel thread (what one worker gets).",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | threshold | result | detail |",
+        "|---|---|---|---|---|",
+    ]
+    checks = target_checks(result)
+    for check in checks:
+        result_text = check.status if check.status != "missed" else f"**missed** — {check.shortfall}"
+        lines.append(
+            f"| {check.name} | {_fmt(check.ratio)} | >= {check.threshold:.2f} | {result_text}"
+            f" | {check.detail} |"
+        )
+    lines += ["", *_explain_targets(result, checks), ""]
+    lines += ["## Runs", "", *_runs_table(result.runs), ""]
+    lines += ["## In-process kernel baseline (the ceiling)", "", *_kernel_table(result.kernel), ""]
+    scaling = _scaling_rows(result)
+    if scaling:
+        lines += [
+            "## Scaling with cores",
+            "",
+            "| scenario | batch | workers | throughput | efficiency |",
+            "|---|---|---|---|---|",
+        ]
+        for scenario, batch, cores, value, unit, eff in scaling:
+            lines.append(f"| {scenario} | {batch} | {cores} | {value:,.0f} {unit} | {_fmt(eff)} |")
+        lines.append("")
+    saturated = [r for r in result.runs if r.client_saturated]
+    shared = [r for r in result.runs if SHARED_NOTE in r.notes]
+    lines += ["## Client saturation", ""]
+    if saturated:
+        lines.append(
+            f"{len(saturated)} run(s) had a client process at >= 85% of a core, so the client, not only the"
+            " server, limited them: "
+            + ", ".join(f"{_cores(r)} cores / {r.spec.label} batch {r.spec.batch_size}" for r in saturated)
+            + "."
+        )
+    else:
+        lines.append("No client process reached 85% of a core: the server was the bottleneck in every run.")
+    if shared:
+        lines.append(
+            f"In {len(shared)} run(s) the server had every core, so the clients ran on the server's cores and"
+            " took CPU from it: those figures understate the server."
+        )
+    lines.append("")
+    failed = result.failed_runs
+    lines += ["## Errors", ""]
+    if failed:
+        for run in failed:
+            lines.append(
+                f"- {_cores(run)} cores / {run.spec.label}: {run.errors} {run.failures} {run.error_samples}"
+            )
+    else:
+        lines.append("No unexpected errors: every request got a 2xx answer of the right shape.")
+    expected = [r for r in result.runs if r.expected]
+    for run in expected:
+        lines.append(
+            f"- {run.spec.label}: {sum(run.expected.values())} expected 503 (load shed over capacity)"
+        )
+    lines.append("")
+    if result.notes:
+        lines += ["## Notes", "", *(f"- {note}" for note in result.notes), ""]
+    lines += ["## Plots", ""]
+    for plot in plots:
+        lines.append(f"![{plot.stem}]({plot.name})")
+        lines.append("")
+    lines.append(f"Raw figures: [{csv_path.name}]({csv_path.name}).")
+    return "\n".join(lines) + "\n"
+
+
+def _explain_targets(result: SweepResult, checks: list[TargetCheck]) -> list[str]:
+    """What the per-request split says about any missed target."""
+    lines: list[str] = []
+    one = _one_worker(result)
+    if checks[0].status == "missed":
+        run = find_run(result.runs, "binary", REFERENCE_BATCH, one)
+        kernel = _kernel(result, REFERENCE_BATCH)
+        if run is not None and kernel is not None:
+            cpu = (
+                run.server_cpu_cores * run.window_s / run.ok * 1e3
+                if run.server_cpu_cores and run.ok
+                else math.nan
+            )
+            lines.append(
+                f"Binary {REFERENCE_BATCH}-id lookup, 1 worker: the in-process call takes"
+                f" {kernel.call_ms_p50:.3f} ms (hash {kernel.hash_ms_p50:.3f},"
+                f" gather {kernel.gather_ms_p50:.3f}, encode {kernel.encode_ms_p50:.3f});"
+                f" the server spends {_fmt(cpu, 3)} ms of CPU per request, of which its handler reports"
+                f" {_fmt(run.server_total_ms.mean, 3)} ms (hash {_fmt(run.hash_ms.mean, 3)}, lookup"
+                f" {_fmt(run.lookup_ms.mean, 3)}) — the rest is HTTP parsing, the framework and moving the"
+                " body."
+            )
+    if checks[1].status == "missed":
+        json_run = find_run(result.runs, "json", 1, one)
+        floor = find_run(result.runs, "healthz", 1, one)
+        if json_run is not None and floor is not None:
+            lines.append(
+                "Single-id JSON lookups: server handler total"
+                f" {_fmt(json_run.server_total_ms.mean, 3)} ms mean (hash {_fmt(json_run.hash_ms.mean, 3)},"
+                f" lookup {_fmt(json_run.lookup_ms.mean, 3)}); server CPU"
+                f" {_fmt(json_run.server_cpu_cores)} vs {_fmt(floor.server_cpu_cores)} cores for /healthz."
+            )
+    return lines
+
+
+def write_report(result: SweepResult, out_dir: Path, *, update_latest: bool) -> ReportFiles:
+    """Write ``<date>-<host>[-quick].md``, its CSV and plots into ``out_dir``; optionally ``latest.md``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    date = time.strftime("%Y-%m-%d", time.gmtime(result.started))
+    name = f"{date}-{result.machine.get('host', 'host')}" + ("-quick" if result.config.quick else "")
+    stem = out_dir / name
+    csv_path = stem.with_suffix(".csv")
+    write_csv(result, csv_path)
+    plots = write_plots(result, stem)
+    markdown_path = stem.with_suffix(".md")
+    markdown_path.write_text(render_markdown(result, plots, csv_path))
+    if update_latest:
+        shutil.copyfile(markdown_path, out_dir / "latest.md")
+    return ReportFiles(markdown_path, csv_path, plots)

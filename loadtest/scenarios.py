@@ -1,0 +1,208 @@
+"""What a load-test run sends: the scenarios, as pools of pre-encoded requests.
+
+Every request body is built before the clock starts (a small pool of distinct bodies, reused round
+robin), so the client's per-request work is a socket write and a response check, and the server sees
+fresh ids without the client paying numpy time in the measured loop.
+
+Scenarios (``SCENARIOS``):
+
+- ``healthz``  GET /healthz, the HTTP floor: the same server's cheapest endpoint.
+- ``binary``   POST /v1/tables/{t}/lookup, little-endian int64 ids -> float32 rows (X-Robez-Shape).
+- ``json``     the same lookup as JSON ``{"ids": [...]}`` -> ``{"shape", "embeddings", ...}``.
+- ``pooled``   JSON lookup with ``offsets`` and ``pooling="sum"``: batch ids in bags of ``bag_size``.
+- ``multi``    POST /v1/lookup, the batch split over several tables in one request (a DLRM request).
+- ``update``   POST /v1/tables/{t}/update, binary: n int64 ids then n x d float32 gradients.
+- ``mix``      95% binary lookups, 5% binary updates of the same batch size (exactly 1 in 20).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from .stats import make_sampler
+from .transport import PreparedRequest, Response, Target, prepare_request
+
+SCENARIOS: tuple[str, ...] = ("healthz", "binary", "json", "pooled", "multi", "update", "mix")
+OCTET_STREAM = "application/octet-stream"
+SHAPE_HEADER = "X-Robez-Shape"
+MAX_BATCH_SIZE = 32768
+# Pools hold at most this many body bytes; big update bodies (n x d floats) get fewer distinct copies.
+_POOL_BYTES = 48 << 20
+_POOL_MAX = 32
+_MIX_PERIOD = 20  # 1 update in every 20 requests: the 95/5 mix
+# Gradients small enough that thousands of updates leave the table's values near their init scale.
+_GRAD_SCALE = 1e-4
+
+
+@dataclass(frozen=True)
+class ScenarioContext:
+    """Everything a scenario needs to know about the server and the ids it should send.
+
+    ``tables`` lists the tables the multi-table scenario spreads its batch over; ``table`` is the one
+    the single-table scenarios use. ``embedding_dim`` must be the server's d for ``table`` (the runner
+    reads it from a one-id lookup), every table in ``tables`` included.
+    """
+
+    target: Target
+    table: str
+    tables: tuple[str, ...]
+    embedding_dim: int
+    distribution: str = "uniform"
+    num_ids: int = 1_000_000
+    zipf_exponent: float = 1.05
+    bag_size: int = 32
+    api_key: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestTemplate:
+    """One pre-encoded request and what a correct answer to it looks like.
+
+    ``ids`` counts the ids sent; ``rows`` the embedding rows the response carries (n for a lookup, the
+    number of bags for a pooled one, 0 for updates and /healthz); ``response`` is how to check it.
+    """
+
+    request: PreparedRequest
+    kind: str  # "lookup" | "update" | "healthz"
+    ids: int
+    rows: int
+    response: str  # "binary" | "json" | "multi" | "status"
+
+
+def build_requests(
+    scenario: str, batch_size: int, context: ScenarioContext, seed: int
+) -> list[RequestTemplate]:
+    """The request pool for one client process of one run, in the order it is to be sent (round robin).
+
+    Raises:
+        ValueError: unknown scenario, or a batch size outside ``[1, MAX_BATCH_SIZE]``.
+    """
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; expected one of {SCENARIOS}")
+    if not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise ValueError(f"batch size must be in [1, {MAX_BATCH_SIZE}], got {batch_size}")
+    if scenario == "healthz":
+        return [
+            RequestTemplate(prepare_request(context.target, "GET", "/healthz"), "healthz", 0, 0, "status")
+        ]
+    sampler = make_sampler(context.distribution, context.num_ids, context.zipf_exponent, seed)
+    rng = np.random.default_rng(seed + 1)
+    per_body_bytes = batch_size * 8 * (1 + (context.embedding_dim if scenario in ("update", "mix") else 0))
+    pool_size = max(2, min(_POOL_MAX, _POOL_BYTES // max(1, per_body_bytes)))
+    if scenario == "mix":
+        pool_size = _MIX_PERIOD
+    templates: list[RequestTemplate] = []
+    for index in range(pool_size):
+        ids = sampler.sample(batch_size)
+        if scenario == "binary" or (scenario == "mix" and index != 0):
+            templates.append(_binary_lookup(context, ids))
+        elif scenario == "json":
+            templates.append(_json_lookup(context, ids))
+        elif scenario == "pooled":
+            templates.append(_pooled_lookup(context, ids))
+        elif scenario == "multi":
+            templates.append(_multi_lookup(context, ids))
+        else:  # update, or the one update in every mix period
+            templates.append(_binary_update(context, ids, rng))
+    if scenario == "mix":
+        # the update's position within the period is random, the 1-in-20 fraction exact
+        order = rng.permutation(pool_size)
+        templates = [templates[int(i)] for i in order]
+    return templates
+
+
+def _auth(context: ScenarioContext) -> dict[str, str]:
+    return {"Authorization": f"Bearer {context.api_key}"} if context.api_key else {}
+
+
+def _table_path(table: str, action: str) -> str:
+    return f"/v1/tables/{table}/{action}"
+
+
+def _binary_lookup(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate:
+    headers = {"Content-Type": OCTET_STREAM, "Accept": OCTET_STREAM, **_auth(context)}
+    body = ids.astype("<i8").tobytes()
+    request = prepare_request(context.target, "POST", _table_path(context.table, "lookup"), body, headers)
+    return RequestTemplate(request, "lookup", ids.size, ids.size, "binary")
+
+
+def _json_lookup(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate:
+    headers = {"Content-Type": "application/json", **_auth(context)}
+    body = orjson.dumps({"ids": ids.tolist()})
+    request = prepare_request(context.target, "POST", _table_path(context.table, "lookup"), body, headers)
+    return RequestTemplate(request, "lookup", ids.size, ids.size, "json")
+
+
+def _pooled_lookup(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate:
+    headers = {"Content-Type": "application/json", **_auth(context)}
+    offsets = list(range(0, ids.size, context.bag_size))
+    body = orjson.dumps({"ids": ids.tolist(), "offsets": offsets, "pooling": "sum"})
+    request = prepare_request(context.target, "POST", _table_path(context.table, "lookup"), body, headers)
+    return RequestTemplate(request, "lookup", ids.size, len(offsets), "json")
+
+
+def multi_lookup_body(tables: tuple[str, ...], ids: np.ndarray) -> bytes:
+    """``POST /v1/lookup`` body: the ids split as evenly as possible over ``tables`` (in order)."""
+    parts = np.array_split(ids, len(tables))
+    return orjson.dumps(
+        {"lookups": [{"table": t, "ids": p.tolist()} for t, p in zip(tables, parts, strict=True)]}
+    )
+
+
+def _multi_lookup(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate:
+    headers = {"Content-Type": "application/json", **_auth(context)}
+    body = multi_lookup_body(context.tables, ids)
+    request = prepare_request(context.target, "POST", "/v1/lookup", body, headers)
+    return RequestTemplate(request, "lookup", ids.size, ids.size, "multi")
+
+
+def _binary_update(context: ScenarioContext, ids: np.ndarray, rng: np.random.Generator) -> RequestTemplate:
+    dim = context.embedding_dim
+    grads = (rng.standard_normal((ids.size, dim)) * _GRAD_SCALE).astype("<f4")
+    headers = {"Content-Type": OCTET_STREAM, SHAPE_HEADER: f"{ids.size},{dim}", **_auth(context)}
+    body = ids.astype("<i8").tobytes() + grads.tobytes()
+    request = prepare_request(context.target, "POST", _table_path(context.table, "update"), body, headers)
+    return RequestTemplate(request, "update", ids.size, 0, "status")
+
+
+def check_response(template: RequestTemplate, response: Response, embedding_dim: int) -> str | None:
+    """None when ``response`` is a correct answer to ``template``, else a short reason (an error kind).
+
+    Only 2xx answers reach this check; it verifies the shape the scenario promises, not the values.
+    """
+    if template.response == "status":
+        return None
+    if template.response == "binary":
+        expected = template.rows * embedding_dim * 4
+        if len(response.body) != expected:
+            return f"binary body {len(response.body)} bytes, expected {expected}"
+        shape = response.headers.get(SHAPE_HEADER.lower(), "")
+        if shape.replace(" ", "") != f"{template.rows},{embedding_dim}":
+            return f"X-Robez-Shape {shape!r}, expected {template.rows},{embedding_dim}"
+        return None
+    try:
+        payload = orjson.loads(response.body)
+    except orjson.JSONDecodeError:
+        return "response is not JSON"
+    if template.response == "json":
+        return _check_shape(payload, template.rows, embedding_dim)
+    results = payload.get("results") if isinstance(payload, dict) else None
+    if not isinstance(results, list):
+        return "multi-table response has no 'results' list"
+    rows = 0
+    for item in results:
+        item_shape = item.get("shape") if isinstance(item, dict) else None
+        if not (isinstance(item_shape, list) and len(item_shape) == 2 and item_shape[1] == embedding_dim):
+            return f"multi-table result shape {item_shape!r}"
+        rows += int(item_shape[0])
+    return None if rows == template.rows else f"multi-table rows {rows}, expected {template.rows}"
+
+
+def _check_shape(payload: object, rows: int, embedding_dim: int) -> str | None:
+    shape = payload.get("shape") if isinstance(payload, dict) else None
+    if shape != [rows, embedding_dim]:
+        return f"JSON shape {shape!r}, expected [{rows}, {embedding_dim}]"
+    return None

@@ -1,0 +1,223 @@
+"""Start, watch and stop ``robez serve`` subprocesses for the load test (loopback only).
+
+The server gets the load test's own tables file (``LOADTEST_TABLES``), so the in-process kernel
+baseline can build exactly the same tables, and is pinned to the cores it is given: the whole process
+tree (uvicorn supervisor and workers) inherits the affinity set at spawn time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .transport import Target
+
+MAIN_TABLE = "loadtest"
+# The multi-table scenario spreads each request over these (a DLRM request touches many tables).
+MULTI_TABLES: tuple[str, ...] = ("loadtest", "loadtest_1", "loadtest_2", "loadtest_3")
+# The issue's reference table (the service's demo table): d = 64, Z = 32, m = 262144 float32 values.
+TABLE_CONFIG: dict[str, Any] = {
+    "num_embeddings": 10_000_000,
+    "embedding_dim": 64,
+    "memory_size": 262_144,
+    "chunk_size": 32,
+}
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def tables_toml() -> str:
+    """The tables file the load test serves: ``MULTI_TABLES``, each ``TABLE_CONFIG`` with its own seed."""
+    sections = []
+    for number, name in enumerate(MULTI_TABLES):
+        fields = {**TABLE_CONFIG, "seed": 1024 + number}
+        lines = [f"[tables.{name}]", *(f"{key} = {value}" for key, value in fields.items())]
+        lines += [f"[tables.{name}.optimizer]", 'name = "sgd"', "lr = 0.01"]
+        sections.append("\n".join(lines))
+    return "\n\n".join(sections) + "\n"
+
+
+def free_loopback_port() -> int:
+    """A port nothing listens on right now (the server binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _robez_command() -> list[str]:
+    script = Path(sys.executable).with_name("robez")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())"]
+
+
+@dataclass
+class ServerProcess:
+    """A running ``robez serve``: its target, pid, workers, cores and log file."""
+
+    target: Target
+    process: subprocess.Popen[bytes]
+    workers: int
+    cores: tuple[int, ...] | None
+    log_path: Path
+
+    def log_tail(self, limit: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the server's whole process tree so far."""
+        return tree_cpu_seconds(self.process.pid)
+
+
+def start_server(
+    workers: int,
+    cores: tuple[int, ...] | None,
+    workdir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 120.0,
+) -> ServerProcess:
+    """Start ``robez serve --workers N`` on a free loopback port pinned to ``cores``; wait for /readyz.
+
+    Raises:
+        RuntimeError: the server exited or was not ready in time (the message carries its log's tail).
+    """
+    config_path = workdir / "tables.toml"
+    config_path.write_text(tables_toml())
+    port = free_loopback_port()
+    command = [
+        *_robez_command(),
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+    ]
+    command += ["--config", str(config_path)]
+    server_env = {**os.environ, "ROBEZ_LOG_LEVEL": "warning", **(env or {})}
+    log_path = workdir / f"server-{workers}w-{port}.log"
+    log = log_path.open("wb")
+    with _affinity(cores):
+        # start_new_session: one process group to signal, whatever uvicorn spawns
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True
+        )
+    log.close()
+    server = ServerProcess(Target("127.0.0.1", port), process, workers, cores, log_path)
+    try:
+        _wait_ready(server, ready_timeout_s)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+@contextlib.contextmanager
+def _affinity(cores: tuple[int, ...] | None) -> Iterator[None]:
+    """Pin the calling thread while it spawns a child (the child inherits it), then restore it."""
+    if not cores:
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
+def _wait_ready(server: ServerProcess, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    url = f"{server.target.base_url}/readyz"
+    last_error = "no answer yet"
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"robez serve exited with {server.process.returncode}:\n{server.log_tail()}")
+        try:
+            reply = httpx.get(url, timeout=2.0)
+            if reply.status_code == 200:
+                return
+            last_error = f"/readyz answered {reply.status_code}"
+        except httpx.HTTPError as exc:
+            last_error = f"{type(exc).__name__}"
+        time.sleep(0.2)
+    raise RuntimeError(f"robez serve not ready after {timeout_s:.0f} s ({last_error}):\n{server.log_tail()}")
+
+
+def stop_server(server: ServerProcess, timeout_s: float = 15.0) -> None:
+    """SIGTERM the server's process group (a graceful uvicorn shutdown); SIGKILL what is left."""
+    if server.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(timeout=timeout_s)
+    # workers can outlive the supervisor; the group is ours alone
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(server.process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.process.wait(timeout=5.0)
+
+
+@contextlib.contextmanager
+def running_server(
+    workers: int, cores: tuple[int, ...] | None, *, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """``start_server`` in a temporary directory, stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix="robez-loadtest-") as workdir:
+        server = start_server(workers, cores, Path(workdir), env=env)
+        try:
+            yield server
+        finally:
+            stop_server(server)
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as file:
+                found += [int(child) for child in file.read().split()]
+    return found
+
+
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime of one process (clock ticks); 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            stat = file.read()
+    except OSError:
+        return 0
+    # the command name may contain spaces and parentheses: fields start after the last ')'
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def tree_cpu_seconds(pid: int, max_processes: int = 1024) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and all its live descendants (Linux /proc)."""
+    ticks = 0
+    pending = [pid]
+    seen: set[int] = set()
+    while pending and len(seen) < max_processes:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        ticks += _cpu_ticks(current)
+        pending += _children(current)
+    return ticks / _CLK_TCK

@@ -1,0 +1,336 @@
+"""The measurement plan: baselines, per-core-count server runs, open-loop load steps.
+
+For each core count k the sweep starts ``robez serve --workers k`` pinned to cores ``0..k-1`` and
+puts the client processes on the cores left over (or on all cores when none are left, which the
+report flags). Against each server it runs the HTTP floor (/healthz), single-id JSON lookups and
+binary lookups at every batch size; against the first it also runs the remaining scenarios, the
+open-loop steps and the httpx cross-check. The in-process kernel baseline runs pinned to one core.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import httpx
+
+from .baseline import KernelResult, measure_kernel
+from .runner import ClientFleet, RunResult, RunSpec
+from .scenarios import SCENARIOS, ScenarioContext
+from .server import MAIN_TABLE, MULTI_TABLES, TABLE_CONFIG, running_server, tree_cpu_seconds
+from .transport import Target
+
+REFERENCE_BATCH = 4096  # the issue's binary-lookup target batch
+FEATURE_SCENARIOS: tuple[str, ...] = ("pooled", "multi", "update", "mix")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Everything one ``python -m loadtest`` invocation measures (see ``__main__`` for the options)."""
+
+    url: str | None = None
+    table: str | None = None
+    multi_tables: tuple[str, ...] | None = None
+    cpus: tuple[int, ...] = (1,)
+    scenarios: tuple[str, ...] = SCENARIOS
+    batch_sizes: tuple[int, ...] = (1, 64, 512, 4096, 32768)
+    feature_batch: int = 512
+    duration_s: float = 3.0
+    max_requests: int = 200_000
+    concurrency_per_worker: int = 8
+    clients: int | None = None
+    transport: str = "raw"
+    distribution: str = "uniform"
+    zipf_exponent: float = 1.05
+    num_ids: int = 1_000_000
+    bag_size: int = 32
+    open_loop_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9, 1.1)
+    kernel_seconds: float = 1.0
+    api_key: str | None = None
+    server_pid: int | None = None
+    server_env: dict[str, str] = field(default_factory=dict)
+    seed: int = 0
+    quick: bool = False
+
+
+@dataclass
+class SweepResult:
+    """All figures of one invocation, in the order they were measured."""
+
+    config: SweepConfig
+    command: str
+    machine: dict[str, str]
+    started: float
+    finished: float = 0.0
+    runs: list[RunResult] = field(default_factory=list)
+    kernel: list[KernelResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failed_runs(self) -> list[RunResult]:
+        return [run for run in self.runs if run.failed]
+
+
+def machine_info() -> dict[str, str]:
+    """What the report says about the machine the figures come from."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    memory = "unknown"
+    try:
+        with open("/proc/meminfo") as file:
+            total_kib = int(file.readline().split()[1])
+            memory = f"{total_kib / (1 << 20):.1f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import torch
+
+        torch_version = str(torch.__version__)
+    except ImportError:
+        torch_version = "not installed"
+    return {
+        "host": socket.gethostname(),
+        "cpu": model,
+        "cores": str(len(os.sched_getaffinity(0))),
+        "memory": memory,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "load average (1, 5, 15 min) at start": ", ".join(f"{v:.2f}" for v in os.getloadavg()),
+    }
+
+
+def _embedding_dim(target: Target, table: str, api_key: str | None) -> int:
+    """d of ``table``, read from the X-Robez-Shape of a one-id binary lookup (the wire the test uses)."""
+    headers = {"Content-Type": "application/octet-stream", "Accept": "application/octet-stream"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    reply = httpx.post(
+        f"{target.base_url}/v1/tables/{table}/lookup",
+        content=(0).to_bytes(8, "little"),
+        headers=headers,
+        timeout=30,
+    )
+    if reply.status_code != 200:
+        raise RuntimeError(
+            f"probe lookup on table {table!r} answered {reply.status_code}: {reply.text[:300]}"
+        )
+    return int(reply.headers["x-robez-shape"].split(",")[1])
+
+
+class Sweep:
+    """Runs a ``SweepConfig``; ``progress`` receives one line per step as it happens."""
+
+    def __init__(self, config: SweepConfig, command: str, progress: Callable[[str], None]) -> None:
+        self.config = config
+        self.progress = progress
+        self.result = SweepResult(config, command, machine_info(), time.time())
+
+    def run(self) -> SweepResult:
+        config = self.config
+        kernel_cores = None if config.url else (0,)
+        kernel_batches = tuple(sorted(set(config.batch_sizes) | {1}))
+        self.progress(f"kernel baseline: batch sizes {list(kernel_batches)}, 1 thread, cores {kernel_cores}")
+        self.result.kernel = measure_kernel(
+            kernel_batches,
+            TABLE_CONFIG,
+            cores=kernel_cores,
+            threads=1,
+            seconds_per_size=config.kernel_seconds,
+            distribution=config.distribution,
+            num_ids=config.num_ids,
+            zipf_exponent=config.zipf_exponent,
+            seed=config.seed,
+        )
+        for kernel in self.result.kernel:
+            self.progress(
+                f"  kernel batch {kernel.batch_size:>6}: {kernel.ids_per_s:>14,.0f} ids/s "
+                f"({kernel.call_ms_p50:.3f} ms/call p50)"
+            )
+        if config.url:
+            from .transport import loopback_target
+
+            target = loopback_target(config.url)
+            self._against(target, server_cores=None, server_pid=config.server_pid, first=True)
+        else:
+            total_cores = sorted(os.sched_getaffinity(0))
+            for number, workers in enumerate(config.cpus):
+                if workers > len(total_cores):
+                    self.result.notes.append(f"skipped {workers} workers: only {len(total_cores)} cores here")
+                    continue
+                server_cores = tuple(total_cores[:workers])
+                self.progress(f"starting robez serve --workers {workers} on cores {list(server_cores)}")
+                with running_server(workers, server_cores, env=config.server_env) as server:
+                    self._against(
+                        server.target,
+                        server_cores=server_cores,
+                        server_pid=server.process.pid,
+                        first=number == 0,
+                    )
+        self.result.finished = time.time()
+        return self.result
+
+    def _client_layout(
+        self, server_cores: tuple[int, ...] | None
+    ) -> tuple[tuple[int, ...] | None, int, bool]:
+        """(client cores or None for unpinned, client processes, whether clients share the server's cores)."""
+        all_cores = tuple(sorted(os.sched_getaffinity(0)))
+        if server_cores is None:
+            return None, self.config.clients or 1, False
+        spare = tuple(core for core in all_cores if core not in server_cores)
+        shared = not spare
+        cores = spare or all_cores
+        return cores, self.config.clients or len(cores), shared
+
+    def _against(
+        self, target: Target, *, server_cores: tuple[int, ...] | None, server_pid: int | None, first: bool
+    ) -> None:
+        config = self.config
+        table = config.table or ("demo" if config.url else MAIN_TABLE)
+        multi_tables = config.multi_tables or (MULTI_TABLES if not config.url else (table,))
+        dim = _embedding_dim(target, table, config.api_key)
+        context = ScenarioContext(
+            target=target,
+            table=table,
+            tables=multi_tables,
+            embedding_dim=dim,
+            distribution=config.distribution,
+            num_ids=config.num_ids,
+            zipf_exponent=config.zipf_exponent,
+            bag_size=config.bag_size,
+            api_key=config.api_key,
+        )
+        client_cores, processes, shared = self._client_layout(server_cores)
+        workers = len(server_cores) if server_cores else 1
+        concurrency = max(processes, config.concurrency_per_worker * workers)
+        self.progress(
+            f"  clients: {processes} process(es) on cores {list(client_cores) if client_cores else 'any'}"
+            + (" (sharing the server's cores: no spare core)" if shared else "")
+        )
+        base = RunSpec(
+            label="",
+            scenario="healthz",
+            concurrency=concurrency,
+            max_requests=config.max_requests,
+            duration_s=config.duration_s,
+            transport=config.transport,
+            seed=config.seed,
+        )
+        with ClientFleet(processes, client_cores) as fleet:
+
+            def measure(spec: RunSpec) -> RunResult:
+                return self._measure(fleet, spec, context, server_cores, server_pid, shared)
+
+            wanted = set(config.scenarios)
+            if "healthz" in wanted:
+                measure(replace(base, label="HTTP floor", scenario="healthz"))
+            if "json" in wanted:
+                measure(replace(base, label="JSON lookup", scenario="json", batch_size=1))
+            reference: RunResult | None = None
+            if "binary" in wanted:
+                for batch in config.batch_sizes:
+                    run = measure(replace(base, label="binary lookup", scenario="binary", batch_size=batch))
+                    if batch == _open_loop_batch(config.batch_sizes):
+                        reference = run
+            if not first:
+                return
+            for scenario in FEATURE_SCENARIOS:
+                if scenario in wanted:
+                    measure(
+                        replace(base, label=f"{scenario}", scenario=scenario, batch_size=config.feature_batch)
+                    )
+            if reference is not None and reference.requests_per_s > 0:
+                capacity = reference.requests_per_s
+                for fraction in config.open_loop_fractions:
+                    measure(
+                        replace(
+                            base,
+                            label=f"open loop {fraction:.0%} of closed-loop max",
+                            scenario="binary",
+                            batch_size=reference.spec.batch_size,
+                            mode="open",
+                            rate=capacity * fraction,
+                            concurrency=max(processes, 4 * concurrency),
+                            # over capacity the server may shed load with 503 + Retry-After, as designed
+                            expected_statuses=(503,) if fraction > 1.0 else (),
+                        )
+                    )
+            if "healthz" in wanted and config.transport != "httpx":
+                measure(
+                    replace(base, label="HTTP floor, httpx client", scenario="healthz", transport="httpx")
+                )
+
+    def _measure(
+        self,
+        fleet: ClientFleet,
+        spec: RunSpec,
+        context: ScenarioContext,
+        server_cores: tuple[int, ...] | None,
+        server_pid: int | None,
+        shared: bool,
+    ) -> RunResult:
+        load = f"rate {spec.rate:,.0f}/s" if spec.mode == "open" else f"concurrency {spec.concurrency}"
+        workers = f"{len(server_cores)}w" if server_cores else "ext"
+        self.progress(f"  [{workers}] {spec.label} ({spec.scenario}, batch {spec.batch_size}, {load}) ...")
+        cpu_before: list[float] = []
+
+        def on_start() -> None:
+            if server_pid is not None:
+                cpu_before.append(tree_cpu_seconds(server_pid))
+
+        result = fleet.run(spec, context, on_start=on_start)
+        if server_pid is not None and cpu_before and result.window_s > 0:
+            result.server_cpu_cores = (tree_cpu_seconds(server_pid) - cpu_before[0]) / result.window_s
+        result.server_cores = len(server_cores) if server_cores else None
+        if shared:
+            result.notes.append("clients shared the server's cores")
+        if result.client_saturated:
+            result.notes.append("client saturated")
+        self.result.runs.append(result)
+        self.progress("      " + describe(result))
+        return result
+
+
+def _open_loop_batch(batch_sizes: tuple[int, ...]) -> int:
+    """The batch the open-loop steps use: the issue's 4096 when measured, else the closest one."""
+    return min(batch_sizes, key=lambda batch: (abs(math.log2(batch) - math.log2(REFERENCE_BATCH)), batch))
+
+
+def describe(run: RunResult) -> str:
+    """One progress line for a finished run."""
+    parts = [
+        f"{run.requests_per_s:,.0f} req/s",
+        f"{run.ids_per_s:,.0f} ids/s",
+        f"p50 {run.latency_ms.p50:.2f} ms",
+        f"p99 {run.latency_ms.p99:.2f} ms",
+        f"ok {run.ok}",
+    ]
+    if run.errors:
+        parts.append(f"ERRORS {run.errors}")
+    if run.expected:
+        parts.append(f"expected {run.expected}")
+    if run.failures:
+        parts.append(f"FAILED {run.failures}")
+    if run.server_cpu_cores is not None:
+        parts.append(f"server CPU {run.server_cpu_cores:.2f} cores")
+    parts.append("client CPU " + "/".join(f"{cpu:.0%}" for cpu in run.client_cpu))
+    parts += run.notes
+    return ", ".join(parts)
+
+
+def python_command() -> str:
+    """How this invocation was started, for the report."""
+    return " ".join(["python -m loadtest", *sys.argv[1:]])

@@ -1,0 +1,125 @@
+"""The scenarios' request pools decode to what they claim, and responses are checked by shape."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+
+from loadtest.scenarios import (
+    SCENARIOS,
+    RequestTemplate,
+    ScenarioContext,
+    build_requests,
+    check_response,
+)
+from loadtest.transport import Response, Target
+
+DIM = 8
+CONTEXT = ScenarioContext(
+    target=Target("127.0.0.1", 8000),
+    table="t",
+    tables=("t", "u", "v"),
+    embedding_dim=DIM,
+    num_ids=1000,
+    bag_size=4,
+)
+
+
+def _body(template: RequestTemplate) -> bytes:
+    return template.request.body
+
+
+def _headers(template: RequestTemplate) -> dict[str, str]:
+    return dict(template.request.headers)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("distribution", ["uniform", "zipf"])
+def test_every_scenario_builds(scenario: str, distribution: str) -> None:
+    context = ScenarioContext(**{**CONTEXT.__dict__, "distribution": distribution})
+    templates = build_requests(scenario, 16, context, seed=1)
+    assert templates
+    for template in templates:
+        assert template.request.wire.endswith(template.request.body)
+        assert template.ids in (0, 16)
+
+
+def test_binary_lookup_body_is_little_endian_ids_in_range() -> None:
+    templates = build_requests("binary", 100, CONTEXT, seed=2)
+    for template in templates:
+        assert template.request.path == "/v1/tables/t/lookup"
+        assert _headers(template)["Content-Type"] == "application/octet-stream"
+        ids = np.frombuffer(_body(template), dtype="<i8")
+        assert ids.size == 100 == template.ids == template.rows
+        assert ids.min() >= 0 and ids.max() < CONTEXT.num_ids
+
+
+def test_json_and_pooled_bodies() -> None:
+    (json_template, *_) = build_requests("json", 10, CONTEXT, seed=3)
+    payload = orjson.loads(_body(json_template))
+    assert len(payload["ids"]) == 10 and json_template.rows == 10
+    (pooled, *_) = build_requests("pooled", 10, CONTEXT, seed=3)
+    payload = orjson.loads(_body(pooled))
+    assert payload["offsets"] == [0, 4, 8] and payload["pooling"] == "sum"
+    assert pooled.ids == 10 and pooled.rows == 3  # three bags of at most 4 ids
+
+
+def test_multi_table_body_splits_ids_over_tables() -> None:
+    (template, *_) = build_requests("multi", 10, CONTEXT, seed=4)
+    assert template.request.path == "/v1/lookup"
+    lookups = orjson.loads(_body(template))["lookups"]
+    assert [item["table"] for item in lookups] == ["t", "u", "v"]
+    assert [len(item["ids"]) for item in lookups] == [4, 3, 3]
+
+
+def test_update_body_is_ids_then_gradients() -> None:
+    (template, *_) = build_requests("update", 5, CONTEXT, seed=5)
+    assert template.request.path == "/v1/tables/t/update"
+    assert _headers(template)["X-Robez-Shape"] == f"5,{DIM}"
+    body = _body(template)
+    assert len(body) == 5 * 8 + 5 * DIM * 4
+    grads = np.frombuffer(body, dtype="<f4", offset=40)
+    assert np.isfinite(grads).all() and np.abs(grads).max() < 0.01
+    assert template.kind == "update" and template.rows == 0
+
+
+def test_mix_is_exactly_one_update_in_twenty() -> None:
+    templates = build_requests("mix", 32, CONTEXT, seed=6)
+    kinds = [t.kind for t in templates]
+    assert len(kinds) == 20 and kinds.count("update") == 1 and kinds.count("lookup") == 19
+
+
+def test_api_key_is_sent_as_bearer() -> None:
+    context = ScenarioContext(**{**CONTEXT.__dict__, "api_key": "s3cret"})
+    for scenario in ("binary", "update"):
+        (template, *_) = build_requests(scenario, 2, context, seed=0)
+        assert _headers(template)["Authorization"] == "Bearer s3cret"
+
+
+@pytest.mark.parametrize(("scenario", "batch"), [("nope", 1), ("binary", 0), ("binary", 32769)])
+def test_bad_scenario_or_batch_is_refused(scenario: str, batch: int) -> None:
+    with pytest.raises(ValueError):
+        build_requests(scenario, batch, CONTEXT, seed=0)
+
+
+def test_check_binary_response() -> None:
+    (template, *_) = build_requests("binary", 3, CONTEXT, seed=0)
+    good = Response(200, {"x-robez-shape": f"3,{DIM}"}, bytes(3 * DIM * 4))
+    assert check_response(template, good, DIM) is None
+    short = Response(200, {"x-robez-shape": f"3,{DIM}"}, bytes(3 * DIM * 4 - 4))
+    assert check_response(template, short, DIM) is not None
+    wrong_shape = Response(200, {"x-robez-shape": f"{DIM},3"}, bytes(3 * DIM * 4))
+    assert check_response(template, wrong_shape, DIM) is not None
+
+
+def test_check_json_and_multi_responses() -> None:
+    (json_template, *_) = build_requests("json", 2, CONTEXT, seed=0)
+    assert check_response(json_template, Response(200, {}, orjson.dumps({"shape": [2, DIM]})), DIM) is None
+    assert check_response(json_template, Response(200, {}, orjson.dumps({"shape": [1, DIM]})), DIM) is not None
+    assert check_response(json_template, Response(200, {}, b"<html>"), DIM) is not None
+    (multi, *_) = build_requests("multi", 5, CONTEXT, seed=0)
+    results = {"results": [{"shape": [2, DIM]}, {"shape": [2, DIM]}, {"shape": [1, DIM]}]}
+    assert check_response(multi, Response(200, {}, orjson.dumps(results)), DIM) is None
+    results["results"].pop()
+    assert check_response(multi, Response(200, {}, orjson.dumps(results)), DIM) is not None
