@@ -20,6 +20,7 @@ good record; a bad record followed by a valid one, a bad snapshot or inconsisten
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import mmap
@@ -33,17 +34,19 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 import numpy as np
 import torch
 
-from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError
+from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
 
 from .journal import UpdateRecord
 
 if TYPE_CHECKING:
     from robez_core.table import Table
+
+    from .config import Settings
 
 __all__ = [
     "FSYNC_POLICIES",
@@ -296,6 +299,19 @@ def _write_all(fd: int, buffers: list[Any]) -> None:
             view = view[os.write(fd, view) :]
 
 
+def _lock_data_dir(data_dir: Path, exclusive: bool) -> int | None:
+    """flock the data directory's lock file: shared for servers (all their workers), exclusive for an
+    offline tool, so ``robez import`` cannot rewrite tables under a running server."""
+    fd = os.open(data_dir / ".robez.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = "a server or another tool" if exclusive else "an offline tool (robez import / snapshot)"
+        raise ConflictError(f"the data directory {data_dir} is in use by {holder}") from None
+    return fd
+
+
 def validate_table_name(name: str) -> None:
     """Refuse names that could leave the data directory or collide with our temporary folders."""
     if (
@@ -338,7 +354,6 @@ class _OpenLog:
     generation: int
     base_version: int
     embedding_dim: int
-    snapshot_unix: float
     dirty: bool = False
 
 
@@ -358,6 +373,8 @@ class WalJournal:
         fsync_interval_ms: period of the background flush for ``"interval"``.
         snapshot_every_updates: take a snapshot once the log holds this many records (0: never).
         snapshot_every_seconds: take one when the last is older than this and the log is not empty (0: never).
+        exclusive: lock the data directory for this journal alone (offline tools); servers share it. Either
+            way a conflicting holder makes the constructor raise ``ConflictError``.
     """
 
     def __init__(
@@ -368,6 +385,7 @@ class WalJournal:
         fsync_interval_ms: float = 10.0,
         snapshot_every_updates: int = 0,
         snapshot_every_seconds: float = 0.0,
+        exclusive: bool = False,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ConfigError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
@@ -377,16 +395,29 @@ class WalJournal:
             raise ConfigError("snapshot_every_updates and snapshot_every_seconds must be >= 0")
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._dir_lock = _lock_data_dir(self.data_dir, exclusive)
         self.fsync = fsync
         self.fsync_interval_ms = float(fsync_interval_ms)
         self.snapshot_every_updates = snapshot_every_updates
         self.snapshot_every_seconds = snapshot_every_seconds
         self._logs: dict[str, _OpenLog] = {}
-        self._tables: dict[str, Callable[[], tuple[Table, int]] | None] = {}
         # Guards self._logs and the life of its file descriptors against the flusher thread.
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> WalJournal:
+        """The journal a server with ``settings.data_dir`` uses (fsync and snapshot policy from settings)."""
+        if settings.data_dir is None:
+            raise ConfigError("WalJournal needs settings.data_dir")
+        return cls(
+            settings.data_dir,
+            fsync=settings.wal_fsync,
+            fsync_interval_ms=settings.wal_fsync_interval_ms,
+            snapshot_every_updates=settings.snapshot_every_updates,
+            snapshot_every_seconds=settings.snapshot_every_seconds,
+        )
 
     # -- paths -------------------------------------------------------------------------------------------
 
@@ -532,27 +563,48 @@ class WalJournal:
                     _sync_data(log.fd)
                 os.close(log.fd)
             self._logs.clear()
+        if self._dir_lock is not None:
+            os.close(self._dir_lock)
+            self._dir_lock = None
 
     # -- periodic snapshots --------------------------------------------------------------------------------
 
     def snapshot_due(self, name: str, version: int) -> bool:
-        """Whether the table at ``version`` should be snapshotted now under the configured N / T policy."""
-        log = self._logs.get(name)
-        if log is None:
-            meta = self._read_meta(name)
-            if meta is None:
-                return False
-            base_version, snapshot_unix = meta.version, meta.created_unix
-        else:
-            base_version, snapshot_unix = log.base_version, log.snapshot_unix
-        pending = version - base_version
+        """Whether the table, now at ``version``, is due a snapshot under the N updates / T seconds policy.
+
+        Reads meta.json each time (about 30 us), so a snapshot taken by another worker counts at once.
+        """
+        meta = self._read_meta(name)
+        if meta is None:
+            return False
+        pending = version - meta.version
         if pending <= 0:
             return False
         if self.snapshot_every_updates and pending >= self.snapshot_every_updates:
             return True
-        return (
-            bool(self.snapshot_every_seconds) and time.time() - snapshot_unix >= self.snapshot_every_seconds
-        )
+        age_seconds = time.time() - meta.created_unix
+        return bool(self.snapshot_every_seconds) and age_seconds >= self.snapshot_every_seconds
+
+    def has_pending(self, name: str, version: int) -> bool:
+        """Whether the table at ``version`` holds updates its committed snapshot does not (so its log has
+        records); a graceful shutdown snapshots exactly these tables."""
+        meta = self._read_meta(name)
+        return meta is not None and (version != meta.version or not self._log_is_empty(name))
+
+    def open_snapshot(self, name: str) -> tuple[BinaryIO, int]:
+        """The committed snapshot file, opened for reading, and the version it holds.
+
+        The open file stays readable even if a later snapshot replaces (and unlinks) it meanwhile.
+        """
+        for _ in range(3):  # a concurrent snapshot may unlink the file between reading meta and opening it
+            meta = self._read_meta(name)
+            if meta is None:
+                raise NotFoundError(f"table {name!r} has no snapshot in {self.data_dir}")
+            try:
+                return open(self.table_dir(name) / meta.snapshot, "rb"), meta.version
+            except FileNotFoundError:
+                continue
+        raise ConflictError(f"table {name!r} is being snapshotted repeatedly; try again")
 
     # -- internals -------------------------------------------------------------------------------------------
 
@@ -695,7 +747,7 @@ class WalJournal:
         except BaseException:
             os.close(fd)
             raise
-        new_log = _OpenLog(fd, os.fstat(fd).st_ino, generation, base_version, dim, meta.created_unix)
+        new_log = _OpenLog(fd, os.fstat(fd).st_ino, generation, base_version, dim)
         with self._lock:
             old = self._logs.pop(name, None)
             if old is not None:

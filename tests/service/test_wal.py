@@ -455,7 +455,7 @@ def test_drop_removes_the_table(journal: WalJournal, tmp_path: Path) -> None:
     journal.create("t", _table(), 0)
     journal.drop("t")
     assert journal.names() == [] and journal.load("t") is None
-    assert list((tmp_path / "data").iterdir()) == []
+    assert [p.name for p in (tmp_path / "data").iterdir()] == [".robez.lock"]
     journal.create("t", _table(seed=9), 0)  # the name can be used again
     assert journal.names() == ["t"]
     with pytest.raises(ConflictError):
@@ -479,3 +479,15 @@ def test_snapshot_due_follows_the_policy(tmp_path: Path) -> None:
     assert not timed.snapshot_due("t", 11)
     timed.snapshot_every_seconds = 1e-9
     assert timed.snapshot_due("t", 11) and not timed.snapshot_due("t", 10)
+
+
+def test_offline_tools_and_servers_exclude_each_other(tmp_path: Path) -> None:
+    server = WalJournal(tmp_path)
+    with pytest.raises(ConflictError, match="in use"):
+        WalJournal(tmp_path, exclusive=True)
+    WalJournal(tmp_path).close()  # a second worker shares the directory
+    server.close()
+    tool = WalJournal(tmp_path, exclusive=True)
+    with pytest.raises(ConflictError, match="in use"):
+        WalJournal(tmp_path)
+    tool.close()
