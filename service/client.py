@@ -40,6 +40,9 @@ __all__ = [
 
 OCTET_STREAM = "application/octet-stream"
 SHAPE_HEADER = "X-Robez-Shape"
+SHAPES_HEADER = "X-Robez-Shapes"  # multi-table lookup: "n,d;n,d;..." in request order
+TABLES_HEADER = "X-Robez-Tables"  # multi-table lookup: "name=n,name=n,..." in body order
+VERSION_HEADER = "X-Robez-Version"
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 30.0
 # Explicit byte orders: the wire format is little-endian whatever the host is.
@@ -263,12 +266,34 @@ def _lookup_pooled_call(
 
 
 def _lookup_many_call(requests: Mapping[str, IdsLike]) -> _Call[dict[str, Tensor]]:
-    payload = {"lookups": [{"table": name, "ids": _int_list(ids)} for name, ids in requests.items()]}
+    names = list(requests)
+    encoded = [encode_ids(requests[name]) for name in names]
+    tables_header = ",".join(f"{name}={count}" for name, (_, count) in zip(names, encoded, strict=True))
 
     def parse(response: httpx.Response) -> dict[str, Tensor]:
-        return {item["table"]: _rows_from_json(item) for item in response.json()["results"]}
+        try:
+            shapes = [parse_shape(shape) for shape in response.headers.get(SHAPES_HEADER, "").split(";")]
+            if len(shapes) != len(names):
+                raise ValueError(f"{SHAPES_HEADER} has {len(shapes)} shapes for {len(names)} tables")
+            rows: dict[str, Tensor] = {}
+            start = 0
+            for name, shape in zip(names, shapes, strict=True):
+                size = shape[0] * shape[1] * _ROWS_DTYPE.itemsize
+                rows[name] = decode_rows(response.content[start : start + size], shape)
+                start += size
+            if start != len(response.content):
+                raise ValueError(f"body has {len(response.content)} bytes; the shapes need {start}")
+        except ValueError as exc:
+            raise RobezClientError(response.status_code, str(exc), "ClientDecodeError") from exc
+        return rows
 
-    return _Call("POST", "/v1/lookup", parse, json=payload)
+    return _Call(
+        "POST",
+        "/v1/lookup",
+        parse,
+        content=b"".join(body for body, _ in encoded),
+        headers={"Content-Type": OCTET_STREAM, "Accept": OCTET_STREAM, TABLES_HEADER: tables_header},
+    )
 
 
 def _update_call(table: str, ids: IdsLike, grads: Tensor | np.ndarray, lr: float | None) -> _Call[int]:
@@ -329,7 +354,7 @@ class _ClientBase:
         if response.is_error:
             raise _error_from_response(response)
         result = call.parse(response)
-        version_header = response.headers.get("X-Robez-Version")
+        version_header = response.headers.get(VERSION_HEADER)
         if version_header is not None and version_header.isdigit():
             self.last_version = int(version_header)
         elif isinstance(result, int) and not isinstance(result, bool):
@@ -431,7 +456,10 @@ class RobezClient(_ClientBase):
         return self._send(_lookup_pooled_call(table, ids, offsets, pooling, per_sample_weights))
 
     def lookup_many(self, requests: Mapping[str, IdsLike]) -> dict[str, Tensor]:
-        """Several tables in one request (``POST /v1/lookup``): {table: ids (n_t,)} -> {table: (n_t, d_t)}."""
+        """Several tables in one binary request (``POST /v1/lookup``): {table: (n_t,)} -> {table: (n_t, d_t)}.
+
+        A DLRM-style request touching many tables costs one round trip instead of one per table.
+        """
         return self._send(_lookup_many_call(requests))
 
     def update(self, table: str, ids: IdsLike, grads: Tensor | np.ndarray, lr: float | None = None) -> int:

@@ -19,6 +19,8 @@ from hypothesis.extra import numpy as hnp
 
 from service.client import (
     SHAPE_HEADER,
+    SHAPES_HEADER,
+    TABLES_HEADER,
     AsyncRobezClient,
     RemoteEmbedding,
     RemoteEmbeddingBag,
@@ -271,10 +273,6 @@ def test_json_calls() -> None:
             return httpx.Response(200, json={"tables": [{"name": "a"}]})
         if request.url.path == "/v1/tables/a/lookup":
             return httpx.Response(200, json={"table": "a", "shape": [2, 1], "embeddings": [[1.0], [2.0]]})
-        if request.url.path == "/v1/lookup":
-            return httpx.Response(
-                200, json={"results": [{"table": "a", "shape": [1, 2], "embeddings": [[3.0, 4.0]]}]}
-            )
         if request.method == "DELETE":
             return httpx.Response(204)
         return httpx.Response(200, json={"status": "ok", "name": "a"})
@@ -285,8 +283,6 @@ def test_json_calls() -> None:
     pooled = client.lookup_pooled("a", torch.tensor([1, 2, 3]), [0, 2], pooling="mean")
     assert pooled.tolist() == [[1.0], [2.0]]
     assert seen[-1][2] == {"ids": [1, 2, 3], "offsets": [0, 2], "pooling": "mean", "per_sample_weights": None}
-    assert client.lookup_many({"a": [4]})["a"].tolist() == [[3.0, 4.0]]
-    assert seen[-1][2] == {"lookups": [{"table": "a", "ids": [4]}]}
     client.create_table(
         "a", {"embedding_dim": 2, "memory_size": 64}, {"name": "adagrad"}, share_array_with="b"
     )
@@ -302,6 +298,43 @@ def test_json_calls() -> None:
     )
     client.delete_table("a")
     assert seen[-1][:2] == ("DELETE", "/v1/tables/a")
+
+
+def test_lookup_many_is_one_binary_request() -> None:
+    requests: list[httpx.Request] = []
+    tables = {"a": torch.randn(10, 2), "b": torch.randn(10, 3), "c": torch.randn(10, 4)}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        ids = torch.from_numpy(np.frombuffer(request.content, dtype="<i8").copy())
+        counts = [
+            (name, int(n)) for name, n in (p.split("=") for p in request.headers[TABLES_HEADER].split(","))
+        ]
+        bodies, shapes = [], []
+        for (name, _), part in zip(counts, torch.split(ids, [n for _, n in counts]), strict=True):
+            body, (n, d) = encode_rows(tables[name][part])
+            bodies.append(body)
+            shapes.append(f"{n},{d}")
+        return httpx.Response(200, content=b"".join(bodies), headers={SHAPES_HEADER: ";".join(shapes)})
+
+    client = RobezClient("http://fake", transport=httpx.MockTransport(handler))
+    rows = client.lookup_many({"a": [1, 2, 3], "b": torch.tensor([9]), "c": []})
+    assert len(requests) == 1
+    assert requests[0].headers[TABLES_HEADER] == "a=3,b=1,c=0"
+    assert torch.equal(rows["a"], tables["a"][[1, 2, 3]])
+    assert torch.equal(rows["b"], tables["b"][[9]])
+    assert rows["c"].shape == (0, 4)
+
+
+def test_lookup_many_rejects_inconsistent_response() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"\0" * 12, headers={SHAPES_HEADER: "1,2"})
+
+    client = RobezClient("http://fake", transport=httpx.MockTransport(handler))
+    with pytest.raises(RobezClientError, match="1 shapes for 2 tables"):
+        client.lookup_many({"a": [1], "b": [2]})
+    with pytest.raises(RobezClientError, match="shapes need 8"):
+        client.lookup_many({"a": [1]})
 
 
 def test_async_client_matches_sync() -> None:
