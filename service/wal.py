@@ -21,24 +21,28 @@ good record; a bad record followed by a valid one, a bad snapshot or inconsisten
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import logging
 import mmap
 import os
 import shutil
 import struct
+import tempfile
 import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Protocol
 
 import numpy as np
 import torch
 
+from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
 
 from .journal import UpdateRecord
@@ -49,16 +53,22 @@ if TYPE_CHECKING:
     from .config import Settings
 
 __all__ = [
+    "CHECKPOINT_FORMATS",
     "FSYNC_POLICIES",
     "LOG_FILE",
     "META_FILE",
+    "CheckpointFormat",
     "FsyncPolicy",
     "LogScan",
     "RecordSpan",
+    "SnapshotScheduler",
     "WalJournal",
+    "align_checkpoint",
+    "checkpoint_format",
     "decode_record",
     "encode_log_header",
     "encode_record",
+    "read_checkpoint",
     "scan_log",
 ]
 
@@ -784,3 +794,204 @@ class WalJournal:
                         except OSError:
                             log.dirty = True
                             logger.exception("background fdatasync of a table log failed")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Periodic and shutdown snapshots
+
+
+class _SnapshotSource(Protocol):
+    """What the scheduler needs from ``TableStore``."""
+
+    def names(self) -> list[str]: ...
+
+    def version(self, name: str) -> int: ...
+
+    def exclusive(self, name: str) -> AbstractContextManager[tuple[Table, int]]: ...
+
+
+class SnapshotScheduler:
+    """Takes the periodic snapshots (``snapshot_every_updates`` / ``_seconds``) and the one at shutdown.
+
+    Every worker runs one; they need no coordination because each decision is re-checked under the
+    table's update lock against meta.json, which the first worker to snapshot has already moved on. The
+    snapshot happens on this thread while the lock is held: updates of that table wait, lookups do not.
+
+    Args:
+        store: the worker's ``TableStore``.
+        journal: the store's journal.
+        check_seconds: how often the policy is checked (a cheap read of meta.json per table).
+    """
+
+    def __init__(self, store: _SnapshotSource, journal: WalJournal, check_seconds: float = 1.0) -> None:
+        self.store = store
+        self.journal = journal
+        self.check_seconds = check_seconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def periodic(self) -> bool:
+        """Whether any periodic policy is configured (otherwise no thread is started)."""
+        return bool(self.journal.snapshot_every_updates or self.journal.snapshot_every_seconds)
+
+    def start(self) -> None:
+        if self.periodic and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="robez-snapshots", daemon=True)
+            self._thread.start()
+
+    def stop(self, *, final_snapshot: bool) -> list[str]:
+        """Stop the thread; with ``final_snapshot`` snapshot every table that has updates since its last
+        snapshot. Returns the tables snapshotted now."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60.0)
+            self._thread = None
+        return self.run_once(self.journal.has_pending) if final_snapshot else []
+
+    def run_once(self, due: Callable[[str, int], bool] | None = None) -> list[str]:
+        """Snapshot every table for which ``due(name, version)`` holds (default: the periodic policy)."""
+        due = due if due is not None else self.journal.snapshot_due
+        taken: list[str] = []
+        for name in self.store.names():
+            try:
+                if not due(name, self.store.version(name)):
+                    continue
+                with self.store.exclusive(name) as (table, version):
+                    if due(name, version):
+                        self.journal.snapshot(name, table, version)
+                        taken.append(name)
+                        logger.info("snapshot of table %r at version %d", name, version)
+            except NotFoundError:
+                continue  # deleted meanwhile
+            except Exception:
+                # A failed snapshot loses nothing (the log still holds every update); try again later.
+                logger.exception("snapshot of table %r failed", name)
+        return taken
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.check_seconds):
+            self.run_once()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Importing checkpoints: a robez_core checkpoint (safetensors) or the paper's RobezEmbedding state_dict
+
+CheckpointFormat = Literal["auto", "robez", "paper"]
+CHECKPOINT_FORMATS: tuple[str, ...] = ("auto", "robez", "paper")
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
+_PICKLE_PROTOCOL_2 = b"\x80\x02"  # torch.save's legacy format
+
+
+def checkpoint_format(data: bytes) -> str:
+    """``"paper"`` for a torch.save file (zip or legacy), ``"robez"`` otherwise (safetensors)."""
+    return "paper" if data.startswith((_ZIP_MAGIC, _PICKLE_PROTOCOL_2)) else "robez"
+
+
+def _paper_state_dict(data: bytes, prefix: str | None) -> dict[str, torch.Tensor]:
+    """The paper module's entries from a torch.save file, read with ``weights_only=True`` (tensors and
+    plain containers only; no arbitrary objects are unpickled). ``prefix`` picks one module out of a
+    whole model's state_dict (e.g. ``"emb_l.0."``); None finds it when there is exactly one."""
+    try:
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # unpickling errors come in many types; none may reach the client as 500
+        raise InvalidInputError(
+            f"not a state_dict torch.load(weights_only=True) can read: {error}"
+        ) from error
+    if not isinstance(loaded, Mapping) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise InvalidInputError("the file must hold a state_dict: a mapping of names to tensors")
+    if prefix is None:
+        prefixes = {key[: -len("random_numbers")] for key in loaded if str(key).endswith("random_numbers")}
+        if len(prefixes) != 1:
+            raise InvalidInputError(
+                f"the state_dict holds {len(prefixes)} ROBE-Z modules ({sorted(prefixes)}); pass prefix="
+            )
+        prefix = prefixes.pop()
+    return {str(key)[len(prefix) :]: value for key, value in loaded.items() if str(key).startswith(prefix)}
+
+
+def read_checkpoint(
+    data: bytes,
+    *,
+    format: CheckpointFormat = "auto",
+    num_embeddings: int | None = None,
+    chunk_size: int | None = None,
+    val_offset: int = 0,
+    prefix: str | None = None,
+    optimizer: OptimizerConfig | None = None,
+) -> tuple[Table, str]:
+    """A private ``Table`` from checkpoint bytes, and the format it was read as.
+
+    ``robez``: a file written by ``Table.save`` (checksums verified). ``paper``: the paper's
+    ``RobezEmbedding`` state_dict (``weight``, ``random_numbers``, ``helper_*``) via
+    ``import_paper_state_dict`` with ``num_embeddings`` / ``chunk_size`` / ``val_offset`` / ``optimizer``
+    (which a state_dict does not hold). Bad input raises ``InvalidInputError`` or ``ConfigError``.
+    """
+    from robez_core.table import Table, import_paper_state_dict
+
+    if format not in CHECKPOINT_FORMATS:
+        raise InvalidInputError(f"format must be one of {CHECKPOINT_FORMATS}, got {format!r}")
+    kind = checkpoint_format(data) if format == "auto" else format
+    if kind == "paper":
+        state_dict = _paper_state_dict(data, prefix)
+        try:
+            table = import_paper_state_dict(
+                state_dict,
+                num_embeddings=num_embeddings,
+                chunk_size=chunk_size,
+                val_offset=val_offset,
+                optimizer=optimizer,
+            )
+        except CorruptionError as error:
+            raise InvalidInputError(f"the state_dict is not a valid ROBE-Z module: {error}") from error
+        return table, kind
+    # safetensors reads from a file; the upload only lives as long as this call.
+    with tempfile.NamedTemporaryFile(prefix="robez-import-", suffix=".safetensors") as handle:
+        handle.write(data)
+        handle.flush()
+        try:
+            table = Table.load(handle.name)
+        except CorruptionError as error:
+            raise InvalidInputError(f"not a valid robez checkpoint: {error}") from error
+    return table, kind
+
+
+def _shape(config: TableConfig) -> str:
+    return (
+        f"m={config.memory_size}, d={config.embedding_dim}, Z={config.chunk_size}, hash={config.hash}, "
+        f"val_offset={config.val_offset}"
+    )
+
+
+def align_checkpoint(imported: Table, existing: Table, *, keep_optimizer_state: bool) -> Table:
+    """``imported`` in the form of ``existing``'s config, ready to overwrite it in place.
+
+    The array must be interchangeable: same memory_size, embedding_dim, chunk_size, hash, val_offset and
+    hash constants (``ConflictError`` otherwise; a table of another shape is a new table: delete, then
+    load). The existing table's reporting fields (num_embeddings, seed or explicit constants) are kept.
+    With ``keep_optimizer_state`` (a robez checkpoint) the optimizer must match and its state is taken
+    over; otherwise (a paper state_dict, which has none) the table's optimizer starts from fresh state.
+    """
+    from robez_core.table import Table
+
+    mine, theirs = existing.config, imported.config
+    same_array = (mine.memory_size, mine.embedding_dim, mine.chunk_size, mine.hash, mine.val_offset) == (
+        theirs.memory_size,
+        theirs.embedding_dim,
+        theirs.chunk_size,
+        theirs.hash,
+        theirs.val_offset,
+    ) and torch.equal(existing.random_numbers, imported.random_numbers)
+    if not same_array:
+        raise ConflictError(
+            f"the checkpoint's array ({_shape(theirs)}) does not match the table's ({_shape(mine)}) or its "
+            "hash constants differ; delete the table first to load a different one"
+        )
+    if not keep_optimizer_state:
+        return Table(mine, existing.optimizer, weight=imported.weight)
+    if imported.optimizer != existing.optimizer:
+        raise ConflictError(
+            f"the checkpoint's optimizer {imported.optimizer.to_dict()} differs from the table's "
+            f"{existing.optimizer.to_dict()}; delete the table first to load it with another optimizer"
+        )
+    return Table(mine, existing.optimizer, weight=imported.weight, state=imported.state)

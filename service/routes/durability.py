@@ -1,0 +1,177 @@
+"""Durability endpoints: snapshot a table, load (import) a checkpoint into it, export its checkpoint.
+
+Also owns this worker's ``SnapshotScheduler`` (periodic snapshots, and one at graceful shutdown) through
+the router's lifespan, which FastAPI nests inside the app's: the store exists while it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, BinaryIO
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from starlette.responses import Response, StreamingResponse
+
+from robez_core.config import OptimizerConfig, OptimizerName
+from robez_core.errors import ConflictError, NotFoundError
+from robez_core.table import Table
+
+from ..auth import WriteAccess
+from ..codec import OCTET_STREAM, VERSION_HEADER, TableInfoResponse, table_info_json
+from ..config import TableSpec
+from ..store import TableStore
+from ..wal import CheckpointFormat, SnapshotScheduler, WalJournal, align_checkpoint, read_checkpoint
+from .deps import StoreDep, compute
+
+logger = logging.getLogger("robez.durability")
+
+_CHUNK_BYTES = 1 << 20
+
+
+@asynccontextmanager
+async def _snapshots(app: FastAPI) -> AsyncIterator[None]:
+    store: TableStore | None = getattr(app.state, "store", None)
+    journal = store.journal if store is not None else None
+    if store is None or not isinstance(journal, WalJournal):
+        yield
+        return
+    scheduler = SnapshotScheduler(store, journal)
+    scheduler.start()
+    try:
+        yield
+    finally:
+        final = bool(getattr(app.state.settings, "snapshot_on_shutdown", True))
+        taken = scheduler.stop(final_snapshot=final)
+        if taken:
+            logger.info("snapshots at shutdown: %s", ", ".join(taken))
+
+
+router = APIRouter(prefix="/v1/tables", tags=["durability"], lifespan=_snapshots)
+
+
+def _wal(store: TableStore) -> WalJournal:
+    if not isinstance(store.journal, WalJournal):
+        raise ConflictError("this server has no data directory (--data-dir): tables live in memory only")
+    return store.journal
+
+
+@router.post("/{name}/snapshot", summary="Write a snapshot of the table now and start an empty log")
+async def snapshot(name: str, request: Request, store: StoreDep, _: WriteAccess) -> dict[str, Any]:
+    journal = _wal(store)
+    version = await compute(request, lambda: store.snapshot(name))
+    request.state.table = name
+    path = journal.snapshot_path(name)
+    return {"table": name, "version": version, "snapshot_bytes": path.stat().st_size if path else 0}
+
+
+_LOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            OCTET_STREAM: {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "a robez checkpoint (safetensors, as GET .../checkpoint returns) or a "
+                "torch.save file of the paper's RobezEmbedding state_dict (read with weights_only=True)",
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/{name}/load",
+    response_model=TableInfoResponse,
+    openapi_extra=_LOAD_BODY,
+    summary="Replace the table's array (and optimizer state) with a checkpoint; creates the table if new",
+)
+async def load(
+    name: str,
+    request: Request,
+    store: StoreDep,
+    _: WriteAccess,
+    format: Annotated[CheckpointFormat, Query(description="auto: torch.save files are paper")] = "auto",
+    num_embeddings: Annotated[int | None, Query(ge=1, description="paper: the module's n")] = None,
+    chunk_size: Annotated[int | None, Query(ge=1, description="paper: Z when d <= Z")] = None,
+    val_offset: Annotated[int, Query(description="paper: the module's val_offset")] = 0,
+    prefix: Annotated[str | None, Query(max_length=200, description="paper: key prefix")] = None,
+    optimizer: Annotated[OptimizerName | None, Query(description="paper, new table: its optimizer")] = None,
+    lr: Annotated[float | None, Query(gt=0, description="paper, new table: the optimizer's lr")] = None,
+) -> dict[str, Any]:
+    default_optimizer = OptimizerConfig()
+    new_optimizer = OptimizerConfig(
+        name=optimizer or default_optimizer.name, lr=lr if lr is not None else default_optimizer.lr
+    )
+    body = await request.body()
+
+    def work() -> dict[str, Any]:
+        imported, kind = read_checkpoint(
+            body,
+            format=format,
+            num_embeddings=num_embeddings,
+            chunk_size=chunk_size,
+            val_offset=val_offset,
+            prefix=prefix,
+            optimizer=new_optimizer,
+        )
+        return table_info_json(store.info(_install(store, name, imported, from_paper=kind == "paper")))
+
+    info = await compute(request, work)
+    request.state.table = name
+    return info
+
+
+def _install(store: TableStore, name: str, imported: Table, *, from_paper: bool) -> str:
+    """Overwrite table ``name`` with ``imported`` under its update lock (creating it first if new); the
+    store snapshots it, which starts an empty log. The loaded table is version 0."""
+    try:
+        existing = store.table(name)
+    except NotFoundError:
+        store.create(name, TableSpec(imported.config, imported.optimizer))
+        existing = store.table(name)
+    store.restore(name, align_checkpoint(imported, existing, keep_optimizer_state=not from_paper), 0)
+    return name
+
+
+@router.get(
+    "/{name}/checkpoint",
+    responses={200: {"content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}},
+    summary="Download the table as a robez checkpoint (safetensors), snapshotted now",
+)
+async def checkpoint(name: str, request: Request, store: StoreDep, _: WriteAccess) -> Response:
+    handle, version = await compute(request, lambda: _open_checkpoint(store, name))
+    request.state.table = name
+    size = os.fstat(handle.fileno()).st_size
+    headers = {
+        VERSION_HEADER: str(version),
+        "Content-Length": str(size),
+        "Content-Disposition": f'attachment; filename="{name}-v{version}.safetensors"',
+    }
+    return StreamingResponse(_chunks(handle), media_type=OCTET_STREAM, headers=headers)
+
+
+def _open_checkpoint(store: TableStore, name: str) -> tuple[BinaryIO, int]:
+    """A fresh snapshot of the table, opened: the journal's (which also compacts the log) or, without a
+    data directory, a temporary file written under the update lock and unlinked once open."""
+    if isinstance(store.journal, WalJournal):
+        store.snapshot(name)
+        return store.journal.open_snapshot(name)
+    with store.exclusive(name) as (table, version):
+        descriptor, path = tempfile.mkstemp(prefix="robez-export-", suffix=".safetensors")
+        os.close(descriptor)
+        try:
+            table.save(path)
+            return open(path, "rb"), version
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _chunks(handle: BinaryIO) -> Iterator[bytes]:
+    with handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            yield chunk

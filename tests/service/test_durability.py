@@ -1,0 +1,282 @@
+"""Durability endpoints in-process: snapshot, load (robez checkpoints and the paper's state_dict), export,
+recovery across app restarts, periodic and shutdown snapshots."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from torch import Tensor
+
+from robez_core import reference
+from robez_core.hashing import PAPER_PRIME
+from robez_core.table import Table
+from service.app import create_app
+from service.config import Settings
+from service.wal import LOG_FILE, LOG_HEADER_SIZE, SnapshotScheduler, WalJournal
+
+DIM, MEMORY, CHUNK = 8, 512, 4
+TABLE: dict[str, Any] = {
+    "name": "t",
+    "config": {"num_embeddings": 10_000, "embedding_dim": DIM, "memory_size": MEMORY, "chunk_size": CHUNK},
+    "optimizer": {"name": "adagrad", "lr": 0.1},
+}
+
+
+def _settings(tmp_path: Path, *, data_dir: bool = True, **overrides: Any) -> Settings:
+    return Settings(
+        data_dir=tmp_path / "data" if data_dir else None,
+        shm_dir=tmp_path / "shm",
+        default_table=False,
+        **overrides,
+    )
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    (tmp_path / "shm").mkdir()
+    return _settings(tmp_path)
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def _create(client: TestClient, table: dict[str, Any] = TABLE) -> None:
+    response = client.post("/v1/tables", json=table)
+    assert response.status_code == 201, response.text
+
+
+def _push(client: TestClient, seed: int, name: str = "t", num_ids: int = 5) -> int:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (num_ids,), generator=generator)
+    grads = torch.randn(num_ids, DIM, generator=generator)
+    response = client.post(f"/v1/tables/{name}/update", json={"ids": ids.tolist(), "grads": grads.tolist()})
+    assert response.status_code == 200, response.text
+    return int(response.json()["version"])
+
+
+def _rows(client: TestClient, ids: list[int], name: str = "t") -> Tensor:
+    response = client.post(f"/v1/tables/{name}/lookup", json={"ids": ids})
+    assert response.status_code == 200, response.text
+    return torch.tensor(response.json()["embeddings"], dtype=torch.float32)
+
+
+def _export(client: TestClient, name: str = "t") -> tuple[bytes, int]:
+    response = client.get(f"/v1/tables/{name}/checkpoint")
+    assert response.status_code == 200, response.text
+    return response.content, int(response.headers["X-Robez-Version"])
+
+
+def _table_from(data: bytes, tmp_path: Path) -> Table:
+    path = tmp_path / "downloaded.safetensors"
+    path.write_bytes(data)
+    return Table.load(path)
+
+
+PROBE = list(range(0, 1000, 7))
+
+
+def test_updates_survive_a_restart(settings: Settings) -> None:
+    """Graceful shutdown snapshots; with it switched off the log alone brings the updates back."""
+    for on_shutdown in (True, False):
+        settings = settings.model_copy(update={"snapshot_on_shutdown": on_shutdown})
+        name = f"t{int(on_shutdown)}"
+        with TestClient(create_app(settings)) as client:
+            _create(client, {**TABLE, "name": name})
+            for seed in range(4):
+                _push(client, seed, name)
+            before = _rows(client, PROBE, name)
+        log = settings.data_dir / name / LOG_FILE  # type: ignore[operator]
+        assert (log.stat().st_size == LOG_HEADER_SIZE) == on_shutdown
+        with TestClient(create_app(settings)) as client:
+            info = client.get(f"/v1/tables/{name}").json()
+            assert info["version"] == 4
+            assert torch.equal(_rows(client, PROBE, name), before)
+
+
+def test_snapshot_endpoint_empties_the_log(client: TestClient, settings: Settings) -> None:
+    _create(client)
+    for seed in range(3):
+        _push(client, seed)
+    response = client.post("/v1/tables/t/snapshot")
+    assert response.status_code == 200, response.text
+    assert response.json()["version"] == 3 and response.json()["snapshot_bytes"] > MEMORY * 4
+    assert (settings.data_dir / "t" / LOG_FILE).stat().st_size == LOG_HEADER_SIZE  # type: ignore[operator]
+    assert client.post("/v1/tables/nope/snapshot").status_code == 404
+
+
+def test_export_then_load_restores_the_rows(client: TestClient, tmp_path: Path) -> None:
+    _create(client)
+    _push(client, 1)
+    saved, version = _export(client)
+    assert version == 1
+    saved_rows = _rows(client, PROBE)
+    exported = _table_from(saved, tmp_path)
+    assert torch.equal(exported.lookup(torch.tensor(PROBE)), saved_rows)
+    for seed in range(2, 5):
+        _push(client, seed)
+    assert not torch.equal(_rows(client, PROBE), saved_rows)
+    response = client.post(
+        "/v1/tables/t/load", content=saved, headers={"Content-Type": "application/octet-stream"}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["version"] == 0
+    assert torch.equal(_rows(client, PROBE), saved_rows)
+    again, _ = _export(client)
+    assert torch.equal(_table_from(again, tmp_path).state["sum"], exported.state["sum"])  # adagrad state too
+
+
+def test_load_creates_a_missing_table_and_survives_restart(settings: Settings, tmp_path: Path) -> None:
+    with TestClient(create_app(settings)) as client:
+        _create(client)
+        _push(client, 7)
+        saved, _ = _export(client)
+        rows = _rows(client, PROBE)
+        response = client.post("/v1/tables/copy/load", content=saved)
+        assert response.status_code == 200, response.text
+        assert response.json()["optimizer"]["name"] == "adagrad"
+        assert torch.equal(_rows(client, PROBE, "copy"), rows)
+        _push(client, 8, "copy")
+        copy_rows = _rows(client, PROBE, "copy")
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/v1/tables/copy").json()["version"] == 1
+        assert torch.equal(_rows(client, PROBE, "copy"), copy_rows)
+
+
+def test_load_rejects_bad_and_mismatched_checkpoints(client: TestClient) -> None:
+    _create(client)
+    _create(client, {**TABLE, "name": "wide", "config": {**TABLE["config"], "embedding_dim": DIM * 2}})
+    wide, _ = _export(client, "wide")
+    before = _rows(client, PROBE)
+    assert client.post("/v1/tables/t/load", content=wide).status_code == 409
+    assert client.post("/v1/tables/t/load", content=b"garbage" * 10).status_code == 422
+    assert client.post("/v1/tables/t/load", content=wide[:-5]).status_code == 422
+    assert client.post("/v1/tables/t/load?format=paper", content=wide).status_code == 422
+    assert torch.equal(_rows(client, PROBE), before)
+    assert client.get("/v1/tables/t").json()["version"] == 0
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (print, ("unpickled!",))
+
+
+def test_load_never_unpickles_arbitrary_objects(
+    client: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _create(client)
+    buffer = io.BytesIO()
+    torch.save({"weight": torch.zeros(MEMORY), "evil": _Boom()}, buffer)
+    response = client.post("/v1/tables/t/load", content=buffer.getvalue())
+    assert response.status_code == 422, response.text
+    legacy = pickle.dumps({"weight": _Boom()}, protocol=2)
+    assert client.post("/v1/tables/t/load?format=paper", content=legacy).status_code == 422
+    assert "unpickled!" not in capsys.readouterr().out
+
+
+def _paper_state_dict(
+    embedding_dim: int, chunk_size: int, memory_size: int, seed: int
+) -> OrderedDict[str, Tensor]:
+    """What the paper's RobezEmbedding.state_dict() holds, built the way its __init__ builds it."""
+    random_numbers = np.concatenate(
+        [np.array([PAPER_PRIME]), np.random.RandomState(seed).randint(0, PAPER_PRIME, (10,))]
+    )
+    weight = torch.from_numpy(
+        np.random.RandomState(seed + 1).uniform(-0.001, 0.001, memory_size).astype(np.float32)
+    )
+    j = torch.arange(embedding_dim, dtype=torch.int64)
+    return OrderedDict(
+        weight=weight,
+        random_numbers=torch.from_numpy(random_numbers.astype(np.int64)),
+        helper_Eidx_base=j // chunk_size,
+        helper_Eidx_offset=j % chunk_size,
+        helper_E1sR=torch.full((embedding_dim,), int(random_numbers[3]), dtype=torch.int64),
+    )
+
+
+def test_paper_state_dict_gives_the_reference_rows(client: TestClient) -> None:
+    state_dict = _paper_state_dict(DIM, CHUNK, MEMORY, seed=123)
+    buffer = io.BytesIO()
+    torch.save({f"emb_l.0.{key}": value for key, value in state_dict.items()}, buffer)  # inside a model
+    response = client.post(
+        "/v1/tables/paper/load?num_embeddings=5000&optimizer=sgd&lr=0.5", content=buffer.getvalue()
+    )
+    assert response.status_code == 200, response.text
+    info = response.json()
+    assert info["config"]["chunk_size"] == CHUNK and info["config"]["num_embeddings"] == 5000
+    assert (info["optimizer"]["name"], info["optimizer"]["lr"]) == ("sgd", 0.5)
+    ids = torch.tensor([0, 1, 2, 4999, 123456789, -5, 2**62], dtype=torch.int64)
+    expected = reference.lookup(state_dict["weight"], ids, DIM, CHUNK, state_dict["random_numbers"])
+    got = _rows(client, ids.tolist(), "paper")
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+def test_paper_state_dict_into_an_existing_table_keeps_its_optimizer(client: TestClient) -> None:
+    _create(client, {**TABLE, "config": {**TABLE["config"], "seed": 77}})
+    state_dict = _paper_state_dict(DIM, CHUNK, MEMORY, seed=77)  # same constants as seed 77
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    response = client.post("/v1/tables/t/load", content=buffer.getvalue())
+    assert response.status_code == 200, response.text
+    assert response.json()["optimizer"]["name"] == "adagrad" and response.json()["config"]["seed"] == 77
+    expected = reference.lookup(
+        state_dict["weight"], torch.tensor(PROBE), DIM, CHUNK, state_dict["random_numbers"]
+    )
+    assert torch.equal(_rows(client, PROBE), expected)
+    other = _paper_state_dict(DIM, CHUNK, MEMORY, seed=78)  # other hash constants: not this table's array
+    buffer = io.BytesIO()
+    torch.save(other, buffer)
+    assert client.post("/v1/tables/t/load", content=buffer.getvalue()).status_code == 409
+
+
+def test_without_a_data_dir_export_works_and_snapshot_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    with TestClient(create_app(_settings(tmp_path, data_dir=False))) as client:
+        _create(client)
+        _push(client, 3)
+        assert client.post("/v1/tables/t/snapshot").status_code == 409
+        saved, version = _export(client)
+        assert version == 1
+        assert torch.equal(_table_from(saved, tmp_path).lookup(torch.tensor(PROBE)), _rows(client, PROBE))
+
+
+def test_writes_need_the_key(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    with TestClient(create_app(_settings(tmp_path, api_key="k"))) as client:
+        auth = {"Authorization": "Bearer k"}
+        assert client.post("/v1/tables", json=TABLE, headers=auth).status_code == 201
+        assert client.post("/v1/tables/t/snapshot").status_code == 401
+        assert client.get("/v1/tables/t/checkpoint").status_code == 401
+        assert client.post("/v1/tables/t/load", content=b"x").status_code == 401
+        assert client.post("/v1/tables/t/snapshot", headers=auth).status_code == 200
+
+
+def test_periodic_snapshots_follow_the_policy(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    settings = _settings(tmp_path, snapshot_every_updates=3)
+    with TestClient(create_app(settings)) as client:
+        _create(client)
+        store = client.app.state.store  # type: ignore[attr-defined]
+        journal = store.journal
+        assert isinstance(journal, WalJournal)
+        scheduler = SnapshotScheduler(store, journal)
+        _push(client, 1)
+        _push(client, 2)
+        assert scheduler.run_once() == [] and journal.snapshot_version("t") == 0
+        _push(client, 3)
+        assert scheduler.run_once() == ["t"] and journal.snapshot_version("t") == 3
+        assert scheduler.run_once() == []
+        meta = json.loads((tmp_path / "data" / "t" / "meta.json").read_text())
+        assert meta["version"] == 3 and meta["generation"] == 2
