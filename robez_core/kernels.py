@@ -56,8 +56,9 @@ __all__ = [
 
 BagMode = Literal["sum", "mean"]
 
-_HASH_PAPER = 0
-_HASH_FAST = 1
+_MODE_PAPER_CONST = 0  # paper hash with P == PAPER_PRIME and m < 2**52: the specialised loop
+_MODE_PAPER_GENERIC = 1  # paper hash with any other P (imported constants) or a huge m
+_MODE_FAST = 2
 _FMIX_C1 = np.uint64(FMIX_C1 & 0xFFFFFFFFFFFFFFFF)
 _FMIX_C2 = np.uint64(FMIX_C2 & 0xFFFFFFFFFFFFFFFF)
 _SHIFT_33 = np.uint64(33)
@@ -68,12 +69,15 @@ _DENSE_COALESCE_FACTOR = 4
 
 
 # --------------------------------------------------------------------------------------------------
-# hashing (scalar helpers, inlined by LLVM into the loops below)
+# scalar helpers (inline="always": numba splices them into the loops, so LLVM sees one loop body)
+#
+# Index arithmetic on array positions is done in uint64: numba wraps negative int64 indices
+# (``a[-1]``), and that per-access sign check keeps LLVM from vectorising the chunk copies.
 
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
 def _reduce_below_2_52(value, divisor, inv_divisor):
-    """``value mod divisor`` for 0 <= value < 2**52 via a float reciprocal, corrected by at most one step."""
+    """``value mod divisor`` for 0 <= value < 2**52 via a float reciprocal, corrected by one step."""
     quotient = np.int64(value * inv_divisor)
     remainder = value - quotient * divisor
     if remainder < 0:
@@ -84,56 +88,52 @@ def _reduce_below_2_52(value, divisor, inv_divisor):
 
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
-def _paper_offset_const(key_term, chunk_term, r1, range_size, inv_range):
-    # PAPER_PRIME is a compile-time constant here: LLVM turns the floor mod into multiply-high + fix-up.
-    h = (key_term + chunk_term + r1) % PAPER_PRIME
-    return _reduce_below_2_52(h, range_size, inv_range)
+def _key_term(mode, key, r3):
+    if mode == _MODE_FAST:
+        return key * (r3 | 1)
+    return key * r3
 
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
-def _paper_offset_generic(key_term, chunk_term, r1, prime, range_size):
-    return ((key_term + chunk_term + r1) % prime) % range_size
+def _chunk_offset(mode, key_term, chunk, r1, r2, prime, range_size, inv_range):
+    """Start of chunk ``chunk`` of the row whose ``_key_term`` is given (the branch is loop-invariant)."""
+    h = key_term + chunk * r2 + r1  # int64, wraps like torch
+    if mode == _MODE_PAPER_CONST:
+        # PAPER_PRIME is a compile-time constant: LLVM turns the floor mod into a multiply-high.
+        return _reduce_below_2_52(h % PAPER_PRIME, range_size, inv_range)
+    if mode == _MODE_PAPER_GENERIC:
+        return (h % prime) % range_size
+    u = np.uint64(h)
+    u ^= u >> _SHIFT_33
+    u *= _FMIX_C1
+    u ^= u >> _SHIFT_33
+    u *= _FMIX_C2
+    u ^= u >> _SHIFT_33
+    return np.int64(((u >> _SHIFT_32) * np.uint64(range_size)) >> _SHIFT_32)
 
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
-def _fast_offset(key_term, chunk_term, r1, range_size):
-    h = np.uint64(key_term + chunk_term + r1)
-    h ^= h >> _SHIFT_33
-    h *= _FMIX_C1
-    h ^= h >> _SHIFT_33
-    h *= _FMIX_C2
-    h ^= h >> _SHIFT_33
-    return np.int64(((h >> _SHIFT_32) * range_size) >> _SHIFT_32)
+def _copy(dst, dst_pos, src, src_pos, length):
+    d0 = np.uint64(dst_pos)
+    s0 = np.uint64(src_pos)
+    for j in range(np.uint64(length)):
+        dst[d0 + j] = src[s0 + j]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def _row_offsets(
-    key: int,
-    num_chunks: int,
-    hash_kind: int,
-    random_numbers: np.ndarray,
-    range_size: int,
-    inv_range: float,
-    out: np.ndarray,
-) -> None:
-    """Chunk start offsets of one (already val_offset-shifted) key into ``out[:num_chunks]``."""
-    prime = random_numbers[0]
-    r1 = random_numbers[1]
-    r2 = random_numbers[2]
-    r3 = random_numbers[3]
-    if hash_kind == _HASH_PAPER:
-        key_term = key * r3
-        if prime == PAPER_PRIME and range_size < (1 << 52):
-            for c in range(num_chunks):
-                out[c] = _paper_offset_const(key_term, c * r2, r1, range_size, inv_range)
-        else:
-            for c in range(num_chunks):
-                out[c] = _paper_offset_generic(key_term, c * r2, r1, prime, range_size)
-    else:
-        key_term = key * (r3 | 1)
-        urange = np.uint64(range_size)
-        for c in range(num_chunks):
-            out[c] = _fast_offset(key_term, c * r2, r1, urange)
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _add_scaled(dst, dst_pos, src, src_pos, length, scale):
+    d0 = np.uint64(dst_pos)
+    s0 = np.uint64(src_pos)
+    for j in range(np.uint64(length)):
+        dst[d0 + j] += scale * src[s0 + j]
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _add(dst, dst_pos, src, src_pos, length):
+    d0 = np.uint64(dst_pos)
+    s0 = np.uint64(src_pos)
+    for j in range(np.uint64(length)):
+        dst[d0 + j] += src[s0 + j]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,44 +141,42 @@ def _row_offsets(
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _chunk_offsets_kernel(ids, val_offset, num_chunks, hash_kind, random_numbers, range_size, out):
+def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, range_size, out):
+    prime, r1, r2, r3 = random_numbers[0], random_numbers[1], random_numbers[2], random_numbers[3]
     inv_range = 1.0 / range_size
+    flat = out.reshape(-1)
     for n in prange(ids.shape[0]):
-        _row_offsets(
-            ids[n] + val_offset, num_chunks, hash_kind, random_numbers, range_size, inv_range, out[n]
-        )
+        key_term = _key_term(mode, ids[n] + val_offset, r3)
+        base = np.uint64(n * num_chunks)
+        for c in range(num_chunks):
+            flat[base + np.uint64(c)] = _chunk_offset(mode, key_term, c, r1, r2, prime, range_size, inv_range)
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _gather_kernel(weight, offsets, embedding_dim, chunk_size, out):
     num_chunks = offsets.shape[1]
+    flat = out.reshape(-1)
     for n in prange(offsets.shape[0]):
-        row = out[n]
+        base = n * embedding_dim
         for c in range(num_chunks):
             start = c * chunk_size
-            length = min(chunk_size, embedding_dim - start)
-            src = offsets[n, c]
-            for j in range(length):
-                row[start + j] = weight[src + j]
+            _copy(flat, base + start, weight, offsets[n, c], min(chunk_size, embedding_dim - start))
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, hash_kind, random_numbers, out):
+def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, out):
+    prime, r1, r2, r3 = random_numbers[0], random_numbers[1], random_numbers[2], random_numbers[3]
     num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
     range_size = weight.shape[0] - chunk_size + 1
     inv_range = 1.0 / range_size
+    flat = out.reshape(-1)
     for n in prange(ids.shape[0]):
-        row_offsets = np.empty(num_chunks, dtype=np.int64)
-        _row_offsets(
-            ids[n] + val_offset, num_chunks, hash_kind, random_numbers, range_size, inv_range, row_offsets
-        )
-        row = out[n]
+        key_term = _key_term(mode, ids[n] + val_offset, r3)
+        base = n * embedding_dim
         for c in range(num_chunks):
+            src = _chunk_offset(mode, key_term, c, r1, r2, prime, range_size, inv_range)
             start = c * chunk_size
-            length = min(chunk_size, embedding_dim - start)
-            src = row_offsets[c]
-            for j in range(length):
-                row[start + j] = weight[src + j]
+            _copy(flat, base + start, weight, src, min(chunk_size, embedding_dim - start))
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
@@ -192,36 +190,34 @@ def _lookup_bag_kernel(
     val_offset,
     embedding_dim,
     chunk_size,
-    hash_kind,
+    mode,
     random_numbers,
     out,
 ):
+    prime, r1, r2, r3 = random_numbers[0], random_numbers[1], random_numbers[2], random_numbers[3]
     num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
     range_size = weight.shape[0] - chunk_size + 1
     inv_range = 1.0 / range_size
     num_bags = bag_offsets.shape[0]
     num_ids = ids.shape[0]
+    flat = out.reshape(-1)
     for b in prange(num_bags):
         begin = bag_offsets[b]
         end = bag_offsets[b + 1] if b + 1 < num_bags else num_ids
-        row = out[b]
-        row[:] = 0.0
-        row_offsets = np.empty(num_chunks, dtype=np.int64)
+        base = b * embedding_dim
+        for j in range(embedding_dim):
+            flat[base + j] = 0.0
         for i in range(begin, end):
-            _row_offsets(
-                ids[i] + val_offset, num_chunks, hash_kind, random_numbers, range_size, inv_range, row_offsets
-            )
+            key_term = _key_term(mode, ids[i] + val_offset, r3)
             scale = per_sample_weights[i] if has_weights else np.float32(1.0)
             for c in range(num_chunks):
+                src = _chunk_offset(mode, key_term, c, r1, r2, prime, range_size, inv_range)
                 start = c * chunk_size
-                length = min(chunk_size, embedding_dim - start)
-                src = row_offsets[c]
-                for j in range(length):
-                    row[start + j] += scale * weight[src + j]
+                _add_scaled(flat, base + start, weight, src, min(chunk_size, embedding_dim - start), scale)
         if mean and end > begin:
             inv_count = np.float32(1.0) / np.float32(end - begin)
             for j in range(embedding_dim):
-                row[j] *= inv_count
+                flat[base + j] *= inv_count
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,6 +230,7 @@ def _scatter_kernel(grad_rows, offsets, embedding_dim, chunk_size, out, num_part
     # slice: no two threads write the same location, so no atomics, and the sum order is deterministic.
     memory_size = out.shape[0]
     num_rows, num_chunks = offsets.shape
+    grads = grad_rows.reshape(-1)
     for part in prange(num_parts):
         lo = memory_size * part // num_parts
         hi = memory_size * (part + 1) // num_parts
@@ -242,36 +239,41 @@ def _scatter_kernel(grad_rows, offsets, embedding_dim, chunk_size, out, num_part
                 start = c * chunk_size
                 length = min(chunk_size, embedding_dim - start)
                 dst = offsets[n, c]
-                if dst + length <= lo or dst >= hi:
-                    continue
-                j_begin = max(0, lo - dst)
-                j_end = min(length, hi - dst)
-                for j in range(j_begin, j_end):
-                    out[dst + j] += grad_rows[n, start + j]
+                if dst >= lo and dst + length <= hi:
+                    _add(out, dst, grads, n * embedding_dim + start, length)
+                elif dst < hi and dst + length > lo:
+                    j_begin = max(0, lo - dst)
+                    j_end = min(length, hi - dst)
+                    _add(out, dst + j_begin, grads, n * embedding_dim + start + j_begin, j_end - j_begin)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _coalesce_dense_kernel(grad_rows, offsets, embedding_dim, chunk_size, memory_size):
     values_dense = np.zeros(memory_size, dtype=np.float32)
-    touched = np.zeros(memory_size, dtype=np.bool_)
+    # a location is touched iff some chunk covers it: mark +1 at chunk start, -1 past its end, prefix-sum
+    coverage = np.zeros(memory_size + 1, dtype=np.int32)
     num_rows, num_chunks = offsets.shape
+    grads = grad_rows.reshape(-1)
     for n in range(num_rows):
         for c in range(num_chunks):
             start = c * chunk_size
             length = min(chunk_size, embedding_dim - start)
             dst = offsets[n, c]
-            for j in range(length):
-                values_dense[dst + j] += grad_rows[n, start + j]
-                touched[dst + j] = True
+            _add(values_dense, dst, grads, n * embedding_dim + start, length)
+            coverage[dst] += 1
+            coverage[dst + length] -= 1
     count = 0
+    depth = 0
     for i in range(memory_size):
-        if touched[i]:
-            count += 1
+        depth += coverage[i]
+        count += depth > 0
     locations = np.empty(count, dtype=np.int64)
     values = np.empty(count, dtype=np.float32)
     k = 0
+    depth = 0
     for i in range(memory_size):
-        if touched[i]:
+        depth += coverage[i]
+        if depth > 0:
             locations[k] = i
             values[k] = values_dense[i]
             k += 1
@@ -284,16 +286,16 @@ def _coalesce_sorted_kernel(grad_rows, offsets, embedding_dim, chunk_size):
     # so the output is the union of those ranges, each filled from a small zeroed segment.
     num_chunks = offsets.shape[1]
     flat_offsets = offsets.reshape(-1)
-    order = np.argsort(flat_offsets, kind="mergesort")
+    order = np.argsort(flat_offsets)
+    grads = grad_rows.reshape(-1)
     total = 0
     run_end = np.int64(-1)
     for k in range(order.shape[0]):
         idx = order[k]
-        c = idx % num_chunks
-        length = min(chunk_size, embedding_dim - c * chunk_size)
+        length = min(chunk_size, embedding_dim - (idx % num_chunks) * chunk_size)
         dst = flat_offsets[idx]
         end = dst + length
-        if dst > run_end or run_end < 0:
+        if dst > run_end:
             total += length
             run_end = end
         elif end > run_end:
@@ -301,34 +303,27 @@ def _coalesce_sorted_kernel(grad_rows, offsets, embedding_dim, chunk_size):
             run_end = end
     locations = np.empty(total, dtype=np.int64)
     values = np.zeros(total, dtype=np.float32)
-    base = -1  # output index of the current run's first location
+    base = 0  # output index of the current run's first location
     run_start = np.int64(0)
     run_end = np.int64(-1)
     filled = 0
     for k in range(order.shape[0]):
         idx = order[k]
         n = idx // num_chunks
-        c = idx % num_chunks
-        start = c * chunk_size
+        start = (idx % num_chunks) * chunk_size
         length = min(chunk_size, embedding_dim - start)
         dst = flat_offsets[idx]
         end = dst + length
-        if dst > run_end or run_end < 0:
+        if dst > run_end:
             base = filled
             run_start = dst
-            run_end = end
-            for j in range(length):
-                locations[filled + j] = dst + j
-            filled += length
-        elif end > run_end:
-            extra = end - run_end
-            for j in range(extra):
+            run_end = dst
+        if end > run_end:
+            for j in range(end - run_end):
                 locations[filled + j] = run_end + j
-            filled += extra
+            filled += end - run_end
             run_end = end
-        out_pos = base + (dst - run_start)
-        for j in range(length):
-            values[out_pos + j] += grad_rows[n, start + j]
+        _add(values, base + (dst - run_start), grads, n * embedding_dim + start, length)
     return locations, values
 
 
@@ -378,31 +373,36 @@ def set_kernel_threads() -> int:
     return threads
 
 
-def _hash_kind(hash: str) -> int:
-    if hash == "paper":
-        return _HASH_PAPER
-    if hash == "fast":
-        return _HASH_FAST
-    raise ConfigError(f"unknown hash {hash!r}; expected one of {HASH_NAMES}")
-
-
 def _check_shape(memory_size: int, chunk_size: int, embedding_dim: int, hash: str) -> int:
+    """Validate a table shape; returns the hash range ``memory_size - chunk_size + 1``."""
     if chunk_size < 1 or embedding_dim < 1:
         raise ConfigError(f"chunk_size and embedding_dim must be >= 1, got {chunk_size}, {embedding_dim}")
+    if hash not in HASH_NAMES:
+        raise ConfigError(f"unknown hash {hash!r}; expected one of {HASH_NAMES}")
     range_size = memory_size - chunk_size + 1
     if range_size < 1:
         raise ConfigError(f"memory_size ({memory_size}) must be >= chunk_size ({chunk_size})")
-    if _hash_kind(hash) == _HASH_FAST and range_size > MAX_FAST_RANGE:
+    if hash == "fast" and range_size > MAX_FAST_RANGE:
         raise ConfigError(f"hash='fast' needs memory_size - chunk_size + 1 <= 2**32, got {range_size}")
     return range_size
 
 
-def _random_numbers_np(random_numbers: torch.Tensor) -> np.ndarray:
+def _hash_setup(
+    hash: str, random_numbers: torch.Tensor, memory_size: int, chunk_size: int, embedding_dim: int = 1
+) -> tuple[int, np.ndarray, int]:
+    """(kernel hash mode, constants as numpy int64 (11,), range size) for a validated table shape."""
+    range_size = _check_shape(memory_size, chunk_size, embedding_dim, hash)
     if random_numbers.dtype != torch.int64 or tuple(random_numbers.shape) != (NUM_RANDOM_NUMBERS,):
         raise ConfigError(f"random_numbers must be int64 ({NUM_RANDOM_NUMBERS},)")
-    if int(random_numbers[0]) <= 0:
+    constants = random_numbers.contiguous().numpy()
+    prime = int(constants[0])
+    if prime <= 0:
         raise ConfigError("random_numbers[0] is the modulus P and must be positive")
-    return random_numbers.contiguous().numpy()
+    if hash == "fast":
+        return _MODE_FAST, constants, range_size
+    if prime == PAPER_PRIME and range_size < (1 << 52):
+        return _MODE_PAPER_CONST, constants, range_size
+    return _MODE_PAPER_GENERIC, constants, range_size
 
 
 def _ids_np(ids: torch.Tensor) -> np.ndarray:
@@ -441,7 +441,7 @@ def chunk_offsets(
 
     Bit-exact with ``hashing.reference_chunk_offsets``. ``ids`` is int64 (N,); any int64 value is valid.
     """
-    range_size = _check_shape(memory_size, chunk_size, 1, hash)
+    hash_mode, constants, range_size = _hash_setup(hash, random_numbers, memory_size, chunk_size)
     ids_np = _ids_np(ids)
     out = torch.empty((ids_np.shape[0], num_chunks), dtype=torch.int64)
     if ids_np.shape[0] and num_chunks:
@@ -450,8 +450,8 @@ def chunk_offsets(
             ids_np,
             np.int64(_wrap_int64(val_offset)),
             num_chunks,
-            _hash_kind(hash),
-            _random_numbers_np(random_numbers),
+            hash_mode,
+            constants,
             range_size,
             out.numpy(),
         )
@@ -500,7 +500,7 @@ def lookup(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused hash + gather: float32 (N, embedding_dim) rows of int64 ``ids`` (N,) from ``weight`` (m,)."""
-    _check_shape(weight.shape[0], chunk_size, embedding_dim, hash)
+    hash_mode, constants, _ = _hash_setup(hash, random_numbers, weight.shape[0], chunk_size, embedding_dim)
     weight_np = _weight_np(weight)
     ids_np = _ids_np(ids)
     result = _out_rows(out, ids_np.shape[0], embedding_dim)
@@ -512,8 +512,8 @@ def lookup(
             np.int64(_wrap_int64(val_offset)),
             embedding_dim,
             chunk_size,
-            _hash_kind(hash),
-            _random_numbers_np(random_numbers),
+            hash_mode,
+            constants,
             result.numpy(),
         )
     return result
@@ -537,7 +537,7 @@ def lookup_bag(
     <= N; a bag runs to the next start or to N). ``per_sample_weights`` float32 (N,) scales each row
     before pooling (``mode="sum"`` only, as in torch). Empty bags give zeros.
     """
-    _check_shape(weight.shape[0], chunk_size, embedding_dim, hash)
+    hash_mode, constants, _ = _hash_setup(hash, random_numbers, weight.shape[0], chunk_size, embedding_dim)
     if mode not in ("sum", "mean"):
         raise ConfigError(f"mode must be 'sum' or 'mean', got {mode!r}")
     weight_np = _weight_np(weight)
@@ -570,8 +570,8 @@ def lookup_bag(
             np.int64(_wrap_int64(val_offset)),
             embedding_dim,
             chunk_size,
-            _hash_kind(hash),
-            _random_numbers_np(random_numbers),
+            hash_mode,
+            constants,
             out.numpy(),
         )
     return out
