@@ -301,8 +301,9 @@ class Table:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write a safetensors checkpoint atomically: temp file, fsync, rename over ``path``, fsync the dir.
 
-        A crash leaves either the old file or the new one, never a torn one. The caller keeps the table
-        from changing during the save (the service holds the table's update lock).
+        A crash leaves either the old file or the new one, never a torn one; write failures raise
+        ``OSError`` and leave no temp file. The caller keeps the table from changing during the save
+        (the service holds the table's update lock).
         """
         path = Path(path)
         tensors = self.tensors()
@@ -312,7 +313,11 @@ class Table:
         )
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
-            save_file({name: t.detach() for name, t in tensors.items()}, str(tmp), metadata=metadata)
+            try:
+                save_file({name: t.detach() for name, t in tensors.items()}, str(tmp), metadata=metadata)
+            except SafetensorError as exc:
+                # safetensors reports disk errors as its own type; callers of save() expect OSError
+                raise OSError(f"cannot write checkpoint {str(path)!r}: {exc}") from exc
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)

@@ -1,0 +1,563 @@
+"""Table: in-place fused updates, validation, safetensors checkpoints, the paper's state_dict."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from robez_core import (
+    ConfigError,
+    CorruptionError,
+    InvalidInputError,
+    NotFoundError,
+    OptimizerConfig,
+    RobezEmbedding,
+    Table,
+    TableConfig,
+    import_paper_state_dict,
+    reference,
+)
+from robez_core.hashing import PAPER_PRIME
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+OPTIMIZERS = [
+    OptimizerConfig("sgd", lr=0.1),
+    OptimizerConfig("adagrad", lr=0.1, initial_accumulator_value=0.05),
+    OptimizerConfig("adam", lr=0.01, betas=(0.8, 0.95)),
+]
+
+
+def _table(optimizer: OptimizerConfig | None = None, **overrides: object) -> Table:
+    config = dict(num_embeddings=1000, embedding_dim=20, memory_size=3000, chunk_size=8, val_offset=3)
+    config.update(overrides)
+    return Table(TableConfig(**config), optimizer)  # type: ignore[arg-type]
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bits (so -0.0 != 0.0 and NaN payloads count)."""
+    return tensor.contiguous().view(torch.uint8)
+
+
+def _snapshot(table: Table) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in table.tensors().items()}
+
+
+def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(_bits(a[name]), _bits(b[name])), name
+
+
+# ------------------------------------------------------------------------------------ construction
+
+
+def test_new_table_array_matches_a_new_module() -> None:
+    table = _table(seed=77)
+    module = RobezEmbedding(1000, 20, 3000, chunk_size=8, val_offset=3, seed=77)
+    assert torch.equal(table.weight, module.weight.detach())
+    assert table.optimizer == OptimizerConfig()  # no optimizer given: plain sgd
+
+
+def test_given_weight_and_state_are_used_in_place() -> None:
+    config = TableConfig(100, 8, 500, chunk_size=4)
+    optimizer = OptimizerConfig("adam")
+    weight = torch.zeros(500)
+    state = {
+        name: torch.zeros(shape, dtype=dtype)
+        for name, (shape, dtype) in Table.state_layout(optimizer, 500).items()
+    }
+    table = Table(config, optimizer, weight=weight, state=state)
+    assert table.weight.data_ptr() == weight.data_ptr()
+    assert all(table.state[k].data_ptr() == state[k].data_ptr() for k in state)
+    table.apply_gradients(torch.tensor([1, 2]), torch.ones(2, 8))
+    assert bool(weight.any()) and bool(state["exp_avg"].any()) and int(state["step"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("weight", "state"),
+    [
+        (torch.zeros(499), None),
+        (torch.zeros(500, dtype=torch.float64), None),
+        (torch.zeros(1000)[::2], None),
+        (None, {"sum": torch.zeros(500)}),
+        (None, {"exp_avg": torch.zeros(500), "exp_avg_sq": torch.zeros(500)}),
+        (None, {"exp_avg": torch.zeros(500), "exp_avg_sq": torch.zeros(500), "step": torch.zeros(1)}),
+    ],
+)
+def test_bad_weight_or_state_is_config_error(weight: torch.Tensor | None, state: dict | None) -> None:
+    with pytest.raises(ConfigError):
+        Table(TableConfig(100, 8, 500, chunk_size=4), OptimizerConfig("adam"), weight=weight, state=state)
+
+
+# ---------------------------------------------------------------------------------------- reads
+
+
+@pytest.mark.parametrize("hash", ["paper", "fast"])
+def test_reads_match_reference(hash: str) -> None:
+    table = _table(hash=hash)
+    c = table.config
+    ids = torch.tensor([0, 1, -1, INT64_MIN, INT64_MAX, 12345678901234])
+    offsets = table.hash(ids)
+    assert torch.equal(
+        offsets,
+        reference.chunk_offsets(
+            ids, c.num_chunks, c.chunk_size, c.memory_size, table.random_numbers, c.val_offset, c.hash
+        ),
+    )
+    expected = reference.lookup(
+        table.weight, ids, c.embedding_dim, c.chunk_size, table.random_numbers, c.val_offset, c.hash
+    )
+    assert torch.equal(table.lookup(ids), expected)
+    assert torch.equal(table.gather(offsets), expected)
+    bag_starts = torch.tensor([0, 2, 2])
+    psw = torch.rand(len(ids))
+    bounds = torch.tensor([0, 2, 2, len(ids)])
+    for mode, weights in (("sum", psw), ("sum", None), ("mean", None)):
+        pooled = table.lookup_bag(ids, bag_starts, weights, mode)
+        expected_bag = reference.lookup_bag(
+            table.weight,
+            ids,
+            bounds,
+            weights,
+            mode,
+            c.embedding_dim,
+            c.chunk_size,
+            table.random_numbers,
+            c.val_offset,
+            c.hash,
+        )
+        torch.testing.assert_close(pooled, expected_bag)
+
+
+def test_empty_batch() -> None:
+    table = _table(OptimizerConfig("adagrad"))
+    empty = torch.empty(0, dtype=torch.int64)
+    assert table.lookup(empty).shape == (0, 20)
+    before = _snapshot(table)
+    table.apply_gradients(empty, torch.empty(0, 20))
+    _assert_bitwise_equal(before, _snapshot(table))
+
+
+# -------------------------------------------------------------------------------------- updates
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+def test_apply_gradients_with_duplicates_equals_reference_on_summed_grads(optimizer: OptimizerConfig) -> None:
+    table = _table(optimizer)
+    start = table.weight.clone()
+    c = table.config
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.tensor([5, 9, 5, 5, -3])
+    grads = torch.randn(5, c.embedding_dim, generator=gen)
+    table.apply_gradients(ids, grads)
+    table.apply_gradients(ids, grads, lr=optimizer.lr / 2)
+
+    # The same two steps, done by the reference on distinct ids with their gradients summed by hand.
+    unique_ids = torch.tensor([5, 9, -3])
+    summed = torch.stack([grads[0] + grads[2] + grads[3], grads[1], grads[4]])
+    indices = reference.offsets_to_indices(
+        reference.chunk_offsets(
+            unique_ids, c.num_chunks, c.chunk_size, c.memory_size, table.random_numbers, c.val_offset
+        ),
+        c.embedding_dim,
+        c.chunk_size,
+    )
+    weight = start.clone()
+    state = {k: torch.zeros_like(v) for k, v in table.state.items()}
+    if optimizer.name == "adagrad":
+        state["sum"].fill_(optimizer.initial_accumulator_value)
+    for lr in (optimizer.lr, optimizer.lr / 2):
+        reference.apply_gradients(
+            weight, state, optimizer.name, indices, summed, lr=lr, betas=optimizer.betas, eps=optimizer.eps
+        )
+    torch.testing.assert_close(table.weight, weight, rtol=1e-5, atol=1e-6)
+    for name in state:
+        torch.testing.assert_close(table.state[name], state[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+def test_apply_gradients_at_equals_apply_gradients(optimizer: OptimizerConfig) -> None:
+    one, two = _table(optimizer), _table(optimizer)
+    ids = torch.tensor([1, 2, 3, 1])
+    grads = torch.randn(4, 20)
+    one.apply_gradients(ids, grads)
+    two.apply_gradients_at(two.hash(ids), grads)
+    _assert_bitwise_equal(_snapshot(one), _snapshot(two))
+
+
+_GOOD_IDS = torch.tensor([1, 2, 3])
+_GOOD_GRADS = torch.ones(3, 20)
+
+
+@pytest.mark.parametrize(
+    ("ids", "grads", "lr"),
+    [
+        (torch.tensor([1.0, 2.0, 3.0]), _GOOD_GRADS, None),  # float ids
+        (torch.tensor([1, 2, 3], dtype=torch.int32), _GOOD_GRADS, None),  # int32 ids
+        (torch.tensor([[1, 2, 3]]), _GOOD_GRADS, None),  # 2-D ids
+        (_GOOD_IDS, torch.ones(2, 20), None),  # N mismatch
+        (_GOOD_IDS, torch.ones(3, 21), None),  # d mismatch
+        (_GOOD_IDS, torch.ones(3, 20, dtype=torch.float64), None),
+        (_GOOD_IDS, torch.ones(3, 20).index_fill(1, torch.tensor([7]), float("nan")), None),
+        (_GOOD_IDS, torch.ones(3, 20).index_fill(0, torch.tensor([2]), float("inf")), None),
+        (_GOOD_IDS, torch.ones(3, 20).index_fill(0, torch.tensor([0]), float("-inf")), None),
+        (_GOOD_IDS, _GOOD_GRADS, 0.0),
+        (_GOOD_IDS, _GOOD_GRADS, -0.1),
+        (_GOOD_IDS, _GOOD_GRADS, float("nan")),
+        (_GOOD_IDS, _GOOD_GRADS, float("inf")),
+        (_GOOD_IDS, _GOOD_GRADS, "0.1"),
+        ([1, 2, 3], _GOOD_GRADS, None),  # not a tensor
+    ],
+)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+def test_bad_update_raises_and_changes_nothing(ids, grads, lr, optimizer: OptimizerConfig) -> None:
+    table = _table(optimizer)
+    table.apply_gradients(_GOOD_IDS, _GOOD_GRADS)  # non-trivial state first
+    before = _snapshot(table)
+    with pytest.raises(InvalidInputError):
+        table.apply_gradients(ids, grads, lr)
+    _assert_bitwise_equal(before, _snapshot(table))
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        torch.full((3, 3), -1, dtype=torch.int64),  # before the array
+        torch.full((3, 3), 3000 - 8 + 1, dtype=torch.int64),  # a block would run past the end
+        torch.zeros(3, 2, dtype=torch.int64),  # wrong number of chunks
+        torch.zeros(3, 3, dtype=torch.int32),
+        torch.zeros(2, 3, dtype=torch.int64),  # N differs from grads
+    ],
+)
+def test_bad_offsets_raise_and_change_nothing(offsets: torch.Tensor) -> None:
+    table = _table(OptimizerConfig("adam"))
+    before = _snapshot(table)
+    with pytest.raises(InvalidInputError):
+        table.apply_gradients_at(offsets, _GOOD_GRADS)
+    _assert_bitwise_equal(before, _snapshot(table))
+    if offsets.shape[0] == 3:  # (2, 3) is only wrong next to three gradient rows
+        with pytest.raises(InvalidInputError):
+            table.gather(offsets)
+
+
+def test_bad_reads_raise() -> None:
+    table = _table()
+    with pytest.raises(InvalidInputError):
+        table.lookup(torch.tensor([1.5]))
+    with pytest.raises(InvalidInputError):
+        table.hash(torch.tensor([[1]]))
+    with pytest.raises(InvalidInputError):
+        table.lookup_bag(_GOOD_IDS, torch.tensor([0]), mode="max")
+    with pytest.raises(InvalidInputError):
+        table.lookup_bag(_GOOD_IDS, torch.tensor([1]))  # first bag must start at 0
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+configs = st.builds(
+    TableConfig,
+    num_embeddings=st.integers(1, 10**12),
+    embedding_dim=st.integers(1, 50),
+    memory_size=st.integers(40, 3000),
+    chunk_size=st.integers(1, 40),
+    seed=st.integers(0, 2**32 - 1),
+    val_offset=st.integers(INT64_MIN, INT64_MAX),
+    hash=st.sampled_from(["paper", "fast"]),
+    init_scale=st.floats(0.0, 10.0),
+    random_numbers=st.one_of(
+        st.none(),
+        st.tuples(st.integers(1, 2**62), *[st.integers(INT64_MIN, INT64_MAX)] * 10),
+    ),
+)
+optimizers = st.builds(
+    OptimizerConfig,
+    name=st.sampled_from(["sgd", "adagrad", "adam"]),
+    lr=st.floats(1e-6, 1.0),
+    betas=st.tuples(st.floats(0.0, 0.99), st.floats(0.0, 0.999)),
+    eps=st.floats(1e-12, 1e-3),
+    initial_accumulator_value=st.floats(0.0, 1.0),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, optimizer=optimizers, updates=st.integers(0, 3))
+def test_checkpoint_round_trip_is_bitwise(
+    config: TableConfig, optimizer: OptimizerConfig, updates: int
+) -> None:
+    table = Table(config, optimizer)
+    gen = torch.Generator().manual_seed(updates)
+    for _ in range(updates):
+        ids = torch.randint(-50, 50, (10,), generator=gen)
+        table.apply_gradients(ids, torch.randn(10, config.embedding_dim, generator=gen))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "table.safetensors"
+        table.save(path)
+        table.save(path)  # overwriting an existing checkpoint is the normal case
+        loaded = Table.load(path)
+        assert os.listdir(tmp) == ["table.safetensors"]  # no temp file left behind
+    assert loaded.config == table.config
+    assert loaded.optimizer == table.optimizer
+    assert loaded.metadata() == table.metadata()
+    assert torch.equal(loaded.random_numbers, table.random_numbers)
+    _assert_bitwise_equal(_snapshot(table), _snapshot(loaded))
+    ids = torch.tensor([0, 1, INT64_MIN, INT64_MAX])
+    assert torch.equal(_bits(loaded.lookup(ids)), _bits(table.lookup(ids)))
+    # The loaded table owns writable memory of its own.
+    loaded.weight.add_(1.0)
+    assert not torch.equal(loaded.weight, table.weight)
+
+
+def test_metadata_names_the_table() -> None:
+    table = _table(OptimizerConfig("adam"), hash="fast", seed=5)
+    metadata = table.metadata()
+    assert metadata["format"] == "robez-table" and metadata["format_version"] == "1"
+    config = json.loads(metadata["config"])
+    assert config["hash"] == "fast" and config["seed"] == 5 and config["chunk_size"] == 8
+    assert config["memory_size"] == 3000 and config["embedding_dim"] == 20 and config["val_offset"] == 3
+    assert json.loads(metadata["random_numbers"])[0] == PAPER_PRIME
+    assert json.loads(metadata["optimizer"])["name"] == "adam"
+    assert set(table.tensors()) == {"weight", "state.exp_avg", "state.exp_avg_sq", "state.step"}
+
+
+def test_save_failure_leaves_nothing(tmp_path: Path) -> None:
+    table = _table()
+    with pytest.raises(OSError):
+        table.save(tmp_path / "missing-dir" / "t.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    table = _table(OptimizerConfig("adagrad"))
+    table.apply_gradients(_GOOD_IDS, _GOOD_GRADS)
+    path = tmp_path / "t.safetensors"
+    table.save(path)
+    return path
+
+
+def _rewrite(path: Path, edit_tensors=None, edit_metadata=None) -> None:
+    """Re-save a checkpoint with its tensors or metadata edited (a valid safetensors file)."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_metadata:
+        edit_metadata(metadata)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def test_load_missing_file_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError):
+        Table.load(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: p.write_bytes(b""), "not a readable safetensors"),
+        (lambda p: p.write_bytes(b"\x00" * 64), "not a readable safetensors"),
+        (lambda p: p.write_bytes(os.urandom(1000)), "not a readable safetensors"),
+        (lambda p: p.write_bytes(p.read_bytes()[:-100]), "not a readable safetensors"),
+        (lambda p: p.write_bytes(p.read_bytes()[:50]), "not a readable safetensors"),
+        (lambda p: p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 1])), "checksum"),
+        (
+            lambda p: _rewrite(p, edit_tensors=lambda t: t["weight"].__setitem__(17, 0.5)),
+            "checksum",
+        ),
+        (lambda p: _rewrite(p, edit_tensors=lambda t: t.pop("state.sum")), "expected tensors"),
+        (
+            lambda p: _rewrite(p, edit_tensors=lambda t: t.__setitem__("extra", torch.zeros(1))),
+            "expected tensors",
+        ),
+        (
+            lambda p: _rewrite(p, edit_tensors=lambda t: t.__setitem__("weight", torch.zeros(2999))),
+            "tensor 'weight'",
+        ),
+        (
+            lambda p: _rewrite(p, edit_metadata=lambda m: m.__setitem__("format", "other")),
+            "not a robez table",
+        ),
+        (
+            lambda p: _rewrite(p, edit_metadata=lambda m: m.__setitem__("format_version", "99")),
+            "format_version",
+        ),
+        (lambda p: _rewrite(p, edit_metadata=lambda m: m.pop("config")), "invalid metadata"),
+        (lambda p: _rewrite(p, edit_metadata=lambda m: m.__setitem__("config", "{")), "invalid metadata"),
+        (
+            lambda p: _rewrite(
+                p,
+                edit_metadata=lambda m: m.__setitem__(
+                    "config", m["config"].replace('"memory_size": 3000', '"memory_size": 2')
+                ),
+            ),
+            "invalid metadata",
+        ),
+        (
+            lambda p: _rewrite(
+                p,
+                edit_metadata=lambda m: m.__setitem__("optimizer", m["optimizer"].replace("adagrad", "adam")),
+            ),
+            "expected tensors",
+        ),
+        (
+            lambda p: _rewrite(
+                p,
+                edit_metadata=lambda m: m.__setitem__("random_numbers", json.dumps([PAPER_PRIME] + [1] * 10)),
+            ),
+            "random_numbers",
+        ),
+    ],
+)
+def test_corrupt_checkpoint_is_corruption_error(checkpoint: Path, damage, message: str) -> None:
+    damage(checkpoint)
+    with pytest.raises(CorruptionError, match=message):
+        Table.load(checkpoint)
+
+
+def test_plain_safetensors_file_is_not_a_table(tmp_path: Path) -> None:
+    path = tmp_path / "plain.safetensors"
+    save_file({"weight": torch.zeros(10)}, str(path))
+    with pytest.raises(CorruptionError, match="not a robez table"):
+        Table.load(path)
+
+
+# ---------------------------------------------------------------------------------- modules
+
+
+def test_from_module_and_to_module_share_the_array() -> None:
+    module = RobezEmbedding(100, 12, 400, chunk_size=5, val_offset=9, hash="fast", seed=12)
+    table = Table.from_module(module, OptimizerConfig("sgd", lr=1.0))
+    ids = torch.arange(-10, 10)
+    assert torch.equal(table.lookup(ids), module(ids).detach())
+    table.apply_gradients(ids, torch.ones(20, 12))
+    assert torch.equal(table.lookup(ids), module(ids).detach())  # the module sees the update
+    back = table.to_module()
+    assert back.weight.data_ptr() == table.weight.data_ptr()
+    assert back.config == table.config
+    assert torch.equal(back(ids).detach(), table.lookup(ids))
+
+
+# ------------------------------------------------------------------------- the paper's state_dict
+
+
+class PaperRobezEmbedding(nn.Module):
+    """A stand-in for the paper's module: the same parameter names and the same index arithmetic.
+
+    The paper keeps ``weight`` as a shared Parameter and the constants and helpers as non-trainable
+    Parameters; ``helper_Eidx_base`` is built by a float division cast back to int64.
+    """
+
+    def __init__(
+        self, embedding_dim: int, weight: nn.Parameter, val_offset: int, chunk_size: int, random_numbers
+    ) -> None:
+        super().__init__()
+        self.val_offset, self.chunk_size = val_offset, chunk_size
+        self.weight = weight
+        self.weights_size = weight.numel()
+        self.random_numbers = nn.Parameter(
+            torch.tensor(random_numbers, dtype=torch.int64), requires_grad=False
+        )
+        j = np.arange(embedding_dim)
+        self.helper_Eidx_base = nn.Parameter(torch.LongTensor(j / chunk_size), requires_grad=False)
+        self.helper_Eidx_offset = nn.Parameter(torch.LongTensor(j % chunk_size), requires_grad=False)
+        self.helper_E1sR = nn.Parameter(
+            torch.LongTensor(np.ones(embedding_dim) * int(random_numbers[3])), requires_grad=False
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p, a, b = self.random_numbers[0], self.random_numbers[1], self.random_numbers[2]
+        hashed = (
+            ((ids.view(-1, 1) + self.val_offset) * self.helper_E1sR + self.helper_Eidx_base * b + a) % p
+        ) % (self.weights_size - self.chunk_size + 1) + self.helper_Eidx_offset
+        return self.weight[hashed]
+
+
+def _paper_module(d: int, z: int, m: int, val_offset: int = 0, seed: int = 1024) -> PaperRobezEmbedding:
+    draws = np.random.RandomState(seed).randint(0, PAPER_PRIME, 10)
+    weight = nn.Parameter(
+        torch.empty(m).uniform_(-0.001, 0.001, generator=torch.Generator().manual_seed(seed))
+    )
+    return PaperRobezEmbedding(d, weight, val_offset, z, [PAPER_PRIME, *draws.tolist()])
+
+
+@pytest.mark.parametrize(("d", "z", "m"), [(100, 32, 262144), (7, 3, 50), (64, 1, 1000), (33, 32, 32)])
+def test_import_paper_state_dict_reads_the_same_rows(d: int, z: int, m: int) -> None:
+    paper = _paper_module(d, z, m, val_offset=1000, seed=4321)  # constants not from the default seed
+    table = import_paper_state_dict(paper.state_dict(), val_offset=1000, num_embeddings=10**6)
+    assert table.config.chunk_size == z and table.config.embedding_dim == d and table.config.memory_size == m
+    assert table.config.num_embeddings == 10**6
+    assert table.random_numbers.tolist() == paper.random_numbers.tolist()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.cat(
+        [torch.randint(0, 10**6, (200,), generator=gen), torch.randint(INT64_MIN, INT64_MAX, (50,))]
+    )
+    with torch.no_grad():
+        expected = paper(ids)
+    assert torch.equal(table.lookup(ids), expected)
+    assert torch.equal(table.to_module(backend="reference")(ids).detach(), expected)
+    # The table owns a copy: training it leaves the paper's module alone.
+    table.apply_gradients(ids[:3], torch.ones(3, d))
+    assert torch.equal(paper(ids).detach(), expected)
+
+
+def test_import_single_chunk_needs_chunk_size() -> None:
+    paper = _paper_module(d=16, z=32, m=500)
+    with pytest.raises(ConfigError, match="chunk_size"):
+        import_paper_state_dict(paper.state_dict())
+    with pytest.raises(ConfigError):
+        import_paper_state_dict(paper.state_dict(), chunk_size=8)  # helpers say Z >= 16
+    table = import_paper_state_dict(paper.state_dict(), chunk_size=32)
+    ids = torch.arange(100)
+    assert torch.equal(table.lookup(ids), paper(ids).detach())
+
+
+def test_import_rejects_contradicting_chunk_size() -> None:
+    paper = _paper_module(d=40, z=8, m=500)
+    with pytest.raises(ConfigError, match="disagrees"):
+        import_paper_state_dict(paper.state_dict(), chunk_size=16)
+    assert import_paper_state_dict(paper.state_dict(), chunk_size=8).config.chunk_size == 8
+
+
+def _edited(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    state = dict(_paper_module(d=40, z=8, m=500).state_dict())
+    state[name] = value
+    return state
+
+
+@pytest.mark.parametrize(
+    "state_dict",
+    [
+        _edited("helper_E1sR", torch.ones(40, dtype=torch.int64)),
+        _edited("helper_Eidx_base", torch.zeros(40, dtype=torch.int64)),
+        _edited("helper_Eidx_offset", torch.arange(40) % 7),
+        _edited("helper_Eidx_offset", torch.arange(41) % 8),
+        _edited("helper_Eidx_base", torch.arange(40, dtype=torch.int32) // 8),
+        _edited("random_numbers", torch.arange(10)),
+        _edited("random_numbers", torch.zeros(11, dtype=torch.int64)),
+        _edited("weight", torch.zeros(500, dtype=torch.float64)),
+        _edited("weight", torch.zeros(5)),  # fewer values than one chunk
+    ],
+)
+def test_import_inconsistent_state_dict_is_corruption(state_dict: dict[str, torch.Tensor]) -> None:
+    with pytest.raises(CorruptionError):
+        import_paper_state_dict(state_dict)
+
+
+def test_import_missing_key_is_config_error() -> None:
+    state = dict(_paper_module(d=40, z=8, m=500).state_dict())
+    del state["helper_E1sR"]
+    with pytest.raises(ConfigError, match="helper_E1sR"):
+        import_paper_state_dict(state)
