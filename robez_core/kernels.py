@@ -66,6 +66,8 @@ _SHIFT_32 = np.uint64(32)
 # Above this many array locations per gradient value the coalesce switches from a dense (m,) scratch
 # buffer to sorting chunk starts: the dense buffer costs O(m) to clear and scan, the sort O(NC log NC).
 _DENSE_COALESCE_FACTOR = 4
+_RADIX_BITS = 11
+_RADIX_BUCKETS = 1 << _RADIX_BITS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -281,12 +283,48 @@ def _coalesce_dense_kernel(grad_rows, offsets, embedding_dim, chunk_size, memory
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def _radix_argsort(keys):
+    """Stable argsort of non-negative int64 ``keys``: LSD radix, 11 bits a pass, only as many passes as
+    the largest key needs (three for m < 2**33). Several times faster than ``np.argsort`` here."""
+    n = keys.shape[0]
+    order = np.arange(n)
+    if n < 2:
+        return order
+    max_key = keys.max()
+    current_keys = keys.copy()
+    next_keys = np.empty_like(keys)
+    next_order = np.empty_like(order)
+    counts = np.empty(_RADIX_BUCKETS, dtype=np.int64)
+    shift = np.uint64(0)
+    mask = np.uint64(_RADIX_BUCKETS - 1)
+    while shift < np.uint64(64) and (np.uint64(max_key) >> shift) > np.uint64(0):
+        counts[:] = 0
+        for i in range(n):
+            counts[(np.uint64(current_keys[i]) >> shift) & mask] += 1
+        total = 0
+        for b in range(_RADIX_BUCKETS):
+            count = counts[b]
+            counts[b] = total
+            total += count
+        for i in range(n):
+            bucket = (np.uint64(current_keys[i]) >> shift) & mask
+            position = counts[bucket]
+            counts[bucket] = position + 1
+            next_keys[position] = current_keys[i]
+            next_order[position] = order[i]
+        current_keys, next_keys = next_keys, current_keys
+        order, next_order = next_order, order
+        shift += np.uint64(_RADIX_BITS)
+    return order
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def _coalesce_sorted_kernel(grad_rows, offsets, embedding_dim, chunk_size):
     # Sort chunk starts; overlapping or touching chunks merge into runs that cover a contiguous range,
     # so the output is the union of those ranges, each filled from a small zeroed segment.
     num_chunks = offsets.shape[1]
     flat_offsets = offsets.reshape(-1)
-    order = np.argsort(flat_offsets)
+    order = _radix_argsort(flat_offsets)
     grads = grad_rows.reshape(-1)
     total = 0
     run_end = np.int64(-1)
