@@ -4,6 +4,7 @@ the formula evaluated with Python integers, ``F.embedding_bag`` on the materiali
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from robez_core import reference
 from robez_core.hashing import PAPER_PRIME, paper_random_numbers
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
 
 
 def _wrap(value: int) -> int:
