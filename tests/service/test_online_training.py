@@ -1,0 +1,132 @@
+"""End to end: a real ``robez serve`` subprocess, the online-training example against it, and the
+Dockerfile's HEALTHCHECK command probing it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.client import RobezClient
+
+from .test_packaging import dockerfile_instruction_json
+
+REPO = Path(__file__).resolve().parents[2]
+ROBEZ = Path(sys.executable).with_name("robez")  # the installed console script, as a user runs it
+START_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {name: value for name, value in os.environ.items() if not name.startswith("ROBEZ_")}
+    return {**env, **extra}
+
+
+@pytest.fixture
+def server_url(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    env = clean_env(ROBEZ_SHM_DIR=str(tmp_path / "shm"), ROBEZ_THREADS_PER_WORKER="1")
+    (tmp_path / "shm").mkdir()
+    log = (tmp_path / "server.log").open("wb")
+    command = [str(ROBEZ), "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(
+                    f"robez serve exited with {process.returncode}:\n{(tmp_path / 'server.log').read_text()}"
+                )
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"robez serve not ready after {START_TIMEOUT_S}s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+        log.close()
+
+
+@pytest.mark.slow
+def test_online_training_example_loss_falls(server_url: str, tmp_path: Path) -> None:
+    history_path = tmp_path / "history.json"
+    plot_path = tmp_path / "loss.png"
+    steps = 60
+    command = [
+        sys.executable,
+        str(REPO / "examples" / "online_training.py"),
+        "--url", server_url,
+        "--steps", str(steps),
+        "--eval-every", "30",
+        "--samples", "20000",
+        "--table-prefix", "e2e_",
+        "--history", str(history_path),
+        "--plot", str(plot_path),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO)
+    assert result.returncode == 0, f"{shlex.join(command)}\n{result.stdout}\n{result.stderr}"
+    assert result.stdout.count("step ") >= steps  # progress printed every step
+
+    history = json.loads(history_path.read_text())
+    assert len(history["train_loss"]) == steps
+    first, last = history["eval_loss"][0], history["eval_loss"][-1]
+    assert 0.68 < first < 0.71  # a fresh table knows nothing: ~ln 2
+    assert last < first - 0.03, history["eval_loss"]
+    assert sum(history["train_loss"][-10:]) < sum(history["train_loss"][:10])
+    assert plot_path.stat().st_size > 10_000
+
+    # Every step pushed exactly once per table, and the server counted it.
+    client = RobezClient(server_url)
+    assert client.table("e2e_users")["version"] == steps
+    assert client.table("e2e_items")["version"] == steps
+    assert client.table("e2e_users")["optimizer"]["name"] == "adagrad"
+
+    # Run again without --reset: the tables are reused and training goes on from where it was.
+    rerun = subprocess.run(
+        [*command[:-4], "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+        cwd=REPO,
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    assert client.table("e2e_users")["version"] == steps + 1
+
+
+@pytest.mark.slow
+def test_dockerfile_healthcheck_probes_a_live_server(server_url: str) -> None:
+    """The image's HEALTHCHECK command, run here: 0 against a live server, non-zero against no server."""
+    healthcheck = dockerfile_instruction_json("HEALTHCHECK")
+    assert healthcheck[:2] == ["python", "-c"]
+    probe = [sys.executable, "-c", healthcheck[2]]
+    port = server_url.rsplit(":", 1)[1]
+    assert subprocess.run(probe, env=clean_env(ROBEZ_PORT=port), timeout=30).returncode == 0
+    closed = subprocess.run(
+        probe, env=clean_env(ROBEZ_PORT=str(free_port())), timeout=30, capture_output=True
+    )
+    assert closed.returncode != 0

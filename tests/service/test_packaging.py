@@ -1,0 +1,145 @@
+"""Dockerfile and docker-compose.yml, checked by reading them (no Docker engine in CI): they must stay
+consistent with the CLI, the Settings, the constraints file and the packages they ship."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from service.cli import _parser, _settings_from
+from service.config import DEMO_TABLE_CONFIG, DEMO_TABLE_NAME, Settings, load_tables_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
+    logical: list[str] = []
+    pending = ""
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        logical.append(pending + stripped)
+        pending = ""
+    assert not pending, "Dockerfile ends inside a continuation"
+    return [(text.split(None, 1)[0].upper(), text.split(None, 1)[1]) for text in logical]
+
+
+def final_stage() -> list[tuple[str, str]]:
+    instructions = dockerfile_instructions()
+    last_from = max(i for i, (name, _) in enumerate(instructions) if name == "FROM")
+    return instructions[last_from:]
+
+
+def dockerfile_instruction_json(name: str) -> list[str]:
+    """The exec-form (JSON array) command of the final stage's CMD or HEALTHCHECK."""
+    (arguments,) = [args for instruction, args in final_stage() if instruction == name]
+    if name == "HEALTHCHECK":
+        arguments = arguments[arguments.index("CMD ") + len("CMD ") :]
+    command = json.loads(arguments)
+    assert isinstance(command, list) and all(isinstance(part, str) for part in command)
+    return command
+
+
+def compose_service() -> dict[str, Any]:
+    document = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    (service,) = document["services"].values()
+    assert isinstance(service, dict)
+    return service
+
+
+def test_dockerfile_stages_are_slim_and_run_unprivileged() -> None:
+    instructions = dockerfile_instructions()
+    assert [args.split()[0] for name, args in instructions if name == "FROM"] == ["python:3.11-slim"] * 2
+    stage = dict(final_stage())
+    assert stage["USER"] not in ("root", "0")
+    assert stage["EXPOSE"] == "8000"
+    assert json.loads(stage["VOLUME"]) == ["/data"]
+    assert "/healthz" in stage["HEALTHCHECK"]
+
+
+def test_dockerfile_cmd_is_a_valid_robez_serve() -> None:
+    command = dockerfile_instruction_json("CMD")
+    assert command[:2] == ["robez", "serve"]
+    args = _parser().parse_args(command[1:])
+    settings = _settings_from(args)
+    assert settings.host == "0.0.0.0"  # reachable through the published port
+    assert settings.data_dir == Path("/data")
+    # The HEALTHCHECK probes ROBEZ_PORT, which the image sets to the port the server uses by default.
+    image_env = next(args for name, args in final_stage() if name == "ENV")
+    assert re.search(r"\bROBEZ_PORT=8000\b", image_env)
+    assert Settings.model_fields["port"].default == 8000
+
+
+def test_dockerfile_installs_cpu_torch_at_the_pinned_version() -> None:
+    pins = dict(
+        line.split("==")
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    text = (REPO / "Dockerfile").read_text()
+    assert f'"torch=={pins["torch"]}+cpu"' in text
+    assert "--index-url https://download.pytorch.org/whl/cpu" in text
+    assert re.search(r"pip install -c constraints\.txt \.", text)
+
+
+def test_dockerfile_copies_every_package_and_nothing_ignored() -> None:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    ignored = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    copied: set[str] = set()
+    for name, args in dockerfile_instructions():
+        if name != "COPY" or args.startswith("--from"):
+            continue
+        *sources, _ = args.split()
+        for source in sources:
+            assert (REPO / source).exists(), source
+            assert not any(fnmatch.fnmatch(source, pattern) for pattern in ignored), source
+            copied.add(source)
+    packages = {
+        pattern.rstrip("*") for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
+    assert packages <= copied, packages - copied
+    assert {"pyproject.toml", pyproject["project"]["readme"], "constraints.txt"} <= copied
+    assert {".venv", ".git", "tests"} <= set(ignored)
+
+
+def test_compose_serves_port_8000_with_data_volume_and_tables_file() -> None:
+    document = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    service = compose_service()
+    assert service["build"] == "."
+    assert any(str(mapping).endswith(":8000") for mapping in service["ports"])
+
+    mounts = [str(volume).split(":") for volume in service["volumes"]]
+    (data_volume,) = [source for source, target, *_ in mounts if target == "/data"]
+    assert data_volume in document["volumes"]  # a named volume, declared
+
+    config_path = service["environment"]["ROBEZ_CONFIG"]
+    (config_mount,) = [mount for mount in mounts if mount[1] == config_path]
+    source, _, mode = config_mount
+    assert mode == "ro"
+    specs = load_tables_file(REPO / source)
+    # The README's first curl call uses the demo table; it must exist in the container too.
+    assert specs[DEMO_TABLE_NAME].config == DEMO_TABLE_CONFIG
+
+    # Shared tables live in /dev/shm; Docker's 64 MB default would cap them.
+    assert service["shm_size"]
+
+
+def test_compose_environment_names_real_settings() -> None:
+    for name in compose_service()["environment"]:
+        assert name.startswith("ROBEZ_")
+        assert name.removeprefix("ROBEZ_").lower() in Settings.model_fields, name
