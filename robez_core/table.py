@@ -341,6 +341,8 @@ class Table:
         try:
             with safe_open(str(path), framework="pt") as f:
                 metadata = f.metadata() or {}
+                # clone: safetensors maps the file privately, and a file truncated later would make
+                # accesses fault (SIGBUS); a table must own its memory.
                 tensors = {name: f.get_tensor(name).clone() for name in f.keys()}  # noqa: SIM118
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CorruptionError(
