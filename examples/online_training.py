@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -130,6 +131,8 @@ class History:
     train_loss: list[float] = field(default_factory=list)
     eval_steps: list[int] = field(default_factory=list)
     eval_loss: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)  # wall time of each step, client side
+    server_push_ms: list[float] = field(default_factory=list)  # both pushes, as the server timed them
 
 
 def evaluate(model: ClickModel, data: Interactions) -> float:
@@ -171,10 +174,17 @@ def train(args: argparse.Namespace) -> History:
         optimizer.zero_grad()
         loss.backward()  # pushes both tables' gradients; the server applies adagrad
         optimizer.step()
+        step_ms = 1000 * (time.perf_counter() - started)
+        # What the server spent applying the two pushes (its Server-Timing), out of the step's wall time.
+        server_ms = model.users.last_push_timing.get("total", 0.0) + model.items.last_push_timing.get(
+            "total", 0.0
+        )
         history.train_loss.append(float(loss))
+        history.step_ms.append(step_ms)
+        history.server_push_ms.append(server_ms)
         line = (
-            f"step {step:4d}/{args.steps}  loss {float(loss):.4f}  "
-            f"{1000 * (time.perf_counter() - started):6.1f} ms  "
+            f"step {step:4d}/{args.steps}  loss {float(loss):.4f}  {step_ms:6.1f} ms "
+            f"(server push {server_ms:5.2f} ms)  "
             f"versions users={model.users.last_version} items={model.items.last_version}"
         )
         if step % args.eval_every == 0 or step == args.steps:
@@ -184,6 +194,11 @@ def train(args: argparse.Namespace) -> History:
         print(line, flush=True)
     first, last = history.eval_loss[0], history.eval_loss[-1]
     print(f"held-out loss {first:.4f} -> {last:.4f} (best possible {history.best_loss:.4f})", flush=True)
+    print(
+        f"median step {statistics.median(history.step_ms):.1f} ms, of which the server's two pushes "
+        f"{statistics.median(history.server_push_ms):.2f} ms (Server-Timing)",
+        flush=True,
+    )
     client.close()
     return history
 

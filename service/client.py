@@ -619,6 +619,8 @@ class RemoteEmbedding(nn.Module):
         """Gradient pushes made so far (one per backward through a forward of this module)."""
         self.last_version: int | None = None
         """The table version the last push produced."""
+        self.last_push_timing: dict[str, float] = {}
+        """Server-Timing of the last push (ms by stage: hash, apply, total)."""
 
     def forward(self, ids: Tensor, lr: float | None = None) -> Tensor:
         """Rows of ``ids`` (*) -> (*, d); ``lr`` overrides ``self.lr`` for the push of this call only."""
@@ -638,6 +640,7 @@ class RemoteEmbedding(nn.Module):
 
     def _push(self, unique_ids: Tensor, grad_rows: Tensor, lr: float | None) -> None:
         self.last_version = self.client.update(self.table, unique_ids, grad_rows, lr=lr)
+        self.last_push_timing = dict(self.client.last_timing)
         self.pushes += 1
 
     def extra_repr(self) -> str:

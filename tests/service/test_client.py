@@ -399,6 +399,7 @@ def test_remote_embedding_backward_pushes_summed_gradients() -> None:
     assert torch.allclose(server.rows, expected, atol=1e-5)
     assert embedding.pushes == 1
     assert embedding.last_version == 1
+    assert embedding.last_push_timing == {"hash": 0.5, "lookup": 1.25, "total": 2.0}
 
 
 def test_remote_embedding_lr_override_and_no_grad() -> None:

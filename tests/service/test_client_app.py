@@ -160,6 +160,7 @@ def test_remote_embedding_trains_the_server_table(robez: RobezClient) -> None:
 
     assert embedding.pushes == 1
     assert embedding.last_version == 1
+    assert set(embedding.last_push_timing) == {"hash", "apply", "total"}
     probe = torch.arange(12)
     assert_close(robez.lookup("t", probe), local.lookup(probe))
 
