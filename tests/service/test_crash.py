@@ -1,0 +1,244 @@
+"""kill -9 a real ``robez serve --data-dir`` while a client streams updates; restart; compare bitwise.
+
+The oracle applies exactly the acknowledged updates (in the order of the versions the server answered)
+to the table as it was created. The one update in flight when the server died may or may not have
+been made durable: the recovered table must equal the oracle either without it or with it, nothing else.
+Periodic snapshots every few updates make some kills land around a snapshot too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from torch import Tensor
+
+from robez_core.table import Table
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+DIM = 8
+TABLE = {
+    "name": "t",
+    "config": {"num_embeddings": 100_000, "embedding_dim": DIM, "memory_size": 4096, "chunk_size": 4},
+    "optimizer": {"name": "adam", "lr": 0.01},
+}
+# Three kills with one worker; two with two (each restart of two workers costs ~15 s on a busy 2-core box).
+KILLS = {1: 3, 2: 2}
+STARTUP_SECONDS = 90.0
+ROBEZ = [sys.executable, "-m", "service.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class _Server:
+    data_dir: Path
+    shm_dir: Path
+    workers: int
+    log_path: Path
+    port: int = field(default_factory=_free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.port = _free_port()
+        env = {
+            **os.environ,
+            "ROBEZ_SHM_DIR": str(self.shm_dir),
+            "ROBEZ_DEFAULT_TABLE": "false",
+            "ROBEZ_SNAPSHOT_EVERY_UPDATES": "7",
+            "ROBEZ_LOG_LEVEL": "warning",
+        }
+        command = [*ROBEZ, "serve", "--data-dir", str(self.data_dir), "--port", str(self.port)]
+        command += ["--workers", str(self.workers)]
+        with open(self.log_path, "ab") as log:
+            # Its own process group, so one killpg takes the supervisor and every worker at once.
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise AssertionError(f"server not ready after {STARTUP_SECONDS} s:\n{self.log()}")
+
+    def kill(self) -> None:
+        assert self.process is not None
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        assert self.process is not None
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+@dataclass
+class _Update:
+    ids: Tensor
+    grads: Tensor
+
+    def body(self) -> bytes:
+        return self.ids.numpy().astype("<i8").tobytes() + self.grads.numpy().astype("<f4").tobytes()
+
+
+def _stream(
+    url: str, generator: torch.Generator, stop: threading.Event
+) -> tuple[list[tuple[int, _Update]], _Update | None]:
+    """Push updates one at a time (a fresh connection each, so every worker serves some) until the
+    server dies or ``stop`` is set. Returns the acknowledged (version, update) pairs and the update that
+    was in flight when the connection broke, if any."""
+    acknowledged: list[tuple[int, _Update]] = []
+    headers = {"Content-Type": "application/octet-stream", "Connection": "close"}
+    for _ in range(100_000):  # bounded; the kill ends it long before
+        if stop.is_set():
+            return acknowledged, None
+        num_ids = int(torch.randint(1, 6, (1,), generator=generator))
+        update = _Update(
+            torch.randint(-(2**40), 2**40, (num_ids,), generator=generator),
+            torch.randn(num_ids, DIM, generator=generator),
+        )
+        try:
+            response = httpx.post(
+                f"{url}/v1/tables/t/update",
+                content=update.body(),
+                headers={**headers, "X-Robez-Shape": f"{num_ids},{DIM}"},
+                timeout=30.0,
+            )
+        except httpx.TransportError:
+            return acknowledged, update
+        if response.status_code != 200:
+            # A 5xx from a dying worker: not acknowledged, and possibly journalled.
+            return acknowledged, update
+        acknowledged.append((int(response.json()["version"]), update))
+    return acknowledged, None
+
+
+def _download(url: str, tmp_path: Path) -> tuple[Table, int]:
+    response = httpx.get(f"{url}/v1/tables/t/checkpoint", timeout=60.0)
+    assert response.status_code == 200, response.text
+    path = tmp_path / f"download-{time.monotonic_ns()}.safetensors"
+    path.write_bytes(response.content)
+    table = Table.load(path)
+    path.unlink()
+    return table, int(response.headers["X-Robez-Version"])
+
+
+def _applied(table: Table, updates: list[_Update]) -> Table:
+    state = {name: tensor.clone() for name, tensor in table.state.items()}
+    out = Table(table.config, table.optimizer, weight=table.weight.clone(), state=state)
+    for update in updates:
+        out.apply_gradients(update.ids, update.grads, table.optimizer.lr)
+    return out
+
+
+def _bitwise_equal(left: Tensor, right: Tensor) -> bool:
+    return torch.equal(left.view(torch.uint8), right.view(torch.uint8))
+
+
+def _same(left: Table, right: Table) -> bool:
+    a, b = left.tensors(), right.tensors()
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+    )
+
+
+def _collect(
+    into: list[tuple[list[tuple[int, _Update]], _Update | None]],
+    url: str,
+    generator: torch.Generator,
+    stop: threading.Event,
+) -> None:
+    into.append(_stream(url, generator, stop))
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[list[_Server]]:
+    servers: list[_Server] = []
+    yield servers
+    for server in servers:
+        if server.process is not None and server.process.poll() is None:
+            server.kill()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_acknowledged_updates_survive_kill_9(
+    workers: int, tmp_path: Path, server_factory: list[_Server]
+) -> None:
+    rng = random.Random(1234 + workers)
+    generator = torch.Generator().manual_seed(99 + workers)
+    server = _Server(tmp_path / "data", tmp_path / "shm", workers, tmp_path / "server.log")
+    server_factory.append(server)
+    server.start()
+    response = httpx.post(f"{server.url}/v1/tables", json=TABLE, timeout=60.0)
+    assert response.status_code == 201, response.text
+    initial, version = _download(server.url, tmp_path)
+    assert version == 0
+    history: list[_Update] = []  # every update the recovered table holds, in version order
+
+    for kill in range(KILLS[workers]):
+        stop = threading.Event()
+        result: list[tuple[list[tuple[int, _Update]], _Update | None]] = []
+        streamer = threading.Thread(target=_collect, args=(result, server.url, generator, stop))
+        streamer.start()
+        time.sleep(rng.uniform(0.4, 1.5))
+        server.kill()
+        streamer.join(timeout=60)
+        assert not streamer.is_alive() and result
+        acknowledged, in_flight = result[0]
+        versions = [v for v, _ in acknowledged]
+        assert versions == list(range(len(history) + 1, len(history) + 1 + len(acknowledged))), versions
+        history.extend(update for _, update in acknowledged)
+
+        started = time.monotonic()
+        server.start()
+        print(
+            f"kill {kill}: {len(acknowledged)} acked, in flight {in_flight is not None}, "
+            f"restart {time.monotonic() - started:.1f} s"
+        )
+        recovered, version = _download(server.url, tmp_path)
+        expected = _applied(initial, history)
+        if version == len(history) + 1 and in_flight is not None:
+            expected = _applied(initial, [*history, in_flight])
+            history.append(in_flight)
+            print("  the in-flight update was recovered")
+        assert version == len(history), (kill, version, len(history), in_flight is not None)
+        assert _same(recovered, expected), f"kill {kill}: table differs from the oracle at version {version}"
+        assert len(acknowledged) > 0 or kill > 0  # the stream did run (the first window is long enough)
+
+    server.stop()
+    assert server.process is not None and server.process.returncode is not None
