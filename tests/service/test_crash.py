@@ -238,7 +238,7 @@ def test_acknowledged_updates_survive_kill_9(
             print("  the in-flight update was recovered")
         assert version == len(history), (kill, version, len(history), in_flight is not None)
         assert _same(recovered, expected), f"kill {kill}: table differs from the oracle at version {version}"
-        assert len(acknowledged) > 0 or kill > 0  # the stream did run (the first window is long enough)
 
+    assert history, "no update was acknowledged before any kill: the test exercised nothing"
     server.stop()
     assert server.process is not None and server.process.returncode is not None
