@@ -130,8 +130,11 @@ class _FusedBag(torch.autograd.Function):
             table.hash,
         )
         offsets = table.hash_ids(ids)
-        ctx.save_for_backward(weight, offsets, bag_starts, per_sample_weights)
-        ctx.mode, ctx.table = mode, table
+        # The array itself is only needed for the per-sample-weight gradient; saving it otherwise would
+        # make an in-place update between forward and backward an autograd error for nothing.
+        saved_weight = weight if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(saved_weight, offsets, bag_starts, per_sample_weights)
+        ctx.mode, ctx.table, ctx.memory_size = mode, table, weight.numel()
         return pooled
 
     @staticmethod
@@ -156,7 +159,7 @@ class _FusedBag(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_weight = _weight_grad(
-                grad_per_id.contiguous(), offsets, table.chunk_size, weight.numel(), table.sparse
+                grad_per_id.contiguous(), offsets, table.chunk_size, ctx.memory_size, table.sparse
             )
         return grad_weight, grad_psw, None, None, None, None
 
