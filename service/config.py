@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     snapshot_every_seconds: float = Field(default=0.0, ge=0, description="0 = only on request")
     default_table: bool = Field(default=True, description="serve `demo` when no table is configured")
     log_level: str = "info"
+    # uvicorn kills a worker that does not answer its supervisor's ping within this; generous, since a
+    # worker importing torch on a busy machine can take several seconds to answer its first ping.
+    worker_healthcheck_timeout_s: int = Field(default=60, ge=1)
 
     # Kernel threads per worker; None = max(1, cpus // workers) so N workers never oversubscribe the CPUs.
     threads_per_worker: int | None = Field(default=None, ge=1)

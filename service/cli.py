@@ -1,0 +1,149 @@
+"""The ``robez`` command: ``robez serve`` runs the HTTP service.
+
+``robez serve`` prepares the shared tables once (loading the data directory and the tables file), then
+starts uvicorn with N worker processes that all attach to them, and removes the shared memory when
+uvicorn returns (Ctrl-C / SIGTERM). Options override ``ROBEZ_*`` environment variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from robez_core.errors import RobezError
+
+from .config import Settings
+
+logger = logging.getLogger("robez.cli")
+
+# CLI option -> Settings field; each is passed on to the workers as ROBEZ_<FIELD>.
+_SERVE_OPTIONS = ("host", "port", "workers", "config", "data_dir", "log_level", "threads_per_worker")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="robez",
+        description="ROBE-Z compressed embedding tables: an HTTP lookup and online-training service.",
+        epilog="Every option can also be set as ROBEZ_<OPTION> (e.g. ROBEZ_PORT=9000); see docs/api.md.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="serve tables over HTTP",
+        description="Serve tables over HTTP. With no --config and no tables in --data-dir it serves the "
+        "built-in table 'demo' (d=64, Z=32, m=262144).",
+    )
+    serve.add_argument("--host", help="bind address (default 127.0.0.1; ROBEZ_HOST)")
+    serve.add_argument("--port", type=int, help="TCP port (default 8000; ROBEZ_PORT)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        help="worker processes sharing one copy of every table (default 1; ROBEZ_WORKERS)",
+    )
+    serve.add_argument("--config", type=Path, help="tables file, TOML (ROBEZ_CONFIG); format in docs/api.md")
+    serve.add_argument(
+        "--data-dir",
+        dest="data_dir",
+        type=Path,
+        help="directory for snapshots and the write-ahead log; tables survive restarts (ROBEZ_DATA_DIR)",
+    )
+    serve.add_argument(
+        "--log-level", dest="log_level", help="critical|error|warning|info|debug (ROBEZ_LOG_LEVEL)"
+    )
+    serve.add_argument(
+        "--threads-per-worker",
+        dest="threads_per_worker",
+        type=int,
+        help="kernel threads per worker (default: CPUs // workers; ROBEZ_THREADS_PER_WORKER)",
+    )
+    return parser
+
+
+def _settings_from(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        name: getattr(args, name) for name in _SERVE_OPTIONS if getattr(args, name) is not None
+    }
+    return Settings(**overrides)
+
+
+def _environment_for_workers(settings: Settings, shm_path: Path) -> dict[str, str]:
+    """What the workers' ``Settings()`` must read to equal ours (secrets are already in the env)."""
+    env = {
+        f"ROBEZ_{name.upper()}": str(value)
+        for name in _SERVE_OPTIONS
+        if (value := getattr(settings, name)) is not None
+    }
+    env["ROBEZ_SHM_PATH"] = str(shm_path)
+    if settings.workers > 1:
+        # prometheus_client reads this when imported in each (spawned) worker: samples go to shared files.
+        metrics_dir = shm_path / "metrics"
+        metrics_dir.mkdir(exist_ok=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    return env
+
+
+def serve(settings: Settings) -> int:
+    """Prepare the shared tables, run uvicorn until it is stopped, clean up; returns an exit status."""
+    import uvicorn
+
+    from .app import open_journal
+    from .store import TableStore
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    journal = open_journal(settings)
+    try:
+        directory = TableStore.prepare(settings, journal)
+    finally:
+        # Each worker opens its own journal; this one only loaded the tables.
+        journal.close()
+    try:
+        os.environ.update(_environment_for_workers(settings, directory.path))
+        logger.info(
+            "shared tables in %s; %d worker(s) x %d kernel thread(s)",
+            directory.path,
+            settings.workers,
+            settings.kernel_threads(),
+        )
+        uvicorn.run(
+            "service.app:create_app_from_env",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_level=settings.log_level,
+            timeout_worker_healthcheck=settings.worker_healthcheck_timeout_s,
+        )
+    finally:
+        directory.remove()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``robez`` console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help()
+        return 0 if args.command is None else 2
+    try:
+        settings = _settings_from(args)
+        return serve(settings)
+    except ValidationError as exc:
+        print(f"robez: invalid setting: {exc}", file=sys.stderr)
+        return 2
+    except RobezError as exc:
+        print(f"robez: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Settings from ROBEZ_* and the CLI, the tables file, the robez command's help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from robez_core.errors import ConfigError
+from service.cli import _environment_for_workers, _parser, _settings_from
+from service.config import Settings, available_cpus, load_tables_file
+
+
+def test_every_option_reads_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ROBEZ_PORT", "9123")
+    monkeypatch.setenv("ROBEZ_WORKERS", "3")
+    monkeypatch.setenv("ROBEZ_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("ROBEZ_MAX_IDS_PER_REQUEST", "77")
+    settings = Settings()
+    assert (settings.port, settings.workers, settings.data_dir, settings.max_ids_per_request) == (
+        9123,
+        3,
+        tmp_path,
+        77,
+    )
+    # CLI options win over the environment.
+    args = _parser().parse_args(["serve", "--port", "9999", "--host", "0.0.0.0"])
+    assert (_settings_from(args).port, _settings_from(args).host, _settings_from(args).workers) == (
+        9999,
+        "0.0.0.0",
+        3,
+    )
+    monkeypatch.setenv("ROBEZ_PORT", "not-a-port")
+    with pytest.raises(ValidationError):
+        Settings()
+
+
+def test_workers_inherit_the_parents_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    parent = _settings_from(
+        _parser().parse_args(["serve", "--port", "9001", "--workers", "2", "--data-dir", str(tmp_path)])
+    )
+    (tmp_path / "shm").mkdir()
+    env = _environment_for_workers(parent, tmp_path / "shm")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    worker = Settings()
+    assert worker.model_dump(exclude={"shm_path"}) == parent.model_dump(exclude={"shm_path"})
+    assert worker.shm_path == tmp_path / "shm"
+    assert env["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path / "shm" / "metrics")
+
+
+def test_threads_per_worker_default_shares_the_cpus() -> None:
+    assert Settings(workers=1).kernel_threads() == available_cpus()
+    assert Settings(workers=available_cpus() * 4).kernel_threads() == 1
+    assert Settings(workers=2, threads_per_worker=3).kernel_threads() == 3
+
+
+def test_tables_file(tmp_path: Path) -> None:
+    path = tmp_path / "tables.toml"
+    path.write_text(
+        '[tables.users]\nnum_embeddings = 1000\nembedding_dim = 16\nmemory_size = 4096\nhash = "fast"\n'
+        '[tables.users.optimizer]\nname = "adam"\nlr = 0.001\nbetas = [0.8, 0.99]\n'
+        "[tables.users_b]\nnum_embeddings = 1000\nembedding_dim = 16\nmemory_size = 4096\nval_offset = 99\n"
+        'share_array_with = "users"\n'
+        '[tables.users_b.optimizer]\nname = "adam"\nlr = 0.001\nbetas = [0.8, 0.99]\n'
+    )
+    specs = load_tables_file(path)
+    assert list(specs) == ["users", "users_b"]
+    assert specs["users"].config.hash == "fast" and specs["users"].optimizer.betas == (0.8, 0.99)
+    assert specs["users_b"].share_array_with == "users"
+    bad = {
+        "[tables.x]\nembedding_dim = 4\n": "x",  # missing keys
+        "[tables.x]\nnum_embeddings = 1\nembedding_dim = 4\nmemory_size = 2\n": "x",  # m < Z
+        "[tables.x]\nnum_embeddings = 1\nembedding_dim = 4\nmemory_size = 64\ncolour = 1\n": "colour",
+        "[server]\nport = 1\n": "top-level",
+        "not toml at all [": "TOML",
+    }
+    for text, fragment in bad.items():
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=fragment):
+            load_tables_file(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_tables_file(tmp_path / "missing.toml")
+
+
+def test_robez_help() -> None:
+    for argv in (["--help"], ["serve", "--help"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "service", *argv], capture_output=True, text=True, timeout=120, check=True
+        )
+        assert "robez" in result.stdout
+    serve_help = result.stdout
+    for option in ("--host", "--port", "--workers", "--config", "--data-dir"):
+        assert option in serve_help

@@ -1,0 +1,211 @@
+"""TableStore across "workers" (several stores attached to one shared directory) and its journal hook."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.errors import ConflictError, InvalidInputError, NotFoundError
+from robez_core.table import Table
+from service.config import Settings, TableSpec
+from service.journal import NullJournal, UpdateRecord
+from service.store import SharedDirectory, TableStore, remove_stale_directories
+
+from .conftest import make_settings
+
+CONFIG = TableConfig(num_embeddings=100, embedding_dim=8, memory_size=1024, chunk_size=4)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return make_settings(tmp_path, default_table=False)
+
+
+@pytest.fixture
+def directory(settings: Settings) -> Iterator[SharedDirectory]:
+    prepared = TableStore.prepare(settings, NullJournal())
+    yield prepared
+    prepared.remove()
+
+
+def test_workers_see_each_others_tables_and_updates(settings: Settings, directory: SharedDirectory) -> None:
+    first = TableStore(directory, settings, NullJournal())
+    second = TableStore(directory, settings, NullJournal())
+    first.create("t", TableSpec(CONFIG, OptimizerConfig("adagrad")))
+    assert second.names() == ["t"]
+    ids, grads = torch.tensor([1, 2, 2]), torch.randn(3, 8)
+    assert second.update("t", ids, grads).version == 1
+    assert first.version("t") == 1
+    looked_up = first.lookup("t", torch.tensor([1, 2]))
+    assert looked_up.version == 1
+    assert torch.equal(looked_up.rows, second.table("t").lookup(torch.tensor([1, 2])))
+    # One copy: both workers' tables are views of the same mapped file.
+    assert first.table("t").weight.data_ptr() != second.table("t").weight.data_ptr()  # two mappings...
+    first.table("t").weight[0] = 123.0
+    assert float(second.table("t").weight[0]) == 123.0  # ...of one memory
+    second.delete("t")
+    with pytest.raises(NotFoundError):
+        first.lookup("t", ids)
+    first.create("t", TableSpec(CONFIG, OptimizerConfig()))  # same name, new table
+    assert second.version("t") == 0 and second.table("t").optimizer.name == "sgd"
+    assert float(second.table("t").weight[0]) != 123.0
+    first.close()
+    second.close()
+
+
+def test_update_waiting_for_a_deleted_table_answers_not_found(
+    settings: Settings, directory: SharedDirectory
+) -> None:
+    store = TableStore(directory, settings, NullJournal())
+    store.create("t", TableSpec(CONFIG, OptimizerConfig()))
+    entry = store._entries["t"]
+    entry.counters[1] = 1  # what delete() sets under the lock before unregistering
+    with pytest.raises(NotFoundError):
+        store.update("t", torch.tensor([1]), torch.zeros(1, 8))
+    store.close()
+
+
+class RecordingJournal(NullJournal):
+    """Checks the hook order: append sees the table *before* the update is applied."""
+
+    def __init__(self, fail_append: bool = False) -> None:
+        self.records: list[UpdateRecord] = []
+        self.events: list[tuple[str, str, int]] = []
+        self.weights_at_append: list[torch.Tensor] = []
+        self.fail_append = fail_append
+        self.store: TableStore | None = None
+
+    def create(self, name: str, table: Table, version: int) -> None:
+        self.events.append(("create", name, version))
+
+    def append(self, record: UpdateRecord) -> None:
+        assert self.store is not None
+        self.weights_at_append.append(self.store.table(record.table).weight.clone())
+        if self.fail_append:
+            raise OSError("disk full")
+        self.records.append(record)
+
+    def snapshot(self, name: str, table: Table, version: int) -> None:
+        self.events.append(("snapshot", name, version))
+
+    def drop(self, name: str) -> None:
+        self.events.append(("drop", name, -1))
+
+
+def test_journal_hook_order_and_records(settings: Settings, directory: SharedDirectory) -> None:
+    journal = RecordingJournal()
+    store = TableStore(directory, settings, journal)
+    journal.store = store
+    store.create("t", TableSpec(CONFIG, OptimizerConfig()))
+    before = store.table("t").weight.clone()
+    ids, grads = torch.tensor([3, 3]), torch.ones(2, 8)
+    store.update("t", ids, grads, lr=0.5)
+    (record,) = journal.records
+    assert (record.table, record.version, record.lr) == ("t", 1, 0.5)
+    assert torch.equal(record.ids, ids) and torch.equal(record.grads, grads)
+    assert torch.equal(journal.weights_at_append[0], before)  # appended before applying
+    assert not torch.equal(store.table("t").weight, before)
+    store.update("t", ids, grads)
+    assert journal.records[-1].lr == CONFIG_LR and journal.records[-1].version == 2
+    assert store.snapshot("t") == 2
+    store.delete("t")
+    assert journal.events == [("create", "t", 0), ("snapshot", "t", 2), ("drop", "t", -1)]
+    store.close()
+
+
+CONFIG_LR = OptimizerConfig().lr
+
+
+def test_failed_append_changes_nothing(settings: Settings, directory: SharedDirectory) -> None:
+    journal = RecordingJournal(fail_append=True)
+    store = TableStore(directory, settings, journal)
+    journal.store = store
+    store.create("t", TableSpec(CONFIG, OptimizerConfig("adam")))
+    before = {k: t.clone() for k, t in store.table("t").tensors().items()}
+    with pytest.raises(OSError):
+        store.update("t", torch.tensor([1]), torch.ones(1, 8))
+    assert store.version("t") == 0
+    for key, tensor in store.table("t").tensors().items():
+        assert torch.equal(tensor, before[key])
+    # The lock was released: the next update goes through.
+    journal.fail_append = False
+    assert store.update("t", torch.tensor([1]), torch.ones(1, 8)).version == 1
+    store.close()
+
+
+class LoadingJournal(NullJournal):
+    def __init__(self, tables: dict[str, tuple[Table, int]]) -> None:
+        self.tables = tables
+
+    def names(self) -> list[str]:
+        return sorted(self.tables)
+
+    def load(self, name: str) -> tuple[Table, int] | None:
+        return self.tables.get(name)
+
+
+def test_prepare_loads_journal_tables_then_the_tables_file(tmp_path: Path) -> None:
+    saved = Table(CONFIG, OptimizerConfig("adagrad"))
+    saved.apply_gradients(torch.tensor([1, 2]), torch.ones(2, 8))
+    tables_file = tmp_path / "tables.toml"
+    tables_file.write_text(
+        "[tables.users]\nnum_embeddings = 100\nembedding_dim = 8\nmemory_size = 1024\nchunk_size = 4\n"
+        '[tables.users.optimizer]\nname = "adagrad"\n'
+        "[tables.items]\nnum_embeddings = 50\nembedding_dim = 16\nmemory_size = 2048\n"
+    )
+    settings = make_settings(tmp_path, config=tables_file)
+    directory = TableStore.prepare(settings, LoadingJournal({"users": (saved, 7)}))
+    try:
+        store = TableStore(directory, settings, NullJournal())
+        assert store.names() == ["items", "users"]  # no demo: a tables file was given
+        assert store.version("users") == 7
+        for key, tensor in saved.tensors().items():
+            assert torch.equal(store.table("users").tensors()[key], tensor)
+        assert store.table("items").config.chunk_size == 32
+        store.close()
+    finally:
+        directory.remove()
+    conflicting = make_settings(tmp_path, config=tables_file)
+    other = Table(TableConfig(num_embeddings=100, embedding_dim=8, memory_size=1024, chunk_size=8))
+    with pytest.raises(ValueError, match="different config"):
+        TableStore.prepare(conflicting, LoadingJournal({"users": (other, 1)}))
+    assert not list((tmp_path / "shm").glob("robez-*"))  # a failed prepare leaves nothing behind
+
+
+def test_shared_arrays_refused_with_a_durable_journal(settings: Settings, directory: SharedDirectory) -> None:
+    class DurableJournal:  # any journal that is not the in-memory NullJournal
+        def create(self, name: str, table: Table, version: int) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    store = TableStore(directory, settings, DurableJournal())  # type: ignore[arg-type]
+    store.create("a", TableSpec(CONFIG, OptimizerConfig()))
+    with pytest.raises(ValueError, match="share_array_with"):
+        store.create("b", TableSpec(CONFIG, OptimizerConfig(), share_array_with="a"))
+    with pytest.raises(ConflictError):
+        store.create("a", TableSpec(CONFIG, OptimizerConfig()))
+    with pytest.raises(InvalidInputError):
+        store.create("../a", TableSpec(CONFIG, OptimizerConfig()))
+    store.close()
+
+
+def test_stale_directories_of_dead_servers_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    stale, alive = tmp_path / f"robez-{dead_pid}-aaaa", tmp_path / f"robez-{os.getpid()}-bbbb"
+    for path, pid in ((stale, dead_pid), (alive, os.getpid())):
+        path.mkdir()
+        (path / "owner.pid").write_text(str(pid))
+    assert remove_stale_directories(tmp_path) == [stale]
+    assert alive.exists() and not stale.exists()
