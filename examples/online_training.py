@@ -179,11 +179,12 @@ def train(args: argparse.Namespace) -> History:
         server_ms = model.users.last_push_timing.get("total", 0.0) + model.items.last_push_timing.get(
             "total", 0.0
         )
-        history.train_loss.append(float(loss))
+        loss_value = float(loss.detach())
+        history.train_loss.append(loss_value)
         history.step_ms.append(step_ms)
         history.server_push_ms.append(server_ms)
         line = (
-            f"step {step:4d}/{args.steps}  loss {float(loss):.4f}  {step_ms:6.1f} ms "
+            f"step {step:4d}/{args.steps}  loss {loss_value:.4f}  {step_ms:6.1f} ms "
             f"(server push {server_ms:5.2f} ms)  "
             f"versions users={model.users.last_version} items={model.items.last_version}"
         )
