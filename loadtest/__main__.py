@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -125,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     output.add_argument("--out", type=Path, default=Path("docs/loadtest"), help="report directory")
     output.add_argument("--no-latest", action="store_true", help="do not update latest.md")
+    output.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="skip the py-spy profile of the server (never run by --quick)",
+    )
     return parser
 
 
@@ -179,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         server_env=dict(args.server_env),
         seed=args.seed,
         quick=args.quick,
+        profile=not (args.quick or args.no_profile),
     )
     if args.quick:
         config = replace(config, open_loop_fractions=QUICK_OPEN_LOOP, kernel_seconds=QUICK_KERNEL_SECONDS)
@@ -192,14 +199,26 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    from .report import target_checks, write_report  # matplotlib only once the arguments are good
-
     started = time.monotonic()
+    # SIGTERM (timeout, CI cancel) unwinds like Ctrl-C, so started servers are stopped on the way out
+    previous_handler = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        return _run(config, args, started, sys.argv[1:] if argv is None else argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _run(config: SweepConfig, args: argparse.Namespace, started: float, argv: list[str]) -> int:
+    from .report import target_checks, write_report  # matplotlib only once the arguments are good
 
     def progress(line: str) -> None:
         print(f"[{time.monotonic() - started:6.1f}s] {line}", flush=True)
 
-    result = Sweep(config, python_command(), progress).run()
+    result = Sweep(config, python_command(argv), progress).run()
     files = write_report(result, args.out, update_latest=not (args.no_latest or config.quick))
     for check in target_checks(result):
         progress(f"target: {check.name}: {check.status} ({check.detail})")

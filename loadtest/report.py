@@ -173,8 +173,8 @@ def _runs_table(runs: list[RunResult]) -> list[str]:
     lines = [
         "| server cores | run | scenario | batch | load | client | ok | errors | req/s | ids/s | MB/s "
         "| p50 ms | p90 ms | p99 ms | max ms | hash p50/p99 ms | lookup p50/p99 ms | server CPU (cores) "
-        "| client CPU | notes |",
-        "|" + "---|" * 20,
+        "| client CPU | other load (cores) | notes |",
+        "|" + "---|" * 21,
     ]
     for run in runs:
         errors = sum(run.errors.values())
@@ -207,6 +207,7 @@ def _runs_table(runs: list[RunResult]) -> list[str]:
                     f"{_fmt(run.lookup_ms.p50, 3)} / {_fmt(run.lookup_ms.p99, 3)}",
                     _fmt(run.server_cpu_cores),
                     "/".join(f"{cpu:.0%}" for cpu in run.client_cpu),
+                    _fmt(run.other_cpu_cores),
                     "; ".join(notes),
                 ]
             )
@@ -256,11 +257,12 @@ def _scaling_rows(result: SweepResult) -> list[tuple[str, int, int, float, str, 
 
 
 def _time_split(result: SweepResult) -> list[tuple[str, dict[str, float]]]:
-    """Per binary batch at 1 worker: server CPU ms per request split by Server-Timing; kernel parts alone.
+    """Per binary batch at 1 worker: where the server's CPU per request goes; the kernel's parts alone.
 
-    Server-Timing means are additive (hash + lookup + rest of handler = total); the server's CPU per
-    request (process-tree CPU over the run / requests) minus the handler total is HTTP, framework and
-    event-loop work outside the handler.
+    Server: CPU ms per request (process-tree CPU over the run / requests) split into the handler's
+    Server-Timing hash and lookup means and everything else (HTTP parsing, framework, decode/encode,
+    thread hand-offs). Without a server pid the handler's wall-clock total stands in for the CPU.
+    Kernel: medians of hash, gather and encode timed alone in-process.
     """
     one = _one_worker(result)
     bars: list[tuple[str, dict[str, float]]] = []
@@ -270,28 +272,26 @@ def _time_split(result: SweepResult) -> list[tuple[str, dict[str, float]]]:
             continue
         hash_ms = _finite(run.hash_ms.mean)
         lookup_ms = _finite(run.lookup_ms.mean)
-        total_ms = _finite(run.server_total_ms.mean)
+        if run.server_cpu_cores is not None:
+            spent_ms = run.server_cpu_cores * run.window_s / run.ok * 1e3
+            rest = "rest of server CPU (HTTP, framework, codec)"
+        else:
+            spent_ms = _finite(run.server_total_ms.mean)
+            rest = "rest of handler (wall clock)"
         parts = {
             "hash": hash_ms,
             "lookup (gather)": lookup_ms,
-            "rest of handler": max(0.0, total_ms - hash_ms - lookup_ms),
+            rest: max(0.0, spent_ms - hash_ms - lookup_ms),
         }
-        if run.server_cpu_cores is not None:
-            cpu_ms = run.server_cpu_cores * run.window_s / run.ok * 1e3
-            parts["HTTP + framework (CPU)"] = max(0.0, cpu_ms - total_ms)
         bars.append((f"server, batch {batch}", parts))
         kernel = _kernel(result, batch)
         if kernel is not None:
-            bars.append(
-                (
-                    f"kernel, batch {batch}",
-                    {
-                        "hash": kernel.hash_ms_p50,
-                        "lookup (gather)": kernel.gather_ms_p50,
-                        "encode": kernel.encode_ms_p50,
-                    },
-                )
-            )
+            kernel_parts = {
+                "hash": kernel.hash_ms_p50,
+                "lookup (gather)": kernel.gather_ms_p50,
+                "encode": kernel.encode_ms_p50,
+            }
+            bars.append((f"kernel, batch {batch}", kernel_parts))
     return bars
 
 
@@ -335,6 +335,7 @@ def _run_row(run: RunResult) -> dict[str, object]:
         "lookup_p99_ms": f"{run.lookup_ms.p99:.4f}",
         "server_total_p50_ms": f"{run.server_total_ms.p50:.4f}",
         "server_cpu_cores": "" if run.server_cpu_cores is None else f"{run.server_cpu_cores:.3f}",
+        "other_cpu_cores": "" if run.other_cpu_cores is None else f"{run.other_cpu_cores:.3f}",
         "client_cpu_max": f"{max(run.client_cpu, default=math.nan):.3f}",
         "client_saturated": run.client_saturated,
         "clients_shared_cores": SHARED_NOTE in run.notes,
@@ -444,9 +445,9 @@ def write_plots(result: SweepResult, stem: Path) -> tuple[Path, ...]:
         colours = {
             "hash": "#4c72b0",
             "lookup (gather)": "#55a868",
-            "rest of handler": "#c44e52",
             "encode": "#c44e52",
-            "HTTP + framework (CPU)": "#8172b2",
+            "rest of server CPU (HTTP, framework, codec)": "#8172b2",
+            "rest of handler (wall clock)": "#8172b2",
         }
         labels_seen: set[str] = set()
         for row, (_, parts) in enumerate(bars):
@@ -459,7 +460,9 @@ def write_plots(result: SweepResult, stem: Path) -> tuple[Path, ...]:
         axis.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
         axis.invert_yaxis()
         axis.set_xscale("symlog", linthresh=0.01)
-        axis.set_xlabel("ms per request (server: Server-Timing means + CPU per request; kernel: medians)")
+        axis.set_xlabel(
+            "ms per request (server: CPU per request split by Server-Timing means; kernel: medians)"
+        )
         axis.legend(fontsize=7, loc="lower right")
         axis.set_title("Where a request's time goes, 1 worker")
         figure.tight_layout()
@@ -518,7 +521,10 @@ def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path
             f"| {check.name} | {_fmt(check.ratio)} | >= {check.threshold:.2f} | {result_text}"
             f" | {check.detail} |"
         )
-    lines += ["", *_explain_targets(result, checks), ""]
+    explanation = _explain_targets(result, checks)
+    if explanation:
+        lines += ["", "What the measurements say about the missed targets:", "", *explanation]
+    lines.append("")
     lines += ["## Runs", "", *_runs_table(result.runs), ""]
     lines += ["## In-process kernel baseline (the ceiling)", "", *_kernel_table(result.kernel), ""]
     scaling = _scaling_rows(result)
@@ -567,6 +573,7 @@ def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path
     lines.append("")
     if result.notes:
         lines += ["## Notes", "", *(f"- {note}" for note in result.notes), ""]
+    lines += _profile_section(result)
     lines += ["## Plots", ""]
     for plot in plots:
         lines.append(f"![{plot.stem}]({plot.name})")
@@ -575,38 +582,84 @@ def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path
     return "\n".join(lines) + "\n"
 
 
+def _cpu_ms_per_request(run: RunResult) -> float:
+    if run.server_cpu_cores is None or run.ok == 0:
+        return math.nan
+    return run.server_cpu_cores * run.window_s / run.ok * 1e3
+
+
 def _explain_targets(result: SweepResult, checks: list[TargetCheck]) -> list[str]:
-    """What the per-request split says about any missed target."""
+    """What the measurements say about each missed target (the profile section has the stacks)."""
     lines: list[str] = []
     one = _one_worker(result)
     if checks[0].status == "missed":
         run = find_run(result.runs, "binary", REFERENCE_BATCH, one)
         kernel = _kernel(result, REFERENCE_BATCH)
         if run is not None and kernel is not None:
-            cpu = (
-                run.server_cpu_cores * run.window_s / run.ok * 1e3
-                if run.server_cpu_cores and run.ok
-                else math.nan
-            )
+            cpu = _cpu_ms_per_request(run)
+            kernel_part = _finite(run.hash_ms.mean) + _finite(run.lookup_ms.mean)
             lines.append(
-                f"Binary {REFERENCE_BATCH}-id lookup, 1 worker: the in-process call takes"
+                f"- Binary {REFERENCE_BATCH}-id lookups, 1 worker: in process the whole call takes"
                 f" {kernel.call_ms_p50:.3f} ms (hash {kernel.hash_ms_p50:.3f},"
-                f" gather {kernel.gather_ms_p50:.3f}, encode {kernel.encode_ms_p50:.3f});"
-                f" the server spends {_fmt(cpu, 3)} ms of CPU per request, of which its handler reports"
-                f" {_fmt(run.server_total_ms.mean, 3)} ms (hash {_fmt(run.hash_ms.mean, 3)}, lookup"
-                f" {_fmt(run.lookup_ms.mean, 3)}) — the rest is HTTP parsing, the framework and moving the"
-                " body."
+                f" gather {kernel.gather_ms_p50:.3f}, encode {kernel.encode_ms_p50:.3f})."
+                f" The server spent {_fmt(cpu, 3)} ms of CPU per request,"
+                f" of which hash + lookup (its Server-Timing means) are {kernel_part:.3f} ms; the other"
+                f" {_fmt(cpu - kernel_part, 3)} ms are HTTP, the framework, the codec and thread hand-offs."
             )
+            lines += _idle_note(run)
     if checks[1].status == "missed":
         json_run = find_run(result.runs, "json", 1, one)
         floor = find_run(result.runs, "healthz", 1, one)
         if json_run is not None and floor is not None:
+            json_cpu, floor_cpu = _cpu_ms_per_request(json_run), _cpu_ms_per_request(floor)
+            kernel_part = _finite(json_run.hash_ms.mean) + _finite(json_run.lookup_ms.mean)
             lines.append(
-                "Single-id JSON lookups: server handler total"
-                f" {_fmt(json_run.server_total_ms.mean, 3)} ms mean (hash {_fmt(json_run.hash_ms.mean, 3)},"
-                f" lookup {_fmt(json_run.lookup_ms.mean, 3)}); server CPU"
-                f" {_fmt(json_run.server_cpu_cores)} vs {_fmt(floor.server_cpu_cores)} cores for /healthz."
+                f"- Single-id JSON lookups cost the server {_fmt(json_cpu, 3)} ms of CPU per request against"
+                f" {_fmt(floor_cpu, 3)} ms for /healthz; hash + lookup account for only {kernel_part:.3f} ms"
+                " of the difference, so the gap is per-request machinery around the kernel (see the profile)."
             )
+            lines += _idle_note(json_run)
+    return lines
+
+
+def _idle_note(run: RunResult) -> list[str]:
+    """Say so when the server was not CPU-bound although the clients were not the limit either."""
+    if run.server_cpu_cores is None or run.server_cores is None:
+        return []
+    busy = run.server_cpu_cores / run.server_cores
+    if busy >= 0.85:
+        return []
+    other = f"; other work on the machine used {run.other_cpu_cores:.2f} cores" if run.other_cpu_cores else ""
+    return [
+        f"  The server used only {busy:.0%} of its {run.server_cores} core(s) in that run{other}: it was"
+        " waiting (for CPU taken by other processes, or on its own locks and thread hand-offs),"
+        " not computing."
+    ]
+
+
+def _profile_section(result: SweepResult) -> list[str]:
+    if not result.profiles:
+        return []
+    lines = [
+        "## Profile (py-spy, server process tree)",
+        "",
+        "Extra runs sampled with `py-spy record --subprocesses --gil` (their throughput is not used above).",
+        "Only the thread holding the GIL is sampled, so shares are of the server's Python-level work (numba"
+        " kernels release the GIL and are mostly not in them); `self` is the innermost frame.",
+        "",
+    ]
+    for profile in result.profiles:
+        lines.append(f"### {profile.label}")
+        lines.append("")
+        if profile.error:
+            lines += [f"No profile: {profile.error}.", ""]
+            continue
+        lines.append(f"{profile.samples} samples over {profile.requests} requests.")
+        lines += ["", "| self | frame |", "|---|---|"]
+        lines += [f"| {share:.1%} | `{frame}` |" for frame, share in profile.top_self]
+        lines += ["", "| inclusive | frame (service, core and framework code) |", "|---|---|"]
+        lines += [f"| {share:.1%} | `{frame}` |" for frame, share in profile.top_inclusive]
+        lines.append("")
     return lines
 
 

@@ -139,6 +139,8 @@ class RunResult:
     failures: list[str]
     server_cores: int | None = None
     server_cpu_cores: float | None = None
+    # busy CPU of everything else on the machine during the run (other users of a shared machine)
+    other_cpu_cores: float | None = None
     notes: list[str] = field(default_factory=list)
 
     @property

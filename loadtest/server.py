@@ -8,6 +8,7 @@ tree (uvicorn supervisor and workers) inherits the affinity set at spawn time.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -113,7 +114,7 @@ def start_server(
     server_env = {**os.environ, "ROBEZ_LOG_LEVEL": "warning", **(env or {})}
     log_path = workdir / f"server-{workers}w-{port}.log"
     log = log_path.open("wb")
-    with _affinity(cores):
+    with affinity(cores):
         # start_new_session: one process group to signal, whatever uvicorn spawns
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True
@@ -129,7 +130,7 @@ def start_server(
 
 
 @contextlib.contextmanager
-def _affinity(cores: tuple[int, ...] | None) -> Iterator[None]:
+def affinity(cores: tuple[int, ...] | None) -> Iterator[None]:
     """Pin the calling thread while it spawns a child (the child inherits it), then restore it."""
     if not cores:
         yield
@@ -221,3 +222,18 @@ def tree_cpu_seconds(pid: int, max_processes: int = 1024) -> float:
         ticks += _cpu_ticks(current)
         pending += _children(current)
     return ticks / _CLK_TCK
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores of the machine have spent busy so far (user, nice, system, irq, softirq).
+
+    Compared with the server's and the clients' own CPU time over a run it shows how much other work
+    (other processes on a shared machine) competed with the measurement.
+    """
+    try:
+        with open("/proc/stat") as file:
+            fields = file.readline().split()
+    except OSError:
+        return math.nan
+    user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[1:8])
+    return (user + nice + system + irq + softirq) / _CLK_TCK

@@ -13,7 +13,6 @@ import math
 import os
 import platform
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -21,9 +20,17 @@ from dataclasses import dataclass, field, replace
 import httpx
 
 from .baseline import KernelResult, measure_kernel
+from .profile import Profiler, ProfileSummary
 from .runner import ClientFleet, RunResult, RunSpec
 from .scenarios import SCENARIOS, ScenarioContext
-from .server import MAIN_TABLE, MULTI_TABLES, TABLE_CONFIG, running_server, tree_cpu_seconds
+from .server import (
+    MAIN_TABLE,
+    MULTI_TABLES,
+    TABLE_CONFIG,
+    machine_busy_seconds,
+    running_server,
+    tree_cpu_seconds,
+)
 from .transport import Target
 
 REFERENCE_BATCH = 4096  # the issue's binary-lookup target batch
@@ -57,6 +64,7 @@ class SweepConfig:
     server_env: dict[str, str] = field(default_factory=dict)
     seed: int = 0
     quick: bool = False
+    profile: bool = False
 
 
 @dataclass
@@ -70,6 +78,7 @@ class SweepResult:
     finished: float = 0.0
     runs: list[RunResult] = field(default_factory=list)
     kernel: list[KernelResult] = field(default_factory=list)
+    profiles: list[ProfileSummary] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -129,6 +138,20 @@ def _embedding_dim(target: Target, table: str, api_key: str | None) -> int:
             f"probe lookup on table {table!r} answered {reply.status_code}: {reply.text[:300]}"
         )
     return int(reply.headers["x-robez-shape"].split(",")[1])
+
+
+def _warm_up(target: Target, table: str, batch_sizes: tuple[int, ...], api_key: str | None) -> None:
+    """One lookup per batch size and one JSON lookup, so no run pays for first-call kernel loading.
+
+    Failures are left to the measured runs to count and report.
+    """
+    headers = {"Content-Type": "application/octet-stream", "Accept": "application/octet-stream"}
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = f"{target.base_url}/v1/tables/{table}/lookup"
+    with httpx.Client(timeout=60) as client:
+        for batch in batch_sizes:
+            client.post(url, content=bytes(8 * batch), headers={**headers, **auth})
+        client.post(url, json={"ids": [1]}, headers=auth)
 
 
 class Sweep:
@@ -202,6 +225,7 @@ class Sweep:
         table = config.table or ("demo" if config.url else MAIN_TABLE)
         multi_tables = config.multi_tables or (MULTI_TABLES if not config.url else (table,))
         dim = _embedding_dim(target, table, config.api_key)
+        _warm_up(target, table, config.batch_sizes, config.api_key)
         context = ScenarioContext(
             target=target,
             table=table,
@@ -272,6 +296,35 @@ class Sweep:
                 measure(
                     replace(base, label="HTTP floor, httpx client", scenario="healthz", transport="httpx")
                 )
+            if config.profile and server_pid is not None:
+                profiled = [
+                    ("json", 1, "single-id JSON lookups"),
+                    ("binary", REFERENCE_BATCH, "binary lookups"),
+                ]
+                for scenario, batch, what in profiled:
+                    if scenario in wanted:
+                        spec = replace(base, label=f"{what}, 1 worker", scenario=scenario, batch_size=batch)
+                        self._profile(fleet, spec, context, server_pid, client_cores)
+
+    def _profile(
+        self,
+        fleet: ClientFleet,
+        spec: RunSpec,
+        context: ScenarioContext,
+        server_pid: int,
+        client_cores: tuple[int, ...] | None,
+    ) -> None:
+        """An extra run under py-spy; only its profile is kept (sampling slows the server down)."""
+        self.progress(f"  profiling the server with py-spy: {spec.label} (batch {spec.batch_size}) ...")
+        profiler = Profiler(server_pid, spec.label, spec.duration_s, client_cores)
+        time.sleep(0.3)  # let py-spy attach before the load starts
+        run = fleet.run(spec, context)
+        summary = replace(profiler.finish(), requests=run.ok)
+        self.result.profiles.append(summary)
+        problems = [
+            text for text in (summary.error, f"run errors {run.errors}" if run.errors else None) if text
+        ]
+        self.progress(f"      {summary.samples} samples" + (f" ({'; '.join(problems)})" if problems else ""))
 
     def _measure(
         self,
@@ -285,15 +338,21 @@ class Sweep:
         load = f"rate {spec.rate:,.0f}/s" if spec.mode == "open" else f"concurrency {spec.concurrency}"
         workers = f"{len(server_cores)}w" if server_cores else "ext"
         self.progress(f"  [{workers}] {spec.label} ({spec.scenario}, batch {spec.batch_size}, {load}) ...")
-        cpu_before: list[float] = []
+        before: dict[str, float] = {}
 
         def on_start() -> None:
+            before["machine"] = machine_busy_seconds()
             if server_pid is not None:
-                cpu_before.append(tree_cpu_seconds(server_pid))
+                before["server"] = tree_cpu_seconds(server_pid)
 
         result = fleet.run(spec, context, on_start=on_start)
-        if server_pid is not None and cpu_before and result.window_s > 0:
-            result.server_cpu_cores = (tree_cpu_seconds(server_pid) - cpu_before[0]) / result.window_s
+        machine_cores = (
+            (machine_busy_seconds() - before["machine"]) / result.window_s if result.window_s else 0.0
+        )
+        client_cores = sum(cpu for cpu in result.client_cpu if math.isfinite(cpu))
+        if server_pid is not None and "server" in before and result.window_s > 0:
+            result.server_cpu_cores = (tree_cpu_seconds(server_pid) - before["server"]) / result.window_s
+            result.other_cpu_cores = max(0.0, machine_cores - result.server_cpu_cores - client_cores)
         result.server_cores = len(server_cores) if server_cores else None
         if shared:
             result.notes.append("clients shared the server's cores")
@@ -326,11 +385,13 @@ def describe(run: RunResult) -> str:
         parts.append(f"FAILED {run.failures}")
     if run.server_cpu_cores is not None:
         parts.append(f"server CPU {run.server_cpu_cores:.2f} cores")
+    if run.other_cpu_cores is not None:
+        parts.append(f"other load {run.other_cpu_cores:.2f} cores")
     parts.append("client CPU " + "/".join(f"{cpu:.0%}" for cpu in run.client_cpu))
     parts += run.notes
     return ", ".join(parts)
 
 
-def python_command() -> str:
+def python_command(argv: list[str]) -> str:
     """How this invocation was started, for the report."""
-    return " ".join(["python -m loadtest", *sys.argv[1:]])
+    return " ".join(["python -m loadtest", *argv])

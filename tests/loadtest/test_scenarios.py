@@ -115,8 +115,9 @@ def test_check_binary_response() -> None:
 
 def test_check_json_and_multi_responses() -> None:
     (json_template, *_) = build_requests("json", 2, CONTEXT, seed=0)
-    assert check_response(json_template, Response(200, {}, orjson.dumps({"shape": [2, DIM]})), DIM) is None
-    assert check_response(json_template, Response(200, {}, orjson.dumps({"shape": [1, DIM]})), DIM) is not None
+    right, wrong = orjson.dumps({"shape": [2, DIM]}), orjson.dumps({"shape": [1, DIM]})
+    assert check_response(json_template, Response(200, {}, right), DIM) is None
+    assert check_response(json_template, Response(200, {}, wrong), DIM) is not None
     assert check_response(json_template, Response(200, {}, b"<html>"), DIM) is not None
     (multi, *_) = build_requests("multi", 5, CONTEXT, seed=0)
     results = {"results": [{"shape": [2, DIM]}, {"shape": [2, DIM]}, {"shape": [1, DIM]}]}

@@ -49,7 +49,7 @@ def test_non_loopback_targets_are_refused(url: str) -> None:
 
 
 def test_parse_server_timing() -> None:
-    header = "hash;dur=0.123, lookup;dur=1.5, total;desc=\"all\";dur=2"
+    header = 'hash;dur=0.123, lookup;dur=1.5, total;desc="all";dur=2'
     assert parse_server_timing(header) == {"hash": 0.123, "lookup": 1.5, "total": 2.0}
     assert parse_server_timing("apply;dur=3e-1") == {"apply": 0.3}
     assert parse_server_timing(None) == {}
@@ -178,7 +178,8 @@ def test_raw_connection_rejects_garbage() -> None:
 
 def test_httpx_connection_same_answers() -> None:
     async def scenario() -> None:
-        async with _ScriptedServer([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Robez-Shape: 1,2\r\n\r\nok"]) as target:
+        reply = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Robez-Shape: 1,2\r\n\r\nok"
+        async with _ScriptedServer([reply]) as target:
             connection = HttpxConnection(target, max_connections=2, timeout_s=5.0)
             response = await connection.send(prepare_request(target, "POST", "/p", b"x"))
             await connection.close()
