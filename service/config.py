@@ -49,10 +49,16 @@ class Settings(BaseSettings):
     config: Path | None = Field(default=None, description="tables file (TOML); see docs/api.md")
     data_dir: Path | None = Field(default=None, description="durable tables (WAL + snapshots); None = memory")
     # Write-ahead log (service/wal.py), used when data_dir is set; see docs/durability.md.
-    wal_fsync: Literal["always", "interval", "never"] = "always"
+    wal_fsync: Literal["always", "interval", "never"] = Field(
+        default="always",
+        description="always: fdatasync before each update's response; interval: every "
+        "wal_fsync_interval_ms in the background; never: leave it to the OS (all survive kill -9)",
+    )
     wal_fsync_interval_ms: float = Field(default=10.0, gt=0)
-    snapshot_every_updates: int = Field(default=0, ge=0, description="0 = only on request")
-    snapshot_every_seconds: float = Field(default=0.0, ge=0, description="0 = only on request")
+    # Snapshots bound the log (disk) and the replay at start-up; 0 turns a trigger off.
+    snapshot_every_updates: int = Field(default=10_000, ge=0, description="snapshot after this many updates")
+    snapshot_every_seconds: float = Field(default=600.0, ge=0, description="... or when the last is this old")
+    snapshot_on_shutdown: bool = Field(default=True, description="snapshot updated tables on graceful stop")
     default_table: bool = Field(default=True, description="serve `demo` when no table is configured")
     log_level: str = "info"
     # uvicorn kills a worker that does not answer its supervisor's ping within this; generous, since a
