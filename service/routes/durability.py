@@ -45,7 +45,7 @@ async def _snapshots(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        final = bool(getattr(app.state.settings, "snapshot_on_shutdown", True))
+        final = app.state.settings.snapshot_on_shutdown
         taken = scheduler.stop(final_snapshot=final)
         if taken:
             logger.info("snapshots at shutdown: %s", ", ".join(taken))
