@@ -15,7 +15,9 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -45,6 +47,9 @@ TABLES_HEADER = "X-Robez-Tables"  # multi-table lookup: "name=n,name=n,..." in b
 VERSION_HEADER = "X-Robez-Version"
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_BUSY_RETRIES = 2
+_BUSY_BACKOFF_S = 0.1
+_MAX_BUSY_DELAY_S = 5.0
 # Explicit byte orders: the wire format is little-endian whatever the host is.
 _IDS_DTYPE = np.dtype("<i8")
 _ROWS_DTYPE = np.dtype("<f4")
@@ -334,8 +339,11 @@ def _float_list(values: Tensor | Sequence[float]) -> list[float]:
 class _ClientBase:
     """What both clients share: the auth header, the request builders, and response bookkeeping."""
 
-    def __init__(self, api_key: str | None) -> None:
+    def __init__(self, api_key: str | None, busy_retries: int) -> None:
+        if busy_retries < 0:
+            raise ValueError(f"busy_retries must be >= 0, got {busy_retries}")
         self._auth_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.busy_retries = busy_retries
         self.last_timing: dict[str, float] = {}
         """Server-Timing figures (ms by stage) of the last completed request; {} when it had none."""
         self.last_version: int | None = None
@@ -348,6 +356,18 @@ class _ClientBase:
             "headers": {**self._auth_headers, **call.headers},
             "params": dict(call.params) or None,
         }
+
+    def _busy_delay(self, response: httpx.Response, attempt: int) -> float | None:
+        """Seconds to wait before resending after a 503, or None when the answer is final.
+
+        A 503 means the server refused the request before doing anything (saturated), so resending an
+        update cannot apply it twice.
+        """
+        if response.status_code != 503 or attempt >= self.busy_retries:
+            return None
+        retry_after = _error_from_response(response).retry_after
+        delay = retry_after if retry_after is not None else _BUSY_BACKOFF_S * 2**attempt
+        return min(max(delay, 0.0), _MAX_BUSY_DELAY_S)
 
     def _finish(self, call: _Call[T], response: httpx.Response) -> T:
         self.last_timing = parse_server_timing(response.headers.get("Server-Timing"))
@@ -369,11 +389,14 @@ class RobezClient(_ClientBase):
         base_url: e.g. ``"http://127.0.0.1:8000"``.
         api_key: sent as ``Authorization: Bearer <key>`` on every request when set.
         timeout: seconds for connect/read/write.
+        busy_retries: times a request the server refused as saturated (503) is sent again, after its
+            ``Retry-After`` (at most 5 s) or an exponential backoff from 0.1 s; 0 raises at once.
         transport: an ``httpx`` transport (e.g. ``httpx.MockTransport`` in tests).
         http_client: an existing ``httpx.Client`` to send through instead (e.g. FastAPI's ``TestClient``);
             its own base URL is used and the client is not closed by ``close()``.
 
-    Errors: every non-2xx answer raises ``RobezClientError``; transport failures raise ``httpx`` errors.
+    Errors: every non-2xx answer (after ``busy_retries`` for 503s) raises ``RobezClientError``; transport
+    failures raise ``httpx`` errors.
     """
 
     def __init__(
@@ -382,15 +405,21 @@ class RobezClient(_ClientBase):
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         *,
+        busy_retries: int = DEFAULT_BUSY_RETRIES,
         transport: httpx.BaseTransport | None = None,
         http_client: httpx.Client | None = None,
     ) -> None:
-        super().__init__(api_key)
+        super().__init__(api_key, busy_retries)
         self._owns_http = http_client is None
         self._http = http_client or httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
 
     def _send(self, call: _Call[T]) -> T:
-        response = self._http.request(call.method, call.path, **self._request_kwargs(call))
+        for attempt in range(self.busy_retries + 1):
+            response = self._http.request(call.method, call.path, **self._request_kwargs(call))
+            delay = self._busy_delay(response, attempt)
+            if delay is None:
+                break
+            time.sleep(delay)
         return self._finish(call, response)
 
     def close(self) -> None:
@@ -485,15 +514,21 @@ class AsyncRobezClient(_ClientBase):
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         *,
+        busy_retries: int = DEFAULT_BUSY_RETRIES,
         transport: httpx.AsyncBaseTransport | None = None,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
-        super().__init__(api_key)
+        super().__init__(api_key, busy_retries)
         self._owns_http = http_client is None
         self._http = http_client or httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
 
     async def _send(self, call: _Call[T]) -> T:
-        response = await self._http.request(call.method, call.path, **self._request_kwargs(call))
+        for attempt in range(self.busy_retries + 1):
+            response = await self._http.request(call.method, call.path, **self._request_kwargs(call))
+            delay = self._busy_delay(response, attempt)
+            if delay is None:
+                break
+            await asyncio.sleep(delay)
         return self._finish(call, response)
 
     async def aclose(self) -> None:

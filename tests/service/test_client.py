@@ -240,7 +240,8 @@ def test_error_mapping(
             return httpx.Response(status, content=body, headers=headers)
         return httpx.Response(status, json=body, headers=headers)
 
-    client = RobezClient("http://fake", transport=httpx.MockTransport(handler))
+    # busy_retries=0: the 503 case must surface at once (its Retry-After would make retries sleep)
+    client = RobezClient("http://fake", busy_retries=0, transport=httpx.MockTransport(handler))
     for call in (
         lambda: client.lookup("x", [1]),
         lambda: client.table("x"),
@@ -252,6 +253,49 @@ def test_error_mapping(
         assert caught.value.error == error
         assert caught.value.error_type == error_type
         assert caught.value.retry_after == retry_after
+
+
+@pytest.mark.parametrize("busy_retries", [0, 1, 3])
+def test_busy_answers_are_retried_then_raised(busy_retries: int) -> None:
+    answers: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answers.append(503)
+        # Retry-After: 0 keeps the test instant; the client honours what the server asks.
+        return httpx.Response(
+            503, json={"error": "busy", "error_type": "BusyError"}, headers={"Retry-After": "0"}
+        )
+
+    client = RobezClient("http://fake", busy_retries=busy_retries, transport=httpx.MockTransport(handler))
+    with pytest.raises(RobezClientError) as caught:
+        client.update("t", [1], torch.ones(1, 4))
+    assert caught.value.status == 503
+    assert len(answers) == busy_retries + 1
+
+
+def test_busy_then_served_sends_the_same_request_again() -> None:
+    server = FakeServer()
+    bodies: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(request.content)
+        if len(bodies) == 1:
+            return httpx.Response(
+                503, json={"error": "busy", "error_type": "BusyError"}, headers={"Retry-After": "0"}
+            )
+        return server.handler(request)
+
+    async def scenario() -> int:
+        async with AsyncRobezClient("http://fake", transport=httpx.MockTransport(handler)) as client:
+            return await client.update("t", [1], torch.ones(1, 4))
+
+    assert RobezClient("http://fake", transport=httpx.MockTransport(handler)).lookup("t", [2]).shape == (1, 4)
+    bodies.clear()
+    assert asyncio.run(scenario()) == 1
+    assert len(bodies) == 2 and bodies[0] == bodies[1]
+    assert server.version == 1  # applied once
+    with pytest.raises(ValueError):
+        RobezClient(busy_retries=-1)
 
 
 def test_malformed_lookup_response_is_a_client_error() -> None:
