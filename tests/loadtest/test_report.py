@@ -1,0 +1,152 @@
+"""Report maths and files from a synthetic sweep: target ratios, shortfalls, CSV rows, plots."""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+import pytest
+
+from loadtest.baseline import KernelResult
+from loadtest.profile import summarise
+from loadtest.report import find_run, target_checks, write_report
+from loadtest.runner import RunResult, RunSpec
+from loadtest.stats import Summary
+from loadtest.sweep import SweepConfig, SweepResult
+
+
+def _run(
+    scenario: str,
+    batch: int,
+    cores: int,
+    ok: int,
+    *,
+    window: float = 1.0,
+    mode: str = "closed",
+    rate: float = 0.0,
+) -> RunResult:
+    spec = RunSpec(f"{scenario} run", scenario, batch_size=batch, mode=mode, rate=rate, concurrency=8)
+    return RunResult(
+        spec=spec,
+        embedding_dim=64,
+        window_s=window,
+        scheduled=ok,
+        sent=ok,
+        completed=ok,
+        ok=ok,
+        errors={},
+        error_samples=[],
+        expected={},
+        statuses={200: ok},
+        ids=ok * batch,
+        rows=ok * batch,
+        response_bytes=ok * batch * 256,
+        latency_ms=Summary.of([1.0, 2.0, 3.0]),
+        hash_ms=Summary.of([0.1]),
+        lookup_ms=Summary.of([0.2]),
+        server_total_ms=Summary.of([0.5]),
+        client_cpu=[0.4],
+        max_send_lag_ms=0.0,
+        failures=[],
+        server_cores=cores,
+        server_cpu_cores=0.9,
+        other_cpu_cores=0.1,
+    )
+
+
+def _kernel(batch: int, calls: int) -> KernelResult:
+    return KernelResult(batch, 1, (0,), calls, 1.0, 1.0, 0.1, 0.2, 0.3, 0.05)
+
+
+def _sweep(cores: int, runs: list[RunResult], kernel: list[KernelResult]) -> SweepResult:
+    config = SweepConfig(cpus=(1, 2), batch_sizes=(1, 4096))
+    result = SweepResult(config, "python -m loadtest", {"host": "h", "cores": str(cores)}, time.time())
+    result.runs, result.kernel, result.finished = runs, kernel, result.started + 1
+    return result
+
+
+def test_targets_met_missed_and_not_measurable() -> None:
+    runs = [
+        _run("healthz", 1, 1, ok=1000),
+        _run("json", 1, 1, ok=800),  # 0.8 of the floor: met
+        _run("binary", 4096, 1, ok=100),  # 409,600 ids/s vs kernel 1,024,000: 0.4, missed
+    ]
+    checks = target_checks(_sweep(2, runs, [_kernel(4096, 250)]))
+    binary, json_check, scaling = checks
+    assert binary.ratio == pytest.approx(0.4) and binary.status == "missed"
+    assert "missed by 0.10" in binary.shortfall and "1.25x" in binary.shortfall
+    assert (
+        json_check.ratio == pytest.approx(0.8) and json_check.status == "met" and json_check.shortfall == ""
+    )
+    assert scaling.status == "not measurable" and "2 cores" in scaling.detail
+
+
+def test_scaling_target_with_four_workers() -> None:
+    runs = [_run("binary", 4096, 1, ok=100), _run("binary", 4096, 4, ok=340)]
+    scaling = target_checks(_sweep(8, runs, []))[2]
+    assert scaling.ratio == pytest.approx(0.85) and scaling.status == "met"
+
+
+def test_find_run_skips_the_httpx_cross_check() -> None:
+    httpx_run = _run("healthz", 1, 1, ok=10)
+    httpx_run.spec = RunSpec("HTTP floor, httpx client", "healthz", transport="httpx")
+    raw_run = _run("healthz", 1, 1, ok=20)
+    assert find_run([httpx_run, raw_run], "healthz", 1, 1) is raw_run
+    assert find_run([httpx_run, raw_run], "healthz", 1, 1, transport="httpx") is httpx_run
+    assert find_run([raw_run], "healthz", 1, 2) is None
+
+
+def test_write_report_files(tmp_path: Path) -> None:
+    runs = [
+        _run("healthz", 1, 1, ok=1000),
+        _run("json", 1, 1, ok=300),
+        _run("binary", 1, 1, ok=900),
+        _run("binary", 4096, 1, ok=100),
+        _run("healthz", 1, 2, ok=1800),
+        _run("binary", 4096, 2, ok=150),
+        _run("binary", 4096, 1, ok=50, mode="open", rate=50.0),
+        _run("binary", 4096, 1, ok=95, mode="open", rate=110.0),
+    ]
+    result = _sweep(2, runs, [_kernel(1, 30000), _kernel(4096, 250)])
+    result.profiles.append(
+        summarise("proc;a (x.py:1);b (service/routes/lookup.py:3) 3\nproc;a (x.py:2) 1\n", "p")
+    )
+    files = write_report(result, tmp_path, update_latest=True)
+    text = files.markdown.read_text()
+    for heading in ("## Machine", "## Targets", "## Runs", "## Scaling with cores", "## Profile", "## Plots"):
+        assert heading in text
+    assert "**missed**" in text and "not measurable" in text
+    assert (tmp_path / "latest.md").read_text() == text
+    with files.csv.open() as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == len(runs) + 2
+    assert [row["kind"] for row in rows].count("kernel") == 2
+    for row in rows:
+        if row["kind"] == "http":
+            assert int(row["ok"]) + int(row["errors"]) + int(row["expected_errors"]) == int(row["completed"])
+    assert {p.name.rsplit("-", 1)[1] for p in files.plots} == {
+        "throughput.png",
+        "latency.png",
+        "timesplit.png",
+    }
+    for plot in files.plots:
+        assert plot.read_bytes().startswith(b"\x89PNG")
+        assert f"]({plot.name})" in text
+
+
+def test_profile_summary_merges_lines_and_ranks() -> None:
+    collapsed = "\n".join(
+        [
+            "process 1;main (service/cli.py:3);lookup (service/routes/lookup.py:10) 6",
+            "process 1;main (service/cli.py:3);lookup (service/routes/lookup.py:12) 2",
+            "process 1;main (service/cli.py:3);notify (threading.py:382) 2",
+            "garbage line",
+        ]
+    )
+    summary = summarise(collapsed, "x")
+    assert summary.samples == 10
+    assert summary.top_self[0] == ("lookup (service/routes/lookup.py)", pytest.approx(0.8))
+    assert ("lookup (service/routes/lookup.py)", pytest.approx(0.8)) in summary.top_inclusive
+    assert all("cli.py" not in frame for frame, _ in summary.top_inclusive)
+    assert summarise("", "empty").error is not None
