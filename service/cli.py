@@ -63,7 +63,79 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="kernel threads per worker (default: CPUs // workers; ROBEZ_THREADS_PER_WORKER)",
     )
+    _add_durability_commands(commands)
     return parser
+
+
+def _add_durability_commands(commands: Any) -> None:
+    """``robez import`` / ``robez snapshot``: offline, on a data directory no server is using."""
+    from .wal import CHECKPOINT_FORMATS
+
+    load = commands.add_parser(
+        "import",
+        help="load a checkpoint into a table of a data directory (server stopped)",
+        description="Write a robez checkpoint (safetensors) or a torch.save file of the paper's "
+        "RobezEmbedding state_dict (read with weights_only=True) as a table at version 0. For a running "
+        "server use POST /v1/tables/{name}/load.",
+    )
+    load.add_argument("checkpoint", type=Path, help="the .safetensors or .pt file")
+    load.add_argument("--data-dir", dest="data_dir", type=Path, required=True)
+    load.add_argument("--table", required=True, help="table name")
+    load.add_argument(
+        "--format", choices=CHECKPOINT_FORMATS, default="auto", help="auto: .pt files are paper"
+    )
+    load.add_argument("--replace", action="store_true", help="overwrite an existing table")
+    load.add_argument("--num-embeddings", dest="num_embeddings", type=int, help="paper: the module's n")
+    load.add_argument("--chunk-size", dest="chunk_size", type=int, help="paper: Z (needed when d <= Z)")
+    load.add_argument("--val-offset", dest="val_offset", type=int, default=0, help="paper: val_offset")
+    load.add_argument("--prefix", help="paper: key prefix of the module in a model's state_dict")
+    load.add_argument("--optimizer", choices=("sgd", "adagrad", "adam"), help="paper: the table's optimizer")
+    load.add_argument("--lr", type=float, help="paper: the optimizer's lr")
+    snapshot = commands.add_parser(
+        "snapshot",
+        help="replay tables' logs into fresh snapshots, checking every file (server stopped)",
+        description="Compact a data directory: load each table (snapshot + log, which also checks every "
+        "checksum) and write a new snapshot. For a running server use POST /v1/tables/{name}/snapshot.",
+    )
+    snapshot.add_argument("--data-dir", dest="data_dir", type=Path, required=True)
+    snapshot.add_argument("--table", action="append", help="only this table (repeatable); default: all")
+
+
+def _durability_command(args: argparse.Namespace) -> int:
+    from robez_core.config import OptimizerConfig
+
+    from .store import validate_table_name
+    from .wal import import_offline, snapshot_offline
+
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "snapshot":
+        for name in args.table or []:
+            validate_table_name(name)
+        for name, version, replayed in snapshot_offline(args.data_dir, args.table):
+            print(f"{name}: snapshot at version {version} ({replayed} logged updates folded in)")
+        return 0
+    optimizer = None
+    if args.optimizer is not None or args.lr is not None:
+        default = OptimizerConfig()
+        optimizer = OptimizerConfig(name=args.optimizer or default.name, lr=args.lr or default.lr)
+    table, kind = import_offline(
+        args.data_dir,
+        validate_table_name(args.table),
+        args.checkpoint.read_bytes(),
+        replace=args.replace,
+        format=args.format,
+        num_embeddings=args.num_embeddings,
+        chunk_size=args.chunk_size,
+        val_offset=args.val_offset,
+        prefix=args.prefix,
+        optimizer=optimizer,
+    )
+    config = table.config
+    print(
+        f"{args.table}: imported a {kind} checkpoint (m={config.memory_size}, d={config.embedding_dim}, "
+        f"Z={config.chunk_size}, optimizer {table.optimizer.name}) at version 0"
+    )
+    return 0
 
 
 def _settings_from(args: argparse.Namespace) -> Settings:
@@ -131,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``robez`` console script."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command in ("import", "snapshot"):
+        try:
+            return _durability_command(args)
+        except (RobezError, OSError) as exc:
+            print(f"robez {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
     if args.command != "serve":
         parser.print_help()
         return 0 if args.command is None else 2
