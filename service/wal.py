@@ -68,8 +68,10 @@ __all__ = [
     "decode_record",
     "encode_log_header",
     "encode_record",
+    "import_offline",
     "read_checkpoint",
     "scan_log",
+    "snapshot_offline",
 ]
 
 logger = logging.getLogger("robez.wal")
@@ -995,3 +997,78 @@ def align_checkpoint(imported: Table, existing: Table, *, keep_optimizer_state: 
             f"{existing.optimizer.to_dict()}; delete the table first to load it with another optimizer"
         )
     return Table(mine, existing.optimizer, weight=imported.weight, state=imported.state)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Offline tools (``robez import`` / ``robez snapshot``): the data directory locked against servers
+
+
+def import_offline(
+    data_dir: str | os.PathLike[str],
+    name: str,
+    data: bytes,
+    *,
+    replace: bool = False,
+    format: CheckpointFormat = "auto",
+    num_embeddings: int | None = None,
+    chunk_size: int | None = None,
+    val_offset: int = 0,
+    prefix: str | None = None,
+    optimizer: OptimizerConfig | None = None,
+) -> tuple[Table, str]:
+    """Write checkpoint bytes as table ``name`` at version 0 (a new snapshot generation, empty log).
+
+    An existing table is replaced only with ``replace`` (its shape may change: nothing is mapped). A paper
+    state_dict carries no optimizer: ``optimizer`` if given, else the existing table's, else the default.
+    Returns the table written and the format read.
+    """
+    from robez_core.table import Table
+
+    journal = WalJournal(data_dir, exclusive=True)
+    try:
+        existing = journal.snapshot_path(name)
+        if existing is not None and not replace:
+            raise ConflictError(
+                f"table {name!r} already exists in {data_dir}; pass --replace to overwrite it"
+            )
+        if optimizer is None and existing is not None:
+            optimizer = Table.load(existing).optimizer
+        table, kind = read_checkpoint(
+            data,
+            format=format,
+            num_embeddings=num_embeddings,
+            chunk_size=chunk_size,
+            val_offset=val_offset,
+            prefix=prefix,
+            optimizer=optimizer,
+        )
+        if existing is None:
+            journal.create(name, table, 0)
+        else:
+            journal.snapshot(name, table, 0)
+        return table, kind
+    finally:
+        journal.close()
+
+
+def snapshot_offline(
+    data_dir: str | os.PathLike[str], names: list[str] | None = None
+) -> list[tuple[str, int, int]]:
+    """Replay each table's log into a fresh snapshot (compaction; also a full check of every file).
+
+    Returns (name, version, updates replayed) per table; raises ``CorruptionError`` on damage.
+    """
+    journal = WalJournal(data_dir, exclusive=True)
+    done: list[tuple[str, int, int]] = []
+    try:
+        for name in names if names is not None else journal.names():
+            before = journal.snapshot_version(name)
+            loaded = journal.load(name)
+            if loaded is None or before is None:
+                raise NotFoundError(f"no table {name!r} in {data_dir}")
+            table, version = loaded
+            journal.snapshot(name, table, version)
+            done.append((name, version, version - before))
+    finally:
+        journal.close()
+    return done

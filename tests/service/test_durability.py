@@ -20,8 +20,10 @@ from torch import Tensor
 from robez_core import reference
 from robez_core.hashing import PAPER_PRIME
 from robez_core.table import Table
+from service import cli
 from service.app import create_app
 from service.config import Settings
+from service.journal import UpdateRecord
 from service.wal import LOG_FILE, LOG_HEADER_SIZE, SnapshotScheduler, WalJournal
 
 DIM, MEMORY, CHUNK = 8, 512, 4
@@ -280,3 +282,44 @@ def test_periodic_snapshots_follow_the_policy(tmp_path: Path) -> None:
         assert scheduler.run_once() == []
         meta = json.loads((tmp_path / "data" / "t" / "meta.json").read_text())
         assert meta["version"] == 3 and meta["generation"] == 2
+
+
+def test_cli_import_and_snapshot_offline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data_dir = tmp_path / "data"
+    state_dict = _paper_state_dict(DIM, CHUNK, MEMORY, seed=5)
+    checkpoint = tmp_path / "paper.pt"
+    torch.save(state_dict, checkpoint)
+    args = ["import", str(checkpoint), "--data-dir", str(data_dir), "--table", "p", "--optimizer", "adam"]
+    assert cli.main(args) == 0
+    assert "paper checkpoint" in capsys.readouterr().out
+    assert cli.main(args) == 2  # exists; --replace needed
+    assert "--replace" in capsys.readouterr().err
+
+    journal = WalJournal(data_dir)
+    loaded = journal.load("p")
+    assert loaded is not None
+    table, version = loaded
+    assert version == 0 and table.optimizer.name == "adam"
+    probe = torch.tensor(PROBE)
+    expected = reference.lookup(state_dict["weight"], probe, DIM, CHUNK, state_dict["random_numbers"])
+    assert torch.equal(table.lookup(probe), expected)
+    for step in range(1, 4):  # what a server would have logged
+        ids, grads = probe[:5] + step, torch.full((5, DIM), 0.5)
+        journal.append(UpdateRecord("p", step, ids, grads, 0.01))
+        table.apply_gradients(ids, grads, 0.01)
+    assert cli.main(["snapshot", "--data-dir", str(data_dir)]) == 2  # a server (this journal) holds it
+    assert "in use" in capsys.readouterr().err
+    journal.close()
+
+    assert cli.main(["snapshot", "--data-dir", str(data_dir), "--table", "p"]) == 0
+    assert "version 3 (3 logged updates" in capsys.readouterr().out
+    assert (data_dir / "p" / LOG_FILE).stat().st_size == LOG_HEADER_SIZE
+    journal = WalJournal(data_dir)
+    reloaded = journal.load("p")
+    journal.close()
+    assert reloaded is not None and reloaded[1] == 3
+    assert torch.equal(reloaded[0].weight, table.weight)
+    assert torch.equal(reloaded[0].state["exp_avg"], table.state["exp_avg"])
+
+    assert cli.main([*args, "--replace", "--chunk-size", "99"]) == 2  # contradicts the helpers
+    assert "chunk_size" in capsys.readouterr().err
