@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .baseline import KernelResult
 from .runner import RunResult
@@ -386,6 +387,8 @@ def write_plots(result: SweepResult, stem: Path) -> tuple[Path, ...]:
         series: dict[tuple[str, int, str], list[tuple[int, float]]] = {}
         for scenario, batch, cores, value, unit, _ in rows:
             series.setdefault((scenario, batch, unit), []).append((cores, value))
+        if len({row[2] for row in rows}) > 1:  # a sweep: leave out what was measured at one core count only
+            series = {key: points for key, points in series.items() if len(points) > 1}
         for (scenario, batch, unit), points in sorted(series.items()):
             points.sort()
             axis = left if unit == "req/s" else right
@@ -438,10 +441,13 @@ def write_plots(result: SweepResult, stem: Path) -> tuple[Path, ...]:
         plt.close(figure)
         written.append(path)
 
-    # time split per request
+    # time split per request: one panel per batch size (linear axes: sizes differ by orders of magnitude)
     bars = _time_split(result)
     if bars:
-        figure, axis = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.5))
+        batches: dict[str, list[tuple[str, dict[str, float]]]] = {}
+        for label, parts in bars:
+            batches.setdefault(label.rsplit(", ", 1)[1], []).append((label.split(",", 1)[0], parts))
+        figure, axes = plt.subplots(len(batches), 1, figsize=(9, 1.3 * len(batches) + 1.2), squeeze=False)
         colours = {
             "hash": "#4c72b0",
             "lookup (gather)": "#55a868",
@@ -449,23 +455,22 @@ def write_plots(result: SweepResult, stem: Path) -> tuple[Path, ...]:
             "rest of server CPU (HTTP, framework, codec)": "#8172b2",
             "rest of handler (wall clock)": "#8172b2",
         }
-        labels_seen: set[str] = set()
-        for row, (_, parts) in enumerate(bars):
-            left_edge = 0.0
-            for part, value in parts.items():
-                legend = part if part not in labels_seen else None
-                labels_seen.add(part)
-                axis.barh(row, value, left=left_edge, color=colours.get(part, "gray"), label=legend)
-                left_edge += value
-        axis.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
-        axis.invert_yaxis()
-        axis.set_xscale("symlog", linthresh=0.01)
-        axis.set_xlabel(
-            "ms per request (server: CPU per request split by Server-Timing means; kernel: medians)"
-        )
-        axis.legend(fontsize=7, loc="lower right")
-        axis.set_title("Where a request's time goes, 1 worker")
-        figure.tight_layout()
+        handles: dict[str, Any] = {}
+        for axis, (batch_label, rows_of_batch) in zip(axes[:, 0], batches.items(), strict=True):
+            for row, (_, parts) in enumerate(rows_of_batch):
+                left_edge = 0.0
+                for part, value in parts.items():
+                    handles[part] = axis.barh(row, value, left=left_edge, color=colours.get(part, "gray"))
+                    left_edge += value
+            axis.set_yticks(range(len(rows_of_batch)), [name for name, _ in rows_of_batch], fontsize=8)
+            axis.invert_yaxis()
+            axis.set_title(batch_label, fontsize=9, loc="left")
+            axis.grid(axis="x", alpha=0.3)
+        axes[-1, 0].set_xlabel("ms per request (server: CPU per request split by Server-Timing means;"
+                               " kernel: medians)")  # fmt: skip
+        figure.legend(list(handles.values()), list(handles), fontsize=7, loc="upper right")
+        figure.suptitle("Where a request's time goes, 1 worker", x=0.3)
+        figure.tight_layout(rect=(0, 0, 1, 0.93))
         path = stem.with_name(stem.name + "-timesplit.png")
         figure.savefig(path, dpi=110)
         plt.close(figure)
@@ -607,6 +612,7 @@ def _explain_targets(result: SweepResult, checks: list[TargetCheck]) -> list[str
                 f" {_fmt(cpu - kernel_part, 3)} ms are HTTP, the framework, the codec and thread hand-offs."
             )
             lines += _idle_note(run)
+            lines += _profile_note(result, "binary")
     if checks[1].status == "missed":
         json_run = find_run(result.runs, "json", 1, one)
         floor = find_run(result.runs, "healthz", 1, one)
@@ -619,7 +625,17 @@ def _explain_targets(result: SweepResult, checks: list[TargetCheck]) -> list[str
                 " of the difference, so the gap is per-request machinery around the kernel (see the profile)."
             )
             lines += _idle_note(json_run)
+            lines += _profile_note(result, "JSON")
     return lines
+
+
+def _profile_note(result: SweepResult, keyword: str) -> list[str]:
+    """The heaviest innermost frames of the profile whose label names ``keyword``."""
+    for profile in result.profiles:
+        if keyword.lower() in profile.label.lower() and profile.top_self:
+            top = ", ".join(f"`{frame}` {share:.0%}" for frame, share in profile.top_self[:4])
+            return [f"  Profile (server samples holding the GIL), heaviest innermost frames: {top}."]
+    return []
 
 
 def _idle_note(run: RunResult) -> list[str]:
