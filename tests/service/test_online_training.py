@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from service.client import RobezClient
 from .test_packaging import dockerfile_instruction_json
 
 REPO = Path(__file__).resolve().parents[2]
-ROBEZ = Path(sys.executable).with_name("robez")  # the installed console script, as a user runs it
+# The installed console script, as a user runs it (``python -m service`` is the same entry point).
+ROBEZ_SCRIPT = Path(sys.executable).with_name("robez")
+ROBEZ = [str(ROBEZ_SCRIPT)] if ROBEZ_SCRIPT.exists() else [sys.executable, "-m", "service"]
 START_TIMEOUT_S = 90.0
 
 
@@ -42,7 +45,7 @@ def server_url(tmp_path: Path) -> Iterator[str]:
     env = clean_env(ROBEZ_SHM_DIR=str(tmp_path / "shm"), ROBEZ_THREADS_PER_WORKER="1")
     (tmp_path / "shm").mkdir()
     log = (tmp_path / "server.log").open("wb")
-    command = [str(ROBEZ), "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    command = [*ROBEZ, "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -62,7 +65,8 @@ def server_url(tmp_path: Path) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
-        process.terminate()
+        # Ctrl-C, the stop that lets `robez serve` remove its shared memory before exiting.
+        process.send_signal(signal.SIGINT)
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
