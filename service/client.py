@@ -62,7 +62,8 @@ class RobezClientError(Exception):
     """A request the server answered with an error status (or a response the client cannot read).
 
     Attributes:
-        status: HTTP status code (0 when the failure happened on the client side of the wire).
+        status: HTTP status code of the answer (also for ``"ClientDecodeError"``: a 2xx answer whose
+            body or shape headers the client could not read).
         error: the server's message (``body["error"]``), or the raw body text when it is not JSON.
         error_type: the server's error class name (``body["error_type"]``, e.g. ``"NotFoundError"``).
         retry_after: seconds from a ``Retry-After`` header (503 when the server is saturated), or None.
