@@ -26,7 +26,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
+from service.journal import UpdateRecord
+from service.wal import LOG_FILE, WalJournal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -242,3 +245,50 @@ def test_acknowledged_updates_survive_kill_9(
     assert history, "no update was acknowledged before any kill: the test exercised nothing"
     server.stop()
     assert server.process is not None and server.process.returncode is not None
+
+
+def _data_dir_with_log(data_dir: Path, num_updates: int) -> tuple[Path, Table]:
+    """A data directory holding table ``t`` with ``num_updates`` logged updates; the log path and the
+    table those updates produce."""
+    config = TableConfig(num_embeddings=100_000, embedding_dim=DIM, memory_size=4096, chunk_size=4)
+    table = Table(config, OptimizerConfig("sgd", lr=0.1))
+    journal = WalJournal(data_dir)
+    journal.create("t", table, 0)
+    generator = torch.Generator().manual_seed(5)
+    for version in range(1, num_updates + 1):
+        ids, grads = (
+            torch.randint(0, 1000, (3,), generator=generator),
+            torch.randn(3, DIM, generator=generator),
+        )
+        journal.append(UpdateRecord("t", version, ids, grads, 0.1))
+        table.apply_gradients(ids, grads, 0.1)
+    journal.close()
+    return data_dir / "t" / LOG_FILE, table
+
+
+def test_a_torn_tail_does_not_stop_the_server(tmp_path: Path, server_factory: list[_Server]) -> None:
+    log, table = _data_dir_with_log(tmp_path / "data", 3)
+    with open(log, "ab") as handle:
+        handle.write(b"RZUP\x01\x00")  # the first bytes of a record whose write was cut short
+    server = _Server(tmp_path / "data", tmp_path / "shm", 1, tmp_path / "server.log")
+    server_factory.append(server)
+    server.start()
+    recovered, version = _download(server.url, tmp_path)
+    assert version == 3 and _same(recovered, table)
+    assert "dropping a torn tail of 6 bytes" in server.log()
+    server.stop()
+
+
+def test_corruption_in_the_middle_refuses_to_start(tmp_path: Path) -> None:
+    log, _ = _data_dir_with_log(tmp_path / "data", 3)
+    data = bytearray(log.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside a record that has good records after it
+    log.write_bytes(bytes(data))
+    env = {**os.environ, "ROBEZ_SHM_DIR": str(tmp_path / "shm"), "ROBEZ_DEFAULT_TABLE": "false"}
+    command = [*ROBEZ, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(_free_port())]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=STARTUP_SECONDS)
+    assert result.returncode != 0
+    assert "CorruptionError" in result.stderr and "damaged in the middle" in result.stderr, result.stderr[
+        -2000:
+    ]
+    assert bytes(data) == log.read_bytes()  # left as found, for a person to look at
