@@ -1,0 +1,145 @@
+"""A real `robez serve --workers 2`: an update through one connection is seen through both workers, and
+the table's memory is one shared mapping, not one copy per worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+START_TIMEOUT_S = 180.0
+MAX_FRESH_CONNECTIONS = 400
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
+    port = free_port()
+    shm_dir = tmp_path / "shm"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
+    env.update({"ROBEZ_SHM_DIR": str(shm_dir), "ROBEZ_THREADS_PER_WORKER": "1", "ROBEZ_LOG_LEVEL": "warning"})
+    log = (tmp_path / "server.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--port", str(port), "--workers", "2"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while True:
+            assert process.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.5)
+        yield url, shm_dir, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=30)
+        log.close()
+
+
+def lookup_on_fresh_connection(url: str, ids: bytes) -> tuple[int, int, bytes]:
+    """(worker pid, version, rows) from one new connection: /healthz then the lookup on the same socket,
+    so both are answered by the worker that accepted it."""
+    with httpx.Client(base_url=url, timeout=30) as client:
+        pid = int(client.get("/healthz").json()["pid"])
+        response = client.post(
+            "/v1/tables/demo/lookup", content=ids, headers={"content-type": "application/octet-stream"}
+        )
+        assert response.status_code == 200, response.text
+        return pid, int(response.headers["x-robez-version"]), response.content
+
+
+def mapping_of(pid: int, path: Path) -> dict[str, int]:
+    """The smaps fields (kB) of ``pid``'s mapping of ``path``, and its inode; {} if not mapped."""
+    fields: dict[str, int] = {}
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and "-" in parts[0] and ":" in parts[3]:  # a mapping header line
+            inside = line.endswith(str(path))
+            if inside:
+                fields["inode"] = int(parts[4])
+                fields["shared_mapping"] = int("s" in parts[1])
+        elif inside and parts and parts[0].endswith(":") and len(parts) >= 2 and parts[1].isdigit():
+            fields[parts[0][:-1]] = int(parts[1])
+    return fields
+
+
+def test_two_workers_share_tables_and_see_each_others_updates(
+    server: tuple[str, Path, subprocess.Popen[bytes]],
+) -> None:
+    url, shm_dir, process = server
+    ids = np.array([1, 2, 3, 10_000_000], dtype="<i8").tobytes()
+    _, version_before, rows_before = lookup_on_fresh_connection(url, ids)
+    assert version_before == 0
+
+    with httpx.Client(base_url=url, timeout=30) as writer:
+        grads = np.ones((4, 64), dtype="<f4")
+        update = writer.post(
+            "/v1/tables/demo/update",
+            content=ids + grads.tobytes(),
+            headers={"content-type": "application/octet-stream", "x-robez-shape": "4,64"},
+        )
+        assert update.status_code == 200, update.text
+        assert update.json()["version"] == 1
+        rows_after = writer.post(
+            "/v1/tables/demo/lookup", content=ids, headers={"content-type": "application/octet-stream"}
+        ).content
+    assert rows_after != rows_before
+
+    seen: dict[int, int] = {}
+    for _ in range(MAX_FRESH_CONNECTIONS):
+        pid, version, rows = lookup_on_fresh_connection(url, ids)
+        assert version == 1
+        assert rows == rows_after, f"worker {pid} served stale rows"
+        seen[pid] = seen.get(pid, 0) + 1
+        if len(seen) == 2 and min(seen.values()) >= 5:
+            break
+    assert len(seen) == 2, f"only worker(s) {sorted(seen)} answered {MAX_FRESH_CONNECTIONS} fresh connections"
+
+    # One copy of the table: one weight file of m float32 values, mapped MAP_SHARED by both workers.
+    (directory,) = shm_dir.glob("robez-*")
+    (weight_file,) = (directory / "arrays").glob("*.weight")
+    assert weight_file.stat().st_size == 262_144 * 4
+    mappings = [mapping_of(pid, weight_file) for pid in seen]
+    for pid, mapping in zip(seen, mappings, strict=True):
+        assert mapping, f"worker {pid} does not map {weight_file}"
+        assert mapping["shared_mapping"] == 1
+        assert mapping["inode"] == weight_file.stat().st_ino
+        assert mapping["Private_Dirty"] == 0  # no copy-on-write copy of the table in the worker
+        # Pages both workers read are physically shared (counted in both processes' Shared_*).
+        assert mapping["Shared_Clean"] + mapping["Shared_Dirty"] > 0
+        # Proportional share: each resident page is split between (at least) the two workers.
+        assert mapping["Pss"] * 2 <= mapping["Rss"] + 4
+
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    assert not directory.exists(), "shared memory left behind after shutdown"
