@@ -58,7 +58,9 @@ def validate_random_numbers(random_numbers: torch.Tensor) -> torch.Tensor:
             f"got {random_numbers.dtype} {tuple(random_numbers.shape)}"
         )
     if int(random_numbers[0]) <= 0:
-        raise ConfigError(f"random_numbers[0] is the modulus P and must be positive, got {int(random_numbers[0])}")
+        raise ConfigError(
+            f"random_numbers[0] is the modulus P and must be positive, got {int(random_numbers[0])}"
+        )
     return random_numbers.contiguous()
 
 
@@ -115,5 +117,7 @@ def reference_indices(
     """Index into ``weight`` of every value of every row: int64 (N, embedding_dim)."""
     j = torch.arange(embedding_dim, dtype=torch.int64)
     num_chunks = -(-embedding_dim // chunk_size)
-    offsets = reference_chunk_offsets(ids, num_chunks, chunk_size, memory_size, random_numbers, val_offset, hash)
+    offsets = reference_chunk_offsets(
+        ids, num_chunks, chunk_size, memory_size, random_numbers, val_offset, hash
+    )
     return offsets[:, j // chunk_size] + (j % chunk_size)
