@@ -203,12 +203,14 @@ def _valid_record_after(buf: Any, start: int) -> int | None:
     return None
 
 
-def scan_log(buf: Any, where: str = "log") -> LogScan:
+def scan_log(buf: Any, where: str = "log", *, salvage: bool = False) -> LogScan:
     """Verify a whole log held in ``buf`` (bytes or mmap).
 
     A bad record with no valid record anywhere after it is a torn tail: reported in ``tail_problem`` and
     left out of ``records``. Raises ``CorruptionError`` for a bad header, a bad record followed by a valid
     one (damage in the middle of the log), a record of another dim, or versions that do not follow on.
+    With ``salvage`` damage in the middle is treated as a tail too: everything from the first bad record
+    on is given up (an operator's explicit choice, ``robez snapshot --salvage``).
     """
     size = len(buf)
     if size < LOG_HEADER_SIZE:
@@ -228,12 +230,14 @@ def scan_log(buf: Any, where: str = "log") -> LogScan:
         parsed = _parse_record(buf, offset)
         if isinstance(parsed, str):
             later = _valid_record_after(buf, offset + 1)
-            if later is not None:
+            if later is not None and not salvage:
                 raise CorruptionError(
                     f"{where}: record at byte {offset} is bad ({parsed}) but a valid record follows at byte "
                     f"{later}: the log is damaged in the middle, not torn at its end"
                 )
             tail_problem = f"{parsed} at byte {offset}"
+            if later is not None:
+                tail_problem += f"; salvaged: valid records after it, from byte {later}, are given up too"
             break
         if parsed.embedding_dim != dim:
             raise CorruptionError(
@@ -522,12 +526,12 @@ class WalJournal:
             (directory / old_snapshot).unlink(missing_ok=True)
         self._forget_log(name)
 
-    def load(self, name: str) -> tuple[Table, int] | None:
+    def load(self, name: str, *, salvage: bool = False) -> tuple[Table, int] | None:
         """The committed snapshot with its log replayed, and the version reached; None if absent.
 
         Cleans up what a crash may have left (temporary files, a snapshot that was never committed, a stale
         log) and cuts a torn tail off the log, logging a warning. Raises ``CorruptionError`` for damage
-        that cannot be told apart from lost updates.
+        that cannot be told apart from lost updates (``salvage``: cut the log at the first bad record).
         """
         from robez_core.table import Table
 
@@ -549,7 +553,7 @@ class WalJournal:
         table = Table.load(snapshot_file)
         if table.config.embedding_dim != meta.embedding_dim:
             raise CorruptionError(f"table {name!r}: snapshot dim differs from meta.json")
-        version = self._replay(name, meta, table.apply_gradients)
+        version = self._replay(name, meta, table.apply_gradients, salvage=salvage)
         self._forget_log(name)
         return table, version
 
@@ -667,7 +671,12 @@ class WalJournal:
                 entry.unlink(missing_ok=True)
 
     def _replay(
-        self, name: str, meta: _Meta, apply: Callable[[torch.Tensor, torch.Tensor, float], None]
+        self,
+        name: str,
+        meta: _Meta,
+        apply: _ApplyFn,
+        *,
+        salvage: bool,
     ) -> int:
         """Check the committed log whole, then ``apply(ids, grads, lr)`` each record in order.
 
@@ -684,7 +693,7 @@ class WalJournal:
             if size == 0:
                 raise CorruptionError(f"{where} is empty (not even a header)")
             with mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ) as buf:
-                scan = scan_log(buf, where=where)
+                scan = scan_log(buf, where=where, salvage=salvage)
                 stale = scan.generation < meta.generation
                 if not stale:
                     self._check_log_matches(name, scan, meta)
@@ -1052,18 +1061,19 @@ def import_offline(
 
 
 def snapshot_offline(
-    data_dir: str | os.PathLike[str], names: list[str] | None = None
+    data_dir: str | os.PathLike[str], names: list[str] | None = None, *, salvage: bool = False
 ) -> list[tuple[str, int, int]]:
     """Replay each table's log into a fresh snapshot (compaction; also a full check of every file).
 
-    Returns (name, version, updates replayed) per table; raises ``CorruptionError`` on damage.
+    Returns (name, version, updates replayed) per table; raises ``CorruptionError`` on damage, unless
+    ``salvage``, which keeps the updates before a damaged record and gives up the rest.
     """
     journal = WalJournal(data_dir, exclusive=True)
     done: list[tuple[str, int, int]] = []
     try:
         for name in names if names is not None else journal.names():
             before = journal.snapshot_version(name)
-            loaded = journal.load(name)
+            loaded = journal.load(name, salvage=salvage)
             if loaded is None or before is None:
                 raise NotFoundError(f"no table {name!r} in {data_dir}")
             table, version = loaded

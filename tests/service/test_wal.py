@@ -491,3 +491,15 @@ def test_offline_tools_and_servers_exclude_each_other(tmp_path: Path) -> None:
     with pytest.raises(ConflictError, match="in use"):
         WalJournal(tmp_path)
     tool.close()
+
+
+def test_salvage_keeps_the_records_before_mid_log_damage(journal: WalJournal) -> None:
+    path, full, _, _ = _log_and_oracle(journal, 3)
+    records = scan_log(full).records
+    damaged = _flip_bit(full, records[1].offset + RECORD_HEADER_SIZE + 1, 4)
+    path.write_bytes(damaged)
+    with pytest.raises(CorruptionError):
+        journal.load("t")
+    loaded = journal.load("t", salvage=True)
+    assert loaded is not None and loaded[1] == 1
+    assert path.stat().st_size == records[1].offset
