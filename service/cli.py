@@ -99,6 +99,11 @@ def _add_durability_commands(commands: Any) -> None:
     )
     snapshot.add_argument("--data-dir", dest="data_dir", type=Path, required=True)
     snapshot.add_argument("--table", action="append", help="only this table (repeatable); default: all")
+    snapshot.add_argument(
+        "--salvage",
+        action="store_true",
+        help="when a log is damaged in the middle, keep the updates before the damage and give up the rest",
+    )
 
 
 def _durability_command(args: argparse.Namespace) -> int:
@@ -111,7 +116,7 @@ def _durability_command(args: argparse.Namespace) -> int:
     if args.command == "snapshot":
         for name in args.table or []:
             validate_table_name(name)
-        for name, version, replayed in snapshot_offline(args.data_dir, args.table):
+        for name, version, replayed in snapshot_offline(args.data_dir, args.table, salvage=args.salvage):
             print(f"{name}: snapshot at version {version} ({replayed} logged updates folded in)")
         return 0
     optimizer = None
