@@ -34,7 +34,10 @@ from robez_core.table import Table
 from .journal import UpdateRecord
 from .wal import LOG_FILE, WalJournal
 
-POLICIES = ("none", "never", "interval", "always")
+
+# A setup is "none" (no journal), "never", "always", or "interval:<ms>".
+def _setups(intervals_ms: list[float]) -> list[str]:
+    return ["none", "never", *(f"interval:{ms:g}" for ms in intervals_ms), "always"]
 
 
 def _run(
@@ -42,12 +45,13 @@ def _run(
     table: Table,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     data_dir: Path,
-    interval_ms: float,
 ) -> dict[str, float]:
     """Apply every batch once under ``policy``; returns throughput and latency figures."""
     journal = None
+    folder = data_dir / policy.replace(":", "-")
     if policy != "none":
-        journal = WalJournal(data_dir / policy, fsync=policy, fsync_interval_ms=interval_ms)  # type: ignore[arg-type]
+        fsync, _, interval = policy.partition(":")
+        journal = WalJournal(folder, fsync=fsync, fsync_interval_ms=float(interval or 10))  # type: ignore[arg-type]
         journal.create("bench", table, 0)
     lr = table.optimizer.lr
     latencies: list[float] = []
@@ -62,7 +66,7 @@ def _run(
     elapsed = time.perf_counter() - start
     log_bytes = 0
     if journal is not None:
-        log_bytes = (data_dir / policy / "bench" / LOG_FILE).stat().st_size
+        log_bytes = (folder / "bench" / LOG_FILE).stat().st_size
         journal.close()
     latencies.sort()
     return {
@@ -81,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ids", type=int, default=256, help="ids per update (N)")
     parser.add_argument("--dim", type=int, default=64, help="embedding_dim d")
     parser.add_argument("--memory-size", type=int, default=262_144, help="m (the demo table's)")
-    parser.add_argument("--interval-ms", type=float, default=10.0, help="fsync interval for 'interval'")
+    parser.add_argument(
+        "--intervals-ms", default="10,100", help="comma-separated fsync intervals to run 'interval' with"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per policy; the median is reported")
     parser.add_argument(
         "--data-dir", type=Path, default=None, help="where the logs go (default: ./.bench-wal-*)"
@@ -102,16 +108,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = (
         args.data_dir if args.data_dir is not None else Path(tempfile.mkdtemp(prefix=".bench-wal-", dir="."))
     )
-    results: dict[str, list[dict[str, float]]] = {policy: [] for policy in POLICIES}
+    setups = _setups([float(ms) for ms in args.intervals_ms.split(",") if ms])
+    results: dict[str, list[dict[str, float]]] = {setup: [] for setup in setups}
     try:
-        _run("none", Table(config, OptimizerConfig("sgd")), batches[:50], root / "warmup", args.interval_ms)
+        _run("none", Table(config, OptimizerConfig("sgd")), batches[:50], root / "warmup")
         for repeat in range(args.repeats):
-            for policy in POLICIES:  # interleaved, so drift on a shared machine hits every policy alike
+            for policy in setups:  # interleaved, so drift on a shared machine hits every policy alike
                 run_dir = root / f"run{repeat}"
-                results[policy].append(
-                    _run(policy, Table(config, OptimizerConfig("sgd")), batches, run_dir, args.interval_ms)
-                )
-                shutil.rmtree(run_dir / policy, ignore_errors=True)
+                results[policy].append(_run(policy, Table(config, OptimizerConfig("sgd")), batches, run_dir))
+                shutil.rmtree(run_dir, ignore_errors=True)
     finally:
         if args.data_dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -123,20 +128,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"- log directory on: {_filesystem(root)}")
     print(
         f"- workload: {args.updates} updates x {args.repeats} runs per policy, N={args.ids} ids, "
-        f"d={args.dim}, m={args.memory_size}, sgd, {args.threads} kernel thread(s); "
-        f"interval = {args.interval_ms:g} ms"
+        f"d={args.dim}, m={args.memory_size}, sgd, {args.threads} kernel thread(s)"
     )
     print()
     print("| fsync policy | updates/s | p50 ms | p99 ms | log bytes/update | vs no log |")
     print("|---|---:|---:|---:|---:|---:|")
     baseline = statistics.median(r["updates_per_s"] for r in results["none"])
-    for policy in POLICIES:
+    for policy in setups:
         runs = results[policy]
         rate = statistics.median(r["updates_per_s"] for r in runs)
         p50 = statistics.median(r["p50_ms"] for r in runs)
         p99 = statistics.median(r["p99_ms"] for r in runs)
         size = runs[0]["log_bytes_per_update"]
-        label = "no data dir" if policy == "none" else policy
+        label = (
+            "no data dir" if policy == "none" else policy.replace(":", " ") + (" ms" if ":" in policy else "")
+        )
         print(f"| {label} | {rate:,.0f} | {p50:.3f} | {p99:.3f} | {size:,.0f} | {rate / baseline:.2f}x |")
     return 0
 
