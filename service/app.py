@@ -33,6 +33,7 @@ logger = logging.getLogger("robez.app")
 API_VERSION = "1"
 # Bodies read by hand (JSON or binary) are described by these models in the OpenAPI schema.
 _HAND_READ_MODELS: tuple[type[Any], ...] = (
+    codec.CreateTableRequest,
     codec.LookupRequest,
     codec.MultiLookupRequest,
     codec.UpdateRequest,

@@ -196,6 +196,11 @@ def decode_lookup_json(body: bytes) -> LookupRequest:
     return request
 
 
+def decode_create_json(body: bytes) -> CreateTableRequest:
+    request: CreateTableRequest = _validated(CreateTableRequest, body)
+    return request
+
+
 def decode_multi_lookup_json(body: bytes) -> MultiLookupRequest:
     request: MultiLookupRequest = _validated(MultiLookupRequest, body)
     return request

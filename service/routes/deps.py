@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import anyio.to_thread
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 
 from ..codec import OCTET_STREAM
 from ..metrics import Metrics
@@ -26,6 +26,8 @@ def get_metrics(request: Request) -> Metrics:
 
 
 StoreDep = Annotated[TableStore, Depends(get_store)]
+# A table name in the path; invalid names are simply not found (404), nothing touches the filesystem.
+TableNameParam = Annotated[str, Path(description="table name", examples=["demo"])]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 
 
@@ -46,17 +48,14 @@ def wants_binary(request: Request) -> bool:
     return is_binary(request) or accept == OCTET_STREAM
 
 
-def body_doc(json_schema_ref: str, binary_description: str, **binary_headers: Any) -> dict[str, Any]:
-    """OpenAPI for a body read by hand: the JSON model by reference, or raw octets."""
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": {"$ref": f"#/components/schemas/{json_schema_ref}"}},
-                OCTET_STREAM: {
-                    "schema": {"type": "string", "format": "binary"},
-                    "description": binary_description,
-                },
-            },
-        }
+def body_doc(json_schema_ref: str, binary_description: str | None = None) -> dict[str, Any]:
+    """OpenAPI for a body read by hand: the JSON model by reference, and raw octets if described."""
+    content: dict[str, Any] = {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{json_schema_ref}"}}
     }
+    if binary_description is not None:
+        content[OCTET_STREAM] = {
+            "schema": {"type": "string", "format": "binary"},
+            "description": binary_description,
+        }
+    return {"requestBody": {"required": True, "content": content}}

@@ -28,7 +28,7 @@ from ..codec import (
 )
 from ..metrics import Metrics, server_timing
 from ..store import LookupRequestItem, LookupResult
-from .deps import MetricsDep, StoreDep, body_doc, compute, is_binary, wants_binary
+from .deps import MetricsDep, StoreDep, TableNameParam, body_doc, compute, is_binary, wants_binary
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
 
@@ -53,7 +53,7 @@ def _observe(metrics: Metrics, table: str, result: LookupResult) -> None:
     summary="Rows (or pooled bags) of ids from one table",
 )
 async def lookup(
-    name: str, request: Request, store: StoreDep, metrics: MetricsDep, _: ReadAccess
+    name: TableNameParam, request: Request, store: StoreDep, metrics: MetricsDep, _: ReadAccess
 ) -> Response:
     start = time.perf_counter()
     body = await request.body()

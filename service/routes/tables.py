@@ -8,8 +8,9 @@ from fastapi import APIRouter, Request, status
 from starlette.responses import Response
 
 from ..auth import ReadAccess, WriteAccess
-from ..codec import CreateTableRequest, TableInfoResponse, TableListResponse, table_info_json
-from .deps import StoreDep, compute
+from ..codec import TableInfoResponse, TableListResponse, decode_create_json, table_info_json
+from ..store import TableInfo
+from .deps import StoreDep, TableNameParam, body_doc, compute
 
 router = APIRouter(prefix="/v1/tables", tags=["tables"])
 
@@ -20,7 +21,7 @@ async def list_tables(store: StoreDep, _: ReadAccess) -> dict[str, Any]:
 
 
 @router.get("/{name}", response_model=TableInfoResponse, summary="One table's config, version, compression")
-async def get_table(name: str, store: StoreDep, _: ReadAccess) -> dict[str, Any]:
+async def get_table(name: TableNameParam, store: StoreDep, _: ReadAccess) -> dict[str, Any]:
     return table_info_json(store.info(name))
 
 
@@ -28,18 +29,24 @@ async def get_table(name: str, store: StoreDep, _: ReadAccess) -> dict[str, Any]
     "",
     response_model=TableInfoResponse,
     status_code=status.HTTP_201_CREATED,
+    openapi_extra=body_doc("CreateTableRequest"),
     summary="Create a table (its own new array, or share_array_with another table's)",
 )
-async def create_table(
-    body: CreateTableRequest, request: Request, store: StoreDep, _: WriteAccess
-) -> dict[str, Any]:
-    # Initialising a large array takes a while: off the event loop.
-    info = await compute(request, lambda: store.create(body.name, body.spec()))
-    request.state.table = body.name
+async def create_table(request: Request, store: StoreDep, _: WriteAccess) -> dict[str, Any]:
+    body = await request.body()
+
+    def work() -> TableInfo:
+        # Read by hand like every other body, so any malformed body is one 422 shape; initialising a
+        # large array takes a while, hence off the event loop.
+        parsed = decode_create_json(body)
+        return store.create(parsed.name, parsed.spec())
+
+    info = await compute(request, work)
+    request.state.table = info.name
     return table_info_json(info)
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete a table")
-async def delete_table(name: str, request: Request, store: StoreDep, _: WriteAccess) -> Response:
+async def delete_table(name: TableNameParam, request: Request, store: StoreDep, _: WriteAccess) -> Response:
     await compute(request, lambda: store.delete(name))
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -20,7 +20,7 @@ from ..codec import (
 )
 from ..metrics import server_timing
 from ..store import UpdateResult
-from .deps import MetricsDep, StoreDep, body_doc, compute, is_binary
+from .deps import MetricsDep, StoreDep, TableNameParam, body_doc, compute, is_binary
 
 router = APIRouter(prefix="/v1", tags=["update"])
 
@@ -36,7 +36,7 @@ _BINARY_UPDATE = (
     summary="Apply the table's optimizer to the gradients of looked-up rows",
 )
 async def update(
-    name: str,
+    name: TableNameParam,
     request: Request,
     store: StoreDep,
     metrics: MetricsDep,
