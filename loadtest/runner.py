@@ -312,8 +312,8 @@ async def _closed_loop(
             position += share
             await recorder.exchange(template, time.perf_counter())
 
-    recorder.result.scheduled = budget
     await _bounded(spec, [asyncio.ensure_future(worker(i)) for i in range(share)], recorder)
+    recorder.result.scheduled = issued  # a closed loop schedules exactly what it sends
 
 
 async def _open_loop(

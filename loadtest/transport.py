@@ -145,6 +145,10 @@ class RawConnection:
         except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             await self.close()
             raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+        except asyncio.CancelledError:
+            # a request abandoned mid-response leaves the stream out of step: never reuse it
+            self._abort()
+            raise
         if response.headers.get("connection", "").lower() == "close":
             await self.close()
         return response
@@ -180,6 +184,11 @@ class RawConnection:
                 return b"".join(pieces)
             pieces.append(await reader.readexactly(size))
             await reader.readexactly(2)
+
+    def _abort(self) -> None:
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
 
     async def close(self) -> None:
         writer, self._reader, self._writer = self._writer, None, None
