@@ -532,35 +532,8 @@ def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path
     lines.append("")
     lines += ["## Runs", "", *_runs_table(result.runs), ""]
     lines += ["## In-process kernel baseline (the ceiling)", "", *_kernel_table(result.kernel), ""]
-    scaling = _scaling_rows(result)
-    if scaling:
-        lines += [
-            "## Scaling with cores",
-            "",
-            "| scenario | batch | workers | throughput | efficiency |",
-            "|---|---|---|---|---|",
-        ]
-        for scenario, batch, cores, value, unit, eff in scaling:
-            lines.append(f"| {scenario} | {batch} | {cores} | {value:,.0f} {unit} | {_fmt(eff)} |")
-        lines.append("")
-    saturated = [r for r in result.runs if r.client_saturated]
-    shared = [r for r in result.runs if SHARED_NOTE in r.notes]
-    lines += ["## Client saturation", ""]
-    if saturated:
-        lines.append(
-            f"{len(saturated)} run(s) had a client process at >= 85% of a core, so the client, not only the"
-            " server, limited them: "
-            + ", ".join(f"{_cores(r)} cores / {r.spec.label} batch {r.spec.batch_size}" for r in saturated)
-            + "."
-        )
-    else:
-        lines.append("No client process reached 85% of a core: the server was the bottleneck in every run.")
-    if shared:
-        lines.append(
-            f"In {len(shared)} run(s) the server had every core, so the clients ran on the server's cores and"
-            " took CPU from it: those figures understate the server."
-        )
-    lines.append("")
+    lines += _scaling_section(result)
+    lines += _saturation_section(result)
     failed = result.failed_runs
     lines += ["## Errors", ""]
     if failed:
@@ -585,6 +558,82 @@ def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path
         lines.append("")
     lines.append(f"Raw figures: [{csv_path.name}]({csv_path.name}).")
     return "\n".join(lines) + "\n"
+
+
+OTHER_LOAD_NOTABLE = 0.25  # cores of other work during a run worth a warning
+
+
+def _scaling_section(result: SweepResult) -> list[str]:
+    """Throughput per worker count, efficiency, and throughput per server CPU-second (noise-robust)."""
+    rows = _scaling_rows(result)
+    core_counts = sorted({row[2] for row in rows})
+    if len(core_counts) < 2:
+        return []
+    by_key: dict[tuple[str, int, str], dict[int, tuple[float, float]]] = {}
+    for scenario, batch, cores, value, unit, eff in rows:
+        by_key.setdefault((scenario, batch, unit), {})[cores] = (value, eff)
+    header = ["scenario", "batch", "unit"]
+    header += [f"{k} worker{'s' if k > 1 else ''}" for k in core_counts]
+    header += [f"efficiency at {k}" for k in core_counts[1:]]
+    header += [f"per server CPU-second at {k}" for k in core_counts]
+    lines = [
+        "## Scaling with cores",
+        "",
+        "Efficiency = throughput at k / (k x throughput at 1). Throughput per server CPU-second divides by"
+        " the CPU the server actually got, so it is steadier than raw throughput when other work shares the"
+        " machine; where it stays flat as k grows, the server itself scales and the shortfall is CPU it"
+        " did not get.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for (scenario, batch, unit), per_core in by_key.items():
+        if len(per_core) < 2:
+            continue
+        cells = [scenario, str(batch), unit]
+        cells += [_fmt(per_core[k][0], 0) if k in per_core else "–" for k in core_counts]
+        cells += [_fmt(per_core[k][1]) if k in per_core else "–" for k in core_counts[1:]]
+        for k in core_counts:
+            run = find_run(result.runs, scenario, batch, k)
+            value = per_core.get(k, (math.nan, math.nan))[0]
+            cpu = run.server_cpu_cores if run is not None and run.server_cpu_cores else math.nan
+            cells.append(_fmt(value / cpu, 0) if math.isfinite(cpu) and cpu > 0 else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def _saturation_section(result: SweepResult) -> list[str]:
+    """Who limited the runs: the clients, CPU shared with the clients, or other work on the machine."""
+    lines = ["## Client saturation and machine load", ""]
+    saturated = [r for r in result.runs if r.client_saturated]
+    if saturated:
+        lines.append(
+            f"{len(saturated)} run(s) had a client process at >= 85% of a core, so the client, not only the"
+            " server, limited them: "
+            + ", ".join(f"{_cores(r)} cores / {r.spec.label} batch {r.spec.batch_size}" for r in saturated)
+            + "."
+        )
+    else:
+        lines.append("No client process reached 85% of a core, so the client never limited a run.")
+    shared = [r for r in result.runs if SHARED_NOTE in r.notes]
+    if shared:
+        lines.append(
+            f"In {len(shared)} run(s) the server had every core, so the clients ran on the server's cores and"
+            " took CPU from it: those figures understate the server."
+        )
+    loaded = [r for r in result.runs if (r.other_cpu_cores or 0.0) >= OTHER_LOAD_NOTABLE]
+    if loaded:
+        mean_other = sum(r.other_cpu_cores or 0.0 for r in loaded) / len(loaded)
+        lines.append(
+            f"In {len(loaded)} of {len(result.runs)} runs other processes on the machine used >="
+            f" {OTHER_LOAD_NOTABLE} cores (mean {mean_other:.2f}) while the test ran: those runs competed for"
+            " CPU, see the 'other load' column."
+        )
+    elif any(r.other_cpu_cores is not None for r in result.runs):
+        lines.append(f"Other processes used less than {OTHER_LOAD_NOTABLE} cores during every run.")
+    lines.append("")
+    return lines
 
 
 def _cpu_ms_per_request(run: RunResult) -> float:
