@@ -71,6 +71,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if directory is None:
             directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, settings, journal)
         store = TableStore(directory, settings, journal)
+        await anyio.to_thread.run_sync(store.warm_up)
         app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
         app.state.store = store
         logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())

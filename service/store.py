@@ -718,6 +718,13 @@ class TableStore:
             entry.counters[_VERSION] = version
         return UpdateResult(version, hashed - start, applied - apply_start)
 
+    def warm_up(self) -> None:
+        """Load the compiled lookup kernels now (numba's on-disk cache), so a worker's first request is
+        not the one that pays for it. Reads only; nothing changes."""
+        probe = torch.zeros(1, dtype=torch.int64)
+        for entry in list(self._entries.values()):
+            entry.table.gather(entry.table.hash(probe))
+
     # -- durability hooks for the snapshot / load endpoints -----------------------------------------
 
     @contextmanager
