@@ -31,7 +31,9 @@ All functions take and return CPU torch tensors; numba works on zero-copy ``.num
 from __future__ import annotations
 
 import math
-from typing import Literal
+import types
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numba
 import numpy as np
@@ -68,6 +70,34 @@ _SHIFT_32 = np.uint64(32)
 _DENSE_COALESCE_FACTOR = 4
 _RADIX_BITS = 11
 _RADIX_BUCKETS = 1 << _RADIX_BITS
+
+
+class _KernelPair:
+    """A kernel compiled twice: serial for one thread, ``parallel=True`` otherwise.
+
+    A numba parallel region at one thread still starts an OpenMP team and meets it at a barrier; on a busy
+    machine that wait costs whole scheduler ticks (4-20 ms per call were measured on a loaded 2-core box).
+    The serial copy runs in the calling thread, which is also what ``torch.set_num_threads(1)`` promises.
+    """
+
+    def __init__(self, py_func: Callable[..., Any]) -> None:
+        # A renamed copy gets its own on-disk cache index: numba keys the index on the qualified name and
+        # not on the parallel flag, so two dispatchers of one function would overwrite each other's cache.
+        serial_func = types.FunctionType(
+            py_func.__code__, py_func.__globals__, py_func.__name__ + "_serial", py_func.__defaults__
+        )
+        serial_func.__qualname__ = py_func.__qualname__ + "_serial"
+        self.serial = njit(cache=True, nogil=True, error_model="numpy")(serial_func)
+        self.parallel = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(py_func)
+        self.__doc__ = py_func.__doc__
+
+    def __call__(self, *args: Any) -> Any:
+        kernel = self.serial if numba.get_num_threads() == 1 else self.parallel
+        return kernel(*args)
+
+
+def _parallel_kernel(py_func: Callable[..., Any]) -> _KernelPair:
+    return _KernelPair(py_func)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,7 +172,7 @@ def _add(dst, dst_pos, src, src_pos, length):
 # forward
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@_parallel_kernel
 def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, range_size, out):
     prime, r1, r2, r3 = random_numbers[0], random_numbers[1], random_numbers[2], random_numbers[3]
     inv_range = 1.0 / range_size
@@ -154,7 +184,7 @@ def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, ran
             flat[base + np.uint64(c)] = _chunk_offset(mode, key_term, c, r1, r2, prime, range_size, inv_range)
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@_parallel_kernel
 def _gather_kernel(weight, offsets, embedding_dim, chunk_size, out):
     num_chunks = offsets.shape[1]
     flat = out.reshape(-1)
@@ -165,7 +195,7 @@ def _gather_kernel(weight, offsets, embedding_dim, chunk_size, out):
             _copy(flat, base + start, weight, offsets[n, c], min(chunk_size, embedding_dim - start))
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@_parallel_kernel
 def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, out):
     prime, r1, r2, r3 = random_numbers[0], random_numbers[1], random_numbers[2], random_numbers[3]
     num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
@@ -181,7 +211,7 @@ def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, mode, ran
             _copy(flat, base + start, weight, src, min(chunk_size, embedding_dim - start))
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@_parallel_kernel
 def _lookup_bag_kernel(
     weight,
     ids,
@@ -226,7 +256,7 @@ def _lookup_bag_kernel(
 # backward
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@_parallel_kernel
 def _scatter_kernel(grad_rows, offsets, embedding_dim, chunk_size, out, num_parts):
     # Each part owns a contiguous slice of ``out`` and scans every chunk, adding only what falls in its
     # slice: no two threads write the same location, so no atomics, and the sum order is deterministic.
@@ -369,13 +399,13 @@ def _coalesce_sorted_kernel(grad_rows, offsets, embedding_dim, chunk_size):
 # optimizer steps (locations are unique, so the loops run in parallel without races)
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@_parallel_kernel
 def _sgd_kernel(weight, locations, values, lr):
     for k in prange(locations.shape[0]):
         weight[locations[k]] -= lr * values[k]
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@_parallel_kernel
 def _adagrad_kernel(weight, state_sum, locations, values, lr, eps):
     for k in prange(locations.shape[0]):
         i = locations[k]
@@ -385,7 +415,7 @@ def _adagrad_kernel(weight, state_sum, locations, values, lr, eps):
         weight[i] -= lr * (g / (np.sqrt(s) + eps))
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@_parallel_kernel
 def _adam_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, eps, step_size):
     one_minus_beta1 = np.float32(1.0) - beta1
     one_minus_beta2 = np.float32(1.0) - beta2
@@ -401,6 +431,21 @@ def _adam_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, e
 
 # --------------------------------------------------------------------------------------------------
 # public API (torch in, torch out)
+
+
+def _start_numba_threads() -> None:
+    """Start numba's thread pool now, keeping torch's thread count.
+
+    Both use the process's OpenMP runtime, and numba's first start resets its thread count to every core:
+    a ``torch.set_num_threads(1)`` made before the first kernel call would silently become ``cpu_count``.
+    """
+    torch_threads = torch.get_num_threads()
+    numba.get_num_threads()  # starts the threading layer
+    if torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
+
+
+_start_numba_threads()
 
 
 def set_kernel_threads() -> int:

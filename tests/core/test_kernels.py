@@ -421,6 +421,28 @@ def test_invalid_configurations_raise():
         )
 
 
+def test_one_thread_runs_the_serial_copy(monkeypatch: pytest.MonkeyPatch):
+    """At one thread no OpenMP team is started: the serial compilation runs in the caller's thread."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("parallel kernel used at one thread")
+
+    monkeypatch.setattr(kernels._gather_kernel, "parallel", refuse)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        weight = torch.randn(100)
+        offsets = torch.tensor([[0, 50], [96, 3]])
+        assert torch.equal(kernels.gather(weight, offsets, 8, 4), reference_gather(weight, offsets, 8, 4))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def reference_gather(weight: torch.Tensor, offsets: torch.Tensor, embedding_dim: int, chunk_size: int):
+    j = torch.arange(embedding_dim)
+    return weight[offsets[:, j // chunk_size] + j % chunk_size]
+
+
 def test_kernel_threads_follow_torch():
     previous = torch.get_num_threads()
     try:
@@ -454,10 +476,17 @@ def test_concurrent_calls_from_python_threads_agree():
 
 _CACHE_PROBE = """
 import json, torch
-from robez_core import kernels
-kernels.lookup(torch.randn(100), torch.arange(10), 8, 4, __import__("robez_core").paper_random_numbers())
-stats = kernels._lookup_kernel.stats
-print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
+from robez_core import kernels, paper_random_numbers
+weight, ids, constants = torch.randn(100), torch.arange(10), paper_random_numbers()
+counts = {}
+for threads, flavour in ((1, "serial"), (2, "parallel")):
+    torch.set_num_threads(threads)
+    if kernels.set_kernel_threads() != threads:
+        continue  # a one-core machine never runs the parallel copy
+    kernels.lookup(weight, ids, 8, 4, constants)
+    stats = getattr(kernels._lookup_kernel, flavour).stats
+    counts[flavour] = {"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}
+print(json.dumps(counts))
 """
 
 
@@ -478,6 +507,29 @@ def test_compiled_kernels_are_cached_on_disk(tmp_path: Path):
         )
         assert completed.returncode == 0, completed.stderr
         runs.append(json.loads(completed.stdout.strip().splitlines()[-1]))
-    assert runs[0]["misses"] == 1
-    assert runs[1] == {"hits": 1, "misses": 0}
+    assert runs[0]["serial"] == {"hits": 0, "misses": 1}
+    assert runs[1]["serial"] == {"hits": 1, "misses": 0}
+    if "parallel" in runs[0]:
+        assert runs[1]["parallel"] == {"hits": 1, "misses": 0}
     assert any(tmp_path.rglob("*.nbi"))
+
+
+_THREADS_PROBE = """
+import torch
+torch.set_num_threads(1)
+import numba
+from robez_core import kernels, paper_random_numbers
+kernels.lookup(torch.randn(100), torch.arange(10), 8, 4, paper_random_numbers())
+print(torch.get_num_threads(), numba.get_num_threads())
+"""
+
+
+@pytest.mark.slow
+def test_importing_kernels_keeps_torch_thread_count():
+    """numba's OpenMP start-up resets the process's thread count; the kernels module undoes that."""
+    root = Path(__file__).resolve().parents[2]
+    completed = subprocess.run(
+        [sys.executable, "-c", _THREADS_PROBE], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["1", "1"]
