@@ -1,0 +1,742 @@
+"""The paper's CPU benchmark, side by side: full ``nn.Embedding``, reference ROBE-Z and fused ROBE-Z.
+
+Run ``python -m robez_core.bench`` (or ``make bench``); ``--quick`` runs a small subset in under a minute.
+It reproduces the "pair model" benchmark of the seed notes (``../shared/seeds/000_*.txt`` and ``004_*.txt``):
+
+- two lookups per forward (ids ``x[:, 0]`` and ``x[:, 1]``), output = row-wise dot product, MSE loss
+  against random targets; n = 1,000,000 rows, d = 100, Z = 32, batch 32768, lr 0.001;
+- ROBE-Z memory sizes 262144 (1 MB), 2621440 (10 MB) and 100,000,000 (381.5 MB), arrays U(-0.001, 0.001);
+- sparse and dense gradients; SGD, Adagrad and Adam (``SparseAdam`` when sparse);
+- 8 iterations, the first dropped, the median of the rest reported; at 1 thread and at all threads.
+
+Columns (milliseconds, per training step):
+
+- ``forward``: the model's forward and the loss (two lookups, dot product, MSE);
+- ``hashing`` / ``lookup`` (ROBE-Z only): the forward's two hash and two gather steps, timed on their own
+  right after the step (reference: the (N, d) index tensor and ``weight[index]``; fused: the (N, C)
+  chunk offsets and the chunk gather);
+- ``gradcomp``: ``loss.backward()``; ``backward``: ``optimizer.step()`` (the seed's names);
+- ``total``: forward + gradcomp + backward.
+
+It also times the issue's targets at 1 thread (one lookup of a batch, hashing alone) and prints the
+ratios, then writes a markdown report and a PNG plot under ``docs/benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import gc
+import math
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .hashing import reference_indices
+from .modules import RobezEmbedding
+
+MODELS = ("full", "reference", "fused")
+MODEL_LABELS = {"full": "full nn.Embedding", "reference": "ROBE-Z reference", "fused": "ROBE-Z fused"}
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+PAPER_MEMORY_SIZES = (262_144, 2_621_440, 100_000_000)
+TARGET_MEMORY_SIZE = 262_144
+DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+# The reference path with a dense Adam over a 100M array needs several seconds a step on a small machine;
+# ``--skip-slow`` leaves those rows out (and the report says so).
+SLOW_MEMORY_SIZE = 50_000_000
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What to run. Defaults are the paper's configuration; ``quick()`` is the under-a-minute subset."""
+
+    num_embeddings: int = 1_000_000
+    embedding_dim: int = 100
+    chunk_size: int = 32
+    batch_size: int = 32_768
+    memory_sizes: tuple[int, ...] = PAPER_MEMORY_SIZES
+    optimizers: tuple[str, ...] = OPTIMIZERS
+    sparse_modes: tuple[bool, ...] = (True, False)
+    models: tuple[str, ...] = MODELS
+    threads: tuple[int, ...] = (1, 0)  # 0 = all threads torch would use
+    iterations: int = 8
+    target_repeats: int = 15
+    lr: float = 0.001
+    seed: int = 0
+    skip_slow: bool = False
+    quick: bool = False
+    only: tuple[tuple[str, bool, str], ...] = ()  # (model, sparse, optimizer) subset; empty = all
+
+    @classmethod
+    def quick_mode(cls, **overrides: object) -> BenchSettings:
+        """The target rows only (m = 262144, Adam), 1 thread, 4 iterations."""
+        base = cls(
+            memory_sizes=(TARGET_MEMORY_SIZE,),
+            optimizers=("adam",),
+            threads=(1,),
+            iterations=4,
+            target_repeats=7,
+            quick=True,
+            only=(
+                ("full", True, "adam"),
+                ("reference", False, "adam"),
+                ("fused", False, "adam"),
+                ("fused", True, "adam"),
+            ),
+        )
+        return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One row of the table."""
+
+    model: str
+    sparse: bool
+    optimizer: str
+    memory_size: int | None  # None for the full table
+
+    @property
+    def label(self) -> str:
+        memory = "" if self.memory_size is None else f" m={self.memory_size}"
+        return f"{self.model} {'sparse' if self.sparse else 'dense'} {self.optimizer}{memory}"
+
+
+@dataclass
+class RunResult:
+    config: RunConfig
+    threads: int
+    forward_ms: float = math.nan
+    hashing_ms: float = math.nan
+    lookup_ms: float = math.nan
+    gradcomp_ms: float = math.nan
+    backward_ms: float = math.nan
+    total_ms: float = math.nan
+    skipped: str | None = None
+
+
+@dataclass
+class TargetResult:
+    name: str
+    baseline_ms: float
+    fused_ms: float
+    goal: float
+
+    @property
+    def ratio(self) -> float:
+        return self.baseline_ms / self.fused_ms if self.fused_ms > 0 else math.nan
+
+    @property
+    def met(self) -> bool:
+        return self.ratio >= self.goal
+
+
+@dataclass
+class BenchResult:
+    settings: BenchSettings
+    command: str
+    started: dt.datetime
+    runs: list[RunResult] = field(default_factory=list)
+    targets: list[TargetResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    load_before: tuple[float, float, float] = (math.nan, math.nan, math.nan)
+    load_after: tuple[float, float, float] = (math.nan, math.nan, math.nan)
+
+
+# --------------------------------------------------------------------------------------------------
+# models
+
+
+class PairModel(nn.Module):
+    """The seed's model: rows of ``x[:, 0]`` and ``x[:, 1]`` from one table, row-wise dot product (B,)."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, pairs: Tensor) -> Tensor:
+        left = self.embedding(pairs[:, 0])
+        right = self.embedding(pairs[:, 1])
+        return (left * right).sum(dim=1)
+
+
+def _make_embedding(config: RunConfig, settings: BenchSettings) -> nn.Module:
+    if config.model == "full":
+        return nn.Embedding(settings.num_embeddings, settings.embedding_dim, sparse=config.sparse)
+    assert config.memory_size is not None
+    return RobezEmbedding(
+        settings.num_embeddings,
+        settings.embedding_dim,
+        memory_size=config.memory_size,
+        chunk_size=settings.chunk_size,
+        sparse=config.sparse,
+        backend="fused" if config.model == "fused" else "reference",
+    )
+
+
+def _make_optimizer(config: RunConfig, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if config.optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    if config.sparse:
+        return torch.optim.SparseAdam(params, lr=lr)
+    return torch.optim.Adam(params, lr=lr)
+
+
+def _split_forward(
+    embedding: nn.Module, model: str
+) -> tuple[Callable[[Tensor], object], Callable[[object], Tensor]]:
+    """(hash, gather) of one lookup, the two halves of a ROBE-Z forward, as each backend does them."""
+    if model == "fused":
+        assert isinstance(embedding, RobezEmbedding)
+        return embedding.hash_ids, lambda offsets: embedding.gather(offsets)
+    assert isinstance(embedding, RobezEmbedding)
+
+    def reference_hash(ids: Tensor) -> Tensor:
+        return reference_indices(
+            ids,
+            embedding.embedding_dim,
+            embedding.chunk_size,
+            embedding.memory_size,
+            embedding.random_numbers,
+            embedding.val_offset,
+            embedding.hash,
+        )
+
+    def reference_gather(indices: object) -> Tensor:
+        with torch.no_grad():
+            return embedding.weight[indices]  # type: ignore[index]
+
+    return reference_hash, reference_gather
+
+
+# --------------------------------------------------------------------------------------------------
+# running
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[int]:
+    previous = torch.get_num_threads()
+    count = threads if threads > 0 else _all_threads()
+    torch.set_num_threads(count)
+    try:
+        yield count
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _all_threads() -> int:
+    return os.cpu_count() or 1
+
+
+def _batches(settings: BenchSettings) -> list[tuple[Tensor, Tensor]]:
+    generator = torch.Generator().manual_seed(settings.seed)
+    return [
+        (
+            torch.randint(0, settings.num_embeddings, (settings.batch_size, 2), generator=generator),
+            torch.randn(settings.batch_size, generator=generator),
+        )
+        for _ in range(settings.iterations)
+    ]
+
+
+def _ms(seconds: Sequence[float]) -> float:
+    """Median in milliseconds of the timings after the first (warm-up: caches, lazy optimizer state)."""
+    kept = list(seconds[1:]) or list(seconds)
+    return 1e3 * statistics.median(kept)
+
+
+def run_config(
+    config: RunConfig, settings: BenchSettings, threads: int, batches: list[tuple[Tensor, Tensor]]
+) -> RunResult:
+    """Train the pair model ``settings.iterations`` steps and return the median phase times."""
+    embedding = _make_embedding(config, settings)
+    model = PairModel(embedding)
+    optimizer = _make_optimizer(config, list(model.parameters()), settings.lr)
+    split = _split_forward(embedding, config.model) if config.model != "full" else None
+    phases: dict[str, list[float]] = {
+        name: [] for name in ("forward", "hashing", "lookup", "gradcomp", "backward")
+    }
+    for pairs, targets in batches:
+        optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = F.mse_loss(model(pairs), targets)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        phases["forward"].append(t1 - t0)
+        phases["gradcomp"].append(t2 - t1)
+        phases["backward"].append(t3 - t2)
+        if split is not None:
+            hash_fn, gather_fn = split
+            h0 = time.perf_counter()
+            left, right = hash_fn(pairs[:, 0]), hash_fn(pairs[:, 1])
+            h1 = time.perf_counter()
+            gather_fn(left), gather_fn(right)
+            h2 = time.perf_counter()
+            phases["hashing"].append(h1 - h0)
+            phases["lookup"].append(h2 - h1)
+        del loss
+    result = RunResult(config, threads)
+    result.forward_ms = _ms(phases["forward"])
+    result.gradcomp_ms = _ms(phases["gradcomp"])
+    result.backward_ms = _ms(phases["backward"])
+    result.total_ms = result.forward_ms + result.gradcomp_ms + result.backward_ms
+    if split is not None:
+        result.hashing_ms = _ms(phases["hashing"])
+        result.lookup_ms = _ms(phases["lookup"])
+    del model, embedding, optimizer
+    gc.collect()
+    return result
+
+
+def _configs(settings: BenchSettings) -> list[RunConfig]:
+    configs: list[RunConfig] = []
+    for model in settings.models:
+        memory_sizes: tuple[int | None, ...] = (None,) if model == "full" else settings.memory_sizes
+        for optimizer in settings.optimizers:
+            for sparse in settings.sparse_modes:
+                if settings.only and (model, sparse, optimizer) not in settings.only:
+                    continue
+                configs.extend(RunConfig(model, sparse, optimizer, m) for m in memory_sizes)
+    return configs
+
+
+def _is_slow(config: RunConfig) -> bool:
+    return config.model == "reference" and not config.sparse and (config.memory_size or 0) >= SLOW_MEMORY_SIZE
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    fn()  # warm-up: numba cache load, allocator
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        timings.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(timings)
+
+
+def _time_single_lookups(
+    settings: BenchSettings, memory_size: int, ids: Tensor
+) -> tuple[float, float, float, float, float]:
+    """Median ms of one forward lookup (full, reference, fused) and of hashing (reference, fused)."""
+    full = nn.Embedding(settings.num_embeddings, settings.embedding_dim)
+    reference, fused = (
+        RobezEmbedding(
+            settings.num_embeddings,
+            settings.embedding_dim,
+            memory_size=memory_size,
+            chunk_size=settings.chunk_size,
+            backend=backend,
+        )
+        for backend in ("reference", "fused")
+    )
+    repeats = settings.target_repeats
+    slow_repeats = max(3, repeats // 3)  # the reference path is ~50x slower; fewer runs keep --quick quick
+    reference_hash, _ = _split_forward(reference, "reference")
+    return (
+        _median_time(lambda: full(ids), repeats),
+        _median_time(lambda: reference(ids), slow_repeats),
+        _median_time(lambda: fused(ids), repeats),
+        _median_time(lambda: reference_hash(ids), slow_repeats),
+        _median_time(lambda: fused.hash_ids(ids), repeats),
+    )
+
+
+def measure_targets(settings: BenchSettings, runs: list[RunResult]) -> list[TargetResult]:
+    """The issue's ratios at 1 thread: one lookup, hashing alone, and the dense-Adam training step."""
+    memory_size = (
+        TARGET_MEMORY_SIZE if TARGET_MEMORY_SIZE in settings.memory_sizes else settings.memory_sizes[0]
+    )
+    generator = torch.Generator().manual_seed(settings.seed + 1)
+    ids = torch.randint(0, settings.num_embeddings, (settings.batch_size,), generator=generator)
+    targets: list[TargetResult] = []
+    with _torch_threads(1):
+        timings = _time_single_lookups(settings, memory_size, ids)
+    full_ms, reference_ms, fused_ms, reference_hash_ms, fused_hash_ms = timings
+    gc.collect()
+    label = f"{settings.batch_size} ids, d={settings.embedding_dim}, Z={settings.chunk_size}, m={memory_size}"
+    targets.append(
+        TargetResult(f"forward, one lookup ({label}): fused vs reference", reference_ms, fused_ms, 20.0)
+    )
+    targets.append(
+        TargetResult(f"forward, one lookup ({label}): fused vs full nn.Embedding", full_ms, fused_ms, 1.0)
+    )
+    targets.append(
+        TargetResult(f"hashing alone ({label}): fused vs reference", reference_hash_ms, fused_hash_ms, 50.0)
+    )
+
+    def step_ms(model: str, sparse: bool) -> float:
+        for run in runs:
+            c = run.config
+            if (
+                run.threads == 1
+                and c.model == model
+                and c.sparse == sparse
+                and c.optimizer == "adam"
+                and c.memory_size in (memory_size, None)
+                and run.skipped is None
+            ):
+                return run.total_ms
+        return math.nan
+
+    fused_step = step_ms("fused", False)
+    if not math.isnan(fused_step):
+        name = f"pair-model training step, dense grads + Adam, m={memory_size}: fused vs"
+        reference_step = step_ms("reference", False)
+        if not math.isnan(reference_step):
+            targets.append(TargetResult(f"{name} reference (dense Adam)", reference_step, fused_step, 10.0))
+        full_step = step_ms("full", True)
+        if not math.isnan(full_step):
+            targets.append(
+                TargetResult(f"{name} full nn.Embedding (sparse, SparseAdam)", full_step, fused_step, 5.0)
+            )
+    return targets
+
+
+def run_benchmark(
+    settings: BenchSettings, command: str, log: Callable[[str], None] | None = None
+) -> BenchResult:
+    """Run every configuration at every thread count, then the targets; progress goes to ``log``."""
+    say = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    result = BenchResult(settings, command, dt.datetime.now(dt.UTC), load_before=_load_average())
+    started = time.perf_counter()
+    batches = _batches(settings)
+    configs = _configs(settings)
+    total = len(configs) * len(settings.threads)
+    done = 0
+    for threads in settings.threads:
+        with _torch_threads(threads) as count:
+            for config in configs:
+                done += 1
+                if settings.skip_slow and _is_slow(config):
+                    result.runs.append(RunResult(config, count, skipped="--skip-slow"))
+                    say(f"[{done}/{total}] threads={count} {config.label}: skipped (--skip-slow)")
+                    continue
+                run = run_config(config, settings, count, batches)
+                result.runs.append(run)
+                say(
+                    f"[{done}/{total}] threads={count} {config.label}: total {run.total_ms:.1f} ms (forward "
+                    f"{run.forward_ms:.1f}, gradcomp {run.gradcomp_ms:.1f}, backward {run.backward_ms:.1f})"
+                )
+    if 1 in settings.threads or settings.threads == (1,):
+        say("targets at 1 thread ...")
+        result.targets = measure_targets(settings, result.runs)
+    else:
+        result.notes.append(
+            "Targets are defined at 1 thread; 1 was not among --threads, so none were measured."
+        )
+    if any(run.skipped for run in result.runs):
+        result.notes.append(
+            "Rows marked skipped (reference ROBE-Z, dense gradients, m >= 50M) were left out (--skip-slow)."
+        )
+    result.seconds = time.perf_counter() - started
+    result.load_after = _load_average()
+    return result
+
+
+def _load_average() -> tuple[float, float, float]:
+    """1/5/15-minute load averages: a busy machine inflates every row, so the report records it."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (math.nan, math.nan, math.nan)
+
+
+# --------------------------------------------------------------------------------------------------
+# reporting
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    return math.nan
+
+
+def machine_info() -> dict[str, str]:
+    """Where the numbers came from: host, CPU, cores, memory, library versions."""
+    return {
+        "host": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "logical cpus": str(os.cpu_count()),
+        "memory": f"{_memory_gib():.1f} GiB",
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numba": numba.__version__,
+        "numpy": np.__version__,
+        "numba threading layer": _threading_layer(),
+    }
+
+
+def _threading_layer() -> str:
+    try:
+        return str(numba.threading_layer())
+    except ValueError:  # no parallel kernel has run yet
+        return "not initialised"
+
+
+def _fmt(value: float) -> str:
+    return "" if math.isnan(value) else f"{value:.2f}"
+
+
+def _memory_label(config: RunConfig, settings: BenchSettings) -> str:
+    params = (
+        settings.num_embeddings * settings.embedding_dim if config.memory_size is None else config.memory_size
+    )
+    return f"{params} ({params * 4 / 2**20:.1f} MB)"
+
+
+def render_markdown(result: BenchResult, plot_name: str | None = None) -> str:
+    """The report: machine, command, targets, then one table per thread count (times in ms)."""
+    s = result.settings
+    lines = [
+        f"# ROBE-Z CPU benchmark, {result.started:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"Produced by `{result.command}` in {result.seconds:.0f} s"
+        + (" (quick mode: a subset, fewer iterations)" if s.quick else "")
+        + ". Regenerate with `make bench` (`python -m robez_core.bench`).",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    lines += [f"| {key} | {value} |" for key, value in machine_info().items()]
+    thread_counts = sorted({run.threads for run in result.runs}) or [1]
+    lines.append(f"| threads | {', '.join(str(t) for t in thread_counts)} (torch and numba alike) |")
+    lines.append(
+        "| load average (1/5/15 min) | "
+        f"before {' '.join(f'{v:.2f}' for v in result.load_before)}, "
+        f"after {' '.join(f'{v:.2f}' for v in result.load_after)} |"
+    )
+    lines += [
+        "",
+        f"Pair model: two lookups of a batch of {s.batch_size} id pairs, row-wise dot product, MSE against "
+        f"random targets; n = {s.num_embeddings}, d = {s.embedding_dim}, Z = {s.chunk_size}, lr = {s.lr}. "
+        f"{s.iterations} iterations, the first dropped, median of the rest. `forward` = model + loss, "
+        "`hashing` / `lookup` = the forward's two hash / gather steps timed on their own, "
+        "`gradcomp` = `loss.backward()`, "
+        "`backward` = `optimizer.step()` (the seed's column names), `total` = forward + gradcomp + backward. "
+        "Sparse Adam is `torch.optim.SparseAdam`. Wall-clock milliseconds; the machine may be shared, so "
+        "compare rows of one run rather than runs.",
+        "",
+    ]
+    if result.targets:
+        lines += ["## Targets (1 thread)", "", "| target | baseline ms | fused ms | ratio | goal | met |"]
+        lines.append("|---|---:|---:|---:|---:|---|")
+        for target in result.targets:
+            lines.append(
+                f"| {target.name} | {target.baseline_ms:.3f} | {target.fused_ms:.3f} | {target.ratio:.1f}x "
+                f"| >= {target.goal:g}x | {'yes' if target.met else '**no**'} |"
+            )
+        lines.append("")
+    for note in result.notes:
+        lines += [f"Note: {note}", ""]
+    if plot_name:
+        lines += [f"![time split per training step]({plot_name})", ""]
+    for threads in sorted({run.threads for run in result.runs}):
+        lines += [
+            f"## {threads} thread{'s' if threads != 1 else ''}",
+            "",
+            "| model | sparse | batch | params | optimizer | forward | hashing | lookup | gradcomp "
+            "| backward | total |",
+            "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for run in (r for r in result.runs if r.threads == threads):
+            c = run.config
+            head = (
+                f"| {MODEL_LABELS[c.model]} | {c.sparse} | {s.batch_size} | {_memory_label(c, s)} "
+                f"| {c.optimizer} |"
+            )
+            if run.skipped:
+                lines.append(f"{head} skipped ({run.skipped}) | | | | | |")
+                continue
+            cells = (
+                run.forward_ms,
+                run.hashing_ms,
+                run.lookup_ms,
+                run.gradcomp_ms,
+                run.backward_ms,
+                run.total_ms,
+            )
+            lines.append(head + " " + " | ".join(_fmt(v) for v in cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_plot(result: BenchResult, path: Path) -> None:
+    """Stacked horizontal bars (forward / gradcomp / backward) per row, one panel per thread count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    thread_counts = sorted({run.threads for run in result.runs if not run.skipped})
+    if not thread_counts:
+        return
+    rows_per_panel = max(
+        sum(1 for r in result.runs if r.threads == t and not r.skipped) for t in thread_counts
+    )
+    fig, axes = plt.subplots(
+        1, len(thread_counts), figsize=(7 * len(thread_counts), 1.5 + 0.28 * rows_per_panel), squeeze=False
+    )
+    colors = {"forward": "#4c72b0", "gradcomp": "#dd8452", "backward": "#55a868"}
+    for ax, threads in zip(axes[0], thread_counts, strict=True):
+        runs = [r for r in result.runs if r.threads == threads and not r.skipped]
+        labels = [r.config.label for r in runs]
+        left = np.zeros(len(runs))
+        for phase, color in colors.items():
+            values = np.array([getattr(r, f"{phase}_ms") for r in runs])
+            ax.barh(labels, values, left=left, color=color, label=phase)
+            left += values
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per training step (log scale)")
+        ax.set_title(f"{threads} thread{'s' if threads != 1 else ''}")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(result: BenchResult, output_dir: Path) -> Path:
+    """``<date>-<host>.md`` + ``.png`` under ``output_dir``, and ``latest.md`` / ``latest.png`` copies."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    host = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in socket.gethostname()) or "host"
+    stem = f"{result.started:%Y-%m-%d}-{host}" + ("-quick" if result.settings.quick else "")
+    plot_path = output_dir / f"{stem}.png"
+    render_plot(result, plot_path)
+    report_path = output_dir / f"{stem}.md"
+    report_path.write_text(render_markdown(result, plot_path.name if plot_path.exists() else None) + "\n")
+    if not result.settings.quick:
+        latest_plot = output_dir / "latest.png"
+        if plot_path.exists():
+            shutil.copyfile(plot_path, latest_plot)
+        latest = render_markdown(result, latest_plot.name if latest_plot.exists() else None)
+        (output_dir / "latest.md").write_text(latest + "\n")
+    return report_path
+
+
+def format_targets(targets: list[TargetResult]) -> str:
+    return "\n".join(
+        f"{'ok ' if t.met else 'MISS'} {t.ratio:7.1f}x (goal >= {t.goal:g}x)  {t.name}: "
+        f"{t.baseline_ms:.3f} ms -> {t.fused_ms:.3f} ms"
+        for t in targets
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# command line
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(part.replace("_", "")) for part in text.split(",") if part)
+
+
+def _thread_list(text: str) -> tuple[int, ...]:
+    return tuple(0 if part == "all" else int(part) for part in text.split(",") if part)
+
+
+def _name_list(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(part for part in text.split(",") if part)
+        unknown = [name for name in names if name not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {list(allowed)}")
+        return names
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m robez_core.bench",
+        description="The paper's CPU benchmark: nn.Embedding, reference and fused ROBE-Z side by side.",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the target rows only, 1 thread (under a minute)"
+    )
+    parser.add_argument(
+        "--threads", type=_thread_list, help="comma list of thread counts, 'all' = every core"
+    )
+    parser.add_argument(
+        "--memory-sizes", type=_int_list, help="ROBE-Z array sizes (default: the paper's three)"
+    )
+    parser.add_argument("--optimizers", type=_name_list(OPTIMIZERS), help="comma list of sgd,adagrad,adam")
+    parser.add_argument("--models", type=_name_list(MODELS), help="comma list of full,reference,fused")
+    parser.add_argument("--sparse", choices=["both", "true", "false"], help="gradient kinds to run")
+    parser.add_argument("--iterations", type=int, help="training steps per row (the first is dropped)")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--num-embeddings", type=int)
+    parser.add_argument("--embedding-dim", type=int)
+    parser.add_argument("--chunk-size", type=int)
+    parser.add_argument(
+        "--skip-slow", action="store_true", help="leave out reference dense rows with m >= 50M"
+    )
+    parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
+    parser.add_argument("--no-report", action="store_true", help="print only; write no files")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    overrides: dict[str, object] = {}
+    for name in ("threads", "memory_sizes", "optimizers", "models", "iterations", "batch_size"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    for name in ("num_embeddings", "embedding_dim", "chunk_size"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.sparse is not None:
+        overrides["sparse_modes"] = {"both": (True, False), "true": (True,), "false": (False,)}[args.sparse]
+    if args.skip_slow:
+        overrides["skip_slow"] = True
+    if args.quick:
+        return BenchSettings.quick_mode(**overrides)
+    return replace(BenchSettings(), **overrides)  # type: ignore[arg-type]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = settings_from_args(args)
+    command = "python -m robez_core.bench" + (" " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = run_benchmark(settings, command.strip())
+    print(render_markdown(result))
+    if result.targets:
+        print("\nTargets (1 thread):\n" + format_targets(result.targets))
+    if not args.no_report:
+        path = write_report(result, args.output_dir)
+        print(f"\nreport: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
