@@ -1,0 +1,96 @@
+"""The benchmark's code paths on toy sizes, so ``make bench`` cannot rot between full runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from robez_core import bench
+
+TOY_ARGS = [
+    "--num-embeddings",
+    "1000",
+    "--embedding-dim",
+    "16",
+    "--chunk-size",
+    "4",
+    "--batch-size",
+    "256",
+    "--memory-sizes",
+    "512",
+]
+
+
+def test_full_configuration_has_the_seed_rows():
+    configs = bench._configs(bench.BenchSettings())
+    assert len([c for c in configs if c.model == "full"]) == 6  # sparse x optimizer, one memory size
+    assert len([c for c in configs if c.model == "reference"]) == 18  # x 3 memory sizes
+    assert len([c for c in configs if c.model == "fused"]) == 18
+    assert {c.memory_size for c in configs if c.model == "fused"} == set(bench.PAPER_MEMORY_SIZES)
+
+
+def test_quick_mode_keeps_the_target_rows():
+    settings = bench.settings_from_args(bench.build_parser().parse_args(["--quick"]))
+    labels = {c.label for c in bench._configs(settings)}
+    assert labels == {
+        "full sparse adam",
+        "reference dense adam m=262144",
+        "fused dense adam m=262144",
+        "fused sparse adam m=262144",
+    }
+    assert settings.threads == (1,)
+
+
+@pytest.mark.slow
+def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
+    previous_threads = torch.get_num_threads()
+    assert bench.main(["--quick", *TOY_ARGS, "--output-dir", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == previous_threads
+    reports = list(tmp_path.glob("*-quick.md"))
+    assert len(reports) == 1
+    text = reports[0].read_text()
+    assert "## Targets (1 thread)" in text
+    assert "| ROBE-Z fused | False | 256 | 512 (0.0 MB) | adam |" in text
+    assert "| full nn.Embedding | True | 256 | 16000 (0.1 MB) | adam |" in text
+    assert "python -m robez_core.bench --quick" in text
+    assert list(tmp_path.glob("*-quick.png"))
+    assert not (tmp_path / "latest.md").exists()  # quick runs never replace the committed full report
+
+
+@pytest.mark.slow
+def test_run_benchmark_measures_every_phase_and_marks_skipped_rows(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(bench, "SLOW_MEMORY_SIZE", 1024)
+    settings = bench.BenchSettings(
+        num_embeddings=500,
+        embedding_dim=10,
+        chunk_size=4,
+        batch_size=64,
+        memory_sizes=(256, 2048),
+        optimizers=("sgd", "adam"),
+        threads=(1,),
+        iterations=3,
+        target_repeats=3,
+        skip_slow=True,
+    )
+    messages: list[str] = []
+    result = bench.run_benchmark(settings, "test", log=messages.append)
+    assert len(messages) == len(result.runs) + 1  # one line per row, then the targets
+    skipped = [run for run in result.runs if run.skipped]
+    assert {run.config.label for run in skipped} == {
+        "reference dense sgd m=2048",
+        "reference dense adam m=2048",
+    }
+    for run in result.runs:
+        if run.skipped:
+            continue
+        assert run.total_ms == pytest.approx(run.forward_ms + run.gradcomp_ms + run.backward_ms)
+        assert all(v > 0 for v in (run.forward_ms, run.gradcomp_ms, run.backward_ms))
+        assert math.isnan(run.hashing_ms) == (run.config.model == "full")
+    assert len(result.targets) == 5
+    assert all(t.baseline_ms > 0 and t.fused_ms > 0 for t in result.targets)
+    markdown = bench.render_markdown(result)
+    assert "skipped (--skip-slow)" in markdown
+    assert "left out" in markdown
