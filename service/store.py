@@ -719,11 +719,21 @@ class TableStore:
         return UpdateResult(version, hashed - start, applied - apply_start)
 
     def warm_up(self) -> None:
-        """Load the compiled lookup kernels now (numba's on-disk cache), so a worker's first request is
-        not the one that pays for it. Reads only; nothing changes."""
+        """Load the compiled kernels now (numba's on-disk cache), so a worker's first lookup or update is
+        not the one that pays for it. Lookups read the real tables; updates run on a tiny private table
+        of the same kind (same hash, chunk size and optimizer), so nothing shared changes."""
         probe = torch.zeros(1, dtype=torch.int64)
+        kinds = set()
         for entry in list(self._entries.values()):
-            entry.table.gather(entry.table.hash(probe))
+            table = entry.table
+            table.gather(table.hash(probe))
+            config = table.config
+            kinds.add((config.embedding_dim, config.chunk_size, config.hash, table.optimizer))
+        for embedding_dim, chunk_size, hash_name, optimizer in kinds:
+            tiny = TableConfig(
+                1, embedding_dim, memory_size=2 * chunk_size, chunk_size=chunk_size, hash=hash_name
+            )
+            Table(tiny, optimizer).apply_gradients(probe, torch.zeros(1, embedding_dim))
 
     # -- durability hooks for the snapshot / load endpoints -----------------------------------------
 
