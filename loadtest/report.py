@@ -273,8 +273,8 @@ def _time_split(result: SweepResult) -> list[tuple[str, dict[str, float]]]:
             continue
         hash_ms = _finite(run.hash_ms.mean)
         lookup_ms = _finite(run.lookup_ms.mean)
-        if run.server_cpu_cores is not None:
-            spent_ms = run.server_cpu_cores * run.window_s / run.ok * 1e3
+        if run.server_cpu_s is not None:
+            spent_ms = _cpu_ms_per_request(run)
             rest = "rest of server CPU (HTTP, framework, codec)"
         else:
             spent_ms = _finite(run.server_total_ms.mean)
@@ -336,6 +336,7 @@ def _run_row(run: RunResult) -> dict[str, object]:
         "lookup_p99_ms": f"{run.lookup_ms.p99:.4f}",
         "server_total_p50_ms": f"{run.server_total_ms.p50:.4f}",
         "server_cpu_cores": "" if run.server_cpu_cores is None else f"{run.server_cpu_cores:.3f}",
+        "server_cpu_s": "" if run.server_cpu_s is None else f"{run.server_cpu_s:.3f}",
         "other_cpu_cores": "" if run.other_cpu_cores is None else f"{run.other_cpu_cores:.3f}",
         "client_cpu_max": f"{max(run.client_cpu, default=math.nan):.3f}",
         "client_saturated": run.client_saturated,
@@ -595,9 +596,11 @@ def _scaling_section(result: SweepResult) -> list[str]:
         cells += [_fmt(per_core[k][1]) if k in per_core else "–" for k in core_counts[1:]]
         for k in core_counts:
             run = find_run(result.runs, scenario, batch, k)
-            value = per_core.get(k, (math.nan, math.nan))[0]
-            cpu = run.server_cpu_cores if run is not None and run.server_cpu_cores else math.nan
-            cells.append(_fmt(value / cpu, 0) if math.isfinite(cpu) and cpu > 0 else "–")
+            if run is None or not run.server_cpu_s:
+                cells.append("–")
+                continue
+            done = run.ok if unit == "req/s" else run.ids
+            cells.append(_fmt(done / run.server_cpu_s, 0))
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     return lines
@@ -637,9 +640,10 @@ def _saturation_section(result: SweepResult) -> list[str]:
 
 
 def _cpu_ms_per_request(run: RunResult) -> float:
-    if run.server_cpu_cores is None or run.ok == 0:
+    """Server CPU milliseconds per successful request (NaN without the server's CPU figures)."""
+    if run.server_cpu_s is None or run.ok == 0:
         return math.nan
-    return run.server_cpu_cores * run.window_s / run.ok * 1e3
+    return run.server_cpu_s / run.ok * 1e3
 
 
 def _explain_targets(result: SweepResult, checks: list[TargetCheck]) -> list[str]:

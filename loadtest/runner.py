@@ -139,6 +139,7 @@ class RunResult:
     failures: list[str]
     server_cores: int | None = None
     server_cpu_cores: float | None = None
+    server_cpu_s: float | None = None  # the server tree's CPU seconds over the run
     # busy CPU of everything else on the machine during the run (other users of a shared machine)
     other_cpu_cores: float | None = None
     notes: list[str] = field(default_factory=list)

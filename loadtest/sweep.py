@@ -15,9 +15,12 @@ import platform
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import httpx
+
+from robez_core.config import TableConfig
 
 from .baseline import KernelResult, measure_kernel
 from .profile import Profiler, ProfileSummary
@@ -166,10 +169,13 @@ class Sweep:
         config = self.config
         kernel_cores = None if config.url else (0,)
         kernel_batches = tuple(sorted(set(config.batch_sizes) | {1}))
+        table_config = TABLE_CONFIG
+        if config.url:
+            table_config = self._external_table_config()
         self.progress(f"kernel baseline: batch sizes {list(kernel_batches)}, 1 thread, cores {kernel_cores}")
         self.result.kernel = measure_kernel(
             kernel_batches,
-            TABLE_CONFIG,
+            table_config,
             cores=kernel_cores,
             threads=1,
             seconds_per_size=config.kernel_seconds,
@@ -205,6 +211,30 @@ class Sweep:
                     )
         self.result.finished = time.time()
         return self.result
+
+    def _external_table_config(self) -> dict[str, Any]:
+        """The --url server's table config (GET /v1/tables/{name}), so the kernel baseline matches it."""
+        from .transport import loopback_target
+
+        table = self.config.table or "demo"
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        url = f"{loopback_target(self.config.url or '').base_url}/v1/tables/{table}"
+        try:
+            reply = httpx.get(url, headers=headers, timeout=30)
+            described = reply.json().get("config") if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            described = None
+        if not isinstance(described, dict):
+            self.result.notes.append(
+                f"could not read table {table!r}'s config from the server: the kernel baseline used d=64,"
+                " Z=32, m=262144"
+            )
+            return TABLE_CONFIG
+        known = {f.name for f in fields(TableConfig)}
+        config = {key: value for key, value in described.items() if key in known and value is not None}
+        if isinstance(config.get("random_numbers"), list):
+            config["random_numbers"] = tuple(config["random_numbers"])
+        return config
 
     def _client_layout(
         self, server_cores: tuple[int, ...] | None
@@ -341,17 +371,21 @@ class Sweep:
         before: dict[str, float] = {}
 
         def on_start() -> None:
+            before["time"] = time.monotonic()
             before["machine"] = machine_busy_seconds()
             if server_pid is not None:
                 before["server"] = tree_cpu_seconds(server_pid)
 
         result = fleet.run(spec, context, on_start=on_start)
-        machine_cores = (
-            (machine_busy_seconds() - before["machine"]) / result.window_s if result.window_s else 0.0
+        # CPU over the interval this process watched (release of the clients -> their results are in)
+        watched_s = time.monotonic() - before["time"]
+        machine_cores = (machine_busy_seconds() - before["machine"]) / watched_s
+        client_cores = (
+            sum(cpu * result.window_s for cpu in result.client_cpu if math.isfinite(cpu)) / watched_s
         )
-        client_cores = sum(cpu for cpu in result.client_cpu if math.isfinite(cpu))
-        if server_pid is not None and "server" in before and result.window_s > 0:
-            result.server_cpu_cores = (tree_cpu_seconds(server_pid) - before["server"]) / result.window_s
+        if server_pid is not None and "server" in before:
+            result.server_cpu_s = tree_cpu_seconds(server_pid) - before["server"]
+            result.server_cpu_cores = result.server_cpu_s / watched_s
             result.other_cpu_cores = max(0.0, machine_cores - result.server_cpu_cores - client_cores)
         result.server_cores = len(server_cores) if server_cores else None
         if shared:

@@ -51,6 +51,7 @@ def _run(
         failures=[],
         server_cores=cores,
         server_cpu_cores=0.9,
+        server_cpu_s=0.9 * window,
         other_cpu_cores=0.1,
     )
 
