@@ -125,6 +125,12 @@ def test_two_workers_share_tables_and_see_each_others_updates(
             break
     assert len(seen) == 2, f"only worker(s) {sorted(seen)} answered {MAX_FRESH_CONNECTIONS} fresh connections"
 
+    # /metrics through any worker counts every worker's lookups: 1 before, 1 after the update, the rest.
+    lookups = 2 + sum(seen.values())
+    for _ in range(2):
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        assert f'robez_lookup_seconds_count{{table="demo"}} {float(lookups)}' in text
+
     # One copy of the table: one weight file of m float32 values, mapped MAP_SHARED by both workers.
     (directory,) = shm_dir.glob("robez-*")
     (weight_file,) = (directory / "arrays").glob("*.weight")

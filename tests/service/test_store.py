@@ -209,3 +209,34 @@ def test_stale_directories_of_dead_servers_are_removed(tmp_path: Path) -> None:
         (path / "owner.pid").write_text(str(pid))
     assert remove_stale_directories(tmp_path) == [stale]
     assert alive.exists() and not stale.exists()
+
+
+def test_concurrent_updates_through_two_workers_are_serialised(
+    settings: Settings, directory: SharedDirectory
+) -> None:
+    import threading
+
+    workers = [TableStore(directory, settings, NullJournal()) for _ in range(2)]
+    workers[0].create("t", TableSpec(CONFIG, OptimizerConfig("sgd", lr=1.0)))
+    start = workers[0].table("t").weight.clone()
+    ids = torch.arange(64) % 5  # few ids: every update touches the same locations
+    grads = torch.full((64, 8), 0.25)  # exact in float32, so the order of updates cannot matter
+    updates_per_thread, threads = 10, []
+    for store in workers:
+        for _ in range(2):
+            thread = threading.Thread(
+                target=lambda s=store: [s.update("t", ids, grads) for _ in range(updates_per_thread)]
+            )
+            threads.append(thread)
+            thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+    total = updates_per_thread * len(threads)
+    assert workers[1].version("t") == total
+    reference = Table(CONFIG, OptimizerConfig("sgd", lr=1.0), weight=start)
+    for _ in range(total):
+        reference.apply_gradients(ids, grads)
+    assert torch.equal(workers[0].table("t").weight, reference.weight)
+    for store in workers:
+        store.close()

@@ -1,0 +1,72 @@
+"""The binary wire format: round trips, and any malformed input is an InvalidInputError (never a crash)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from robez_core.errors import InvalidInputError
+from service.codec import (
+    decode_ids,
+    decode_update_binary,
+    decode_update_json,
+    parse_shape,
+    parse_tables_header,
+    rows_bytes,
+    split_ids,
+)
+
+int64s = st.integers(-(2**63), 2**63 - 1)
+
+
+@given(st.lists(int64s, max_size=50))
+def test_ids_round_trip(ids: list[int]) -> None:
+    body = np.array(ids, dtype="<i8").tobytes()
+    assert decode_ids(body).tolist() == ids
+
+
+@given(
+    st.lists(int64s, max_size=10),
+    st.integers(1, 6),
+    st.floats(width=32, allow_nan=False, allow_infinity=False),
+)
+def test_update_round_trip(ids: list[int], dim: int, value: float) -> None:
+    grads = np.full((len(ids), dim), value, dtype="<f4")
+    body = np.array(ids, dtype="<i8").tobytes() + grads.tobytes()
+    decoded_ids, decoded_grads = decode_update_binary(body, f"{len(ids)},{dim}")
+    assert decoded_ids.tolist() == ids
+    assert decoded_grads.dtype == torch.float32 and torch.equal(decoded_grads, torch.from_numpy(grads))
+
+
+@settings(max_examples=200)
+@given(st.binary(max_size=200), st.text(max_size=12))
+def test_garbage_is_invalid_input(body: bytes, header: str) -> None:
+    for call in (
+        lambda: decode_update_binary(body, header),
+        lambda: decode_ids(body),
+        lambda: split_ids(body, [len(body) // 16]),
+        lambda: parse_tables_header(header),
+        lambda: decode_update_json(body, 4),
+    ):
+        with contextlib.suppress(InvalidInputError):
+            call()
+
+
+def test_rows_bytes_is_little_endian_row_major() -> None:
+    rows = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert np.frombuffer(rows_bytes(rows), dtype="<f4").tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_headers() -> None:
+    assert parse_shape("3,64") == (3, 64)
+    assert parse_tables_header("a=1, b-2=0") == [("a", 1), ("b-2", 0)]
+    for bad in ("a", "a=", "a=-1", "../x=1", "a=1;b=2"):
+        with pytest.raises(InvalidInputError):
+            parse_tables_header(bad)
+    with pytest.raises(InvalidInputError):
+        split_ids(np.arange(3, dtype="<i8").tobytes(), [1, 1])
