@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--out", type=Path, default=Path("docs/loadtest"), help="report directory")
     output.add_argument("--no-latest", action="store_true", help="do not update latest.md")
     output.add_argument(
+        "--note", action="append", default=[], help="a line for the report's machine section (repeatable)"
+    )
+    output.add_argument(
         "--no-profile",
         action="store_true",
         help="skip the py-spy profile of the server (never run by --quick)",
@@ -186,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         seed=args.seed,
         quick=args.quick,
         profile=not (args.quick or args.no_profile),
+        notes=tuple(args.note),
     )
     if args.quick:
         config = replace(config, open_loop_fractions=QUICK_OPEN_LOOP, kernel_seconds=QUICK_KERNEL_SECONDS)

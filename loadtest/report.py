@@ -479,6 +479,11 @@ def write_plots(result: SweepResult, stem: Path) -> tuple[Path, ...]:
     return tuple(written)
 
 
+def _table_text(table_config: dict[str, object]) -> str:
+    keys = (("embedding_dim", "d"), ("chunk_size", "Z"), ("memory_size", "m"), ("hash", "hash"))
+    return ", ".join(f"{short}={table_config[key]}" for key, short in keys if key in table_config)
+
+
 def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path) -> str:
     """The report text."""
     config = result.config
@@ -496,15 +501,14 @@ def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path
         "|---|---|",
         *(f"| {key} | {value} |" for key, value in result.machine.items()),
         "",
-        "No accelerator / 16-core device machine was lent to this task, so only this machine's figures"
-        " exist.",
-        "The machine is shared with other work: figures are noisy and the ratios (taken in one run) are what"
-        " to compare, not absolute rates.",
+        *(f"{note}" for note in config.notes),
+        "Ratios taken within one run (the targets) are steadier than absolute rates, which depend on"
+        " what else the machine was doing (see the 'other load' column).",
         "",
         "## Setup",
         "",
         f"- server: {server_text}"
-        f"; table d=64, Z=32, m=262144 (the issue's reference); clients: `{config.transport}` transport,"
+        f"; table {_table_text(result.table_config)}; clients: `{config.transport}` transport,"
         " one process per spare core (on all cores when none is spare).",
         f"- ids: {config.distribution}"
         + (f" (exponent {config.zipf_exponent})" if config.distribution == "zipf" else "")

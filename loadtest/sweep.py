@@ -68,6 +68,7 @@ class SweepConfig:
     seed: int = 0
     quick: bool = False
     profile: bool = False
+    notes: tuple[str, ...] = ()  # free text for the report's machine section (--note)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class SweepResult:
     kernel: list[KernelResult] = field(default_factory=list)
     profiles: list[ProfileSummary] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    table_config: dict[str, Any] = field(default_factory=lambda: dict(TABLE_CONFIG))
 
     @property
     def failed_runs(self) -> list[RunResult]:
@@ -169,9 +171,8 @@ class Sweep:
         config = self.config
         kernel_cores = None if config.url else (0,)
         kernel_batches = tuple(sorted(set(config.batch_sizes) | {1}))
-        table_config = TABLE_CONFIG
-        if config.url:
-            table_config = self._external_table_config()
+        table_config = self._external_table_config() if config.url else TABLE_CONFIG
+        self.result.table_config = table_config
         self.progress(f"kernel baseline: batch sizes {list(kernel_batches)}, 1 thread, cores {kernel_cores}")
         self.result.kernel = measure_kernel(
             kernel_batches,

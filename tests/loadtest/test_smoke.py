@@ -35,7 +35,7 @@ def test_quick_run_against_a_real_server(tmp_path: Path) -> None:
         "--clients",
         "1",
     ]
-    argv += ["--out", str(tmp_path)]
+    argv += ["--out", str(tmp_path), "--note", "smoke-test machine note"]
     assert main(argv) == 0
 
     reports = sorted(tmp_path.glob("*-quick.md"))
@@ -43,6 +43,7 @@ def test_quick_run_against_a_real_server(tmp_path: Path) -> None:
     text = reports[0].read_text()
     assert "## Targets" in text and "single-id JSON lookups" in text
     assert "No unexpected errors" in text
+    assert "smoke-test machine note" in text and "d=64, Z=32, m=262144" in text
 
     with reports[0].with_suffix(".csv").open() as file:
         rows = list(csv.DictReader(file))
