@@ -7,8 +7,6 @@ prepare them here and remove them on shutdown.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,8 +23,9 @@ from .errors import install_error_handlers
 from .journal import Journal, NullJournal
 from .limits import BodySizeLimitMiddleware, InFlightLimitMiddleware
 from .metrics import Metrics, RequestMetricsMiddleware
-from .routes import health, lookup, tables, update
+from .routes import durability, health, lookup, tables, update
 from .store import SharedDirectory, TableStore
+from .wal import WalJournal
 
 logger = logging.getLogger("robez.app")
 
@@ -41,18 +40,10 @@ _HAND_READ_MODELS: tuple[type[Any], ...] = (
 
 
 def open_journal(settings: Settings) -> Journal:
-    """``WalJournal`` when a data directory is set (imported only then), else the in-memory NullJournal."""
+    """``WalJournal`` when a data directory is set, else the in-memory ``NullJournal``."""
     if settings.data_dir is None:
         return NullJournal()
-    from .wal import WalJournal  # issue 4; only a server with a data directory needs it
-
-    journal: Journal = WalJournal(
-        settings.data_dir,
-        fsync=settings.wal_fsync,
-        fsync_interval_ms=settings.wal_fsync_interval_ms,
-        snapshot_every_updates=settings.snapshot_every_updates,
-        snapshot_every_seconds=settings.snapshot_every_seconds,
-    )
+    journal: Journal = WalJournal.from_settings(settings)
     return journal
 
 
@@ -118,10 +109,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics(metrics_dir)
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (health, tables, lookup, update):
+    for module in (health, tables, lookup, update, durability):
         app.include_router(module.router)
-    if importlib.util.find_spec("service.routes.durability") is not None:  # issue 4's endpoints
-        app.include_router(importlib.import_module("service.routes.durability").router)
     # Added innermost first: metrics see every answer, including the 503s and 413s below them.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(
