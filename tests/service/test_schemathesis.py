@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,8 +42,6 @@ def _send(client: TestClient, case: schemathesis.Case) -> Any:
     kwargs = case.as_transport_kwargs(base_url="http://testserver")
     content = kwargs.get("data")
     if content is None and "json" in kwargs:
-        import json
-
         content = json.dumps(kwargs["json"], allow_nan=True)
     return client.request(
         kwargs["method"],
