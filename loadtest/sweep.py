@@ -302,11 +302,18 @@ class Sweep:
                         reference = run
             if not first:
                 return
+            labels = {
+                "pooled": f"pooled lookup, sum over bags of {config.bag_size}",
+                "multi": f"multi-table lookup over {len(multi_tables)} table(s)",
+                "update": "gradient push (binary)",
+                "mix": "mix: 95% lookups / 5% updates",
+            }
             for scenario in FEATURE_SCENARIOS:
                 if scenario in wanted:
-                    measure(
-                        replace(base, label=f"{scenario}", scenario=scenario, batch_size=config.feature_batch)
+                    spec = replace(
+                        base, label=labels[scenario], scenario=scenario, batch_size=config.feature_batch
                     )
+                    measure(spec)
             if reference is not None and reference.requests_per_s > 0:
                 capacity = reference.requests_per_s
                 for fraction in config.open_loop_fractions:
