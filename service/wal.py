@@ -966,7 +966,8 @@ def read_checkpoint(
         try:
             table = Table.load(handle.name)
         except CorruptionError as error:
-            raise InvalidInputError(f"not a valid robez checkpoint: {error}") from error
+            reason = str(error).replace(handle.name, "(the upload)")  # no server paths in the answer
+            raise InvalidInputError(f"not a valid robez checkpoint: {reason}") from error
     return table, kind
 
 
