@@ -412,6 +412,10 @@ class WalJournal:
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._dir_lock = _lock_data_dir(self.data_dir, exclusive)
+        if exclusive:  # no server can be creating or dropping a table now: their leftovers can go
+            for leftover in self.data_dir.iterdir():
+                if leftover.is_dir() and leftover.name.startswith((".creating-", ".dropped-")):
+                    shutil.rmtree(leftover, ignore_errors=True)
         self.fsync = fsync
         self.fsync_interval_ms = float(fsync_interval_ms)
         self.snapshot_every_updates = snapshot_every_updates

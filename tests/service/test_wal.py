@@ -487,7 +487,9 @@ def test_offline_tools_and_servers_exclude_each_other(tmp_path: Path) -> None:
         WalJournal(tmp_path, exclusive=True)
     WalJournal(tmp_path).close()  # a second worker shares the directory
     server.close()
+    (tmp_path / ".creating-t-1234").mkdir()  # what a crash in the middle of create leaves
     tool = WalJournal(tmp_path, exclusive=True)
+    assert not (tmp_path / ".creating-t-1234").exists()
     with pytest.raises(ConflictError, match="in use"):
         WalJournal(tmp_path)
     tool.close()
