@@ -65,6 +65,14 @@ class _Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        # The free port may be taken by another program before the server binds it: try a few.
+        for _ in range(3):
+            if self._start_once():
+                return
+        raise AssertionError(f"server could not bind a port:\n{self.log()}")
+
+    def _start_once(self) -> bool:
+        """Start and wait until ready: True; False if it lost its port; raises on any other failure."""
         self.port = _free_port()
         env = {
             **os.environ,
@@ -75,16 +83,20 @@ class _Server:
         }
         command = [*ROBEZ, "serve", "--data-dir", str(self.data_dir), "--port", str(self.port)]
         command += ["--workers", str(self.workers)]
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             # Its own process group, so one killpg takes the supervisor and every worker at once.
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + STARTUP_SECONDS
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.kill()
+                if "address already in use" in self.log_path.read_text(errors="replace")[log_start:].lower():
+                    return False
                 raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log()}")
             try:
                 if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
-                    return
+                    return True
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
