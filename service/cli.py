@@ -1,4 +1,5 @@
-"""The ``robez`` command: ``robez serve`` runs the HTTP service.
+"""The ``robez`` command: ``robez serve`` runs the HTTP service; ``robez import`` and ``robez snapshot``
+are offline tools for a data directory (no server may hold it; see docs/durability.md).
 
 ``robez serve`` prepares the shared tables once (loading the data directory and the tables file), then
 starts uvicorn with N worker processes that all attach to them, and removes the shared memory when
