@@ -198,6 +198,7 @@ def serve(settings: Settings) -> int:
             port=settings.port,
             workers=settings.workers,
             log_level=settings.log_level,
+            access_log=settings.access_log,
             timeout_worker_healthcheck=settings.worker_healthcheck_timeout_s,
         )
     finally:

@@ -61,6 +61,8 @@ class Settings(BaseSettings):
     snapshot_on_shutdown: bool = Field(default=True, description="snapshot updated tables on graceful stop")
     default_table: bool = Field(default=True, description="serve `demo` when no table is configured")
     log_level: str = "info"
+    # One log line per request costs a measurable share of a small lookup; off unless asked for.
+    access_log: bool = False
     # uvicorn kills a worker that does not answer its supervisor's ping within this; generous, since a
     # worker importing torch on a busy machine can take several seconds to answer its first ping.
     worker_healthcheck_timeout_s: int = Field(default=60, ge=1)
