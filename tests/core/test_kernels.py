@@ -140,7 +140,12 @@ def test_chunk_offsets_bit_exact(ids, val_offset, chunk_size, extra_memory, num_
 @PROPERTY
 @given(
     ids=st.lists(int64s, min_size=1, max_size=20),
-    prime=st.one_of(st.integers(1, 1000), st.integers(1, INT64_MAX), st.just(PAPER_PRIME)),
+    prime=st.one_of(
+        st.integers(1, 1000),
+        st.integers(1 << 16, (1 << 52) - 1),  # the float-reduction path
+        st.integers(1, INT64_MAX),
+        st.sampled_from([PAPER_PRIME, (1 << 16) - 1, 1 << 16, (1 << 52) - 1, 1 << 52]),
+    ),
     draws=st.lists(int64s, min_size=10, max_size=10),
     extra_memory=st.one_of(st.integers(0, 1000), st.integers(0, 1 << 62)),
 )
@@ -151,6 +156,23 @@ def test_paper_hash_with_imported_constants(ids, prime, draws, extra_memory):
     ids_t = torch.tensor(ids, dtype=torch.int64)
     expected = reference_chunk_offsets(ids_t, 4, 8, memory_size, random_numbers, 17, "paper")
     assert torch.equal(kernels.chunk_offsets(ids_t, 4, 8, memory_size, random_numbers, 17, "paper"), expected)
+
+
+@pytest.mark.parametrize("prime", [1 << 16, PAPER_PRIME, (1 << 52) - 1, 999_999_999_989])
+@pytest.mark.parametrize("memory_size", [1, 33, 262_144, 1 << 40])
+def test_float_reduction_at_the_edges_of_its_range(prime, memory_size):
+    """The branch-free float mod is exact for 2**16 <= P < 2**52: the smallest and largest P (largest
+    quotient error), huge and tiny ranges, on many ids spread over all of int64."""
+    generator = torch.Generator().manual_seed(prime % 1000)
+    ids = torch.cat(
+        [torch.randint(INT64_MIN, INT64_MAX, (50_000,), generator=generator), torch.tensor(EDGE_IDS)]
+    )
+    draws = torch.randint(0, prime, (10,), generator=generator)
+    random_numbers = torch.cat([torch.tensor([prime]), draws])
+    for val_offset in (0, INT64_MAX, INT64_MIN + 3):
+        expected = reference_chunk_offsets(ids, 5, 1, memory_size, random_numbers, val_offset, "paper")
+        got = kernels.chunk_offsets(ids, 5, 1, memory_size, random_numbers, val_offset, "paper")
+        assert torch.equal(got, expected)
 
 
 @PROPERTY
