@@ -562,6 +562,7 @@ class TableStore:
                     f"that is over the limit max_total_memory_bytes={self.limits.max_total_memory_bytes}"
                 )
             array_id = secrets.token_hex(8)
+            journaled = False
             try:
                 tensors: dict[str, Tensor] = {}
                 for key, (shape, dtype) in layout.items():
@@ -588,13 +589,25 @@ class TableStore:
                         state={k.removeprefix("state."): t for k, t in tensors.items() if k != "weight"},
                     )
                     self.journal.create(name, shared, version)
+                    journaled = True
                 self._register(registry, name, spec.config, spec.optimizer, array_id, version=version)
             except BaseException:
                 registry.arrays.pop(array_id, None)
                 for key in layout:
                     (self.directory.arrays_dir / f"{array_id}.{key}").unlink(missing_ok=True)
+                if journaled:
+                    # Otherwise the table, never served, would come back from the data directory at the
+                    # next start: a failed create must change nothing.
+                    self._drop_quietly(name)
                 raise
         return self.info(name)
+
+    def _drop_quietly(self, name: str) -> None:
+        """Roll back a ``journal.create``; a failure here is logged, the caller's error is what counts."""
+        try:
+            self.journal.drop(name)
+        except Exception:
+            logger.exception("could not remove table %r from the journal after a failed create", name)
 
     def _register(
         self,

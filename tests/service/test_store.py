@@ -17,6 +17,7 @@ from robez_core.table import Table
 from service.config import Settings, TableSpec
 from service.journal import NullJournal, UpdateRecord
 from service.store import SharedDirectory, TableStore, remove_stale_directories
+from service.wal import WalJournal
 
 from .conftest import make_settings
 
@@ -240,3 +241,25 @@ def test_concurrent_updates_through_two_workers_are_serialised(
     assert torch.equal(workers[0].table("t").weight, reference.weight)
     for store in workers:
         store.close()
+
+
+def test_a_create_failing_after_the_journal_leaves_nothing_on_disk(
+    settings: Settings, directory: SharedDirectory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = WalJournal(tmp_path / "data")
+    store = TableStore(directory, settings, journal)
+
+    def full_tmpfs(registry: object) -> None:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(store.directory, "write_registry", full_tmpfs)
+    with pytest.raises(OSError, match="no space"):
+        store.create("t", TableSpec(CONFIG, OptimizerConfig()))
+    monkeypatch.undo()
+    assert journal.names() == [] and store.names() == []
+    assert not list(store.directory.arrays_dir.iterdir())
+    # The name is free again, in memory and on disk.
+    store.create("t", TableSpec(CONFIG, OptimizerConfig()))
+    assert journal.names() == ["t"]
+    store.close()
+    journal.close()
