@@ -766,16 +766,18 @@ class TableStore:
             return version
 
     def restore(self, name: str, source: Table, version: int) -> None:
-        """Overwrite the table's array and optimizer state with ``source`` (same config and optimizer) and
-        set its version, then snapshot it. Lookups concurrent with this see the same mixes as with updates."""
+        """Replace the table's array and optimizer state with ``source`` (same config and optimizer) at
+        ``version``. ``source`` is made durable first (a snapshot, which starts an empty log): if that fails
+        the table is left as it was, in memory and on disk. Lookups concurrent with this see the same
+        mixes as with updates."""
         with self.exclusive(name) as (table, _):
             if (source.config, source.optimizer) != (table.config, table.optimizer):
                 raise ConflictError(f"the checkpoint's config or optimizer differs from table {name!r}'s")
+            self.journal.snapshot(name, source, version)
             targets = table.tensors()
             for key, tensor in source.tensors().items():
                 targets[key].copy_(tensor.reshape(targets[key].shape))
             self._entries[name].counters[_VERSION] = version
-            self.journal.snapshot(name, table, version)
 
     def close(self) -> None:
         """Release this worker's locks and mappings (the shared directory stays; its owner removes it)."""

@@ -633,15 +633,22 @@ class WalJournal:
         """Write snapshot-<generation>, a fresh ``updates.wal.new``, then commit meta.json, in that order."""
         snapshot_name = f"snapshot-{generation}.safetensors"
         snapshot_file = directory / snapshot_name
-        table.save(snapshot_file)  # atomic and fsynced, folder included
-        crc, size = _file_crc(snapshot_file)
         embedding_dim = table.config.embedding_dim
         new_log = directory / f"{LOG_FILE}.new"
-        with open(new_log, "wb") as handle:
-            handle.write(encode_log_header(embedding_dim, generation, version))
-            handle.flush()
-            os.fsync(handle.fileno())
-        _fsync_dir(directory)
+        try:
+            table.save(snapshot_file)  # atomic and fsynced, folder included
+            crc, size = _file_crc(snapshot_file)
+            with open(new_log, "wb") as handle:
+                handle.write(encode_log_header(embedding_dim, generation, version))
+                handle.flush()
+                os.fsync(handle.fileno())
+            _fsync_dir(directory)
+        except BaseException:
+            # Nothing is committed yet: leave the folder as it was (a full disk is the likely cause, and
+            # the next start would remove these anyway).
+            snapshot_file.unlink(missing_ok=True)
+            new_log.unlink(missing_ok=True)
+            raise
         meta = _Meta(generation, version, snapshot_name, crc, size, embedding_dim, time.time())
         _write_file_durably(directory / META_FILE, meta.to_json())
 

@@ -323,3 +323,40 @@ def test_cli_import_and_snapshot_offline(tmp_path: Path, capsys: pytest.CaptureF
 
     assert cli.main([*args, "--replace", "--chunk-size", "99"]) == 2  # contradicts the helpers
     assert "chunk_size" in capsys.readouterr().err
+
+
+def _table_files(settings: Settings, name: str = "t") -> dict[str, bytes]:
+    folder = settings.data_dir / name  # type: ignore[operator]
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def test_a_load_whose_snapshot_fails_leaves_the_table_as_it_was(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loaded table must be durable before it is served: with the disk full while its snapshot is
+    written, the old table stays served and its files stay as they were, so later updates are logged
+    against the right snapshot and a restart gives the rows the server served."""
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        _create(client)
+        _create(client, {**TABLE, "name": "src"})
+        _push(client, 11, "src")
+        saved, _ = _export(client, "src")
+        for seed in range(2):
+            _push(client, seed)  # t: version 2, logged against its version-0 snapshot
+        rows, files = _rows(client, PROBE), _table_files(settings)
+
+        def disk_full(self: Table, path: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(Table, "save", disk_full)
+        response = client.post("/v1/tables/t/load", content=saved)
+        monkeypatch.undo()
+        assert response.status_code == 500, response.text
+        assert client.get("/v1/tables/t").json()["version"] == 2
+        assert torch.equal(_rows(client, PROBE), rows)
+        assert _table_files(settings) == files
+        assert _push(client, 5) == 3
+        rows = _rows(client, PROBE)
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/v1/tables/t").json()["version"] == 3
+        assert torch.equal(_rows(client, PROBE), rows)

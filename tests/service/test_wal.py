@@ -505,3 +505,28 @@ def test_salvage_keeps_the_records_before_mid_log_damage(journal: WalJournal) ->
     loaded = journal.load("t", salvage=True)
     assert loaded is not None and loaded[1] == 1
     assert path.stat().st_size == records[1].offset
+
+
+def test_a_snapshot_failing_before_its_commit_leaves_the_folder_as_it_was(
+    journal: WalJournal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import service.wal
+
+    journal.create("t", _table(), 0)
+    server = _Server(journal, "t", _table())
+    server.update()
+    directory = tmp_path / "data" / "t"
+    before = {path.name: path.read_bytes() for path in directory.iterdir()}
+
+    def disk_full(path: Path, chunk_bytes: int = 0) -> tuple[int, int]:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(service.wal, "_file_crc", disk_full)  # after the new snapshot file is written
+    with pytest.raises(OSError):
+        journal.snapshot("t", server.table, server.version)
+    monkeypatch.undo()
+    assert {path.name: path.read_bytes() for path in directory.iterdir()} == before
+    server.update()  # the log is still the committed one
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 2
+    _assert_same(loaded[0], server.table)
