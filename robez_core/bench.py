@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import datetime as dt
 import gc
+import itertools
 import math
 import os
 import platform
@@ -79,6 +80,7 @@ class BenchSettings:
     seed: int = 0
     skip_slow: bool = False
     quick: bool = False
+    profile: bool = False  # also when a target is missed (full runs): where the fused step's time goes
     only: tuple[tuple[str, bool, str], ...] = ()  # (model, sparse, optimizer) subset; empty = all
 
     @classmethod
@@ -154,6 +156,7 @@ class BenchResult:
     targets: list[TargetResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    profile: str | None = None
     load_before: tuple[float, float, float] = (math.nan, math.nan, math.nan)
     load_after: tuple[float, float, float] = (math.nan, math.nan, math.nan)
 
@@ -362,11 +365,13 @@ def _time_single_lookups(
     )
 
 
+def _target_memory_size(settings: BenchSettings) -> int:
+    return TARGET_MEMORY_SIZE if TARGET_MEMORY_SIZE in settings.memory_sizes else settings.memory_sizes[0]
+
+
 def measure_targets(settings: BenchSettings, runs: list[RunResult]) -> list[TargetResult]:
     """The issue's ratios at 1 thread: one lookup, hashing alone, and the dense-Adam training step."""
-    memory_size = (
-        TARGET_MEMORY_SIZE if TARGET_MEMORY_SIZE in settings.memory_sizes else settings.memory_sizes[0]
-    )
+    memory_size = _target_memory_size(settings)
     generator = torch.Generator().manual_seed(settings.seed + 1)
     ids = torch.randint(0, settings.num_embeddings, (settings.batch_size,), generator=generator)
     targets: list[TargetResult] = []
@@ -413,6 +418,82 @@ def measure_targets(settings: BenchSettings, runs: list[RunResult]) -> list[Targ
     return targets
 
 
+def _phase_split(
+    embedding: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[Tensor, Tensor]]
+) -> dict[str, float]:
+    """Median ms of each phase of the pair-model step, the forward taken apart op by op."""
+    phases: dict[str, list[float]] = {}
+    for pairs, targets in batches:
+        optimizer.zero_grad(set_to_none=True)
+        marks = [("start", time.perf_counter())]
+        left = embedding(pairs[:, 0])
+        marks.append(("lookup x[:, 0]", time.perf_counter()))
+        right = embedding(pairs[:, 1])
+        marks.append(("lookup x[:, 1]", time.perf_counter()))
+        product = left * right
+        marks.append(("left * right", time.perf_counter()))
+        output = product.sum(dim=1)
+        marks.append(("sum(dim=1)", time.perf_counter()))
+        loss = F.mse_loss(output, targets)
+        marks.append(("mse_loss", time.perf_counter()))
+        loss.backward()
+        marks.append(("loss.backward()", time.perf_counter()))
+        optimizer.step()
+        marks.append(("optimizer.step()", time.perf_counter()))
+        for (_, before), (name, after) in itertools.pairwise(marks):
+            phases.setdefault(name, []).append(after - before)
+        phases.setdefault("total", []).append(marks[-1][1] - marks[0][1])
+    return {name: _ms(values) for name, values in phases.items()}
+
+
+def profile_training_step(settings: BenchSettings, memory_size: int, steps: int = 6) -> str:
+    """Markdown: where a dense-Adam pair-model step spends its time at 1 thread (fused and reference
+    phase splits side by side, then torch.profiler's operator table for the fused step)."""
+    batches = _batches(replace(settings, iterations=steps))
+    lines = [
+        f"# Where the time goes: pair-model step, dense gradients + Adam, m = {memory_size}, 1 thread",
+        "",
+        f"Batch {settings.batch_size}, d = {settings.embedding_dim}, Z = {settings.chunk_size}; "
+        f"median ms of {steps - 1} steps after a warm-up step.",
+        "",
+        "| phase | reference ROBE-Z | fused ROBE-Z |",
+        "|---|---:|---:|",
+    ]
+    splits = {}
+    table = ""
+    profiler = None
+    with _torch_threads(1):
+        for model in ("reference", "fused"):
+            config = RunConfig(model, False, "adam", memory_size)
+            embedding = _make_embedding(config, settings)
+            optimizer = _make_optimizer(config, list(embedding.parameters()), settings.lr)
+            splits[model] = _phase_split(embedding, optimizer, batches)
+            if model == "fused":
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+                    _phase_split(embedding, optimizer, batches[:3])
+                table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    for name in splits["fused"]:
+        lines.append(f"| {name} | {splits['reference'][name]:.2f} | {splits['fused'][name]:.2f} |")
+    assert profiler is not None
+    events = {event.key: event.self_cpu_time_total / 1e3 / 3 for event in profiler.key_averages()}
+    kernels_ms = events.get("_FusedLookup", math.nan) + events.get("_FusedLookupBackward", math.nan)
+    lines += [
+        "",
+        f"Under the profiler, the fused embedding itself (two hash + gather calls in `_FusedLookup`, two "
+        f"scatters in `_FusedLookupBackward`) takes {kernels_ms:.2f} ms of a step; the rest is the pair "
+        "model's own torch ops (the product, its two backward multiplies, sum, loss), autograd and Adam, "
+        "which cost the same whatever the embedding.",
+        "",
+        "torch.profiler, fused step (3 steps; numba kernels appear inside `_FusedLookup` / "
+        "`_FusedLookupBackward`):",
+        "",
+        "```",
+        table.rstrip(),
+        "```",
+    ]
+    return "\n".join(lines)
+
+
 def run_benchmark(
     settings: BenchSettings, command: str, log: Callable[[str], None] | None = None
 ) -> BenchResult:
@@ -445,6 +526,11 @@ def run_benchmark(
         result.notes.append(
             "Targets are defined at 1 thread; 1 was not among --threads, so none were measured."
         )
+    wants_profile = settings.profile or (not settings.quick and any(not t.met for t in result.targets))
+    if wants_profile:
+        say("profiling the fused dense-Adam step ...")
+        memory_size = _target_memory_size(settings)
+        result.profile = profile_training_step(settings, memory_size)
     if any(run.skipped for run in result.runs):
         result.notes.append(
             "Rows marked skipped (reference ROBE-Z, dense gradients, m >= 50M) were left out (--skip-slow)."
@@ -516,7 +602,9 @@ def _memory_label(config: RunConfig, settings: BenchSettings) -> str:
     return f"{params} ({params * 4 / 2**20:.1f} MB)"
 
 
-def render_markdown(result: BenchResult, plot_name: str | None = None) -> str:
+def render_markdown(
+    result: BenchResult, plot_name: str | None = None, profile_name: str | None = None
+) -> str:
     """The report: machine, command, targets, then one table per thread count (times in ms)."""
     s = result.settings
     lines = [
@@ -558,6 +646,8 @@ def render_markdown(result: BenchResult, plot_name: str | None = None) -> str:
                 f"| >= {target.goal:g}x | {'yes' if target.met else '**no**'} |"
             )
         lines.append("")
+    if profile_name:
+        lines += [f"Where the fused step's time goes: [{profile_name}]({profile_name}).", ""]
     for note in result.notes:
         lines += [f"Note: {note}", ""]
     if plot_name:
@@ -635,13 +725,18 @@ def write_report(result: BenchResult, output_dir: Path) -> Path:
     stem = f"{result.started:%Y-%m-%d}-{host}" + ("-quick" if result.settings.quick else "")
     plot_path = output_dir / f"{stem}.png"
     render_plot(result, plot_path)
+    profile_name = None
+    if result.profile:
+        profile_name = f"{stem}-profile.md"
+        (output_dir / profile_name).write_text(result.profile + "\n")
     report_path = output_dir / f"{stem}.md"
-    report_path.write_text(render_markdown(result, plot_path.name if plot_path.exists() else None) + "\n")
+    plot_name = plot_path.name if plot_path.exists() else None
+    report_path.write_text(render_markdown(result, plot_name, profile_name) + "\n")
     if not result.settings.quick:
         latest_plot = output_dir / "latest.png"
         if plot_path.exists():
             shutil.copyfile(plot_path, latest_plot)
-        latest = render_markdown(result, latest_plot.name if latest_plot.exists() else None)
+        latest = render_markdown(result, latest_plot.name if plot_path.exists() else None, profile_name)
         (output_dir / "latest.md").write_text(latest + "\n")
     return report_path
 
@@ -704,6 +799,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
     parser.add_argument("--no-report", action="store_true", help="print only; write no files")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the fused dense-Adam step (automatic on a missed target)",
+    )
     return parser
 
 
@@ -719,6 +819,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         overrides["sparse_modes"] = {"both": (True, False), "true": (True,), "false": (False,)}[args.sparse]
     if args.skip_slow:
         overrides["skip_slow"] = True
+    if args.profile:
+        overrides["profile"] = True
     if args.quick:
         return BenchSettings.quick_mode(**overrides)
     return replace(BenchSettings(), **overrides)  # type: ignore[arg-type]
@@ -732,6 +834,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render_markdown(result))
     if result.targets:
         print("\nTargets (1 thread):\n" + format_targets(result.targets))
+    if result.profile and args.no_report:
+        print("\n" + result.profile)
     if not args.no_report:
         path = write_report(result, args.output_dir)
         print(f"\nreport: {path}", file=sys.stderr)

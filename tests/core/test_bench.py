@@ -47,7 +47,7 @@ def test_quick_mode_keeps_the_target_rows():
 @pytest.mark.slow
 def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     previous_threads = torch.get_num_threads()
-    assert bench.main(["--quick", *TOY_ARGS, "--output-dir", str(tmp_path)]) == 0
+    assert bench.main(["--quick", "--profile", *TOY_ARGS, "--output-dir", str(tmp_path)]) == 0
     assert torch.get_num_threads() == previous_threads
     reports = list(tmp_path.glob("*-quick.md"))
     assert len(reports) == 1
@@ -57,6 +57,9 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     assert "| full nn.Embedding | True | 256 | 16000 (0.1 MB) | adam |" in text
     assert "python -m robez_core.bench --quick" in text
     assert list(tmp_path.glob("*-quick.png"))
+    profile = next(tmp_path.glob("*-quick-profile.md")).read_text()
+    assert "| loss.backward() |" in profile and "_FusedLookup" in profile
+    assert "-quick-profile.md" in text
     assert not (tmp_path / "latest.md").exists()  # quick runs never replace the committed full report
 
 
@@ -77,7 +80,9 @@ def test_run_benchmark_measures_every_phase_and_marks_skipped_rows(monkeypatch: 
     )
     messages: list[str] = []
     result = bench.run_benchmark(settings, "test", log=messages.append)
-    assert len(messages) == len(result.runs) + 1  # one line per row, then the targets
+    assert len([m for m in messages if m.startswith("[")]) == len(result.runs)  # a progress line per row
+    # toy sizes miss the targets, and a full (non-quick) run then profiles the fused step by itself
+    assert any(not t.met for t in result.targets) == (result.profile is not None)
     skipped = [run for run in result.runs if run.skipped]
     assert {run.config.label for run in skipped} == {
         "reference dense sgd m=2048",
