@@ -3,13 +3,14 @@
 Layout of one server's shared directory (``<shm_dir>/robez-<server id>/``, tmpfs by default)::
 
     owner.pid              pid of the ``robez serve`` process that owns (and removes) the directory
-    registry.json          {"tables": {name: {uid, array, config, optimizer}}, "arrays": {id: {...}}}
-    registry.lock          flock: create / delete / registry reads
+    registry.json          {"tables": {name: {uid, array, lock, config, optimizer}}, "arrays": {id: {...}}}
+    registry.lock          flock: create / delete / load / registry reads
     generation             int64 (1,): bumped after every registry change, polled by every request
     arrays/<id>.weight     float32 (m,)        one per array; tables created with share_array_with
     arrays/<id>.state.<k>  optimizer state     point at the same array (and its optimizer state)
-    arrays/<id>.lock       flock: serialises updates of the array across workers and threads
-    tables/<uid>.counters  int64 (2,): [version, deleted]
+    locks/<id>.lock        flock: the update lock of a table (shared by the tables sharing its array);
+                           it outlives the arrays a load switches the table between
+    tables/<uid>.counters  int64 (2,): [version, state] (state: live, deleted, replaced by a load)
 
 Every worker maps the same files (``torch.from_file(..., shared=True)``, MAP_SHARED), so a table's memory
 is held once whatever the worker count, and an update written through one worker's mapping is what every
@@ -20,6 +21,15 @@ while an update is applied may read a row with some values from before and some 
 (values are float32 stores, never torn); every lookup that starts after an update's response was sent
 sees the whole update, since the update finished writing before it responded. A lookup reports the table
 version read before it gathered: its rows include at least that many updates.
+
+A load (``restore``) never writes the array lookups read: it fills a new array, makes it durable, then
+switches the registry to it (new uid and counters, generation bumped) under the table's update lock.
+A lookup that resolved the table before the switch finishes on the old array (its files are unlinked
+but stay mapped until the lookup drops them) and reports the old version; one that starts after the
+load's response sees only the new array. An update that was waiting for the lock finds its entry marked
+replaced and starts again on the new array.
+
+Lock order, everywhere: a table's update lock, then ``registry.lock``, then a store's ``_sync_lock``.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from torch import Tensor
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import (
+    BusyError,
     ConfigError,
     ConflictError,
     CorruptionError,
@@ -62,7 +73,11 @@ logger = logging.getLogger("robez.store")
 TABLE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 Pooling = Literal["none", "sum", "mean"]
 POOLINGS: tuple[str, ...] = ("none", "sum", "mean")
-_VERSION, _DELETED = 0, 1
+_VERSION, _STATE = 0, 1  # counters
+_LIVE, _DELETED, _REPLACED = 0, 1, 2  # counters[_STATE]
+# An update or snapshot that finds its table replaced by a load starts again; this many loads in a row
+# while it waits means something is wrong.
+_MAX_SWITCHES = 16
 _DIR_PREFIX = "robez-"
 
 
@@ -201,11 +216,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @dataclass
 class _SharedArray:
-    """One array (weight + optimizer state) mapped from the shared directory, and its update lock."""
+    """One array (weight + optimizer state) mapped from the shared directory."""
 
     array_id: str
     tensors: dict[str, Tensor]  # "weight", "state.<name>" as Table.tensors() names them
-    lock: _FileLock
 
     @property
     def weight(self) -> Tensor:
@@ -224,15 +238,12 @@ class _Entry:
     uid: str
     table: Table
     array: _SharedArray
-    counters: Tensor  # int64 (2,) [version, deleted], shared
+    lock: _FileLock  # the table's update lock, the same object for every entry of this table
+    counters: Tensor  # int64 (2,) [version, state], shared
 
     @property
     def version(self) -> int:
         return int(self.counters[_VERSION])
-
-    @property
-    def deleted(self) -> bool:
-        return bool(self.counters[_DELETED])
 
 
 @dataclass
@@ -242,6 +253,9 @@ class _Registry:
 
     def array_tables(self, array_id: str) -> tuple[str, ...]:
         return tuple(name for name, record in self.tables.items() if record["array"] == array_id)
+
+    def lock_in_use(self, lock_id: str) -> bool:
+        return any(record["lock"] == lock_id for record in self.tables.values())
 
     def total_bytes(self) -> int:
         return sum(int(record["nbytes"]) for record in self.arrays.values())
@@ -271,6 +285,7 @@ class SharedDirectory:
         self.path = path
         self.arrays_dir = path / "arrays"
         self.tables_dir = path / "tables"
+        self.locks_dir = path / "locks"
         self.registry_path = path / "registry.json"
 
     @classmethod
@@ -283,6 +298,7 @@ class SharedDirectory:
         directory = cls(path)
         directory.arrays_dir.mkdir()
         directory.tables_dir.mkdir()
+        directory.locks_dir.mkdir()
         (path / "owner.pid").write_text(str(os.getpid()))
         directory.allocate("generation", 1, torch.int64).zero_()
         directory.write_registry(_Registry())
@@ -369,6 +385,7 @@ class TableStore:
         self._seen_generation = -1
         self._entries: dict[str, _Entry] = {}
         self._arrays: dict[str, _SharedArray] = {}
+        self._locks: dict[str, _FileLock] = {}
         self._registry = _Registry()
         self.refresh()
 
@@ -404,7 +421,8 @@ class TableStore:
                     f"table {name!r} in the data directory has a different config than the tables file; "
                     "delete the table (DELETE /v1/tables/{name}) or change the file"
                 )
-            self._install(name, TableSpec(table.config, table.optimizer), source=table, version=version)
+            spec = TableSpec(table.config, table.optimizer)
+            self._install(name, spec, source=table, version=version, journal_create=False)
             logger.info("loaded table %s at version %d from the data directory", name, version)
         for name, spec in specs.items():
             if name not in self._registry.tables:
@@ -419,11 +437,13 @@ class TableStore:
         generation = int(self._generation[0])
         if generation == self._seen_generation:
             return
-        with self._sync_lock, self._registry_lock.hold():
+        with self._registry_lock.hold(), self._sync_lock:
             self._sync(self.directory.read_registry(), int(self._generation[0]))
 
     def _sync(self, registry: _Registry, generation: int) -> None:
         arrays = {aid: a for aid, a in self._arrays.items() if aid in registry.arrays}
+        # Kept across a load's switch: the threads of this process must keep excluding each other.
+        locks = {lid: lock for lid, lock in self._locks.items() if registry.lock_in_use(lid)}
         entries: dict[str, _Entry] = {}
         for name, record in registry.tables.items():
             current = self._entries.get(name)
@@ -438,8 +458,11 @@ class TableStore:
             optimizer = OptimizerConfig.from_dict(record["optimizer"])
             table = Table(config, optimizer, weight=array.weight, state=array.state)
             counters = self.directory.map(f"tables/{record['uid']}.counters", 2, torch.int64)
-            entries[name] = _Entry(name, record["uid"], table, array, counters)
-        self._arrays, self._entries, self._registry = arrays, entries, registry
+            lock_id = record["lock"]
+            if lock_id not in locks:
+                locks[lock_id] = _FileLock(self.directory.locks_dir / f"{lock_id}.lock")
+            entries[name] = _Entry(name, record["uid"], table, array, locks[lock_id], counters)
+        self._arrays, self._entries, self._locks, self._registry = arrays, entries, locks, registry
         self._seen_generation = generation
 
     def _map_array(self, array_id: str, record: dict[str, Any]) -> _SharedArray:
@@ -449,7 +472,7 @@ class TableStore:
             ).view(tuple(shape))
             for key, (shape, dtype) in record["layout"].items()
         }
-        return _SharedArray(array_id, tensors, _FileLock(self.directory.arrays_dir / f"{array_id}.lock"))
+        return _SharedArray(array_id, tensors)
 
     def _publish(self, registry: _Registry) -> None:
         """Write the registry and bump the generation; caller holds the registry lock."""
@@ -496,7 +519,31 @@ class TableStore:
     def create(self, name: str, spec: TableSpec) -> TableInfo:
         """Create a table (new zero-version array, or sharing ``spec.share_array_with``'s array)."""
         validate_table_name(name)
-        config, optimizer = spec.config, spec.optimizer
+        self._check_config_limits(spec.config)
+        with self._registry_lock.hold():
+            registry = self.directory.read_registry()
+            if name in registry.tables:
+                raise ConflictError(f"table {name!r} already exists")
+            if len(registry.tables) >= self.limits.max_tables:
+                raise LimitExceededError(f"there are already max_tables={self.limits.max_tables} tables")
+            if spec.share_array_with is not None:
+                source = self._shared_array_source(registry, spec)
+                self._register(
+                    registry, name, spec.config, spec.optimizer, source["array"], source["lock"], version=0
+                )
+        if spec.share_array_with is not None:
+            return self.info(name)
+        return self._install(name, spec, source=None, version=0, journal_create=True)
+
+    def create_from(self, name: str, table: Table, version: int = 0) -> TableInfo:
+        """Create table ``name`` holding a copy of ``table``'s array and optimizer state (an import) at
+        ``version``; journalled like ``create``."""
+        validate_table_name(name)
+        self._check_config_limits(table.config)
+        spec = TableSpec(table.config, table.optimizer)
+        return self._install(name, spec, source=table, version=version, journal_create=True)
+
+    def _check_config_limits(self, config: TableConfig) -> None:
         if config.embedding_dim > self.limits.max_embedding_dim:
             raise LimitExceededError(
                 f"embedding_dim {config.embedding_dim} is over the limit "
@@ -507,20 +554,17 @@ class TableStore:
                 f"memory_size {config.memory_size} is over the limit "
                 f"max_memory_size={self.limits.max_memory_size}"
             )
-        with self._registry_lock.hold():
-            registry = self.directory.read_registry()
-            if name in registry.tables:
-                raise ConflictError(f"table {name!r} already exists")
-            if len(registry.tables) >= self.limits.max_tables:
-                raise LimitExceededError(f"there are already max_tables={self.limits.max_tables} tables")
-            if spec.share_array_with is not None:
-                array_id = self._shared_array_id(registry, spec)
-                self._register(registry, name, config, optimizer, array_id, version=0)
-        if spec.share_array_with is not None:
-            return self.info(name)
-        return self._install(name, spec, source=None, version=0)
 
-    def _shared_array_id(self, registry: _Registry, spec: TableSpec) -> str:
+    def _check_memory(self, registry: _Registry, nbytes: int, what: str) -> None:
+        total = registry.total_bytes() + nbytes
+        if total > self.limits.max_total_memory_bytes:
+            raise LimitExceededError(
+                f"{what} needs {nbytes} bytes; with the {registry.total_bytes()} bytes in use "
+                f"that is over the limit max_total_memory_bytes={self.limits.max_total_memory_bytes}"
+            )
+
+    def _shared_array_source(self, registry: _Registry, spec: TableSpec) -> dict[str, Any]:
+        """The registry record of the table whose array (and update lock) ``spec`` asks to share."""
         source_name = spec.share_array_with
         source = registry.tables.get(source_name or "")
         if source is None:
@@ -540,61 +584,68 @@ class TableStore:
                 f"share_array_with={source_name!r}: the optimizer must be the shared array's "
                 f"({source['optimizer']}); its state is shared too"
             )
-        return str(source["array"])
+        return source
 
-    def _install(self, name: str, spec: TableSpec, *, source: Table | None, version: int) -> TableInfo:
+    def _new_array(
+        self, registry: _Registry, config: TableConfig, optimizer: OptimizerConfig, source: Table | None
+    ) -> tuple[str, Table]:
+        """Allocate an array in shared memory, fill it from ``source`` (or a freshly initialised Table) and
+        add it to ``registry`` (not yet published); returns its id and a Table over it. Caller holds the
+        registry lock and removes the array with ``_remove_array`` if what follows fails."""
+        layout = _array_layout(config, optimizer)
+        nbytes = _layout_bytes(layout)
+        array_id = secrets.token_hex(8)
+        tensors: dict[str, Tensor] = {}
+        try:
+            for key, (shape, dtype) in layout.items():
+                tensors[key] = self.directory.allocate(f"arrays/{array_id}.{key}", _numel(shape), dtype).view(
+                    shape
+                )
+            # The core initialises a new array (seeded) or brings a loaded one; both are copied into shared
+            # memory once, so the private copy lives only for this call.
+            fresh = source if source is not None else Table(config, optimizer)
+            for key, tensor in fresh.tensors().items():
+                tensors[key].copy_(tensor.reshape(tensors[key].shape))
+            del fresh
+        except BaseException:
+            self._remove_array(array_id, layout)
+            raise
+        registry.arrays[array_id] = {
+            "layout": {key: [list(shape), _dtype_name(dtype)] for key, (shape, dtype) in layout.items()},
+            "nbytes": nbytes,
+        }
+        state = {key.removeprefix("state."): t for key, t in tensors.items() if key != "weight"}
+        return array_id, Table(config, optimizer, weight=tensors["weight"], state=state)
+
+    def _remove_array(self, array_id: str, layout: dict[str, Any]) -> None:
+        for key in layout:
+            (self.directory.arrays_dir / f"{array_id}.{key}").unlink(missing_ok=True)
+
+    def _install(
+        self, name: str, spec: TableSpec, *, source: Table | None, version: int, journal_create: bool
+    ) -> TableInfo:
         """Allocate a new array for ``name``, fill it from ``source`` (or a freshly initialised Table),
-        journal its creation when it is new, then publish it."""
+        ``journal.create`` it if asked (not for tables loaded from the journal), then publish it."""
         if spec.share_array_with is not None:
             raise ConfigError("a table with its own array cannot also share one")
-        layout = _array_layout(spec.config, spec.optimizer)
-        nbytes = _layout_bytes(layout)
+        nbytes = _layout_bytes(_array_layout(spec.config, spec.optimizer))
         with self._registry_lock.hold():
             registry = self.directory.read_registry()
             if name in registry.tables:
                 raise ConflictError(f"table {name!r} already exists")
             if len(registry.tables) >= self.limits.max_tables:
                 raise LimitExceededError(f"there are already max_tables={self.limits.max_tables} tables")
-            total = registry.total_bytes() + nbytes
-            if total > self.limits.max_total_memory_bytes:
-                raise LimitExceededError(
-                    f"the table needs {nbytes} bytes; with the {registry.total_bytes()} bytes in use "
-                    f"that is over the limit max_total_memory_bytes={self.limits.max_total_memory_bytes}"
-                )
-            array_id = secrets.token_hex(8)
+            self._check_memory(registry, nbytes, "the table")
+            array_id, shared = self._new_array(registry, spec.config, spec.optimizer, source)
             journaled = False
             try:
-                tensors: dict[str, Tensor] = {}
-                for key, (shape, dtype) in layout.items():
-                    tensors[key] = self.directory.allocate(
-                        f"arrays/{array_id}.{key}", _numel(shape), dtype
-                    ).view(shape)
-                # The core initialises a new array (seeded) or brings a loaded one; both are copied into
-                # shared memory once, so the private copy lives only for this call.
-                fresh = source if source is not None else Table(spec.config, spec.optimizer)
-                for key, tensor in fresh.tensors().items():
-                    tensors[key].copy_(tensor.reshape(tensors[key].shape))
-                del fresh
-                registry.arrays[array_id] = {
-                    "layout": {
-                        key: [list(shape), _dtype_name(dtype)] for key, (shape, dtype) in layout.items()
-                    },
-                    "nbytes": nbytes,
-                }
-                if source is None:
-                    shared = Table(
-                        spec.config,
-                        spec.optimizer,
-                        weight=tensors["weight"],
-                        state={k.removeprefix("state."): t for k, t in tensors.items() if k != "weight"},
-                    )
+                if journal_create:
                     self.journal.create(name, shared, version)
                     journaled = True
-                self._register(registry, name, spec.config, spec.optimizer, array_id, version=version)
+                config, optimizer, lock_id = spec.config, spec.optimizer, secrets.token_hex(8)
+                self._register(registry, name, config, optimizer, array_id, lock_id, version=version)
             except BaseException:
-                registry.arrays.pop(array_id, None)
-                for key in layout:
-                    (self.directory.arrays_dir / f"{array_id}.{key}").unlink(missing_ok=True)
+                self._remove_array(array_id, registry.arrays.pop(array_id)["layout"])
                 if journaled:
                     # Otherwise the table, never served, would come back from the data directory at the
                     # next start: a failed create must change nothing.
@@ -616,45 +667,54 @@ class TableStore:
         config: TableConfig,
         optimizer: OptimizerConfig,
         array_id: str,
+        lock_id: str,
         *,
         version: int,
     ) -> None:
+        """Add (or switch) ``name`` to ``array_id`` with new counters at ``version``, and publish."""
         uid = secrets.token_hex(8)
         counters = self.directory.allocate(f"tables/{uid}.counters", 2, torch.int64)
         counters[_VERSION] = version
         registry.tables[name] = {
             "uid": uid,
             "array": array_id,
+            "lock": lock_id,
             "config": config.to_dict(),
             "optimizer": optimizer.to_dict(),
         }
-        self._publish(registry)
+        try:
+            self._publish(registry)
+        except BaseException:
+            (self.directory.tables_dir / f"{uid}.counters").unlink(missing_ok=True)
+            raise
 
     def delete(self, name: str) -> None:
         """Remove a table; its array goes when no other table reads it. In-flight lookups in other
         workers keep their mapping until they finish (unlinked files live while mapped)."""
-        with self._registry_lock.hold():
+        with self._locked(name) as entry, self._registry_lock.hold():
             registry = self.directory.read_registry()
             record = registry.tables.get(name)
-            if record is None:
-                raise NotFoundError(f"no table named {name!r}")
-            with self._sync_lock:
-                self._sync(registry, int(self._generation[0]))
-            entry = self._entries[name]
-            with entry.array.lock.hold():
-                entry.counters[_DELETED] = 1  # updates waiting on the lock see this and answer 404
-                self.journal.drop(name)
-                del registry.tables[name]
-                array_id = record["array"]
-                orphan = not registry.array_tables(array_id)
-                if orphan:
-                    layout = registry.arrays.pop(array_id)["layout"]
-                self._publish(registry)
-            (self.directory.tables_dir / f"{record['uid']}.counters").unlink(missing_ok=True)
-            if orphan:
-                for key in layout:
-                    (self.directory.arrays_dir / f"{array_id}.{key}").unlink(missing_ok=True)
-                (self.directory.arrays_dir / f"{array_id}.lock").unlink(missing_ok=True)
+            if record is None or record["uid"] != entry.uid:  # changes of a table hold its lock
+                raise CorruptionError(f"the registry changed table {name!r} behind its update lock")
+            self.journal.drop(name)
+            entry.counters[_STATE] = _DELETED  # updates waiting on the lock see this and answer 404
+            del registry.tables[name]
+            if not registry.array_tables(record["array"]):
+                del registry.arrays[record["array"]]
+            self._publish(registry)
+            self._release(registry, [(record["uid"], record["array"], record["lock"])])
+
+    def _release(self, registry: _Registry, records: list[tuple[str, str, str]]) -> None:
+        """Unlink the counters of replaced or deleted table records (uid, array, lock), and their arrays
+        and locks once no table of the published ``registry`` uses them. Mappings held by in-flight
+        requests stay valid: an unlinked file lives until its last mapping goes."""
+        for uid, array_id, lock_id in records:
+            (self.directory.tables_dir / f"{uid}.counters").unlink(missing_ok=True)
+            if array_id not in registry.arrays:
+                for path in self.directory.arrays_dir.glob(f"{array_id}.*"):
+                    path.unlink(missing_ok=True)
+            if not registry.lock_in_use(lock_id):
+                (self.directory.locks_dir / f"{lock_id}.lock").unlink(missing_ok=True)
 
     # -- data path --------------------------------------------------------------------------------
 
@@ -720,15 +780,17 @@ class TableStore:
         # Hashing reads only the config, so it runs outside the lock.
         chunk_offsets = table.hash(ids)
         hashed = time.perf_counter()
-        with entry.array.lock.hold():
-            if entry.deleted:
-                raise NotFoundError(f"no table named {name!r}")
-            version = entry.version + 1
+        with self._locked(name) as locked:
+            if locked is not entry:  # a load switched the table meanwhile (same config: checked again)
+                table = locked.table
+                table.validate_grads(ids, grads)
+                chunk_offsets = table.hash(ids)
+            version = locked.version + 1
             self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
             apply_start = time.perf_counter()
             table.apply_gradients_at(chunk_offsets, grads, applied_lr)
             applied = time.perf_counter()
-            entry.counters[_VERSION] = version
+            locked.counters[_VERSION] = version
         return UpdateResult(version, hashed - start, applied - apply_start)
 
     def warm_up(self) -> None:
@@ -751,12 +813,25 @@ class TableStore:
     # -- durability hooks for the snapshot / load endpoints -----------------------------------------
 
     @contextmanager
+    def _locked(self, name: str) -> Iterator[_Entry]:
+        """The table's current entry, its update lock held: no update, snapshot, load or delete of it runs
+        meanwhile. An entry a load replaced while this waited for the lock is looked up again."""
+        for _ in range(_MAX_SWITCHES):
+            entry = self._entry(name)
+            with entry.lock.hold():
+                state = int(entry.counters[_STATE])
+                if state == _REPLACED:
+                    continue
+                if state == _DELETED:
+                    raise NotFoundError(f"no table named {name!r}")
+                yield entry
+                return
+        raise BusyError(f"table {name!r} was replaced {_MAX_SWITCHES} times in a row; try again")
+
+    @contextmanager
     def exclusive(self, name: str) -> Iterator[tuple[Table, int]]:
         """Hold the table's update lock: yields (table, version) with no update running or starting."""
-        entry = self._entry(name)
-        with entry.array.lock.hold():
-            if entry.deleted:
-                raise NotFoundError(f"no table named {name!r}")
+        with self._locked(name) as entry:
             yield entry.table, entry.version
 
     def snapshot(self, name: str) -> int:
@@ -766,25 +841,87 @@ class TableStore:
             return version
 
     def restore(self, name: str, source: Table, version: int) -> None:
-        """Replace the table's array and optimizer state with ``source`` (same config and optimizer) at
-        ``version``. ``source`` is made durable first (a snapshot, which starts an empty log): if that fails
-        the table is left as it was, in memory and on disk. Lookups concurrent with this see the same
-        mixes as with updates."""
-        with self.exclusive(name) as (table, _):
+        """Replace the table's array and optimizer state by a copy of ``source`` (same config and
+        optimizer) at ``version``, atomically for lookups (see the module docstring).
+
+        Under the table's update lock: a new array is filled from ``source`` and made durable first
+        (``journal.snapshot``: snapshot + empty log), then the registry is switched to it. If any step
+        fails the table is left as it was, in memory and on disk. Every table sharing the array switches
+        with it. While both arrays exist they count against ``max_total_memory_bytes`` together.
+        """
+        with self._locked(name) as entry, self._registry_lock.hold():
+            table = entry.table
             if (source.config, source.optimizer) != (table.config, table.optimizer):
                 raise ConflictError(f"the checkpoint's config or optimizer differs from table {name!r}'s")
-            self.journal.snapshot(name, source, version)
-            targets = table.tensors()
-            for key, tensor in source.tensors().items():
-                targets[key].copy_(tensor.reshape(targets[key].shape))
-            self._entries[name].counters[_VERSION] = version
+            registry = self.directory.read_registry()
+            record = registry.tables.get(name)
+            if record is None or record["uid"] != entry.uid:  # changes of a table hold its lock
+                raise CorruptionError(f"the registry changed table {name!r} behind its update lock")
+            old_array = record["array"]
+            self._check_memory(registry, int(registry.arrays[old_array]["nbytes"]), "loading the table")
+            array_id, shared = self._new_array(registry, table.config, table.optimizer, source)
+            try:
+                self.journal.snapshot(name, shared, version)
+            except BaseException:
+                self._remove_array(array_id, registry.arrays.pop(array_id)["layout"])
+                raise
+            try:
+                replaced = self._switch(registry, old_array, array_id, name, version)
+            except BaseException:
+                self._remove_array(array_id, registry.arrays.pop(array_id)["layout"])
+                self._restore_journal(name, table, entry.version)
+                raise
+            self._release(registry, replaced)
+
+    def _switch(
+        self, registry: _Registry, old_array: str, array_id: str, name: str, version: int
+    ) -> list[tuple[str, str, str]]:
+        """Point every table reading ``old_array`` at ``array_id`` (``name`` at ``version``, the others at
+        their own versions), publish, and mark their old counters replaced; returns the old records."""
+        sharers = registry.array_tables(old_array)
+        old_records = {table_name: dict(registry.tables[table_name]) for table_name in sharers}
+        old_counters = {
+            table_name: self.directory.map(f"tables/{record['uid']}.counters", 2, torch.int64)
+            for table_name, record in old_records.items()
+        }
+        old_array_record = registry.arrays[old_array]
+        new_uids: dict[str, str] = {}
+        try:
+            for table_name in sharers:
+                uid = new_uids[table_name] = secrets.token_hex(8)
+                counters = self.directory.allocate(f"tables/{uid}.counters", 2, torch.int64)
+                counters[_VERSION] = version if table_name == name else old_counters[table_name][_VERSION]
+                registry.tables[table_name] = {**old_records[table_name], "uid": uid, "array": array_id}
+            del registry.arrays[old_array]
+            self._publish(registry)
+        except BaseException:
+            registry.tables.update(old_records)
+            registry.arrays[old_array] = old_array_record
+            for uid in new_uids.values():
+                (self.directory.tables_dir / f"{uid}.counters").unlink(missing_ok=True)
+            raise
+        # Published: updates still holding the old entries start again on the new ones.
+        for counters in old_counters.values():
+            counters[_STATE] = _REPLACED
+        return [(old["uid"], old["array"], old["lock"]) for old in old_records.values()]
+
+    def _restore_journal(self, name: str, table: Table, version: int) -> None:
+        """After a load was made durable but could not be switched to: put the old table back on disk."""
+        try:
+            self.journal.snapshot(name, table, version)
+        except Exception:
+            logger.exception(
+                "table %r: a load was written to the data directory but could not be served, and the old "
+                "table could not be written back; the next start will serve the loaded one",
+                name,
+            )
 
     def close(self) -> None:
         """Release this worker's locks and mappings (the shared directory stays; its owner removes it)."""
         with self._sync_lock:
-            for array in self._arrays.values():
-                array.lock.close()
-            self._arrays, self._entries = {}, {}
+            for lock in self._locks.values():
+                lock.close()
+            self._arrays, self._entries, self._locks = {}, {}, {}
         self._registry_lock.close()
 
 

@@ -23,7 +23,6 @@ from robez_core.table import Table
 
 from ..auth import WriteAccess
 from ..codec import OCTET_STREAM, VERSION_HEADER, TableInfoResponse, table_info_json
-from ..config import TableSpec
 from ..store import TableStore
 from ..wal import CheckpointFormat, SnapshotScheduler, WalJournal, align_checkpoint, read_checkpoint
 from .deps import StoreDep, compute
@@ -126,13 +125,16 @@ async def load(
 
 
 def _install(store: TableStore, name: str, imported: Table, *, from_paper: bool) -> str:
-    """Overwrite table ``name`` with ``imported`` under its update lock (creating it first if new); the
-    store snapshots it, which starts an empty log. The loaded table is version 0."""
+    """Make ``imported`` table ``name`` at version 0: a new table is created from it; an existing one is
+    switched atomically to a new array holding it, made durable first (snapshot + empty log)."""
     try:
         existing = store.table(name)
     except NotFoundError:
-        store.create(name, TableSpec(imported.config, imported.optimizer))
-        existing = store.table(name)
+        try:
+            store.create_from(name, imported)
+            return name
+        except ConflictError:  # created by another request meanwhile: load into it
+            existing = store.table(name)
     store.restore(name, align_checkpoint(imported, existing, keep_optimizer_state=not from_paper), 0)
     return name
 

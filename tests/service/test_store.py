@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from robez_core.errors import ConflictError, InvalidInputError, NotFoundError
 from robez_core.table import Table
 from service.config import Settings, TableSpec
 from service.journal import NullJournal, UpdateRecord
-from service.store import SharedDirectory, TableStore, remove_stale_directories
+from service.store import LookupResult, SharedDirectory, TableStore, remove_stale_directories
 from service.wal import WalJournal
 
 from .conftest import make_settings
@@ -67,7 +68,7 @@ def test_update_waiting_for_a_deleted_table_answers_not_found(
     store = TableStore(directory, settings, NullJournal())
     store.create("t", TableSpec(CONFIG, OptimizerConfig()))
     entry = store._entries["t"]
-    entry.counters[1] = 1  # what delete() sets under the lock before unregistering
+    entry.counters[1] = 1  # what delete() sets under the lock before unregistering (state: deleted)
     with pytest.raises(NotFoundError):
         store.update("t", torch.tensor([1]), torch.zeros(1, 8))
     store.close()
@@ -263,3 +264,149 @@ def test_a_create_failing_after_the_journal_leaves_nothing_on_disk(
     assert journal.names() == ["t"]
     store.close()
     journal.close()
+
+
+def _loaded(config: TableConfig, optimizer: OptimizerConfig, seed: int) -> Table:
+    """A private table of the same kind as the served one, with other values: what a load brings."""
+    table = Table(config, optimizer)
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in table.tensors().values():
+        if tensor.is_floating_point():
+            tensor.copy_(torch.rand(tensor.shape, generator=generator) + 10.0)  # far from the old rows
+    return table
+
+
+def test_a_lookup_in_flight_during_a_load_finishes_on_the_old_array(
+    settings: Settings, directory: SharedDirectory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    loader, reader = (TableStore(directory, settings, NullJournal()) for _ in range(2))
+    loader.create("t", TableSpec(CONFIG, OptimizerConfig("adagrad")))
+    ids = torch.arange(40)
+    loader.update("t", ids[:5], torch.ones(5, 8))
+    old_rows = reader.lookup("t", ids).rows
+    old_array = reader.info("t").array
+    hashed, go = threading.Event(), threading.Event()
+    real_gather = Table.gather
+
+    def gather_after_the_load(table: Table, offsets: torch.Tensor) -> torch.Tensor:
+        if not hashed.is_set():  # the first lookup stops between hash and gather, as if descheduled
+            hashed.set()
+            assert go.wait(timeout=30)
+        return real_gather(table, offsets)
+
+    monkeypatch.setattr(Table, "gather", gather_after_the_load)
+    in_flight: list[object] = []
+    thread = threading.Thread(target=lambda: in_flight.append(reader.lookup("t", ids)))
+    thread.start()
+    assert hashed.wait(timeout=30)
+    new_table = _loaded(CONFIG, OptimizerConfig("adagrad"), seed=1)
+    loader.restore("t", new_table, 0)
+    # After the load: only the new table, through either worker.
+    after = reader.lookup("t", ids)
+    assert after.version == 0 and torch.equal(after.rows, new_table.lookup(ids))
+    assert torch.equal(loader.table("t").state["sum"], new_table.state["sum"])
+    go.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    (result,) = in_flight
+    assert isinstance(result, LookupResult)
+    assert result.version == 1 and torch.equal(result.rows, old_rows)  # the old array, whole
+    # The old array's files are gone (its mapping lived only as long as the lookup's reference).
+    assert reader.info("t").array != old_array
+    assert not list(directory.arrays_dir.glob(f"{old_array}.*"))
+    assert old_array not in reader._arrays and old_array not in loader._arrays
+    loader.close()
+    reader.close()
+
+
+def test_an_update_waiting_for_a_load_is_applied_to_the_loaded_table(
+    settings: Settings, directory: SharedDirectory
+) -> None:
+    import threading
+
+    class SlowSnapshot(NullJournal):
+        def __init__(self) -> None:
+            self.entered, self.go = threading.Event(), threading.Event()
+
+        def snapshot(self, name: str, table: Table, version: int) -> None:
+            self.entered.set()
+            assert self.go.wait(timeout=30)
+
+    journal = SlowSnapshot()
+    loader, writer = TableStore(directory, settings, journal), TableStore(directory, settings, NullJournal())
+    loader.create("t", TableSpec(CONFIG, OptimizerConfig("sgd", lr=0.5)))
+    writer.refresh()
+    stale = writer._entries["t"]
+    new_table = _loaded(CONFIG, OptimizerConfig("sgd", lr=0.5), seed=2)
+    expected = _loaded(CONFIG, OptimizerConfig("sgd", lr=0.5), seed=2)
+    ids, grads = torch.tensor([1, 2, 3]), torch.ones(3, 8)
+    expected.apply_gradients(ids, grads)
+    load = threading.Thread(target=lambda: loader.restore("t", new_table, 0))
+    load.start()
+    assert journal.entered.wait(timeout=30)  # the load holds the update lock now
+    versions: list[int] = []
+    update = threading.Thread(target=lambda: versions.append(writer.update("t", ids, grads).version))
+    update.start()
+    for _ in range(3000):  # until the update waits for the lock (its thread lock taken, flock pending)
+        if stale.lock._thread_lock.locked():
+            break
+        time.sleep(0.01)
+    assert stale.lock._thread_lock.locked()
+    journal.go.set()
+    for thread in (load, update):
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    assert versions == [1]
+    assert int(stale.counters[1]) == 2  # replaced: an update holding it starts again
+    assert torch.equal(writer.table("t").weight, expected.weight)
+    assert writer.version("t") == 1
+    loader.close()
+    writer.close()
+
+
+def test_a_load_that_cannot_be_made_durable_changes_nothing(
+    settings: Settings, directory: SharedDirectory
+) -> None:
+    class FullDisk(NullJournal):
+        def snapshot(self, name: str, table: Table, version: int) -> None:
+            raise OSError(28, "No space left on device")
+
+    store = TableStore(directory, settings, FullDisk())
+    store.create("t", TableSpec(CONFIG, OptimizerConfig("adam")))
+    store.update("t", torch.tensor([4]), torch.ones(1, 8))
+    before = {key: t.clone() for key, t in store.table("t").tensors().items()}
+    arrays = sorted(path.name for path in directory.arrays_dir.iterdir())
+    with pytest.raises(OSError):
+        store.restore("t", _loaded(CONFIG, OptimizerConfig("adam"), seed=3), 0)
+    assert store.version("t") == 1
+    for key, tensor in store.table("t").tensors().items():
+        assert torch.equal(tensor, before[key])
+    assert sorted(path.name for path in directory.arrays_dir.iterdir()) == arrays
+    assert store.update("t", torch.tensor([4]), torch.ones(1, 8)).version == 2  # the lock was released
+    store.close()
+
+
+def test_a_load_switches_every_table_sharing_the_array(
+    settings: Settings, directory: SharedDirectory
+) -> None:
+    store = TableStore(directory, settings, NullJournal())
+    store.create("a", TableSpec(CONFIG, OptimizerConfig()))
+    store.create("b", TableSpec(CONFIG, OptimizerConfig(), share_array_with="a"))
+    store.update("b", torch.tensor([1]), torch.ones(1, 8))
+    new_table = _loaded(CONFIG, OptimizerConfig(), seed=4)
+    store.restore("a", new_table, 0)
+    assert store.info("a").array == store.info("b").array
+    assert store.info("a").array_tables == ("a", "b")
+    assert (store.version("a"), store.version("b")) == (0, 1)
+    assert torch.equal(store.table("b").weight, new_table.weight)
+    # Still one update lock for the shared array: updates through both names go to the new array.
+    store.update("b", torch.tensor([2]), torch.ones(1, 8))
+    store.update("a", torch.tensor([2]), torch.ones(1, 8))
+    assert torch.equal(store.table("a").weight, store.table("b").weight)
+    store.delete("a")
+    assert store.names() == ["b"] and len(list(directory.locks_dir.iterdir())) == 1
+    store.delete("b")
+    assert not list(directory.locks_dir.iterdir()) and not list(directory.arrays_dir.iterdir())
+    store.close()
