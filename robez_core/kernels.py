@@ -34,6 +34,7 @@ All functions take and return CPU torch tensors; numba works on zero-copy ``.num
 from __future__ import annotations
 
 import math
+import platform
 import types
 from collections.abc import Callable
 from typing import Any, Literal
@@ -68,6 +69,10 @@ _MODE_PAPER_FLOAT = 0  # paper hash, 2**16 <= P < 2**52 (the paper's P): branch-
 _MODE_PAPER_GENERIC = 1  # paper hash with any other P (imported constants): two integer divisions
 _MODE_FAST = 2
 _FLOAT_PRIME_RANGE = (1 << 16, 1 << 52)
+# Batches of rows at least this big are written with streaming (non-temporal) stores: bigger than L2,
+# and a large share of L3, so caching them would only evict the table.
+_STREAMING_MIN_BYTES = 4 << 20
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _HASH_BLOCK = 128  # ids hashed together, chunk by chunk, so the inner loop vectorises
 _BAG_GROUP = 64
 _FMIX_C1 = np.uint64(FMIX_C1 & 0xFFFFFFFFFFFFFFFF)
@@ -181,6 +186,47 @@ def _make_vector_add_scaled(width: int) -> Any:
     return vector_add_scaled
 
 
+@intrinsic
+def _streaming_copy_4_intrinsic(typingctx, dst, dst_position, src, src_position):
+    """``dst[d:d+4] = src[s:s+4]`` with a non-temporal store; ``dst`` + d must be 16-byte aligned.
+
+    Writing a large batch of rows through the cache first reads every destination line from memory
+    (read-for-ownership) and evicts the table; streaming stores skip both. A cold 32768 x 100 gather went
+    from 0.93 to 0.59 ms. Callers end with :func:`_store_fence`.
+    """
+    if not (_is_float32_array(dst) and _is_float32_array(src)):
+        return None
+    signature = numba_types.void(dst, numba_types.uint64, src, numba_types.uint64)
+
+    def codegen(context, builder, sig, args):
+        dst_ptr = _float_vector_pointer(context, builder, sig.args[0], args[0], args[1], 4)
+        src_ptr = _float_vector_pointer(context, builder, sig.args[2], args[2], args[3], 4)
+        store = builder.store(builder.load(src_ptr, align=4), dst_ptr, align=16)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _store_fence_intrinsic(typingctx):
+    """``sfence``: streaming stores are weakly ordered; make them visible before the block counts as done."""
+    signature = numba_types.void()
+
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fence_type = ir.FunctionType(ir.VoidType(), [])
+            builder.call(builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=fence_type), [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+# Plain aliases typed Any: mypy reads an intrinsic's Python signature (with typingctx) as its call signature.
+_streaming_copy_4: Any = _streaming_copy_4_intrinsic
+_store_fence: Any = _store_fence_intrinsic
 _copy_16 = _make_vector_copy(16)
 _copy_4 = _make_vector_copy(4)
 _add_scaled_16 = _make_vector_add_scaled(16)
@@ -203,6 +249,22 @@ def _copy(dst, dst_pos, src, src_pos, length):
     while j < count:
         dst[d0 + j] = src[s0 + j]
         j += _U1
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _copy_chunk(dst, dst_pos, src, src_pos, length, streaming):
+    """``_copy``, or with ``streaming`` non-temporal 4-float stores (``dst_pos`` and ``length`` multiples
+    of 4 and ``dst`` 16-byte aligned, which the caller checked)."""
+    if streaming:
+        d0 = np.uint64(dst_pos)
+        s0 = np.uint64(src_pos)
+        count = np.uint64(length)
+        j = np.uint64(0)
+        while j < count:
+            _streaming_copy_4(dst, d0 + j, src, s0 + j)
+            j += _U4
+    else:
+        _copy(dst, dst_pos, src, src_pos, length)
 
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
@@ -329,18 +391,23 @@ def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, ran
 
 
 @_parallel_kernel
-def _gather_kernel(weight, offsets, embedding_dim, chunk_size, out):
-    num_chunks = offsets.shape[1]
+def _gather_kernel(weight, offsets, embedding_dim, chunk_size, streaming, out):
+    num_rows, num_chunks = offsets.shape
     flat = out.reshape(-1)
-    for n in prange(offsets.shape[0]):
-        base = n * embedding_dim
-        for c in range(num_chunks):
-            start = c * chunk_size
-            _copy(flat, base + start, weight, offsets[n, c], min(chunk_size, embedding_dim - start))
+    for block in prange((num_rows + _HASH_BLOCK - 1) // _HASH_BLOCK):
+        begin = block * _HASH_BLOCK
+        for n in range(begin, min(begin + _HASH_BLOCK, num_rows)):
+            base = n * embedding_dim
+            for c in range(num_chunks):
+                start = c * chunk_size
+                length = min(chunk_size, embedding_dim - start)
+                _copy_chunk(flat, base + start, weight, offsets[n, c], length, streaming)
+        if streaming:
+            _store_fence()
 
 
 @_parallel_kernel
-def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, out):
+def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, streaming, out):
     num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
     range_size = weight.shape[0] - chunk_size + 1
     num_ids = ids.shape[0]
@@ -357,8 +424,10 @@ def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, mode, ran
             base = (begin + j) * embedding_dim
             for c in range(num_chunks):
                 start = c * chunk_size
-                src = offsets[j * num_chunks + c]
-                _copy(flat, base + start, weight, src, min(chunk_size, embedding_dim - start))
+                length = min(chunk_size, embedding_dim - start)
+                _copy_chunk(flat, base + start, weight, offsets[j * num_chunks + c], length, streaming)
+        if streaming:
+            _store_fence()
 
 
 @_parallel_kernel
@@ -726,6 +795,16 @@ def _empty(shape: tuple[int, ...], dtype: type) -> torch.Tensor:
     return torch.from_numpy(np.empty(shape, dtype=dtype))
 
 
+def _streaming(out: torch.Tensor, embedding_dim: int, chunk_size: int) -> bool:
+    """Stream rows past the cache when the batch outgrows it and every chunk lands 16-byte aligned."""
+    return (
+        out.numel() * 4 >= _STREAMING_MIN_BYTES
+        and embedding_dim % 4 == 0
+        and chunk_size % 4 == 0
+        and out.data_ptr() % 16 == 0
+    )
+
+
 def _out_rows(out: torch.Tensor | None, num_rows: int, embedding_dim: int) -> torch.Tensor:
     if out is None:
         return _empty((num_rows, embedding_dim), np.float32)
@@ -753,7 +832,14 @@ def gather(
     result = _out_rows(out, offsets.shape[0], embedding_dim)
     if offsets.shape[0]:
         set_kernel_threads()
-        _gather_kernel(weight_np, offsets.contiguous().numpy(), embedding_dim, chunk_size, result.numpy())
+        _gather_kernel(
+            weight_np,
+            offsets.contiguous().numpy(),
+            embedding_dim,
+            chunk_size,
+            _streaming(result, embedding_dim, chunk_size),
+            result.numpy(),
+        )
     return result
 
 
@@ -782,6 +868,7 @@ def lookup(
             chunk_size,
             hash_mode,
             constants,
+            _streaming(result, embedding_dim, chunk_size),
             result.numpy(),
         )
     return result

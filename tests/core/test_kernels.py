@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numba
@@ -35,6 +37,16 @@ PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 int64s = st.integers(INT64_MIN, INT64_MAX)
 id_lists = st.lists(st.one_of(int64s, st.sampled_from(EDGE_IDS)), min_size=0, max_size=40)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _num_chunks(embedding_dim: int, chunk_size: int) -> int:
@@ -237,7 +249,13 @@ def test_large_batch_paper_configuration_bit_exact():
     weight = torch.rand(262_144, generator=generator)
     for hash in HASHES:
         expected = weight[reference_indices(ids, 100, 32, 262_144, RANDOM_NUMBERS, 0, hash)]
-        assert torch.equal(kernels.lookup(weight, ids, 100, 32, RANDOM_NUMBERS, 0, hash), expected)
+        # 8 MB of rows: the streaming-store path (and at one thread, the serial copy) as well
+        assert kernels._streaming(expected, 100, 32)
+        for threads in (1, torch.get_num_threads()):
+            with _torch_threads(threads):
+                assert torch.equal(kernels.lookup(weight, ids, 100, 32, RANDOM_NUMBERS, 0, hash), expected)
+                offsets = kernels.chunk_offsets(ids, 4, 32, 262_144, RANDOM_NUMBERS, 0, hash)
+                assert torch.equal(kernels.gather(weight, offsets, 100, 32), expected)
 
 
 # --------------------------------------------------------------------------------------------------
