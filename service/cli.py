@@ -168,15 +168,28 @@ def _environment_for_workers(settings: Settings, shm_path: Path) -> dict[str, st
 
 
 def serve(settings: Settings) -> int:
-    """Prepare the shared tables, run uvicorn until it is stopped, clean up; returns an exit status."""
+    """Take the data directory, prepare the shared tables, run uvicorn until it is stopped, clean up;
+    returns an exit status. Raises ``ConflictError`` if another server holds the data directory."""
+    from .wal import ServerLock
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # Held until the workers are gone: a second server on the directory fails here, before it loads.
+    server_lock = ServerLock(settings.data_dir) if settings.data_dir is not None else None
+    try:
+        return _serve_locked(settings)
+    finally:
+        if server_lock is not None:
+            server_lock.release()
+
+
+def _serve_locked(settings: Settings) -> int:
     import uvicorn
 
     from .app import open_journal
     from .store import TableStore
 
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     journal = open_journal(settings)
     try:
         directory = TableStore.prepare(settings, journal)

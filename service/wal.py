@@ -57,10 +57,12 @@ __all__ = [
     "FSYNC_POLICIES",
     "LOG_FILE",
     "META_FILE",
+    "SERVER_LOCK_FILE",
     "CheckpointFormat",
     "FsyncPolicy",
     "LogScan",
     "RecordSpan",
+    "ServerLock",
     "SnapshotScheduler",
     "WalJournal",
     "align_checkpoint",
@@ -326,6 +328,51 @@ def _lock_data_dir(data_dir: Path, exclusive: bool) -> int | None:
         holder = "a server or another tool" if exclusive else "an offline tool (robez import / snapshot)"
         raise ConflictError(f"the data directory {data_dir} is in use by {holder}") from None
     return fd
+
+
+SERVER_LOCK_FILE = ".robez-serve.lock"
+
+
+class ServerLock:
+    """The data directory held by one ``robez serve`` for its lifetime (taken by the parent process,
+    before it loads the tables; its workers are its children and take only the shared lock).
+
+    Two locks: ``.robez-serve.lock`` exclusively, so a second server on the same directory fails at once
+    instead of interleaving its appends with ours; and ``.robez.lock`` shared, like the workers, so no
+    offline tool can run from start-up until the last worker has stopped. Both are flocks: the kernel
+    drops them when the process dies, however it dies.
+
+    Raises ``ConflictError`` (naming the other server's pid) when the directory is taken.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.data_dir / SERVER_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConflictError(
+                f"the data directory {self.data_dir} is in use by another robez serve (pid {holder}); "
+                "one server per data directory"
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._shared_fd = _lock_data_dir(self.data_dir, exclusive=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            if self._shared_fd is not None:
+                os.close(self._shared_fd)
+            os.close(self._fd)
+            self._fd = None
 
 
 def validate_table_name(name: str) -> None:

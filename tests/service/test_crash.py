@@ -304,3 +304,21 @@ def test_corruption_in_the_middle_refuses_to_start(tmp_path: Path) -> None:
         -2000:
     ]
     assert bytes(data) == log.read_bytes()  # left as found, for a person to look at
+
+
+def test_a_second_server_on_the_same_data_dir_fails_fast(
+    tmp_path: Path, server_factory: list[_Server]
+) -> None:
+    server = _Server(tmp_path / "data", tmp_path / "shm", 1, tmp_path / "server.log")
+    server_factory.append(server)
+    server.start()
+    env = {**os.environ, "ROBEZ_SHM_DIR": str(tmp_path / "shm"), "ROBEZ_DEFAULT_TABLE": "false"}
+    command = [*ROBEZ, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(_free_port())]
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=STARTUP_SECONDS)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert server.process is not None
+    assert f"in use by another robez serve (pid {server.process.pid})" in second.stderr, second.stderr[-2000:]
+    assert httpx.get(f"{server.url}/readyz", timeout=10.0).status_code == 200  # the first one is untouched
+    server.stop()
+    server.start()  # the lock went with the first server
+    server.stop()

@@ -24,6 +24,7 @@ from service.wal import (
     LOG_FILE,
     LOG_HEADER_SIZE,
     RECORD_HEADER_SIZE,
+    ServerLock,
     WalJournal,
     decode_record,
     encode_log_header,
@@ -493,6 +494,22 @@ def test_offline_tools_and_servers_exclude_each_other(tmp_path: Path) -> None:
     with pytest.raises(ConflictError, match="in use"):
         WalJournal(tmp_path)
     tool.close()
+
+
+def test_one_server_per_data_directory(tmp_path: Path) -> None:
+    first = ServerLock(tmp_path)
+    with pytest.raises(ConflictError, match=f"another robez serve \\(pid {os.getpid()}\\)"):
+        ServerLock(tmp_path)
+    WalJournal(tmp_path).close()  # its workers share the directory
+    with pytest.raises(ConflictError, match="in use"):
+        WalJournal(tmp_path, exclusive=True)  # offline tools wait for the server to stop
+    first.release()
+    first.release()  # idempotent
+    tool = WalJournal(tmp_path, exclusive=True)
+    with pytest.raises(ConflictError, match="in use"):
+        ServerLock(tmp_path)  # and a server waits for the tool
+    tool.close()
+    ServerLock(tmp_path).release()
 
 
 def test_salvage_keeps_the_records_before_mid_log_damage(journal: WalJournal) -> None:
