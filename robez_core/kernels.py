@@ -73,6 +73,9 @@ _FLOAT_PRIME_RANGE = (1 << 16, 1 << 52)
 # and a large share of L3, so caching them would only evict the table.
 _STREAMING_MIN_BYTES = 4 << 20
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+# A parallel dense backward gives each thread a private (m,) copy while they all fit in this many floats
+# (64 MB); past that, threads split the array into ranges and bucket the chunks by range.
+_PRIVATE_SCATTER_MAX_FLOATS = 16 << 20
 _HASH_BLOCK = 128  # ids hashed together, chunk by chunk, so the inner loop vectorises
 _BAG_GROUP = 64
 _FMIX_C1 = np.uint64(FMIX_C1 & 0xFFFFFFFFFFFFFFFF)
@@ -493,33 +496,82 @@ def _lookup_bag_kernel(
 # backward
 
 
-@_parallel_kernel
-def _scatter_kernel(grad_rows, offsets, embedding_dim, chunk_size, out, num_parts):
-    # Each part owns a contiguous slice of ``out`` and scans every chunk, adding only what falls in its
-    # slice: no two threads write the same location, so no atomics, and the sum order is deterministic.
+@njit(cache=True, nogil=True, error_model="numpy")
+def _scatter_serial_kernel(grad_rows, offsets, embedding_dim, chunk_size, out):
+    num_rows, num_chunks = offsets.shape
+    grads = grad_rows.reshape(-1)
+    for n in range(num_rows):
+        for c in range(num_chunks):
+            start = c * chunk_size
+            length = min(chunk_size, embedding_dim - start)
+            _add(out, offsets[n, c], grads, n * embedding_dim + start, length)
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _scatter_private_kernel(grad_rows, offsets, embedding_dim, chunk_size, out, num_parts):
+    # Small arrays: each part adds its share of rows into a private copy of ``out``, then the copies are
+    # summed location by location. No two threads write one location and the sum order is fixed.
     memory_size = out.shape[0]
     num_rows, num_chunks = offsets.shape
     grads = grad_rows.reshape(-1)
-    if num_parts == 1:
-        for n in range(num_rows):
+    partial = np.zeros((num_parts, memory_size), dtype=np.float32)
+    for part in prange(num_parts):
+        mine = partial[part]
+        for n in range(num_rows * part // num_parts, num_rows * (part + 1) // num_parts):
             for c in range(num_chunks):
                 start = c * chunk_size
                 length = min(chunk_size, embedding_dim - start)
-                _add(out, offsets[n, c], grads, n * embedding_dim + start, length)
-        return
+                _add(mine, offsets[n, c], grads, n * embedding_dim + start, length)
+    block = 4096
+    for first in prange((memory_size + block - 1) // block):
+        for i in range(first * block, min(memory_size, (first + 1) * block)):
+            total = out[i]
+            for part in range(num_parts):
+                total += partial[part, i]
+            out[i] = total
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _scatter_partitioned_kernel(grad_rows, offsets, embedding_dim, chunk_size, out, num_parts):
+    # Large arrays: part p owns locations [m * p / P, m * (p + 1) / P). Chunks are bucketed by the parts
+    # they touch (a chunk on a boundary goes to both, clipped), then each part adds its own bucket.
+    memory_size = out.shape[0]
+    num_rows, num_chunks = offsets.shape
+    grads = grad_rows.reshape(-1)
+    counts = np.zeros(num_parts + 1, dtype=np.int64)
+    for n in range(num_rows):
+        for c in range(num_chunks):
+            dst = offsets[n, c]
+            length = min(chunk_size, embedding_dim - c * chunk_size)
+            for part in range(
+                dst * num_parts // memory_size, (dst + length - 1) * num_parts // memory_size + 1
+            ):
+                counts[part + 1] += 1
+    for part in range(num_parts):
+        counts[part + 1] += counts[part]
+    bucket = np.empty(counts[num_parts], dtype=np.int64)
+    fill = counts[:num_parts].copy()
+    for n in range(num_rows):
+        for c in range(num_chunks):
+            dst = offsets[n, c]
+            length = min(chunk_size, embedding_dim - c * chunk_size)
+            for part in range(
+                dst * num_parts // memory_size, (dst + length - 1) * num_parts // memory_size + 1
+            ):
+                bucket[fill[part]] = n * num_chunks + c
+                fill[part] += 1
     for part in prange(num_parts):
         lo = memory_size * part // num_parts
         hi = memory_size * (part + 1) // num_parts
-        for n in range(num_rows):
-            for c in range(num_chunks):
-                start = c * chunk_size
-                dst = offsets[n, c]
-                # one clipped path (not an "inside" fast path plus a clipped one): LLVM kept the two-path
-                # version 2.5x slower
-                j_begin = max(0, lo - dst)
-                j_end = min(min(chunk_size, embedding_dim - start), hi - dst)
-                if j_end > j_begin:
-                    _add(out, dst + j_begin, grads, n * embedding_dim + start + j_begin, j_end - j_begin)
+        for k in range(counts[part], counts[part + 1]):
+            n = bucket[k] // num_chunks
+            c = bucket[k] % num_chunks
+            start = c * chunk_size
+            dst = offsets[n, c]
+            j_begin = max(0, lo - dst)
+            j_end = min(min(chunk_size, embedding_dim - start), hi - dst)
+            if j_end > j_begin:
+                _add(out, dst + j_begin, grads, n * embedding_dim + start + j_begin, j_end - j_begin)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -951,9 +1003,14 @@ def scatter_grad(grad_rows: torch.Tensor, offsets: torch.Tensor, chunk_size: int
     if grads.shape[0] == 0:
         return
     threads = set_kernel_threads()
-    # A part per thread (and a few more for balance) when the array is big enough to split.
-    num_parts = 1 if threads == 1 or out.shape[0] < 4096 else 4 * threads
-    _scatter_kernel(grads, offsets_np, grads.shape[1], chunk_size, out.detach().numpy(), num_parts)
+    out_np = out.detach().numpy()
+    memory_size = out.shape[0]
+    if threads == 1 or grads.shape[0] < 256:
+        _scatter_serial_kernel(grads, offsets_np, grads.shape[1], chunk_size, out_np)
+    elif memory_size * threads <= _PRIVATE_SCATTER_MAX_FLOATS:
+        _scatter_private_kernel(grads, offsets_np, grads.shape[1], chunk_size, out_np, threads)
+    else:
+        _scatter_partitioned_kernel(grads, offsets_np, grads.shape[1], chunk_size, out_np, threads)
 
 
 def coalesce_grad(

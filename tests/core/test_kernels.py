@@ -377,11 +377,19 @@ def test_coalesce_both_strategies(memory_size):
     torch.testing.assert_close(values, expected_values.float(), rtol=1e-5, atol=1e-5)
 
 
-def test_scatter_accumulates_with_many_threads_into_a_large_array():
-    grads, offsets, _, dense = _sparse_case(3000, 100, 32, 262_144, seed=5)
-    out = torch.ones(262_144)
-    kernels.scatter_grad(grads, offsets, 32, out)
-    torch.testing.assert_close(out, (dense + 1).float(), rtol=1e-5, atol=1e-4)
+@pytest.mark.parametrize("strategy", ["serial", "private", "partitioned"])
+@pytest.mark.parametrize("memory_size", [40, 5_000, 262_144])
+def test_scatter_strategies_agree(strategy, memory_size, monkeypatch: pytest.MonkeyPatch):
+    """One thread adds in order; more threads use private copies (small m) or range partitions (large m,
+    forced here by lowering the size limit), chunks straddling range boundaries included."""
+    if strategy == "partitioned":
+        monkeypatch.setattr(kernels, "_PRIVATE_SCATTER_MAX_FLOATS", 0)
+    grads, offsets, _, dense = _sparse_case(3000, 100, 32, memory_size, seed=5)
+    out = torch.ones(memory_size)
+    threads = 1 if strategy == "serial" else max(2, torch.get_num_threads())
+    with _torch_threads(threads):
+        kernels.scatter_grad(grads, offsets, 32, out)
+    torch.testing.assert_close(out, (dense + 1).float(), rtol=1e-5, atol=1e-3)
 
 
 # --------------------------------------------------------------------------------------------------
