@@ -18,9 +18,10 @@ Why the kernels are fast (32768 ids, d = 100, Z = 32, 1 thread, on the 2-core de
   every kernel releases the GIL (``nogil=True``).
 
 Compilation is cached on disk (``cache=True``): the first process compiles each signature once (about
-7 s for a lookup) and writes the result to ``__pycache__`` next to this file, or under
-``NUMBA_CACHE_DIR`` when that environment variable is set (use it when the package directory is
-read-only, e.g. a system install or a container layer). Later processes load the machine code instead:
+7 s for a lookup) and writes the result to ``__pycache__`` next to this file; when that directory is not
+writable (a system-wide install), numba uses the user's cache directory (``~/.cache/numba``), and the
+``NUMBA_CACHE_DIR`` environment variable overrides both (e.g. a volume in a container whose image was
+built read-only). Later processes load the machine code instead:
 about 0.3 s for the first kernel, 20 ms for each further one. The cache is invalidated by a change of
 this file (its modification time and size) or of the CPU model, which then recompiles once.
 
