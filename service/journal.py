@@ -1,10 +1,12 @@
 """The durability hook between the table store and a write-ahead log.
 
 ``TableStore`` (``service/store.py``) calls a ``Journal`` at fixed points, per docs/architecture.md
-"Journal hook": ``append`` under the table's cross-worker update lock, before the update is applied and
-before the response is sent; ``create`` / ``snapshot`` / ``drop`` when tables come and go; ``load`` and
-``names`` at start-up. ``NullJournal`` (no data directory) keeps nothing: tables live in memory only.
-``service/wal.py`` provides the durable implementation, ``WalJournal``.
+"Journal hook": ``append`` under the table's cross-worker update lock, before the update is applied;
+``wait_durable`` with the ticket ``append`` returned, after the lock is released and before the response
+is sent (group commit: the writers that come next append meanwhile and share one flush); ``create`` /
+``snapshot`` / ``drop`` when tables come and go; ``load`` and ``names`` at start-up. ``NullJournal`` (no
+data directory) keeps nothing: tables live in memory only. ``service/wal.py`` provides the durable
+implementation, ``WalJournal``.
 """
 
 from __future__ import annotations
@@ -53,8 +55,14 @@ class Journal(Protocol):
         """Write the first snapshot of a new table."""
         ...
 
-    def append(self, record: UpdateRecord) -> None:
-        """Log one update; durable (per the fsync policy) when this returns."""
+    def append(self, record: UpdateRecord) -> int:
+        """Log one update (written, so it survives a crash of the process, when this returns); returns a
+        ticket for ``wait_durable``. Called under the table's update lock."""
+        ...
+
+    def wait_durable(self, ticket: int) -> None:
+        """Return once the update ``append`` gave ``ticket`` for is as durable as the fsync policy
+        promises (at once where ``append`` already made it so). Called without the table's lock."""
         ...
 
     def snapshot(self, name: str, table: Table, version: int) -> None:
@@ -82,7 +90,10 @@ class NullJournal:
     def create(self, name: str, table: Table, version: int) -> None:
         pass
 
-    def append(self, record: UpdateRecord) -> None:
+    def append(self, record: UpdateRecord) -> int:
+        return 0
+
+    def wait_durable(self, ticket: int) -> None:
         pass
 
     def snapshot(self, name: str, table: Table, version: int) -> None:

@@ -768,7 +768,8 @@ class TableStore:
 
     def update(self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None) -> UpdateResult:
         """Apply the table's optimizer to the gradients ``grads`` (float32 (n, d)) of the rows of ``ids``
-        (int64 (n,)); duplicates are summed. Journalled before it is applied; nothing changes on error."""
+        (int64 (n,)); duplicates are summed. Journalled before it is applied; nothing changes on error.
+        Returns once the update is as durable as the journal's fsync policy promises."""
         entry = self._entry(name)
         table = entry.table
         self.limits.check_request(int(ids.numel()), table.config.embedding_dim)
@@ -786,11 +787,13 @@ class TableStore:
                 table.validate_grads(ids, grads)
                 chunk_offsets = table.hash(ids)
             version = locked.version + 1
-            self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
+            ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
             apply_start = time.perf_counter()
             table.apply_gradients_at(chunk_offsets, grads, applied_lr)
             applied = time.perf_counter()
             locked.counters[_VERSION] = version
+        # Outside the lock (group commit): the next updates append while this one waits for its flush.
+        self.journal.wait_durable(ticket)
         return UpdateResult(version, hashed - start, applied - apply_start)
 
     def warm_up(self) -> None:

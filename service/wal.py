@@ -430,15 +430,20 @@ class WalJournal:
     Args:
         data_dir: root folder; created if missing.
         fsync: ``"always"`` — ``append`` returns after the record is written and fdatasync'ed;
-            ``"interval"`` — ``append`` returns after ``write`` (the record survives a crash of the
-            process), a background thread fdatasyncs every ``fsync_interval_ms`` (an OS crash or power
-            loss can lose the last interval's updates); ``"never"`` — the OS writes back when it likes.
-        fsync_interval_ms: period of the background flush for ``"interval"``.
+            ``"interval"`` — group commit: ``append`` returns after ``write`` with a ticket, and
+            ``wait_durable(ticket)`` returns once a background thread's fdatasync has covered the record
+            (it flushes at most every ``fsync_interval_ms``, as soon as the interval has passed when a
+            record is waiting, so one fdatasync serves every update written meanwhile);
+            ``"never"`` — the OS writes back when it likes. Every policy survives ``kill -9``.
+        fsync_interval_ms: the least time between two flushes for ``"interval"``.
         snapshot_every_updates: take a snapshot once the log holds this many records (0: never).
         snapshot_every_seconds: take one when the last is older than this and the log is not empty (0: never).
         exclusive: lock the data directory for this journal alone (offline tools); servers share it. Either
             way a conflicting holder makes the constructor raise ``ConflictError``.
     """
+
+    # How long ``wait_durable`` waits for the flusher before giving up (a healthy flush takes ms).
+    WAIT_LIMIT_SECONDS = 60.0
 
     def __init__(
         self,
@@ -473,6 +478,16 @@ class WalJournal:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
+        # Group commit ("interval"): tickets are numbered in append order within this process. The
+        # condition's lock guards the numbers below and every log's ``dirty`` flag; never held across an
+        # fdatasync. Lock order: ``_lock``, then this one.
+        self._tickets = threading.Lock()
+        self._work = threading.Condition(self._tickets)  # the flusher waits here for records
+        self._flushed = threading.Condition(self._tickets)  # writers wait here for their ticket
+        self._issued = 0  # the last ticket handed out
+        self._flushed_through = 0  # the last ticket a finished flush round covered (or tried to)
+        self._durable_through = 0  # the last ticket known durable
+        self._flush_error: OSError | None = None  # sticky: see wait_durable
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WalJournal:
@@ -533,11 +548,14 @@ class WalJournal:
                 shutil.rmtree(staging, ignore_errors=True)
         self._forget_log(name)
 
-    def append(self, record: UpdateRecord) -> None:
-        """Write one record; returns when it is as durable as the fsync policy promises.
+    def append(self, record: UpdateRecord) -> int:
+        """Write one record; returns a ticket for ``wait_durable``.
 
-        If the write fails the file is cut back to where it was and the error raised, so a failed append
-        leaves no partial record for later appends to follow (which recovery would call corruption).
+        ``always``: the record is fdatasync'ed before this returns (ticket 0: nothing to wait for).
+        ``interval``: the record is written (it survives ``kill -9``); ``wait_durable(ticket)`` waits for
+        the flush that covers it. ``never``: written, ticket 0. If the write fails the file is cut back
+        to where it was and the error raised, so a failed append leaves no partial record for later
+        appends to follow (which recovery would call corruption).
         """
         log = self._log_for_append(record.table)
         if record.version <= log.base_version:
@@ -559,9 +577,39 @@ class WalJournal:
         except BaseException:
             os.ftruncate(log.fd, size_before)
             raise
-        if self.fsync == "interval":
+        if self.fsync != "interval":
+            return 0
+        self._ensure_flusher()
+        with self._tickets:
             log.dirty = True
-            self._ensure_flusher()
+            self._issued += 1
+            self._work.notify()
+            return self._issued
+
+    def wait_durable(self, ticket: int) -> None:
+        """Return once the record of ``ticket`` (from ``append``) is as durable as the policy promises:
+        at once for ``always`` / ``never`` (ticket 0); for ``interval`` after a flush covering it.
+
+        Called without the table's update lock, so the next writers can append meanwhile and share the
+        flush. If a flush fails, this raises ``OSError`` for its records and for every later ticket of
+        this journal (a failed fdatasync may have dropped the pages: a later one that succeeds proves
+        nothing about them); the server must be restarted, which recovers from what is on disk.
+        """
+        if ticket <= 0:
+            return
+        deadline = time.monotonic() + self.WAIT_LIMIT_SECONDS
+        with self._tickets:
+            while self._durable_through < ticket:
+                if self._flush_error is not None:
+                    raise OSError(
+                        self._flush_error.errno,
+                        f"the update log could not be flushed to disk ({self._flush_error}); the update "
+                        "was applied but may not survive a power loss: restart the server",
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise OSError(f"the update log was not flushed within {self.WAIT_LIMIT_SECONDS:g} s")
+                self._flushed.wait(remaining)
 
     def snapshot(self, name: str, table: Table, version: int) -> None:
         """Commit a snapshot of ``table`` at ``version`` and start an empty log after it."""
@@ -621,16 +669,20 @@ class WalJournal:
         shutil.rmtree(doomed, ignore_errors=True)
 
     def close(self) -> None:
-        """Stop the flusher, fdatasync every log written since its last flush, close the files."""
+        """Stop the flusher, fdatasync every log written since its last flush (waking the writers waiting
+        for it), close the files."""
         self._closed.set()
+        with self._tickets:
+            self._work.notify_all()
         if self._flusher is not None:
             self._flusher.join(timeout=10.0)
         with self._lock:
-            for log in self._logs.values():
-                if log.dirty:
-                    _sync_data(log.fd)
-                os.close(log.fd)
-            self._logs.clear()
+            try:
+                self._flush_round()
+            finally:
+                for log in self._logs.values():
+                    os.close(log.fd)
+                self._logs.clear()
         if self._dir_lock is not None:
             os.close(self._dir_lock)
             self._dir_lock = None
@@ -832,20 +884,31 @@ class WalJournal:
         new_log = _OpenLog(fd, os.fstat(fd).st_ino, generation, base_version, dim)
         with self._lock:
             old = self._logs.pop(name, None)
-            if old is not None:
-                if old.dirty:
-                    _sync_data(old.fd)
-                os.close(old.fd)
             self._logs[name] = new_log
+            if old is not None:
+                self._close_log(old)
         return new_log
 
     def _forget_log(self, name: str) -> None:
         with self._lock:
             old = self._logs.pop(name, None)
             if old is not None:
-                if old.dirty:
-                    _sync_data(old.fd)
-                os.close(old.fd)
+                self._close_log(old)
+
+    def _close_log(self, log: _OpenLog) -> None:
+        """fdatasync a log this process wrote since the last flush, then close it; caller holds
+        ``_lock``. The flusher no longer sees it, so a failure here fails the waiting writers too."""
+        try:
+            if log.dirty:
+                _sync_data(log.fd)
+                log.dirty = False
+        except OSError as error:
+            with self._tickets:
+                self._flush_error = self._flush_error or error
+                self._flushed.notify_all()
+            raise
+        finally:
+            os.close(log.fd)
 
     def _ensure_flusher(self) -> None:
         if self._flusher is None or not self._flusher.is_alive():
@@ -854,18 +917,53 @@ class WalJournal:
             self._flusher.start()
 
     def _flush_loop(self) -> None:
+        """Group commit: sleep until a record is written, flush once the interval since the last flush
+        has passed, wake the writers it covered. With several workers each flushes its own descriptors;
+        fdatasync of any descriptor flushes the file's data whoever wrote it, so a worker's flush may
+        also cover another's records, never less than its own."""
         period = self.fsync_interval_ms / 1000.0
-        while not self._closed.wait(period):
+        last_flush = -period
+        while not self._closed.is_set():
+            with self._tickets:
+                if self._issued == self._flushed_through:
+                    # Bounded wait: re-checks the closed flag even if a wake-up were missed.
+                    self._work.wait(timeout=1.0)
+                    continue
+            if self._closed.wait(max(0.0, last_flush + period - time.monotonic())):
+                return  # close() flushes what is left
+            last_flush = time.monotonic()
             with self._lock:
-                for log in self._logs.values():
-                    if log.dirty:
-                        # Cleared before the sync: a record written meanwhile keeps it set for next time.
-                        log.dirty = False
-                        try:
-                            _sync_data(log.fd)
-                        except OSError:
-                            log.dirty = True
-                            logger.exception("background fdatasync of a table log failed")
+                try:
+                    self._flush_round()
+                except OSError:
+                    logger.exception("background fdatasync of a table log failed; updates now fail")
+
+    def _flush_round(self) -> None:
+        """fdatasync every log written since its last flush and mark the tickets issued before as
+        durable; caller holds ``_lock`` (which keeps the descriptors open). Raises on a failed sync,
+        after recording it for ``wait_durable``."""
+        with self._tickets:
+            # Every record of a ticket up to here was written and its log marked dirty before it got
+            # the ticket, so the syncs below cover them all (a log closed meanwhile was synced then).
+            target = self._issued
+            dirty = [log for log in self._logs.values() if log.dirty]
+            for log in dirty:
+                log.dirty = False
+        error: OSError | None = None
+        for log in dirty:
+            try:
+                _sync_data(log.fd)
+            except OSError as exc:
+                error = error or exc
+        with self._tickets:
+            self._flushed_through = max(self._flushed_through, target)
+            if error is None:
+                self._durable_through = max(self._durable_through, target)
+            else:
+                self._flush_error = self._flush_error or error
+            self._flushed.notify_all()
+        if error is not None:
+            raise error
 
 
 # ---------------------------------------------------------------------------------------------------------

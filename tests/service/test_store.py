@@ -87,12 +87,13 @@ class RecordingJournal(NullJournal):
     def create(self, name: str, table: Table, version: int) -> None:
         self.events.append(("create", name, version))
 
-    def append(self, record: UpdateRecord) -> None:
+    def append(self, record: UpdateRecord) -> int:
         assert self.store is not None
         self.weights_at_append.append(self.store.table(record.table).weight.clone())
         if self.fail_append:
             raise OSError("disk full")
         self.records.append(record)
+        return 0
 
     def snapshot(self, name: str, table: Table, version: int) -> None:
         self.events.append(("snapshot", name, version))
@@ -410,3 +411,40 @@ def test_a_load_switches_every_table_sharing_the_array(
     store.delete("b")
     assert not list(directory.locks_dir.iterdir()) and not list(directory.arrays_dir.iterdir())
     store.close()
+
+
+def test_an_interval_update_waits_for_its_flush_without_holding_the_lock(
+    settings: Settings, directory: SharedDirectory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import service.wal
+
+    entered, released = threading.Event(), threading.Event()
+
+    def held_sync(fd: int) -> None:
+        entered.set()
+        assert released.wait(timeout=30)
+
+    journal = WalJournal(tmp_path / "data", fsync="interval", fsync_interval_ms=5.0)
+    store = TableStore(directory, settings, journal)
+    store.create("t", TableSpec(CONFIG, OptimizerConfig()))
+    monkeypatch.setattr(service.wal, "_sync_data", held_sync)
+    versions: list[int] = []
+    writer = threading.Thread(
+        target=lambda: versions.append(store.update("t", torch.tensor([1]), torch.ones(1, 8)).version)
+    )
+    writer.start()
+    try:
+        assert entered.wait(timeout=30)
+        # The writer is waiting for its flush, and the table's lock is free meanwhile: the next writers
+        # (here a snapshot's exclusive hold) get in and would share the next flush.
+        with store.exclusive("t") as (_, version):
+            assert version == 1
+        assert not versions and writer.is_alive()  # no response before the record is on disk
+    finally:
+        released.set()
+        writer.join(timeout=30)
+    assert versions == [1]
+    store.close()
+    journal.close()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from service.wal import (
     LOG_FILE,
     LOG_HEADER_SIZE,
     RECORD_HEADER_SIZE,
+    FsyncPolicy,
     ServerLock,
     WalJournal,
     decode_record,
@@ -201,10 +204,11 @@ class _Server:
     def update(self, num_ids: int = 3, lr: float = 0.05) -> None:
         ids = torch.randint(0, 50, (num_ids,), generator=self.generator)
         grads = torch.randn(num_ids, self.table.config.embedding_dim, generator=self.generator)
-        self.journal.append(UpdateRecord(self.name, self.version + 1, ids, grads, lr))
+        ticket = self.journal.append(UpdateRecord(self.name, self.version + 1, ids, grads, lr))
         self.table.apply_gradients(ids, grads, lr)
         self.version += 1
         self.updates.append((ids, grads, lr))
+        self.journal.wait_durable(ticket)
 
 
 def _oracle(initial: Table, updates: list[tuple[Tensor, Tensor, float]]) -> Table:
@@ -420,6 +424,113 @@ def test_interval_policy_flushes_in_the_background(tmp_path: Path) -> None:
     loaded = WalJournal(tmp_path, fsync="never").load("t")
     assert loaded is not None and loaded[1] == 2
     _assert_same(loaded[0], server.table)
+
+
+class _GatedSync:
+    """Stands in for the log's fdatasync: counts calls, and holds the first one until ``release``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.entered, self.released = threading.Event(), threading.Event()
+
+    def __call__(self, fd: int) -> None:
+        self.calls += 1
+        self.entered.set()
+        assert self.released.wait(timeout=30)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def _waiter(wal: WalJournal, ticket: int, done: list[int], errors: list[BaseException]) -> threading.Thread:
+    def wait() -> None:
+        try:
+            wal.wait_durable(ticket)
+            done.append(ticket)
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    return thread
+
+
+def test_group_commit_one_flush_serves_every_writer_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """interval: writers wait for the flush that covers their record, and the records written while a
+    flush runs all share the next one."""
+    import service.wal
+
+    sync = _GatedSync()
+    wal = WalJournal(tmp_path, fsync="interval", fsync_interval_ms=20.0)
+    generator = torch.Generator().manual_seed(0)
+
+    def append(version: int) -> int:
+        ids, grads = _random_update(generator, 3, DIM)
+        return wal.append(UpdateRecord("t", version, ids, grads, 0.1))
+
+    try:
+        wal.create("t", _table(), 0)
+        monkeypatch.setattr(service.wal, "_sync_data", sync)
+        done: list[int] = []
+        errors: list[BaseException] = []
+        first = append(1)
+        threads = [_waiter(wal, first, done, errors)]
+        assert sync.entered.wait(timeout=30)  # the first flush started at once (no flush for 20 ms)
+        later = [append(version) for version in range(2, 9)]
+        threads += [_waiter(wal, ticket, done, errors) for ticket in later]
+        for _ in range(20):  # the writers cannot be done: their flush is held
+            assert not done and not errors
+            time.sleep(0.01)
+        sync.release()
+        for thread in threads:
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+        assert not errors and sorted(done) == [first, *later]
+        assert sync.calls == 2  # one flush for the first writer, one for the seven written meanwhile
+        assert later == list(range(first + 1, first + 8))
+    finally:
+        wal.close()
+
+
+def test_a_failed_flush_fails_its_writers_and_every_later_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import service.wal
+
+    def broken_disk(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    wal = WalJournal(tmp_path, fsync="interval", fsync_interval_ms=1.0)
+    generator = torch.Generator().manual_seed(1)
+    try:
+        wal.create("t", _table(), 0)
+        monkeypatch.setattr(service.wal, "_sync_data", broken_disk)
+        ids, grads = _random_update(generator, 3, DIM)
+        ticket = wal.append(UpdateRecord("t", 1, ids, grads, 0.1))
+        with pytest.raises(OSError, match="could not be flushed"):
+            wal.wait_durable(ticket)
+        monkeypatch.undo()  # a later fdatasync that succeeds proves nothing about the lost pages
+        ticket = wal.append(UpdateRecord("t", 2, ids, grads, 0.1))
+        with pytest.raises(OSError, match="restart the server"):
+            wal.wait_durable(ticket)
+    finally:
+        with contextlib.suppress(OSError):
+            wal.close()
+
+
+@pytest.mark.parametrize("policy", ["always", "never"])
+def test_always_and_never_have_nothing_to_wait_for(tmp_path: Path, policy: FsyncPolicy) -> None:
+    wal = WalJournal(tmp_path, fsync=policy)
+    try:
+        wal.create("t", _table(), 0)
+        ids, grads = _random_update(torch.Generator().manual_seed(2), 3, DIM)
+        assert wal.append(UpdateRecord("t", 1, ids, grads, 0.1)) == 0
+        wal.wait_durable(0)
+        assert wal._flusher is None
+    finally:
+        wal.close()
 
 
 def test_a_failed_write_leaves_no_partial_record(
