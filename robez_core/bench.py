@@ -683,7 +683,9 @@ def render_markdown(
 
 
 def render_plot(result: BenchResult, path: Path) -> None:
-    """Stacked horizontal bars (forward / gradcomp / backward) per row, one panel per thread count."""
+    """Per row, the share of a training step spent in forward / gradcomp / backward (100% stacked bars,
+    so rows of very different totals stay readable), the total step time written at the bar's end; one
+    panel per thread count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -696,24 +698,28 @@ def render_plot(result: BenchResult, path: Path) -> None:
         sum(1 for r in result.runs if r.threads == t and not r.skipped) for t in thread_counts
     )
     fig, axes = plt.subplots(
-        1, len(thread_counts), figsize=(7 * len(thread_counts), 1.5 + 0.28 * rows_per_panel), squeeze=False
+        1, len(thread_counts), figsize=(7.5 * len(thread_counts), 1.5 + 0.28 * rows_per_panel), squeeze=False
     )
     colors = {"forward": "#4c72b0", "gradcomp": "#dd8452", "backward": "#55a868"}
     for ax, threads in zip(axes[0], thread_counts, strict=True):
         runs = [r for r in result.runs if r.threads == threads and not r.skipped]
         labels = [r.config.label for r in runs]
+        totals = np.array([r.total_ms for r in runs])
         left = np.zeros(len(runs))
         for phase, color in colors.items():
-            values = np.array([getattr(r, f"{phase}_ms") for r in runs])
-            ax.barh(labels, values, left=left, color=color, label=phase)
-            left += values
-        ax.set_xscale("log")
+            share = 100 * np.array([getattr(r, f"{phase}_ms") for r in runs]) / totals
+            ax.barh(labels, share, left=left, color=color, label=phase)
+            left += share
+        for y, total in enumerate(totals):
+            ax.text(101, y, f"{total:.1f} ms", va="center", fontsize=7)
+        ax.set_xlim(0, 125)
         ax.invert_yaxis()
-        ax.set_xlabel("ms per training step (log scale)")
+        ax.set_xlabel("% of a training step (total at the right)")
         ax.set_title(f"{threads} thread{'s' if threads != 1 else ''}")
         ax.tick_params(axis="y", labelsize=7)
-        ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper center", ncol=len(colors), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
