@@ -1,10 +1,12 @@
 """What durability costs: update throughput with fsync always / interval / never, and without a log.
 
-Runs the server's update path without HTTP: per update, ``WalJournal.append`` (encode, CRC32, write,
-and fdatasync as the policy says) then the fused optimizer step on the table, one update at a time in
-order, as the store does under a table's update lock. A run with no journal at all is the baseline.
+Runs the server's update path without HTTP, as ``TableStore.update`` does: under a table lock,
+``WalJournal.append`` (encode, CRC32, write, and fdatasync for ``always``) then the fused optimizer
+step; then, with the lock released, ``wait_durable`` (the group-commit wait of ``interval``). ``--writers``
+runs that many threads pushing updates at once (as concurrent requests would), so ``interval``'s shared
+flushes show. A run with no journal at all is the baseline.
 
-    python -m service.bench_durability [--updates 2000] [--ids 256] [--dim 64] [--data-dir DIR]
+    python -m service.bench_durability [--updates 2000] [--ids 256] [--writers 1,8] [--data-dir DIR]
 
 Prints a Markdown table (updates/s, latency percentiles, log bytes per update) plus the machine and
 command, ready for docs/benchmarks/durability-<date>.md. The data directory must be on the disk whose
@@ -22,6 +24,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,8 +48,10 @@ def _run(
     table: Table,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     data_dir: Path,
+    writers: int = 1,
 ) -> dict[str, float]:
-    """Apply every batch once under ``policy``; returns throughput and latency figures."""
+    """Apply every batch once under ``policy`` from ``writers`` threads; returns throughput and latency
+    figures (latency: from hashing to the end of the durability wait, lock waits included)."""
     journal = None
     folder = data_dir / policy.replace(":", "-")
     if policy != "none":
@@ -54,15 +59,36 @@ def _run(
         journal = WalJournal(folder, fsync=fsync, fsync_interval_ms=float(interval or 10))  # type: ignore[arg-type]
         journal.create("bench", table, 0)
     lr = table.optimizer.lr
+    table_lock = threading.Lock()
+    state = {"next": 0, "version": 0}
     latencies: list[float] = []
+
+    def push() -> None:
+        while True:
+            with table_lock:  # hands out batches too: each is pushed once, in order of taking
+                index = state["next"]
+                state["next"] += 1
+            if index >= len(batches):
+                return
+            ids, grads = batches[index]
+            begin = time.perf_counter()
+            offsets = table.hash(ids)
+            ticket = 0
+            with table_lock:
+                state["version"] += 1
+                if journal is not None:
+                    ticket = journal.append(UpdateRecord("bench", state["version"], ids, grads, lr))
+                table.apply_gradients_at(offsets, grads, lr)
+            if journal is not None:
+                journal.wait_durable(ticket)
+            latencies.append(time.perf_counter() - begin)
+
+    threads = [threading.Thread(target=push) for _ in range(writers)]
     start = time.perf_counter()
-    for version, (ids, grads) in enumerate(batches, start=1):
-        begin = time.perf_counter()
-        offsets = table.hash(ids)
-        if journal is not None:
-            journal.append(UpdateRecord("bench", version, ids, grads, lr))
-        table.apply_gradients_at(offsets, grads, lr)
-        latencies.append(time.perf_counter() - begin)
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     elapsed = time.perf_counter() - start
     log_bytes = 0
     if journal is not None:
@@ -93,7 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--data-dir", type=Path, default=None, help="where the logs go (default: ./.bench-wal-*)"
     )
     parser.add_argument("--threads", type=int, default=1, help="kernel threads (torch.set_num_threads)")
+    parser.add_argument(
+        "--writers",
+        default="1",
+        help="comma-separated counts of concurrent writer threads to run each policy with",
+    )
     args = parser.parse_args(argv)
+    writer_counts = [int(count) for count in args.writers.split(",") if count]
     torch.set_num_threads(args.threads)
 
     config = TableConfig(num_embeddings=10_000_000, embedding_dim=args.dim, memory_size=args.memory_size)
@@ -108,14 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = (
         args.data_dir if args.data_dir is not None else Path(tempfile.mkdtemp(prefix=".bench-wal-", dir="."))
     )
-    setups = _setups([float(ms) for ms in args.intervals_ms.split(",") if ms])
-    results: dict[str, list[dict[str, float]]] = {setup: [] for setup in setups}
+    policies = _setups([float(ms) for ms in args.intervals_ms.split(",") if ms])
+    setups = [(writers, policy) for writers in writer_counts for policy in policies]
+    results: dict[tuple[int, str], list[dict[str, float]]] = {setup: [] for setup in setups}
     try:
         _run("none", Table(config, OptimizerConfig("sgd")), batches[:50], root / "warmup")
         for repeat in range(args.repeats):
-            for policy in setups:  # interleaved, so drift on a shared machine hits every policy alike
+            for writers, policy in setups:  # interleaved, so drift on a shared machine hits all alike
                 run_dir = root / f"run{repeat}"
-                results[policy].append(_run(policy, Table(config, OptimizerConfig("sgd")), batches, run_dir))
+                table = Table(config, OptimizerConfig("sgd"))
+                results[(writers, policy)].append(_run(policy, table, batches, run_dir, writers))
                 shutil.rmtree(run_dir, ignore_errors=True)
     finally:
         if args.data_dir is None:
@@ -128,14 +162,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"- log directory on: {_filesystem(root)}")
     print(
         f"- workload: {args.updates} updates x {args.repeats} runs per policy, N={args.ids} ids, "
-        f"d={args.dim}, m={args.memory_size}, sgd, {args.threads} kernel thread(s)"
+        f"d={args.dim}, m={args.memory_size}, sgd, {args.threads} kernel thread(s), "
+        f"writer threads: {', '.join(map(str, writer_counts))}"
     )
     print()
-    print("| fsync policy | updates/s | p50 ms | p99 ms | log bytes/update | vs no log |")
-    print("|---|---:|---:|---:|---:|---:|")
-    baseline = statistics.median(r["updates_per_s"] for r in results["none"])
-    for policy in setups:
-        runs = results[policy]
+    print("| writers | fsync policy | updates/s | p50 ms | p99 ms | log bytes/update | vs no log |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for writers, policy in setups:
+        baseline = statistics.median(r["updates_per_s"] for r in results[(writers, "none")])
+        runs = results[(writers, policy)]
         rate = statistics.median(r["updates_per_s"] for r in runs)
         p50 = statistics.median(r["p50_ms"] for r in runs)
         p99 = statistics.median(r["p99_ms"] for r in runs)
@@ -143,7 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         label = (
             "no data dir" if policy == "none" else policy.replace(":", " ") + (" ms" if ":" in policy else "")
         )
-        print(f"| {label} | {rate:,.0f} | {p50:.3f} | {p99:.3f} | {size:,.0f} | {rate / baseline:.2f}x |")
+        print(
+            f"| {writers} | {label} | {rate:,.0f} | {p50:.3f} | {p99:.3f} | {size:,.0f} | "
+            f"{rate / baseline:.2f}x |"
+        )
     return 0
 
 
