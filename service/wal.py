@@ -579,8 +579,8 @@ class WalJournal:
             raise
         if self.fsync != "interval":
             return 0
-        self._ensure_flusher()
         with self._tickets:
+            self._ensure_flusher()  # under the lock: two first appends must not start two flushers
             log.dirty = True
             self._issued += 1
             self._work.notify()
