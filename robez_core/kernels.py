@@ -295,16 +295,18 @@ def _add(dst, dst_pos, src, src_pos, length):
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
 def _paper_float_offset(h, prime, inv_prime, range_size, inv_range):
-    """``(h mod P) mod range`` (floor mods) for any int64 ``h`` when 2**16 <= P < 2**52, branch-free.
+    """``(h mod P) mod range`` (floor mods) of the uint64 bit pattern ``h`` read as int64, for
+    2**16 <= P < 2**52, branch-free.
 
     The float quotient of ``h / P`` is within 0.05 of the true one (|h/P| < 2**47, relative error
-    < 2**-51), so its truncation is off by at most two and ``h - q * P`` (exact even when it wraps,
-    because the true value is small) needs at most two corrections. ``x < P < 2**52`` is exact in
-    float64, so the second reduction is off by at most one. Every step is a plain vector instruction
-    (int64 <-> float64 conversion, multiply, compare), so LLVM runs eight ids per AVX-512 step.
+    < 2**-51), so its truncation is off by at most two and ``h - q * P`` (computed in uint64: the true
+    value is small, so wrapping arithmetic gets it exactly) needs at most two corrections.
+    ``x < P < 2**52`` is exact in float64, so the second reduction is off by at most one. Every step is a
+    plain vector instruction (int64 <-> float64 conversion, multiply, compare), so LLVM runs eight ids per
+    AVX-512 step.
     """
-    q = np.int64(np.float64(h) * inv_prime)
-    x = h - q * prime
+    q = np.int64(np.float64(np.int64(h)) * inv_prime)
+    x = np.int64(h - np.uint64(q) * np.uint64(prime))  # |x| < 3P: the signed steps below cannot overflow
     x += prime * np.int64(x < 0)
     x += prime * np.int64(x < 0)
     x -= prime * np.int64(x >= prime)
@@ -317,7 +319,7 @@ def _paper_float_offset(h, prime, inv_prime, range_size, inv_range):
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
 def _fast_offset(h, range_size_u):
-    u = np.uint64(h)
+    u = h
     u ^= u >> _SHIFT_33
     u *= _FMIX_C1
     u ^= u >> _SHIFT_33
@@ -332,13 +334,18 @@ def _hash_block(
 ):
     """Chunk offsets of ``ids[begin:begin + count]`` into ``out[out_pos + j * num_chunks + c]``.
 
-    ``count <= _HASH_BLOCK``; ``scratch`` is int64 (2, _HASH_BLOCK). Chunks are the outer loop and ids
+    ``count <= _HASH_BLOCK``; ``scratch`` is uint64 (2, _HASH_BLOCK). Chunks are the outer loop and ids
     the inner one, so each inner loop is a straight vectorisable pass over the block.
+
+    The key arithmetic (``(x + val_offset) * R[3] + c * R[2] + R[1]``) runs on uint64: numba marks signed
+    integer arithmetic "no signed wrap" for LLVM, which makes an int64 overflow undefined behaviour,
+    whereas unsigned arithmetic wraps by definition, and two's complement gives the same bits.
     """
     prime = random_numbers[0]
-    r1 = random_numbers[1]
-    r2 = random_numbers[2]
-    multiplier = random_numbers[3] | 1 if mode == _MODE_FAST else random_numbers[3]
+    r1 = np.uint64(random_numbers[1])
+    r2 = np.uint64(random_numbers[2])
+    multiplier = np.uint64(random_numbers[3] | 1 if mode == _MODE_FAST else random_numbers[3])
+    offset_u = np.uint64(val_offset)
     inv_prime = 1.0 / prime
     inv_range = 1.0 / range_size
     range_size_u = np.uint64(range_size)
@@ -347,24 +354,25 @@ def _hash_block(
     first = np.uint64(begin)
     n = np.uint64(count)
     for j in range(n):
-        key_terms[j] = (ids[first + j] + val_offset) * multiplier  # int64, wraps like torch
+        key_terms[j] = (np.uint64(ids[first + j]) + offset_u) * multiplier
     stride = np.uint64(num_chunks)
     for c in range(num_chunks):
-        chunk_term = c * r2 + r1
+        chunk_term = np.uint64(c) * r2 + r1
         if mode == _MODE_PAPER_FLOAT:
             for j in range(n):
-                column[j] = _paper_float_offset(
-                    key_terms[j] + chunk_term, prime, inv_prime, range_size, inv_range
+                column[j] = np.uint64(
+                    _paper_float_offset(key_terms[j] + chunk_term, prime, inv_prime, range_size, inv_range)
                 )
         elif mode == _MODE_FAST:
             for j in range(n):
-                column[j] = _fast_offset(key_terms[j] + chunk_term, range_size_u)
+                column[j] = np.uint64(_fast_offset(key_terms[j] + chunk_term, range_size_u))
         else:
             for j in range(n):
-                column[j] = ((key_terms[j] + chunk_term) % prime) % range_size
+                # floor mods of the int64 reading of the wrapped key; neither can overflow (P > 0)
+                column[j] = np.uint64((np.int64(key_terms[j] + chunk_term) % prime) % range_size)
         base = np.uint64(out_pos) + np.uint64(c)
         for j in range(n):
-            out[base + j * stride] = column[j]
+            out[base + j * stride] = np.int64(column[j])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -377,7 +385,7 @@ def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, ran
     flat = out.reshape(-1)
     for block in prange((num_ids + _HASH_BLOCK - 1) // _HASH_BLOCK):
         begin = block * _HASH_BLOCK
-        scratch = np.empty((2, _HASH_BLOCK), dtype=np.int64)
+        scratch = np.empty((2, _HASH_BLOCK), dtype=np.uint64)
         count = min(_HASH_BLOCK, num_ids - begin)
         _hash_block(
             ids,
@@ -419,7 +427,7 @@ def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, mode, ran
     for block in prange((num_ids + _HASH_BLOCK - 1) // _HASH_BLOCK):
         begin = block * _HASH_BLOCK
         count = min(_HASH_BLOCK, num_ids - begin)
-        scratch = np.empty((2, _HASH_BLOCK), dtype=np.int64)
+        scratch = np.empty((2, _HASH_BLOCK), dtype=np.uint64)
         offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
         _hash_block(
             ids, begin, count, val_offset, num_chunks, mode, random_numbers, range_size, scratch, offsets, 0
@@ -456,7 +464,7 @@ def _lookup_bag_kernel(
     flat = out.reshape(-1)
     # Bags are taken a group at a time so the hashing scratch is allocated per group, not per bag.
     for group in prange((num_bags + _BAG_GROUP - 1) // _BAG_GROUP):
-        scratch = np.empty((2, _HASH_BLOCK), dtype=np.int64)
+        scratch = np.empty((2, _HASH_BLOCK), dtype=np.uint64)
         offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
         for b in range(group * _BAG_GROUP, min(num_bags, (group + 1) * _BAG_GROUP)):
             begin = bag_offsets[b]
