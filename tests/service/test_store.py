@@ -448,3 +448,46 @@ def test_an_interval_update_waits_for_its_flush_without_holding_the_lock(
     assert versions == [1]
     store.close()
     journal.close()
+
+
+def test_lookups_during_repeated_loads_see_one_table_or_the_other_never_a_mix(
+    settings: Settings, directory: SharedDirectory
+) -> None:
+    import threading
+
+    loader, reader = (TableStore(directory, settings, NullJournal()) for _ in range(2))
+    big = TableConfig(num_embeddings=100_000, embedding_dim=8, memory_size=1 << 20, chunk_size=4)
+    loader.create("t", TableSpec(big, OptimizerConfig()))
+    checkpoints = [_loaded(big, OptimizerConfig(), seed) for seed in (5, 6)]
+    ids = torch.arange(0, 100_000, 11)
+    expected = [checkpoint.lookup(ids) for checkpoint in checkpoints]
+    loader.restore("t", checkpoints[0], 0)
+    done = threading.Event()
+    seen: list[int] = []
+    failures: list[str] = []
+
+    def look() -> None:
+        for _ in range(5000):  # bounded; stops once the loads are done
+            rows = reader.lookup("t", ids).rows
+            matches = [index for index, want in enumerate(expected) if torch.equal(rows, want)]
+            if len(matches) != 1:
+                failures.append("a lookup returned rows of neither checkpoint")
+                return
+            seen.append(matches[0])
+            if done.is_set():
+                return
+
+    thread = threading.Thread(target=look)
+    thread.start()
+    try:
+        for load in range(1, 400):  # until the reader has looked up often enough while loads ran
+            loader.restore("t", checkpoints[load % 2], 0)
+            if (len(seen) >= 100 and load >= 20) or failures:
+                break
+    finally:
+        done.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive() and not failures and seen
+    assert not list(directory.arrays_dir.glob("*.weight"))[1:]  # one array left: the others were freed
+    loader.close()
+    reader.close()
