@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numba
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -375,6 +376,26 @@ def test_coalesce_both_strategies(memory_size):
     )
     assert torch.equal(locations, expected_locations)
     torch.testing.assert_close(values, expected_values.float(), rtol=1e-5, atol=1e-5)
+
+
+@PROPERTY
+@given(keys=st.lists(st.one_of(st.integers(0, 50), st.integers(0, INT64_MAX)), max_size=300))
+def test_radix_argsort_is_a_stable_argsort(keys):
+    array = np.array(keys, dtype=np.int64)
+    assert np.array_equal(kernels._radix_argsort(array), np.argsort(array, kind="stable"))
+
+
+def test_coalesce_merges_touching_and_overlapping_chunks():
+    """Chunks that overlap, touch end to start, nest, or repeat, on the dense and the sorted path."""
+    offsets = torch.tensor([[40, 0], [48, 4], [10, 14], [40, 0], [200, 1000]], dtype=torch.int64)
+    grads = torch.arange(5 * 12, dtype=torch.float32).reshape(5, 12)  # d = 12, Z = 8: chunks of 8 and 4
+    for memory_size in (1_010, 10**12):  # dense scratch buffer, then the sort
+        locations, values = kernels.coalesce_grad(grads, offsets, 8, memory_size)
+        indices = offsets[:, torch.arange(12) // 8] + torch.arange(12) % 8
+        expected_locations, inverse = torch.unique(indices.reshape(-1), return_inverse=True)
+        expected_values = torch.zeros(len(expected_locations)).index_add_(0, inverse, grads.reshape(-1))
+        assert torch.equal(locations, expected_locations)
+        assert torch.equal(values, expected_values)
 
 
 @pytest.mark.parametrize("strategy", ["serial", "private", "partitioned"])
