@@ -51,8 +51,9 @@ class Settings(BaseSettings):
     # Write-ahead log (service/wal.py), used when data_dir is set; see docs/durability.md.
     wal_fsync: Literal["always", "interval", "never"] = Field(
         default="always",
-        description="always: fdatasync before each update's response; interval: every "
-        "wal_fsync_interval_ms in the background; never: leave it to the OS (all survive kill -9)",
+        description="always: fdatasync before each update's response; interval: group commit, one "
+        "fdatasync per wal_fsync_interval_ms shared by the updates waiting for it, each answered after "
+        "its flush; never: leave it to the OS (all three survive kill -9, only always/interval power loss)",
     )
     wal_fsync_interval_ms: float = Field(default=10.0, gt=0)
     # Snapshots bound the log (disk) and the replay at start-up; 0 turns a trigger off.

@@ -770,6 +770,16 @@ class TableStore:
         """Apply the table's optimizer to the gradients ``grads`` (float32 (n, d)) of the rows of ``ids``
         (int64 (n,)); duplicates are summed. Journalled before it is applied; nothing changes on error.
         Returns once the update is as durable as the journal's fsync policy promises."""
+        result, ticket = self.apply_update(name, ids, grads, lr)
+        self.journal.wait_durable(ticket)
+        return result
+
+    def apply_update(
+        self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None
+    ) -> tuple[UpdateResult, int]:
+        """``update`` without the final wait: returns the journal ticket to pass to
+        ``journal.wait_durable`` before acknowledging. The HTTP route waits outside its compute slot, so
+        updates waiting for one group-commit flush do not hold back others from joining it."""
         entry = self._entry(name)
         table = entry.table
         self.limits.check_request(int(ids.numel()), table.config.embedding_dim)
@@ -792,9 +802,9 @@ class TableStore:
             table.apply_gradients_at(chunk_offsets, grads, applied_lr)
             applied = time.perf_counter()
             locked.counters[_VERSION] = version
-        # Outside the lock (group commit): the next updates append while this one waits for its flush.
-        self.journal.wait_durable(ticket)
-        return UpdateResult(version, hashed - start, applied - apply_start)
+        # The caller waits for durability outside the lock (group commit): the next updates append
+        # while this one waits for its flush.
+        return UpdateResult(version, hashed - start, applied - apply_start), ticket
 
     def warm_up(self) -> None:
         """Load the compiled kernels now (numba's on-disk cache), so a worker's first lookup or update is

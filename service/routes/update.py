@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
+import anyio
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
@@ -48,15 +49,17 @@ async def update(
     binary = is_binary(request)
     shape_header = request.headers.get(SHAPE_HEADER)
 
-    def work() -> UpdateResult:
+    def work() -> tuple[UpdateResult, int]:
         if binary:
             ids, grads = decode_update_binary(body, shape_header)
             body_lr = None
         else:
             ids, grads, body_lr = decode_update_json(body, store.table(name).config.embedding_dim)
-        return store.update(name, ids, grads, lr if lr is not None else body_lr)
+        return store.apply_update(name, ids, grads, lr if lr is not None else body_lr)
 
-    result = await compute(request, work)
+    result, ticket = await compute(request, work)
+    # Wait for the flush outside the compute slots, so concurrent updates share one group commit.
+    await anyio.to_thread.run_sync(store.journal.wait_durable, ticket)
     request.state.table = name
     metrics.hash_seconds.labels(name).observe(result.hash_seconds)
     metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
