@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import platform
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, Literal
@@ -77,6 +78,8 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # A parallel dense backward gives each thread a private (m,) copy while they all fit in this many floats
 # (64 MB); past that, threads split the array into ranges and bucket the chunks by range.
 _PRIVATE_SCATTER_MAX_FLOATS = 16 << 20
+_SCRATCH_MAX_BYTES = 64 << 20
+_thread_scratch = threading.local()
 _HASH_BLOCK = 128  # ids hashed together, chunk by chunk, so the inner loop vectorises
 _BAG_GROUP = 64
 _FMIX_C1 = np.uint64(FMIX_C1 & 0xFFFFFFFFFFFFFFFF)
@@ -584,10 +587,13 @@ def _scatter_partitioned_kernel(grad_rows, offsets, embedding_dim, chunk_size, o
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _coalesce_dense_kernel(grad_rows, offsets, embedding_dim, chunk_size, memory_size):
-    values_dense = np.zeros(memory_size, dtype=np.float32)
-    # a location is touched iff some chunk covers it: mark +1 at chunk start, -1 past its end, prefix-sum
-    coverage = np.zeros(memory_size + 1, dtype=np.int32)
+def _coalesce_dense_kernel(
+    grad_rows, offsets, embedding_dim, chunk_size, memory_size, values_dense, coverage
+):
+    # values_dense (>= m,) float32 and coverage (>= m + 1,) int32 are scratch, possibly reused: zero them.
+    # A location is touched iff some chunk covers it: mark +1 at chunk start, -1 past its end, prefix-sum.
+    values_dense[:memory_size] = 0.0
+    coverage[: memory_size + 1] = 0
     num_rows, num_chunks = offsets.shape
     grads = grad_rows.reshape(-1)
     for n in range(num_rows):
@@ -993,6 +999,26 @@ def lookup_bag(
     return out
 
 
+def _scratch(name: str, size: int, dtype: type) -> np.ndarray:
+    """A 1-D scratch array of at least ``size`` elements (contents undefined), kept per thread.
+
+    A fresh multi-megabyte buffer per call costs page faults: glibc hands freed memory back to the kernel,
+    and on this VM that made a 262144-location coalesce 3.6 ms instead of 1.3 ms. Buffers up to
+    ``_SCRATCH_MAX_BYTES`` are kept for the next call of the same thread (kernels run without the GIL,
+    so threads must not share them); bigger ones are allocated each time.
+    """
+    nbytes = size * np.dtype(dtype).itemsize
+    if nbytes > _SCRATCH_MAX_BYTES:
+        return np.empty(size, dtype=dtype)
+    buffers: dict[str, np.ndarray] | None = getattr(_thread_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _thread_scratch.buffers = {}
+    buffer = buffers.get(name)
+    if buffer is None or buffer.shape[0] < size or buffer.dtype != dtype:
+        buffer = buffers[name] = np.empty(size, dtype=dtype)
+    return buffer
+
+
 def _grad_inputs(
     grad_rows: torch.Tensor, offsets: torch.Tensor, chunk_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -1034,7 +1060,11 @@ def coalesce_grad(
     if grads.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
     if memory_size <= _DENSE_COALESCE_FACTOR * grads.size:
-        locations, values = _coalesce_dense_kernel(grads, offsets_np, grads.shape[1], chunk_size, memory_size)
+        values_dense = _scratch("coalesce.values", memory_size, np.float32)
+        coverage = _scratch("coalesce.coverage", memory_size + 1, np.int32)
+        locations, values = _coalesce_dense_kernel(
+            grads, offsets_np, grads.shape[1], chunk_size, memory_size, values_dense, coverage
+        )
     else:
         locations, values = _coalesce_sorted_kernel(grads, offsets_np, grads.shape[1], chunk_size)
     return torch.from_numpy(locations), torch.from_numpy(values)
