@@ -80,6 +80,11 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _PRIVATE_SCATTER_MAX_FLOATS = 16 << 20
 _SCRATCH_MAX_BYTES = 64 << 20
 _thread_scratch = threading.local()
+_PREFETCH_ROWS = 4  # how far ahead the row loops prefetch the table (measured best of 4 and 16)
+# Prefetching pays once the table misses the caches: reads past L2, the backward's writes past L3.
+# Below that it cost 5-15% (m = 262144: lookup 0.73 -> 0.83 ms; 2621440: scatter 1.16 -> 1.26 ms).
+_PREFETCH_READ_MIN_BYTES = 4 << 20
+_PREFETCH_WRITE_MIN_BYTES = 64 << 20
 _HASH_BLOCK = 128  # ids hashed together, chunk by chunk, so the inner loop vectorises
 _BAG_GROUP = 64
 _FMIX_C1 = np.uint64(FMIX_C1 & 0xFFFFFFFFFFFFFFFF)
@@ -231,6 +236,36 @@ def _store_fence_intrinsic(typingctx):
     return signature, codegen
 
 
+def _make_prefetch(for_write: bool) -> Any:
+    """An intrinsic ``(array, position)``: ask the CPU to start loading that element's cache line."""
+
+    @intrinsic
+    def prefetch(typingctx, array, position):
+        if not isinstance(array, numba_types.Array):
+            return None
+        signature = numba_types.void(array, numba_types.uint64)
+
+        def codegen(context, builder, sig, args):
+            array_struct = context.make_array(sig.args[0])(context, builder, args[0])
+            byte_pointer = ir.IntType(8).as_pointer()
+            address = builder.bitcast(builder.gep(array_struct.data, [args[1]]), byte_pointer)
+            int32 = ir.IntType(32)
+            function_type = ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32])
+            intrinsic_function = builder.module.declare_intrinsic(
+                "llvm.prefetch", [byte_pointer], function_type
+            )
+            # (address, read 0 / write 1, locality 3 = keep in all cache levels, data cache)
+            flags = [ir.Constant(int32, int(for_write)), ir.Constant(int32, 3), ir.Constant(int32, 1)]
+            builder.call(intrinsic_function, [address, *flags])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return prefetch
+
+
+_prefetch_read = _make_prefetch(for_write=False)
+_prefetch_write = _make_prefetch(for_write=True)
 # Plain aliases typed Any: mypy reads an intrinsic's Python signature (with typingctx) as its call signature.
 _streaming_copy_4: Any = _streaming_copy_4_intrinsic
 _store_fence: Any = _store_fence_intrinsic
@@ -272,6 +307,29 @@ def _copy_chunk(dst, dst_pos, src, src_pos, length, streaming):
             j += _U4
     else:
         _copy(dst, dst_pos, src, src_pos, length)
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _prefetch_chunk(array, position, length, for_write):
+    """Prefetch every cache line of ``array[position:position + length]`` (a chunk spans two or three).
+
+    Chunk reads (and the backward's read-modify-writes) land at random places of the table; the loops
+    below prefetch the chunks of the row ``_PREFETCH_ROWS`` ahead, so several misses are in flight
+    at once. Gather of 32768 x 100: 0.57 -> 0.50 ms at m = 262144, 3.6 -> 2.3 ms at m = 10**8.
+    """
+    first = np.uint64(position)
+    last = first + np.uint64(length) - _U1
+    k = first
+    while k < last:
+        if for_write:
+            _prefetch_write(array, k)
+        else:
+            _prefetch_read(array, k)
+        k += _U16
+    if for_write:
+        _prefetch_write(array, last)
+    else:
+        _prefetch_read(array, last)
 
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
@@ -406,12 +464,16 @@ def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, ran
 
 
 @_parallel_kernel
-def _gather_kernel(weight, offsets, embedding_dim, chunk_size, streaming, out):
+def _gather_kernel(weight, offsets, embedding_dim, chunk_size, streaming, prefetch, out):
     num_rows, num_chunks = offsets.shape
     flat = out.reshape(-1)
     for block in prange((num_rows + _HASH_BLOCK - 1) // _HASH_BLOCK):
         begin = block * _HASH_BLOCK
         for n in range(begin, min(begin + _HASH_BLOCK, num_rows)):
+            if prefetch and n + _PREFETCH_ROWS < num_rows:
+                for c in range(num_chunks):
+                    length = min(chunk_size, embedding_dim - c * chunk_size)
+                    _prefetch_chunk(weight, offsets[n + _PREFETCH_ROWS, c], length, False)
             base = n * embedding_dim
             for c in range(num_chunks):
                 start = c * chunk_size
@@ -422,7 +484,9 @@ def _gather_kernel(weight, offsets, embedding_dim, chunk_size, streaming, out):
 
 
 @_parallel_kernel
-def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, streaming, out):
+def _lookup_kernel(
+    weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, streaming, prefetch, out
+):
     num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
     range_size = weight.shape[0] - chunk_size + 1
     num_ids = ids.shape[0]
@@ -436,6 +500,10 @@ def _lookup_kernel(weight, ids, val_offset, embedding_dim, chunk_size, mode, ran
             ids, begin, count, val_offset, num_chunks, mode, random_numbers, range_size, scratch, offsets, 0
         )
         for j in range(count):
+            if prefetch and j + _PREFETCH_ROWS < count:
+                for c in range(num_chunks):
+                    length = min(chunk_size, embedding_dim - c * chunk_size)
+                    _prefetch_chunk(weight, offsets[(j + _PREFETCH_ROWS) * num_chunks + c], length, False)
             base = (begin + j) * embedding_dim
             for c in range(num_chunks):
                 start = c * chunk_size
@@ -458,6 +526,7 @@ def _lookup_bag_kernel(
     chunk_size,
     mode,
     random_numbers,
+    prefetch,
     out,
 ):
     num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
@@ -491,6 +560,11 @@ def _lookup_bag_kernel(
                     0,
                 )
                 for j in range(count):
+                    if prefetch and j + _PREFETCH_ROWS < count:
+                        for c in range(num_chunks):
+                            length = min(chunk_size, embedding_dim - c * chunk_size)
+                            ahead = offsets[(j + _PREFETCH_ROWS) * num_chunks + c]
+                            _prefetch_chunk(weight, ahead, length, False)
                     scale = per_sample_weights[block_begin + j] if has_weights else np.float32(1.0)
                     for c in range(num_chunks):
                         start = c * chunk_size
@@ -509,10 +583,14 @@ def _lookup_bag_kernel(
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _scatter_serial_kernel(grad_rows, offsets, embedding_dim, chunk_size, out):
+def _scatter_serial_kernel(grad_rows, offsets, embedding_dim, chunk_size, prefetch, out):
     num_rows, num_chunks = offsets.shape
     grads = grad_rows.reshape(-1)
     for n in range(num_rows):
+        if prefetch and n + _PREFETCH_ROWS < num_rows:
+            for c in range(num_chunks):
+                length = min(chunk_size, embedding_dim - c * chunk_size)
+                _prefetch_chunk(out, offsets[n + _PREFETCH_ROWS, c], length, True)
         for c in range(num_chunks):
             start = c * chunk_size
             length = min(chunk_size, embedding_dim - start)
@@ -905,6 +983,7 @@ def gather(
             embedding_dim,
             chunk_size,
             _streaming(result, embedding_dim, chunk_size),
+            weight_np.nbytes >= _PREFETCH_READ_MIN_BYTES,
             result.numpy(),
         )
     return result
@@ -936,6 +1015,7 @@ def lookup(
             hash_mode,
             constants,
             _streaming(result, embedding_dim, chunk_size),
+            weight_np.nbytes >= _PREFETCH_READ_MIN_BYTES,
             result.numpy(),
         )
     return result
@@ -994,6 +1074,7 @@ def lookup_bag(
             chunk_size,
             hash_mode,
             constants,
+            weight_np.nbytes >= _PREFETCH_READ_MIN_BYTES,
             out.numpy(),
         )
     return out
@@ -1041,7 +1122,8 @@ def scatter_grad(grad_rows: torch.Tensor, offsets: torch.Tensor, chunk_size: int
     out_np = out.detach().numpy()
     memory_size = out.shape[0]
     if threads == 1 or grads.shape[0] < 256:
-        _scatter_serial_kernel(grads, offsets_np, grads.shape[1], chunk_size, out_np)
+        prefetch = out_np.nbytes >= _PREFETCH_WRITE_MIN_BYTES
+        _scatter_serial_kernel(grads, offsets_np, grads.shape[1], chunk_size, prefetch, out_np)
     elif memory_size * threads <= _PRIVATE_SCATTER_MAX_FLOATS:
         _scatter_private_kernel(grads, offsets_np, grads.shape[1], chunk_size, out_np, threads)
     else:
