@@ -602,3 +602,26 @@ def test_importing_kernels_keeps_torch_thread_count():
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == ["1", "1"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefetching_paths_agree(threads, monkeypatch: pytest.MonkeyPatch):
+    """Prefetching is switched on by table size; forced on for a small table, results are unchanged."""
+    monkeypatch.setattr(kernels, "_PREFETCH_READ_MIN_BYTES", 0)
+    monkeypatch.setattr(kernels, "_PREFETCH_WRITE_MIN_BYTES", 0)
+    generator = torch.Generator().manual_seed(threads)
+    weight = torch.randn(5_000, generator=generator)
+    ids = torch.randint(INT64_MIN, INT64_MAX, (300,), generator=generator)
+    indices = reference_indices(ids, 100, 32, 5_000, RANDOM_NUMBERS)
+    expected = weight[indices]
+    grads = torch.randn(300, 100, generator=generator)
+    with _torch_threads(threads):
+        assert torch.equal(kernels.lookup(weight, ids, 100, 32, RANDOM_NUMBERS), expected)
+        offsets = kernels.chunk_offsets(ids, 4, 32, 5_000, RANDOM_NUMBERS)
+        assert torch.equal(kernels.gather(weight, offsets, 100, 32), expected)
+        bags = kernels.lookup_bag(weight, ids, torch.tensor([0, 100]), None, "sum", 100, 32, RANDOM_NUMBERS)
+        torch.testing.assert_close(bags, torch.stack([expected[:100].sum(0), expected[100:].sum(0)]))
+        out = torch.zeros(5_000)
+        kernels.scatter_grad(grads, offsets, 32, out)
+    dense = torch.zeros(5_000).index_add_(0, indices.reshape(-1), grads.reshape(-1))
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-4)
