@@ -552,6 +552,44 @@ def _load_average() -> tuple[float, float, float]:
 # reporting
 
 
+SEED_NOTES = Path(__file__).resolve().parents[2] / "shared" / "seeds" / "004_6b056f2124eb0811.txt"
+SeedKey = tuple[str, bool, int, str]  # (model "full" | "robez", sparse, parameters, optimizer)
+
+
+def read_seed_totals(path: Path, cpus: int = 1) -> dict[SeedKey, float]:
+    """Total ms per row of the seed notes' pair-model table for ``cpus`` CPUs ("1CPU:" / "10CPU").
+
+    The seed's ``RobezEmbedding`` is the paper-style pure-torch implementation, closest to our reference
+    row. Returns {} when the notes are not there (they live beside the repository, not in it).
+    """
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    totals: dict[SeedKey, float] = {}
+    section = None
+    for line in text.splitlines():
+        header = line.strip().rstrip(":").upper()
+        if header.endswith("CPU") and header[:-3].isdigit():
+            section = int(header[:-3])
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if section != cpus or len(cells) != 14 or cells[1] not in ("FullEmbedding", "RobezEmbedding"):
+            continue
+        with contextlib.suppress(ValueError):
+            model = "full" if cells[1] == "FullEmbedding" else "robez"
+            totals[(model, cells[2] == "True", int(cells[4]), cells[13])] = float(cells[11])
+    return totals
+
+
+def _seed_total(seed: dict[SeedKey, float], config: RunConfig, settings: BenchSettings) -> float:
+    if config.model == "full":
+        key = ("full", config.sparse, settings.num_embeddings * settings.embedding_dim, config.optimizer)
+    else:
+        key = ("robez", config.sparse, config.memory_size or 0, config.optimizer)
+    return seed.get(key, math.nan)
+
+
 def _cpu_model() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -652,13 +690,21 @@ def render_markdown(
         lines += [f"Note: {note}", ""]
     if plot_name:
         lines += [f"![time split per training step]({plot_name})", ""]
+    seed = read_seed_totals(SEED_NOTES) if s.num_embeddings == 1_000_000 and s.batch_size == 32_768 else {}
+    if seed:
+        lines += [
+            f"`seed total`: the total ms of the same row in the seed notes (`{SEED_NOTES.name}`, 1 CPU, "
+            "their pure-torch `RobezEmbedding` for both ROBE-Z rows), read from the file by the bench.",
+            "",
+        ]
     for threads in sorted({run.threads for run in result.runs}):
+        seed_column = bool(seed) and threads == 1
         lines += [
             f"## {threads} thread{'s' if threads != 1 else ''}",
             "",
             "| model | sparse | batch | params | optimizer | forward | hashing | lookup | gradcomp "
-            "| backward | total |",
-            "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+            "| backward | total |" + (" seed total |" if seed_column else ""),
+            "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if seed_column else ""),
         ]
         for run in (r for r in result.runs if r.threads == threads):
             c = run.config
@@ -667,16 +713,18 @@ def render_markdown(
                 f"| {c.optimizer} |"
             )
             if run.skipped:
-                lines.append(f"{head} skipped ({run.skipped}) | | | | | |")
+                lines.append(f"{head} skipped ({run.skipped}) | | | | | |" + (" |" if seed_column else ""))
                 continue
-            cells = (
+            cells = [
                 run.forward_ms,
                 run.hashing_ms,
                 run.lookup_ms,
                 run.gradcomp_ms,
                 run.backward_ms,
                 run.total_ms,
-            )
+            ]
+            if seed_column:
+                cells.append(_seed_total(seed, c, s))
             lines.append(head + " " + " | ".join(_fmt(v) for v in cells) + " |")
         lines.append("")
     return "\n".join(lines)

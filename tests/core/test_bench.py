@@ -99,3 +99,28 @@ def test_run_benchmark_measures_every_phase_and_marks_skipped_rows(monkeypatch: 
     markdown = bench.render_markdown(result)
     assert "skipped (--skip-slow)" in markdown
     assert "left out" in markdown
+
+
+def test_read_seed_totals_takes_the_one_cpu_table(tmp_path: Path):
+    notes = tmp_path / "004.txt"
+    row = (
+        "| {i} | {model} | {sparse} | 32768 | {params} | 1.0 | nan | nan | nan | 2.0 | 3.0 | {total} "
+        "| 1.0MB | adam |"
+    )
+    notes.write_text(
+        "\n".join(
+            [
+                "1CPU:",
+                "| | Model | sparse | bs | mem_params | forward | hashing | lookup | other | gradcomp "
+                "| backward | total | msize | optim |",
+                row.format(i=0, model="FullEmbedding", sparse="True", params=100000000, total=160.5),
+                row.format(i=1, model="RobezEmbedding", sparse="False", params=262144, total=156.53),
+                "10CPU",
+                row.format(i=0, model="RobezEmbedding", sparse="False", params=262144, total=28.6),
+            ]
+        )
+    )
+    totals = bench.read_seed_totals(notes)
+    assert totals == {("full", True, 100000000, "adam"): 160.5, ("robez", False, 262144, "adam"): 156.53}
+    assert bench.read_seed_totals(notes, cpus=10) == {("robez", False, 262144, "adam"): 28.6}
+    assert bench.read_seed_totals(tmp_path / "missing.txt") == {}
