@@ -404,7 +404,13 @@ def write_plots(result: SweepResult, stem: Path) -> tuple[Path, ...]:
             if axis.lines:
                 axis.legend(fontsize=7)
         right.set_yscale("log")
-        figure.suptitle("Throughput vs cores (dotted: perfect linear scaling from 1 core)")
+        title = "Throughput vs cores (dotted: perfect linear scaling from 1 core)"
+        shared_at = sorted({r.server_cores for r in result.runs if SHARED_NOTE in r.notes and r.server_cores})
+        if shared_at:
+            title += (
+                f"\nat {', '.join(map(str, shared_at))} worker(s) no core was spare: clients shared the cores"
+            )
+        figure.suptitle(title)
         figure.tight_layout()
         path = stem.with_name(stem.name + "-throughput.png")
         figure.savefig(path, dpi=110)

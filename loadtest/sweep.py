@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import shlex
 import socket
 import time
 from collections.abc import Callable
@@ -435,5 +436,5 @@ def describe(run: RunResult) -> str:
 
 
 def python_command(argv: list[str]) -> str:
-    """How this invocation was started, for the report."""
-    return " ".join(["python -m loadtest", *argv])
+    """How this invocation was started, for the report (shell-quoted, so it can be pasted back)."""
+    return shlex.join(["python", "-m", "loadtest", *argv])
