@@ -41,13 +41,13 @@ def _check(request: Request, accepted: list[SecretStr]) -> None:
         raise ForbiddenError("the bearer key is not valid for this endpoint")
 
 
-def require_write_key(request: Request) -> None:
+async def require_write_key(request: Request) -> None:
     """Dependency of create, delete, update and snapshot: the write key when one is set."""
     settings = request.app.state.settings
     _check(request, [settings.api_key] if settings.api_key is not None else [])
 
 
-def require_read_key(request: Request) -> None:
+async def require_read_key(request: Request) -> None:
     """Dependency of lookups and table reads: the read key (or the write key) when a read key is set."""
     settings = request.app.state.settings
     if settings.read_api_key is None:

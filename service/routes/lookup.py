@@ -28,7 +28,16 @@ from ..codec import (
 )
 from ..metrics import Metrics, server_timing
 from ..store import LookupRequestItem, LookupResult
-from .deps import MetricsDep, StoreDep, TableNameParam, body_doc, compute, is_binary, wants_binary
+from .deps import (
+    INLINE_MAX_BODY_BYTES,
+    MetricsDep,
+    StoreDep,
+    TableNameParam,
+    body_doc,
+    compute,
+    is_binary,
+    wants_binary,
+)
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
 
@@ -57,15 +66,16 @@ async def lookup(
 ) -> Response:
     start = time.perf_counter()
     body = await request.body()
+    small = len(body) <= INLINE_MAX_BODY_BYTES
     if is_binary(request):
-        result = await compute(request, lambda: store.lookup(name, decode_ids(body)))
+        result = await compute(request, lambda: store.lookup(name, decode_ids(body)), inline=small)
     else:
 
         def work() -> LookupResult:
             parsed = decode_lookup_json(body)
             return store.lookup(name, *parsed.tensors())
 
-        result = await compute(request, work)
+        result = await compute(request, work, inline=small)
     request.state.table = name
     _observe(metrics, name, result)
     total = time.perf_counter() - start
@@ -90,6 +100,7 @@ async def lookup(
 async def lookup_many(request: Request, store: StoreDep, metrics: MetricsDep, _: ReadAccess) -> Response:
     start = time.perf_counter()
     body = await request.body()
+    small = len(body) <= INLINE_MAX_BODY_BYTES
     if is_binary(request):
         tables = parse_tables_header(request.headers.get(TABLES_HEADER))
 
@@ -101,7 +112,7 @@ async def lookup_many(request: Request, store: StoreDep, metrics: MetricsDep, _:
 
         names = [name for name, _ in tables]
     else:
-        parsed = await compute(request, lambda: decode_multi_lookup_json(body))
+        parsed = await compute(request, lambda: decode_multi_lookup_json(body), inline=small)
         names = [item.table for item in parsed.lookups]
 
         def work() -> list[LookupResult]:
@@ -109,7 +120,7 @@ async def lookup_many(request: Request, store: StoreDep, metrics: MetricsDep, _:
                 [LookupRequestItem(item.table, *item.tensors()) for item in parsed.lookups]
             )
 
-    results = await compute(request, work)
+    results = await compute(request, work, inline=small)
     for name, result in zip(names, results, strict=True):
         _observe(metrics, name, result)
     total = time.perf_counter() - start

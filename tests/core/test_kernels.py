@@ -40,6 +40,18 @@ int64s = st.integers(INT64_MIN, INT64_MAX)
 id_lists = st.lists(st.one_of(int64s, st.sampled_from(EDGE_IDS)), min_size=0, max_size=40)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _parallel_even_for_small_batches() -> Iterator[None]:
+    """The kernels run small batches serially; these tests' small inputs must reach the parallel
+    compilations too (at more than one thread), so the size cut-off is lifted for this module."""
+    previous = kernels._PARALLEL_MIN_WORK
+    kernels._PARALLEL_MIN_WORK = 0
+    try:
+        yield
+    finally:
+        kernels._PARALLEL_MIN_WORK = previous
+
+
 @contextlib.contextmanager
 def _torch_threads(threads: int) -> Iterator[None]:
     previous = torch.get_num_threads()
@@ -547,6 +559,7 @@ _CACHE_PROBE = """
 import json, torch
 from robez_core import kernels, paper_random_numbers
 weight, ids, constants = torch.randn(100), torch.arange(10), paper_random_numbers()
+kernels._PARALLEL_MIN_WORK = 0  # reach the parallel compilation with this tiny batch
 counts = {}
 for threads, flavour in ((1, "serial"), (2, "parallel")):
     torch.set_num_threads(threads)
@@ -625,3 +638,25 @@ def test_prefetching_paths_agree(threads, monkeypatch: pytest.MonkeyPatch):
         kernels.scatter_grad(grads, offsets, 32, out)
     dense = torch.zeros(5_000).index_add_(0, indices.reshape(-1), grads.reshape(-1))
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-4)
+
+
+def test_small_batches_run_serially_at_several_threads():
+    """Below the work cut-off no OpenMP team is woken: the serial compilation runs, with the same rows."""
+    weight, constants = torch.randn(1000), paper_random_numbers()
+    ids = torch.arange(-5, 5, dtype=torch.int64)
+    expected = kernels.lookup(weight, ids, 16, 4, constants)
+    calls: list[str] = []
+    kernel = kernels._lookup_kernel
+    serial, parallel = kernel.serial, kernel.parallel
+    previous_cutoff = kernels._PARALLEL_MIN_WORK
+    try:
+        kernels._PARALLEL_MIN_WORK = 1 << 16
+        kernel.serial = lambda *args: (calls.append("serial"), serial(*args))[1]
+        kernel.parallel = lambda *args: (calls.append("parallel"), parallel(*args))[1]
+        with _torch_threads(2):
+            rows = kernels.lookup(weight, ids, 16, 4, constants)
+    finally:
+        kernel.serial, kernel.parallel = serial, parallel
+        kernels._PARALLEL_MIN_WORK = previous_cutoff
+    assert calls == ["serial"]
+    assert torch.equal(rows, expected)
