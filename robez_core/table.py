@@ -57,7 +57,8 @@ def _checksum(tensor: Tensor) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or unlink inside ``directory`` durable (POSIX: fsync the folder itself)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -325,7 +326,7 @@ class Table:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Table:

@@ -44,6 +44,7 @@ import torch
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
+from robez_core.table import fsync_dir
 
 from .journal import UpdateRecord
 
@@ -278,14 +279,6 @@ def _sync_data(fd: int) -> None:
         os.fsync(fd)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file_durably(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the folder."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -294,7 +287,7 @@ def _write_file_durably(path: Path, data: bytes) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _file_crc(path: Path, chunk_bytes: int = 1 << 24) -> tuple[int, int]:
@@ -542,7 +535,7 @@ class WalJournal:
             if directory.exists():  # left by a crash before its meta.json was written: nothing committed
                 shutil.rmtree(directory)
             os.replace(staging, directory)
-            _fsync_dir(self.data_dir)
+            fsync_dir(self.data_dir)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -621,7 +614,7 @@ class WalJournal:
         self._write_generation(directory, table, version, generation=meta.generation + 1)
         # meta.json now names the new generation; the old log is stale from here on.
         os.replace(directory / f"{LOG_FILE}.new", directory / LOG_FILE)
-        _fsync_dir(directory)
+        fsync_dir(directory)
         if old_snapshot != self._require_meta(name).snapshot:
             (directory / old_snapshot).unlink(missing_ok=True)
         self._forget_log(name)
@@ -665,7 +658,7 @@ class WalJournal:
             return
         doomed = self.data_dir / f".dropped-{name}-{uuid.uuid4().hex[:8]}"
         os.replace(directory, doomed)
-        _fsync_dir(self.data_dir)
+        fsync_dir(self.data_dir)
         shutil.rmtree(doomed, ignore_errors=True)
 
     def close(self) -> None:
@@ -741,7 +734,7 @@ class WalJournal:
                 handle.write(encode_log_header(embedding_dim, generation, version))
                 handle.flush()
                 os.fsync(handle.fileno())
-            _fsync_dir(directory)
+            fsync_dir(directory)
         except BaseException:
             # Nothing is committed yet: leave the folder as it was (a full disk is the likely cause, and
             # the next start would remove these anyway).
