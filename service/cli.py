@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -196,6 +197,9 @@ def _serve_locked(settings: Settings) -> int:
     finally:
         # Each worker opens its own journal; this one only loaded the tables.
         journal.close()
+    # uvicorn re-raises a SIGTERM once it has shut down; with the default action that would end the
+    # process before the ``finally`` below removes the shared tables from /dev/shm.
+    previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         os.environ.update(_environment_for_workers(settings, directory.path))
         logger.info(
@@ -216,7 +220,12 @@ def _serve_locked(settings: Settings) -> int:
         )
     finally:
         directory.remove()
+        signal.signal(signal.SIGTERM, previous_sigterm)
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -149,3 +149,38 @@ def test_two_workers_share_tables_and_see_each_others_updates(
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=60)
     assert not directory.exists(), "shared memory left behind after shutdown"
+
+
+@pytest.mark.slow
+def test_one_worker_removes_shared_tables_on_sigterm(tmp_path: Path):
+    """With one worker uvicorn runs in the serve process and re-raises SIGTERM after its shutdown;
+    the shared tables must still be removed (docker stop sends SIGTERM)."""
+    port = free_port()
+    shm_dir = tmp_path / "shm"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
+    env.update({"ROBEZ_SHM_DIR": str(shm_dir), "ROBEZ_LOG_LEVEL": "warning"})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert process.poll() is None, "server exited during start-up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.5)
+        (directory,) = shm_dir.glob("robez-*")
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        assert not directory.exists(), "shared memory left behind after SIGTERM"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
