@@ -132,19 +132,20 @@ def test_two_workers_share_tables_and_see_each_others_updates(
         assert f'robez_lookup_seconds_count{{table="demo"}} {float(lookups)}' in text
 
     # One copy of the table: one weight file of m float32 values, mapped MAP_SHARED by both workers.
+    # smaps' Private_* / Pss count pages of a shared mapping that only this process has touched *so
+    # far* (they depend on which worker served which request), so they are not asserted. The property
+    # is: the same inode, mapped shared ("s"), no anonymous (copy-on-write) pages in that mapping, and
+    # the pages both workers read are the same physical pages (counted in both processes' Shared_*).
     (directory,) = shm_dir.glob("robez-*")
     (weight_file,) = (directory / "arrays").glob("*.weight")
     assert weight_file.stat().st_size == 262_144 * 4
     mappings = [mapping_of(pid, weight_file) for pid in seen]
     for pid, mapping in zip(seen, mappings, strict=True):
         assert mapping, f"worker {pid} does not map {weight_file}"
-        assert mapping["shared_mapping"] == 1
+        assert mapping["shared_mapping"] == 1, f"worker {pid} maps the table privately"
         assert mapping["inode"] == weight_file.stat().st_ino
-        assert mapping["Private_Dirty"] == 0  # no copy-on-write copy of the table in the worker
-        # Pages both workers read are physically shared (counted in both processes' Shared_*).
-        assert mapping["Shared_Clean"] + mapping["Shared_Dirty"] > 0
-        # Proportional share: each resident page is split between (at least) the two workers.
-        assert mapping["Pss"] * 2 <= mapping["Rss"] + 4
+        assert mapping["Anonymous"] == 0, f"worker {pid} holds a copy-on-write copy of table pages"
+        assert mapping["Shared_Clean"] + mapping["Shared_Dirty"] > 0, f"worker {pid} shares no page"
 
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=60)
