@@ -4,7 +4,8 @@
 "Journal hook": ``append`` under the table's cross-worker update lock, before the update is applied;
 ``wait_durable`` with the ticket ``append`` returned, after the lock is released and before the response
 is sent (group commit: the writers that come next append meanwhile and share one flush); ``create`` /
-``snapshot`` / ``drop`` when tables come and go; ``load`` and ``names`` at start-up. ``NullJournal`` (no
+``snapshot`` / ``drop`` when tables come and go; ``load`` and ``names`` at start-up; ``recover`` when a
+worker died holding a table's update lock in the middle of an update (the store's repair). ``NullJournal`` (no
 data directory) keeps nothing: tables live in memory only. ``service/wal.py`` provides the durable
 implementation, ``WalJournal``.
 """
@@ -69,6 +70,12 @@ class Journal(Protocol):
         """Write a snapshot atomically, then truncate the table's log."""
         ...
 
+    def recover(self, name: str, version: int) -> Table | None:
+        """The table rebuilt at exactly ``version`` from what is durable, with anything logged after
+        that version removed; None if the journal keeps nothing to rebuild from. Called under the
+        table's update lock when its last holder died in the middle of an update."""
+        ...
+
     def drop(self, name: str) -> None:
         """Forget a table: remove its snapshot and log."""
         ...
@@ -98,6 +105,9 @@ class NullJournal:
 
     def snapshot(self, name: str, table: Table, version: int) -> None:
         pass
+
+    def recover(self, name: str, version: int) -> Table | None:
+        return None
 
     def drop(self, name: str) -> None:
         pass

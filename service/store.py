@@ -10,7 +10,8 @@ Layout of one server's shared directory (``<shm_dir>/robez-<server id>/``, tmpfs
     arrays/<id>.state.<k>  optimizer state     point at the same array (and its optimizer state)
     locks/<id>.lock        flock: the update lock of a table (shared by the tables sharing its array);
                            it outlives the arrays a load switches the table between
-    tables/<uid>.counters  int64 (2,): [version, state] (state: live, deleted, replaced by a load)
+    tables/<uid>.counters  int64 (3,): [version, state, pending] (state: live, deleted, replaced by a
+                           load; pending: the version an update under way will produce, else 0)
 
 Every worker maps the same files (``torch.from_file(..., shared=True)``, MAP_SHARED), so a table's memory
 is held once whatever the worker count, and an update written through one worker's mapping is what every
@@ -21,6 +22,17 @@ while an update is applied may read a row with some values from before and some 
 (values are float32 stores, never torn); every lookup that starts after an update's response was sent
 sees the whole update, since the update finished writing before it responded. A lookup reports the table
 version read before it gathered: its rows include at least that many updates.
+
+A worker killed while it holds a table's update lock (kill -9, OOM) releases the lock with its update
+perhaps appended to the log, perhaps half-applied to the array, and the version counter not bumped. So an
+update marks ``pending`` before it appends and clears it after the counter is bumped; whoever takes the
+lock next and finds ``pending`` set repairs the table first (``_repair``): the journal rebuilds the table
+at the counter's version and cuts the unfinished record off the log (``Journal.recover``), and the
+rebuilt array and optimizer state are copied over the shared ones. The dead update was never
+acknowledged; after the repair the array, the counter and the log agree again. A lookup running during
+the repair may see values of the dead update or not (only the values it touched differ), as it could
+while that update ran. Without a data directory there is nothing to rebuild from: the repair logs a
+warning and the table keeps whatever part of the update was applied.
 
 A load (``restore``) never writes the array lookups read: it fills a new array, makes it durable, then
 switches the registry to it (new uid and counters, generation bumped) under the table's update lock.
@@ -41,6 +53,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -73,7 +86,8 @@ logger = logging.getLogger("robez.store")
 TABLE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 Pooling = Literal["none", "sum", "mean"]
 POOLINGS: tuple[str, ...] = ("none", "sum", "mean")
-_VERSION, _STATE = 0, 1  # counters
+_VERSION, _STATE, _PENDING = 0, 1, 2  # counters
+_NUM_COUNTERS = 3
 _LIVE, _DELETED, _REPLACED = 0, 1, 2  # counters[_STATE]
 # An update or snapshot that finds its table replaced by a load starts again; this many loads in a row
 # while it waits means something is wrong.
@@ -239,7 +253,7 @@ class _Entry:
     table: Table
     array: _SharedArray
     lock: _FileLock  # the table's update lock, the same object for every entry of this table
-    counters: Tensor  # int64 (2,) [version, state], shared
+    counters: Tensor  # int64 (3,) [version, state, pending], shared
 
     @property
     def version(self) -> int:
@@ -379,6 +393,8 @@ class TableStore:
         self.directory = directory
         self.limits = Limits.from_settings(settings)
         self.journal = journal
+        # Testing only (ROBEZ_FAULT_DIE_AFTER_APPEND): die half-way through an update; see _fault_point.
+        self._fault_file = settings.fault_die_after_append
         self._generation = directory.map("generation", 1, torch.int64)
         self._registry_lock = _FileLock(directory.path / "registry.lock")
         self._sync_lock = threading.Lock()
@@ -457,7 +473,7 @@ class TableStore:
             config = TableConfig.from_dict(record["config"])
             optimizer = OptimizerConfig.from_dict(record["optimizer"])
             table = Table(config, optimizer, weight=array.weight, state=array.state)
-            counters = self.directory.map(f"tables/{record['uid']}.counters", 2, torch.int64)
+            counters = self.directory.map(f"tables/{record['uid']}.counters", _NUM_COUNTERS, torch.int64)
             lock_id = record["lock"]
             if lock_id not in locks:
                 locks[lock_id] = _FileLock(self.directory.locks_dir / f"{lock_id}.lock")
@@ -673,7 +689,7 @@ class TableStore:
     ) -> None:
         """Add (or switch) ``name`` to ``array_id`` with new counters at ``version``, and publish."""
         uid = secrets.token_hex(8)
-        counters = self.directory.allocate(f"tables/{uid}.counters", 2, torch.int64)
+        counters = self.directory.allocate(f"tables/{uid}.counters", _NUM_COUNTERS, torch.int64)
         counters[_VERSION] = version
         registry.tables[name] = {
             "uid": uid,
@@ -797,11 +813,21 @@ class TableStore:
                 table.validate_grads(ids, grads)
                 chunk_offsets = table.hash(ids)
             version = locked.version + 1
-            ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
+            # Marked before the append, cleared after the bump: a worker that dies in between leaves the
+            # mark for the next holder of the lock to repair (see the module docstring).
+            locked.counters[_PENDING] = version
+            try:
+                ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
+            except BaseException:
+                locked.counters[_PENDING] = 0  # a failed append leaves the log as it was
+                raise
+            if self._fault_file is not None:
+                self._fault_point(table, chunk_offsets, grads, applied_lr)
             apply_start = time.perf_counter()
-            table.apply_gradients_at(chunk_offsets, grads, applied_lr)
+            table.apply_gradients_at(chunk_offsets, grads, applied_lr)  # if it raises, the mark stays
             applied = time.perf_counter()
             locked.counters[_VERSION] = version
+            locked.counters[_PENDING] = 0
         # The caller waits for durability outside the lock (group commit): the next updates append
         # while this one waits for its flush.
         return UpdateResult(version, hashed - start, applied - apply_start), ticket
@@ -828,7 +854,8 @@ class TableStore:
     @contextmanager
     def _locked(self, name: str) -> Iterator[_Entry]:
         """The table's current entry, its update lock held: no update, snapshot, load or delete of it runs
-        meanwhile. An entry a load replaced while this waited for the lock is looked up again."""
+        meanwhile. An entry a load replaced while this waited for the lock is looked up again; one whose
+        last holder died in the middle of an update is repaired first."""
         for _ in range(_MAX_SWITCHES):
             entry = self._entry(name)
             with entry.lock.hold():
@@ -837,9 +864,47 @@ class TableStore:
                     continue
                 if state == _DELETED:
                     raise NotFoundError(f"no table named {name!r}")
+                if int(entry.counters[_PENDING]):
+                    self._repair(entry)
                 yield entry
                 return
         raise BusyError(f"table {name!r} was replaced {_MAX_SWITCHES} times in a row; try again")
+
+    def _repair(self, entry: _Entry) -> None:
+        """Undo the update a dead holder of the table's lock left unfinished; caller holds the lock."""
+        version, pending = entry.version, int(entry.counters[_PENDING])
+        rebuilt = self.journal.recover(entry.name, version)
+        if rebuilt is None:
+            logger.warning(
+                "table %r: a worker died while applying update %d; with no data directory the table keeps "
+                "whatever part of it was applied",
+                entry.name,
+                pending,
+            )
+        else:
+            for key, tensor in rebuilt.tensors().items():
+                target = entry.array.tensors[key]
+                target.copy_(tensor.reshape(target.shape))
+            logger.warning(
+                "table %r: a worker died while applying update %d; restored version %d from the data "
+                "directory",
+                entry.name,
+                pending,
+                version,
+            )
+        entry.counters[_PENDING] = 0
+
+    def _fault_point(self, table: Table, chunk_offsets: Tensor, grads: Tensor, lr: float) -> None:
+        """Testing only: once for each time the fault file is created, apply the first half of the
+        update's rows (a half-applied update) and SIGKILL this process before the counter bump."""
+        assert self._fault_file is not None
+        try:
+            self._fault_file.unlink()
+        except FileNotFoundError:
+            return
+        half = max(1, int(grads.shape[0]) // 2)
+        table.apply_gradients_at(chunk_offsets[:half], grads[:half], lr)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     @contextmanager
     def exclusive(self, name: str) -> Iterator[tuple[Table, int]]:
@@ -894,7 +959,7 @@ class TableStore:
         sharers = registry.array_tables(old_array)
         old_records = {table_name: dict(registry.tables[table_name]) for table_name in sharers}
         old_counters = {
-            table_name: self.directory.map(f"tables/{record['uid']}.counters", 2, torch.int64)
+            table_name: self.directory.map(f"tables/{record['uid']}.counters", _NUM_COUNTERS, torch.int64)
             for table_name, record in old_records.items()
         }
         old_array_record = registry.arrays[old_array]
@@ -902,7 +967,7 @@ class TableStore:
         try:
             for table_name in sharers:
                 uid = new_uids[table_name] = secrets.token_hex(8)
-                counters = self.directory.allocate(f"tables/{uid}.counters", 2, torch.int64)
+                counters = self.directory.allocate(f"tables/{uid}.counters", _NUM_COUNTERS, torch.int64)
                 counters[_VERSION] = version if table_name == name else old_counters[table_name][_VERSION]
                 registry.tables[table_name] = {**old_records[table_name], "uid": uid, "array": array_id}
             del registry.arrays[old_array]

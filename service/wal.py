@@ -213,7 +213,10 @@ def scan_log(buf: Any, where: str = "log", *, salvage: bool = False) -> LogScan:
     left out of ``records``. Raises ``CorruptionError`` for a bad header, a bad record followed by a valid
     one (damage in the middle of the log), a record of another dim, or versions that do not follow on.
     With ``salvage`` damage in the middle is treated as a tail too: everything from the first bad record
-    on is given up (an operator's explicit choice, ``robez snapshot --salvage``).
+    on is given up (an operator's explicit choice, ``robez snapshot --salvage``); and a record that
+    repeats the previous record's version replaces it: the earlier one was written by a worker that died
+    before it finished the update (never acknowledged), the later one by the next writer (versions before
+    robez 0.1.1 could write such a pair; see docs/durability.md).
     """
     size = len(buf)
     if size < LOG_HEADER_SIZE:
@@ -246,15 +249,59 @@ def scan_log(buf: Any, where: str = "log", *, salvage: bool = False) -> LogScan:
             raise CorruptionError(
                 f"{where}: record at byte {offset} has dim {parsed.embedding_dim}, log has {dim}"
             )
+        if salvage and records and parsed.version == expected_version - 1:
+            logger.warning(
+                "%s: record at byte %d repeats version %d; salvage keeps it instead of the earlier one at "
+                "byte %d (an update whose worker died before finishing it)",
+                where,
+                offset,
+                parsed.version,
+                records[-1].offset,
+            )
+            records[-1] = parsed
+            offset += parsed.length
+            continue
         if parsed.version != expected_version:
+            repeated = parsed.version == expected_version - 1
+            hint = " (robez snapshot --salvage can recover it)" if repeated else ""
             raise CorruptionError(
                 f"{where}: record at byte {offset} produces version {parsed.version}, "
-                f"expected {expected_version}"
+                f"expected {expected_version}{hint}"
             )
         records.append(parsed)
         expected_version += 1
         offset += parsed.length
     return LogScan(generation, base_version, dim, records, offset, size, tail_problem)
+
+
+def follow_records(fd: int, offset: int, size: int, last_version: int, where: str) -> tuple[int, int]:
+    """Walk the record headers of an open log from byte ``offset`` (just after the record that produced
+    ``last_version``) to ``size``; returns (end, last version) of the last record.
+
+    Reads only the headers (each checked by its CRC, the payload is not), so it costs a few microseconds a
+    record. Raises ``CorruptionError`` for a record that does not follow on (a repeated or skipped
+    version) or that is cut short (a writer died in the middle of its append).
+    """
+    while offset < size:
+        head = os.pread(fd, RECORD_HEADER_SIZE, offset)
+        if len(head) < RECORD_HEADER_SIZE:
+            raise CorruptionError(f"{where}: an unfinished record at byte {offset} ({size - offset} bytes)")
+        magic, _fmt, _reserved, dim, num_ids, version, _lr = _RECORD_HEADER.unpack_from(head)
+        (head_crc,) = _CRC.unpack_from(head, _RECORD_HEADER.size)
+        if magic != RECORD_MAGIC or head_crc != _crc(head[: _RECORD_HEADER.size]):
+            raise CorruptionError(f"{where}: a bad record header at byte {offset}")
+        length = RECORD_HEADER_SIZE + num_ids * 8 + num_ids * dim * 4 + 4
+        if offset + length > size:
+            raise CorruptionError(
+                f"{where}: an unfinished record at byte {offset} ({size - offset} of {length} bytes)"
+            )
+        if version != last_version + 1:
+            raise CorruptionError(
+                f"{where}: record at byte {offset} produces version {version}, expected {last_version + 1}"
+            )
+        offset += length
+        last_version = version
+    return offset, last_version
 
 
 def decode_record(buf: Any, span: RecordSpan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,6 +457,8 @@ class _OpenLog:
     generation: int
     base_version: int
     embedding_dim: int
+    end: int  # byte offset just after the last record this process knows of
+    last_version: int  # the version that record produces (base_version when the log has none)
     dirty: bool = False
 
 
@@ -561,8 +610,20 @@ class WalJournal:
                 f"table {record.table!r}: grads of shape {tuple(record.grads.shape)}, the log has dim "
                 f"{log.embedding_dim}"
             )
-        buffers = encode_record(record.version, record.ids, record.grads, record.lr)
         size_before = os.fstat(log.fd).st_size
+        if size_before != log.end:  # another worker appended (or a repair cut the log) since our last look
+            where = f"table {record.table!r} log {self._log_paths[record.table]}"
+            if size_before < log.end:
+                log.end, log.last_version = LOG_HEADER_SIZE, log.base_version
+            log.end, log.last_version = follow_records(log.fd, log.end, size_before, log.last_version, where)
+        if record.version != log.last_version + 1:
+            # The store's counter and the log disagree: appending would write a version twice (or skip
+            # one) and make the log unrecoverable. Refuse; the store repairs before it appends.
+            raise CorruptionError(
+                f"table {record.table!r}: update would produce version {record.version}, but the log's last "
+                f"record produces {log.last_version}"
+            )
+        buffers = encode_record(record.version, record.ids, record.grads, record.lr)
         try:
             _write_all(log.fd, buffers)
             if self.fsync == "always":
@@ -570,6 +631,8 @@ class WalJournal:
         except BaseException:
             os.ftruncate(log.fd, size_before)
             raise
+        log.end = size_before + sum(len(buffer) for buffer in buffers)
+        log.last_version = record.version
         if self.fsync != "interval":
             return 0
         with self._tickets:
@@ -626,14 +689,59 @@ class WalJournal:
         log) and cuts a torn tail off the log, logging a warning. Raises ``CorruptionError`` for damage
         that cannot be told apart from lost updates (``salvage``: cut the log at the first bad record).
         """
-        from robez_core.table import Table
-
-        directory = self.table_dir(name)
         meta = self._read_meta(name)
         if meta is None:
             return None
-        self._remove_leftovers(directory, meta)
-        snapshot_file = directory / meta.snapshot
+        self._remove_leftovers(self.table_dir(name), meta)
+        table = self._load_snapshot(name, meta)
+        version = self._replay(name, meta, table.apply_gradients, salvage=salvage)
+        self._forget_log(name)
+        return table, version
+
+    def recover(self, name: str, version: int) -> Table:
+        """The table at exactly ``version`` (snapshot + the log's records up to it), with every record
+        after that one cut off the log: the repair after a worker died holding the table's update lock
+        with its update appended (or half-appended) but not finished. Called under that lock; the cut is
+        fdatasync'ed before this returns. Raises ``CorruptionError`` if the log does not reach
+        ``version``."""
+        meta = self._require_meta(name)
+        if version < meta.version:
+            raise CorruptionError(
+                f"table {name!r}: cannot recover version {version}, the snapshot is at {meta.version}"
+            )
+        table = self._load_snapshot(name, meta)
+        path = self.table_dir(name) / LOG_FILE
+        where = f"table {name!r} log {path}"
+        with open(path, "r+b") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            with mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ) as buf:
+                scan = scan_log(buf, where=where)
+                self._check_log_matches(name, scan, meta)
+                cut, reached = LOG_HEADER_SIZE, meta.version
+                for span in scan.records:
+                    if span.version > version:
+                        break
+                    ids, grads = decode_record(buf, span)
+                    table.apply_gradients(ids, grads, span.lr)
+                    cut, reached = span.offset + span.length, span.version
+            if reached != version:
+                raise CorruptionError(f"{where}: holds versions up to {reached}, cannot recover {version}")
+            if cut != size:
+                logger.warning(
+                    "table %r: cutting %d bytes of an unfinished update off %s (its worker died)",
+                    name,
+                    size - cut,
+                    path,
+                )
+                os.ftruncate(handle.fileno(), cut)
+                _sync_data(handle.fileno())
+        return table
+
+    def _load_snapshot(self, name: str, meta: _Meta) -> Table:
+        """The committed snapshot, its checksum verified."""
+        from robez_core.table import Table
+
+        snapshot_file = self.table_dir(name) / meta.snapshot
         if not snapshot_file.is_file():
             raise CorruptionError(f"table {name!r}: snapshot {snapshot_file} named by meta.json is missing")
         crc, size = _file_crc(snapshot_file)
@@ -646,9 +754,7 @@ class WalJournal:
         table = Table.load(snapshot_file)
         if table.config.embedding_dim != meta.embedding_dim:
             raise CorruptionError(f"table {name!r}: snapshot dim differs from meta.json")
-        version = self._replay(name, meta, table.apply_gradients, salvage=salvage)
-        self._forget_log(name)
-        return table, version
+        return table
 
     def drop(self, name: str) -> None:
         """Remove a table's folder (renamed aside first, so a crash leaves either all or nothing)."""
@@ -871,10 +977,13 @@ class WalJournal:
                     f"table {name!r}: log {path} (generation {generation}) does not match meta.json "
                     f"(generation {meta.generation}); restart the server to recover the table"
                 )
+            end, last_version = follow_records(
+                fd, LOG_HEADER_SIZE, os.fstat(fd).st_size, base_version, f"table {name!r} log {path}"
+            )
         except BaseException:
             os.close(fd)
             raise
-        new_log = _OpenLog(fd, os.fstat(fd).st_ino, generation, base_version, dim)
+        new_log = _OpenLog(fd, os.fstat(fd).st_ino, generation, base_version, dim, end, last_version)
         with self._lock:
             old = self._logs.pop(name, None)
             self._logs[name] = new_log

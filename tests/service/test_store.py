@@ -491,3 +491,54 @@ def test_lookups_during_repeated_loads_see_one_table_or_the_other_never_a_mix(
     assert not list(directory.arrays_dir.glob("*.weight"))[1:]  # one array left: the others were freed
     loader.close()
     reader.close()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_writer_that_died_mid_update_is_repaired_by_the_next_one(tmp_path: Path, optimizer: str) -> None:
+    """Worker A dies holding the update lock: record 3 appended, half of it applied, counter still 2. The
+    next writer (worker B) must put the table back at version 2 and cut record 3 before it appends its
+    own version 3; the data directory then replays to exactly the acknowledged updates."""
+    from service.store import _PENDING
+
+    settings = make_settings(tmp_path, default_table=False, data_dir=tmp_path / "data")
+    journal_a, journal_b = WalJournal(settings.data_dir), WalJournal(settings.data_dir)
+    directory = TableStore.prepare(settings, journal_a)
+    worker_a = TableStore(directory, settings, journal_a)
+    worker_b = TableStore(directory, settings, journal_b)
+    try:
+        worker_a.create("t", TableSpec(CONFIG, OptimizerConfig(optimizer, lr=0.1)))  # type: ignore[arg-type]
+        oracle = Table(CONFIG, OptimizerConfig(optimizer, lr=0.1))  # type: ignore[arg-type]
+        generator = torch.Generator().manual_seed(1)
+        acknowledged = []
+        for worker in (worker_a, worker_b):
+            ids = torch.randint(0, 100, (6,), generator=generator)
+            grads = torch.randn(6, 8, generator=generator)
+            assert worker.update("t", ids, grads).version == len(acknowledged) + 1
+            acknowledged.append((ids, grads))
+
+        entry = worker_a._entry("t")
+        dead_ids, dead_grads = torch.arange(10, 16), torch.full((6, 8), 100.0)
+        with entry.lock.hold():  # what worker A did before it was killed; the kernel then drops the flock
+            entry.counters[_PENDING] = 3
+            journal_a.append(UpdateRecord("t", 3, dead_ids, dead_grads, 0.1))
+            entry.table.apply_gradients(dead_ids[:3], dead_grads[:3])
+        assert worker_b.version("t") == 2
+
+        ids = torch.randint(0, 100, (6,), generator=generator)
+        grads = torch.randn(6, 8, generator=generator)
+        assert worker_b.update("t", ids, grads).version == 3
+        acknowledged.append((ids, grads))
+        for ids, grads in acknowledged:
+            oracle.apply_gradients(ids, grads)
+        for key, tensor in oracle.tensors().items():
+            assert torch.equal(worker_a.table("t").tensors()[key], tensor), key
+        loaded = WalJournal(settings.data_dir).load("t")
+        assert loaded is not None and loaded[1] == 3
+        for key, tensor in oracle.tensors().items():
+            assert torch.equal(loaded[0].tensors()[key], tensor), key
+    finally:
+        worker_a.close()
+        worker_b.close()
+        journal_a.close()
+        journal_b.close()
+        directory.remove()

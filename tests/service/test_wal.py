@@ -658,3 +658,85 @@ def test_a_snapshot_failing_before_its_commit_leaves_the_folder_as_it_was(
     loaded = journal.load("t")
     assert loaded is not None and loaded[1] == 2
     _assert_same(loaded[0], server.table)
+
+
+# -- a writer that died in the middle of an update (issue: a killed worker wrote a version twice) -------
+
+
+def test_append_refuses_a_version_that_does_not_follow_the_log(journal: WalJournal, tmp_path: Path) -> None:
+    journal.create("t", _table(), 0)
+    other = WalJournal(tmp_path / "data")  # another worker process appending to the same log
+    try:
+        ids, grads = torch.tensor([1, 2]), torch.ones(2, DIM)
+        journal.append(UpdateRecord("t", 1, ids, grads, 0.1))
+        size = (tmp_path / "data" / "t" / LOG_FILE).stat().st_size
+        with pytest.raises(CorruptionError, match="last record produces 1"):
+            other.append(UpdateRecord("t", 1, ids, grads, 0.1))  # a repeat: what the killed worker caused
+        with pytest.raises(CorruptionError, match="last record produces 1"):
+            other.append(UpdateRecord("t", 3, ids, grads, 0.1))  # a gap
+        assert (tmp_path / "data" / "t" / LOG_FILE).stat().st_size == size  # nothing written
+        other.append(UpdateRecord("t", 2, ids, grads, 0.1))
+        journal.append(UpdateRecord("t", 3, ids, grads, 0.1))  # follows the other worker's record
+        with pytest.raises(CorruptionError):
+            journal.append(UpdateRecord("t", 3, ids, grads, 0.1))
+    finally:
+        other.close()
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 3
+
+
+def test_append_refuses_to_follow_an_unfinished_record(journal: WalJournal) -> None:
+    journal.create("t", _table(), 0)
+    ids, grads = torch.tensor([1, 2]), torch.ones(2, DIM)
+    journal.append(UpdateRecord("t", 1, ids, grads, 0.1))
+    path = journal.data_dir / "t" / LOG_FILE
+    with open(path, "ab") as handle:  # another worker died half-way through writing version 2
+        handle.write(_record_bytes(2, ids, grads, 0.1)[:30])
+    with pytest.raises(CorruptionError, match="unfinished record"):
+        journal.append(UpdateRecord("t", 2, ids, grads, 0.1))
+
+
+@pytest.mark.parametrize("written", ["whole", "torn", "none"])
+def test_recover_rebuilds_the_version_and_cuts_the_unfinished_record(
+    journal: WalJournal, written: str
+) -> None:
+    initial = _table()
+    journal.create("t", initial, 0)
+    server = _Server(journal, "t", _copy(initial))
+    for _ in range(3):
+        server.update()
+    path = journal.data_dir / "t" / LOG_FILE
+    good_size = path.stat().st_size
+    ids, grads = torch.tensor([5, 6]), torch.ones(2, DIM)
+    if written == "whole":
+        journal.append(UpdateRecord("t", 4, ids, grads, 0.1))
+    elif written == "torn":
+        with open(path, "ab") as handle:
+            handle.write(_record_bytes(4, ids, grads, 0.1)[:-3])
+    recovered = journal.recover("t", 3)
+    _assert_same(recovered, _oracle(initial, server.updates))
+    assert path.stat().st_size == good_size
+    journal.append(UpdateRecord("t", 4, ids + 1, grads, 0.2))  # the next writer goes on after version 3
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 4
+    _assert_same(loaded[0], _oracle(initial, [*server.updates, (ids + 1, grads, 0.2)]))
+    with pytest.raises(CorruptionError, match="cannot recover 9"):
+        journal.recover("t", 9)
+
+
+def test_salvage_keeps_the_later_of_a_repeated_version(journal: WalJournal) -> None:
+    """A log written by the bug: the dead worker's version 2, then the next writer's version 2 and on."""
+    initial = _table()
+    journal.create("t", initial, 0)
+    generator = torch.Generator().manual_seed(5)
+    updates = [_random_update(generator, 2) for _ in range(4)]
+    path = journal.data_dir / "t" / LOG_FILE
+    with open(path, "ab") as handle:
+        for version, (ids, grads) in zip([1, 2, 2, 3], updates, strict=True):
+            handle.write(_record_bytes(version, ids, grads, 0.1))
+    with pytest.raises(CorruptionError, match="salvage can recover it"):
+        journal.load("t")
+    loaded = journal.load("t", salvage=True)
+    assert loaded is not None and loaded[1] == 3
+    kept = [updates[0], updates[2], updates[3]]  # the dead worker's record (the first version 2) dropped
+    _assert_same(loaded[0], _oracle(initial, [(ids, grads, 0.1) for ids, grads in kept]))
