@@ -88,6 +88,7 @@ Pooling = Literal["none", "sum", "mean"]
 POOLINGS: tuple[str, ...] = ("none", "sum", "mean")
 _VERSION, _STATE, _PENDING = 0, 1, 2  # counters
 _NUM_COUNTERS = 3
+_EXCLUSIVE = -1  # counters[_PENDING] while a snapshot (or another exclusive holder) runs
 _LIVE, _DELETED, _REPLACED = 0, 1, 2  # counters[_STATE]
 # An update or snapshot that finds its table replaced by a load starts again; this many loads in a row
 # while it waits means something is wrong.
@@ -873,23 +874,23 @@ class TableStore:
     def _repair(self, entry: _Entry) -> None:
         """Undo the update a dead holder of the table's lock left unfinished; caller holds the lock."""
         version, pending = entry.version, int(entry.counters[_PENDING])
+        what = f"while applying update {pending}" if pending > 0 else "while it held the table's lock"
         rebuilt = self.journal.recover(entry.name, version)
         if rebuilt is None:
             logger.warning(
-                "table %r: a worker died while applying update %d; with no data directory the table keeps "
-                "whatever part of it was applied",
+                "table %r: a worker died %s; with no data directory the table keeps whatever part of it "
+                "was applied",
                 entry.name,
-                pending,
+                what,
             )
         else:
             for key, tensor in rebuilt.tensors().items():
                 target = entry.array.tensors[key]
                 target.copy_(tensor.reshape(target.shape))
             logger.warning(
-                "table %r: a worker died while applying update %d; restored version %d from the data "
-                "directory",
+                "table %r: a worker died %s; restored version %d from the data directory",
                 entry.name,
-                pending,
+                what,
                 version,
             )
         entry.counters[_PENDING] = 0
@@ -908,9 +909,16 @@ class TableStore:
 
     @contextmanager
     def exclusive(self, name: str) -> Iterator[tuple[Table, int]]:
-        """Hold the table's update lock: yields (table, version) with no update running or starting."""
+        """Hold the table's update lock: yields (table, version) with no update running or starting.
+
+        Marked pending meanwhile, like an update: if this worker dies while it holds the lock (in the
+        middle of a snapshot, say), the next holder repairs the table from the journal."""
         with self._locked(name) as entry:
-            yield entry.table, entry.version
+            entry.counters[_PENDING] = _EXCLUSIVE
+            try:
+                yield entry.table, entry.version
+            finally:
+                entry.counters[_PENDING] = 0
 
     def snapshot(self, name: str) -> int:
         """Journal a snapshot of the table at its current version (no update in between); returns it."""

@@ -701,10 +701,12 @@ class WalJournal:
     def recover(self, name: str, version: int) -> Table:
         """The table at exactly ``version`` (snapshot + the log's records up to it), with every record
         after that one cut off the log: the repair after a worker died holding the table's update lock
-        with its update appended (or half-appended) but not finished. Called under that lock; the cut is
-        fdatasync'ed before this returns. Raises ``CorruptionError`` if the log does not reach
-        ``version``."""
+        with its update appended (or half-appended) but not finished, or in the middle of a snapshot
+        (a log older than a committed snapshot is replaced by an empty one, as at start-up). Called under
+        that lock; the cut is fdatasync'ed before this returns. Raises ``CorruptionError`` if the log
+        does not reach ``version``."""
         meta = self._require_meta(name)
+        self._finish_interrupted_snapshot(name, meta)
         if version < meta.version:
             raise CorruptionError(
                 f"table {name!r}: cannot recover version {version}, the snapshot is at {meta.version}"
@@ -964,6 +966,8 @@ class WalJournal:
         if log is not None and log.inode == inode:
             return log
         meta = self._require_meta(name)
+        if self._finish_interrupted_snapshot(name, meta):
+            inode = os.stat(path).st_ino
         fd = os.open(path, os.O_RDWR | os.O_APPEND)
         try:
             head = os.pread(fd, LOG_HEADER_SIZE, 0)
@@ -990,6 +994,33 @@ class WalJournal:
             if old is not None:
                 self._close_log(old)
         return new_log
+
+    def _finish_interrupted_snapshot(self, name: str, meta: _Meta) -> bool:
+        """If the log is older than the committed snapshot (its writer died between committing meta.json
+        and swapping the fresh log in), replace it by an empty log of that generation, as a restart
+        would: every record of the stale log is in the snapshot. Caller holds the table's update lock.
+        Returns whether it did."""
+        path = self.table_dir(name) / LOG_FILE
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(_LOG_HEADER.size)
+        except FileNotFoundError:
+            return False
+        if len(head) < _LOG_HEADER.size:
+            return False
+        magic, _fmt, _dim, generation, _base = _LOG_HEADER.unpack(head)
+        if magic != LOG_MAGIC or generation >= meta.generation:
+            return False
+        logger.warning(
+            "table %r: log generation %d is older than the snapshot's %d (a worker died while "
+            "snapshotting); its updates are all in the snapshot, starting an empty log",
+            name,
+            generation,
+            meta.generation,
+        )
+        _write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
+        self._forget_log(name)
+        return True
 
     def _forget_log(self, name: str) -> None:
         with self._lock:

@@ -542,3 +542,43 @@ def test_a_writer_that_died_mid_update_is_repaired_by_the_next_one(tmp_path: Pat
         journal_a.close()
         journal_b.close()
         directory.remove()
+
+
+def test_a_worker_that_died_in_the_middle_of_a_snapshot_loses_no_later_update(tmp_path: Path) -> None:
+    """Worker B dies after committing a snapshot's meta.json and before swapping the fresh log in. Worker A
+    still holds the old log open: its next update must go to the committed generation's log, or the
+    restart would discard it with the stale log."""
+    from service.store import _EXCLUSIVE, _PENDING
+
+    settings = make_settings(tmp_path, default_table=False, data_dir=tmp_path / "data")
+    journal_a, journal_b = WalJournal(settings.data_dir), WalJournal(settings.data_dir)
+    directory = TableStore.prepare(settings, journal_a)
+    worker_a = TableStore(directory, settings, journal_a)
+    worker_b = TableStore(directory, settings, journal_b)
+    try:
+        worker_a.create("t", TableSpec(CONFIG, OptimizerConfig("adagrad", lr=0.1)))
+        oracle = Table(CONFIG, OptimizerConfig("adagrad", lr=0.1))
+        for worker in (worker_a, worker_b, worker_a):  # worker A keeps the log open
+            ids, grads = torch.tensor([1, 2, 3]), torch.randn(3, 8)
+            worker.update("t", ids, grads)
+            oracle.apply_gradients(ids, grads)
+
+        entry = worker_b._entry("t")
+        meta = journal_b._require_meta("t")
+        with entry.lock.hold():  # worker B's snapshot, up to its commit; then it is killed
+            entry.counters[_PENDING] = _EXCLUSIVE
+            journal_b._write_generation(tmp_path / "data" / "t", entry.table, 3, meta.generation + 1)
+
+        ids, grads = torch.tensor([4, 5]), torch.randn(2, 8)
+        assert worker_a.update("t", ids, grads).version == 4
+        oracle.apply_gradients(ids, grads)
+        loaded = WalJournal(settings.data_dir).load("t")
+        assert loaded is not None and loaded[1] == 4
+        for key, tensor in oracle.tensors().items():
+            assert torch.equal(loaded[0].tensors()[key], tensor), key
+    finally:
+        worker_a.close()
+        worker_b.close()
+        journal_a.close()
+        journal_b.close()
+        directory.remove()
