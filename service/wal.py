@@ -431,6 +431,10 @@ class WalJournal:
         fsync_interval_ms: the least time between two flushes for ``"interval"``.
         snapshot_every_updates: take a snapshot once the log holds this many records (0: never).
         snapshot_every_seconds: take one when the last is older than this and the log is not empty (0: never).
+        snapshot_log_ratio: take one when the log's bytes exceed this many times the snapshot's bytes
+            (0: never) ...
+        snapshot_log_min_bytes: ... and at least this many (the floor, so a small table is not snapshotted
+            after every few big pushes).
         exclusive: lock the data directory for this journal alone (offline tools); servers share it. Either
             way a conflicting holder makes the constructor raise ``ConflictError``.
     """
@@ -446,14 +450,19 @@ class WalJournal:
         fsync_interval_ms: float = 10.0,
         snapshot_every_updates: int = 0,
         snapshot_every_seconds: float = 0.0,
+        snapshot_log_ratio: float = 0.0,
+        snapshot_log_min_bytes: int = 0,
         exclusive: bool = False,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ConfigError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         if not fsync_interval_ms > 0:
             raise ConfigError(f"fsync_interval_ms must be > 0, got {fsync_interval_ms}")
-        if snapshot_every_updates < 0 or snapshot_every_seconds < 0:
-            raise ConfigError("snapshot_every_updates and snapshot_every_seconds must be >= 0")
+        if (
+            min(snapshot_every_updates, snapshot_every_seconds, snapshot_log_ratio, snapshot_log_min_bytes)
+            < 0
+        ):
+            raise ConfigError("the snapshot_* policies must be >= 0")
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._dir_lock = _lock_data_dir(self.data_dir, exclusive)
@@ -465,6 +474,8 @@ class WalJournal:
         self.fsync_interval_ms = float(fsync_interval_ms)
         self.snapshot_every_updates = snapshot_every_updates
         self.snapshot_every_seconds = snapshot_every_seconds
+        self.snapshot_log_ratio = float(snapshot_log_ratio)
+        self.snapshot_log_min_bytes = int(snapshot_log_min_bytes)
         self._logs: dict[str, _OpenLog] = {}
         self._log_paths: dict[str, str] = {}
         # Guards self._logs and the life of its file descriptors against the flusher thread.
@@ -493,6 +504,8 @@ class WalJournal:
             fsync_interval_ms=settings.wal_fsync_interval_ms,
             snapshot_every_updates=settings.snapshot_every_updates,
             snapshot_every_seconds=settings.snapshot_every_seconds,
+            snapshot_log_ratio=settings.snapshot_log_ratio,
+            snapshot_log_min_bytes=settings.snapshot_log_min_bytes,
         )
 
     # -- paths -------------------------------------------------------------------------------------------
@@ -682,10 +695,18 @@ class WalJournal:
 
     # -- periodic snapshots --------------------------------------------------------------------------------
 
-    def snapshot_due(self, name: str, version: int) -> bool:
-        """Whether the table, now at ``version``, is due a snapshot under the N updates / T seconds policy.
+    def log_limit_bytes(self, snapshot_bytes: int) -> int | None:
+        """The log size past which the size policy takes a snapshot (None: the policy is off)."""
+        if not self.snapshot_log_ratio:
+            return None
+        return max(self.snapshot_log_min_bytes, int(self.snapshot_log_ratio * snapshot_bytes))
 
-        Reads meta.json each time (about 30 us), so a snapshot taken by another worker counts at once.
+    def snapshot_due(self, name: str, version: int) -> bool:
+        """Whether the table, now at ``version``, is due a snapshot under the N updates / T seconds / log
+        bytes policies.
+
+        Reads meta.json and stats the log each time (tens of us), so a snapshot taken by another worker
+        counts at once.
         """
         meta = self._read_meta(name)
         if meta is None:
@@ -694,6 +715,9 @@ class WalJournal:
         if pending <= 0:
             return False
         if self.snapshot_every_updates and pending >= self.snapshot_every_updates:
+            return True
+        limit = self.log_limit_bytes(meta.snapshot_bytes)
+        if limit is not None and self._log_bytes(name) > limit:
             return True
         age_seconds = time.time() - meta.created_unix
         return bool(self.snapshot_every_seconds) and age_seconds >= self.snapshot_every_seconds
@@ -840,10 +864,13 @@ class WalJournal:
             )
 
     def _log_is_empty(self, name: str) -> bool:
+        return self._log_bytes(name) <= LOG_HEADER_SIZE
+
+    def _log_bytes(self, name: str) -> int:
         try:
-            return (self.table_dir(name) / LOG_FILE).stat().st_size <= LOG_HEADER_SIZE
+            return (self.table_dir(name) / LOG_FILE).stat().st_size
         except FileNotFoundError:
-            return True
+            return 0
 
     def _log_for_append(self, name: str) -> _OpenLog:
         """This process's handle on the table's current log, reopened if another process replaced it."""
@@ -996,7 +1023,10 @@ class SnapshotScheduler:
     @property
     def periodic(self) -> bool:
         """Whether any periodic policy is configured (otherwise no thread is started)."""
-        return bool(self.journal.snapshot_every_updates or self.journal.snapshot_every_seconds)
+        journal = self.journal
+        return bool(
+            journal.snapshot_every_updates or journal.snapshot_every_seconds or journal.snapshot_log_ratio
+        )
 
     def start(self) -> None:
         if self.periodic and self._thread is None:

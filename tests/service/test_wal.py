@@ -593,6 +593,41 @@ def test_snapshot_due_follows_the_policy(tmp_path: Path) -> None:
     assert timed.snapshot_due("t", 11) and not timed.snapshot_due("t", 10)
 
 
+def test_snapshot_due_when_the_log_outgrows_the_table(tmp_path: Path) -> None:
+    """The size policy: a snapshot once the log is over max(floor, ratio x snapshot bytes), whatever the
+    update count (big pushes make big records); 0 turns it off."""
+    table = _table("sgd")
+    ids, grads = _random_update(torch.Generator().manual_seed(1), 50)
+    record_bytes = len(_record_bytes(1, ids, grads, 0.1))
+    wal = WalJournal(tmp_path, snapshot_log_ratio=2.0, snapshot_log_min_bytes=3 * record_bytes)
+    try:
+        wal.create("t", table, 0)
+        snapshot_bytes = wal.snapshot_path("t").stat().st_size  # type: ignore[union-attr]
+        limit = wal.log_limit_bytes(snapshot_bytes)
+        assert limit == max(3 * record_bytes, 2 * snapshot_bytes)
+        due = []
+        for version in range(1, 3 + limit // record_bytes):
+            wal.append(UpdateRecord("t", version, ids, grads, 0.1))
+            due.append(wal.snapshot_due("t", version))
+        log_bytes = (tmp_path / "t" / LOG_FILE).stat().st_size
+        first_due = due.index(True) + 1
+        assert log_bytes > limit and all(due[first_due - 1 :])
+        # Due exactly from the first record that takes the log over the limit.
+        assert (
+            LOG_HEADER_SIZE + (first_due - 1) * record_bytes
+            <= limit
+            < LOG_HEADER_SIZE + first_due * record_bytes
+        )
+        wal.snapshot("t", table, version)
+        assert not wal.snapshot_due("t", version)
+        wal.snapshot_log_ratio = 0.0  # off: the same log is never due by size
+        for later in range(version + 1, version + 2 + limit // record_bytes):
+            wal.append(UpdateRecord("t", later, ids, grads, 0.1))
+        assert not wal.snapshot_due("t", later)
+    finally:
+        wal.close()
+
+
 def test_offline_tools_and_servers_exclude_each_other(tmp_path: Path) -> None:
     server = WalJournal(tmp_path)
     with pytest.raises(ConflictError, match="in use"):
