@@ -21,10 +21,12 @@ the configuration in the header's string metadata:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
+import re
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -317,8 +319,12 @@ class Table:
             try:
                 save_file({name: t.detach() for name, t in tensors.items()}, str(tmp), metadata=metadata)
             except SafetensorError as exc:
-                # safetensors reports disk errors as its own type; callers of save() expect OSError
-                raise OSError(f"cannot write checkpoint {str(path)!r}: {exc}") from exc
+                # safetensors reports disk errors as its own type; callers of save() expect OSError, with
+                # the errno its message carries ("... (os error 28)"), so a full disk can be told apart.
+                code = re.search(r"\(os error (\d+)\)", str(exc))
+                raise OSError(
+                    int(code.group(1)) if code else errno.EIO, f"cannot write checkpoint {str(path)!r}: {exc}"
+                ) from exc
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)

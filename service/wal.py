@@ -46,7 +46,7 @@ from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
 from robez_core.table import fsync_dir
 
-from .journal import UpdateRecord
+from .journal import StorageFullError, UpdateRecord, is_storage_full
 
 if TYPE_CHECKING:
     from robez_core.table import Table
@@ -281,13 +281,23 @@ def _sync_data(fd: int) -> None:
 
 def _write_file_durably(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the folder."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    os.replace(_write_temp_file(path, data), path)
     fsync_dir(path.parent)
+
+
+def _write_temp_file(path: Path, data: bytes) -> Path:
+    """``data`` in a fsynced temporary file beside ``path``, to be renamed over it; removed on failure (a
+    full disk must not keep the space of a half-written file)."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
 
 
 def _file_crc(path: Path, chunk_bytes: int = 1 << 24) -> tuple[int, int]:
@@ -298,6 +308,10 @@ def _file_crc(path: Path, chunk_bytes: int = 1 << 24) -> tuple[int, int]:
             crc = _crc(chunk, crc)
             size += len(chunk)
     return crc, size
+
+
+def _table_bytes(table: Table) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in table.tensors().values())
 
 
 def _write_all(fd: int, buffers: list[Any]) -> None:
@@ -492,6 +506,9 @@ class WalJournal:
         self._flushed_through = 0  # the last ticket a finished flush round covered (or tried to)
         self._durable_through = 0  # the last ticket known durable
         self._flush_error: OSError | None = None  # sticky: see wait_durable
+        # Bytes the last write refused for lack of space needed (None: no such refusal since the last
+        # write that succeeded); ``write_problem`` reports it until that much space is free again.
+        self._no_space_needed: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WalJournal:
@@ -541,14 +558,18 @@ class WalJournal:
         if (directory / META_FILE).exists():
             raise ConflictError(f"table {name!r} already exists in {self.data_dir}")
         staging = self.data_dir / f".creating-{name}-{uuid.uuid4().hex[:8]}"
-        staging.mkdir()
         try:
+            staging.mkdir()
             self._write_generation(staging, table, version, generation=1)
             os.replace(staging / f"{LOG_FILE}.new", staging / LOG_FILE)
             if directory.exists():  # left by a crash before its meta.json was written: nothing committed
                 shutil.rmtree(directory)
             os.replace(staging, directory)
             fsync_dir(self.data_dir)
+        except Exception as error:
+            if is_storage_full(error):
+                raise self._storage_full(f"creating table {name!r}", _table_bytes(table)) from error
+            raise
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -580,9 +601,14 @@ class WalJournal:
             _write_all(log.fd, buffers)
             if self.fsync == "always":
                 _sync_data(log.fd)
-        except BaseException:
+        except BaseException as error:
             os.ftruncate(log.fd, size_before)
+            if is_storage_full(error):
+                needed = sum(memoryview(buffer).nbytes for buffer in buffers)
+                what = f"update to version {record.version} of table {record.table!r}"
+                raise self._storage_full(what, needed) from error
             raise
+        self._no_space_needed = None
         if self.fsync != "interval":
             return 0
         with self._tickets:
@@ -624,7 +650,12 @@ class WalJournal:
         if meta is None:
             raise CorruptionError(f"table {name!r} has no committed snapshot in {directory}; cannot snapshot")
         old_snapshot = meta.snapshot
-        self._write_generation(directory, table, version, generation=meta.generation + 1)
+        try:
+            self._write_generation(directory, table, version, generation=meta.generation + 1)
+        except Exception as error:  # nothing committed: the old snapshot and log stand
+            if is_storage_full(error):
+                raise self._storage_full(f"snapshot of table {name!r}", _table_bytes(table)) from error
+            raise
         # meta.json now names the new generation; the old log is stale from here on.
         os.replace(directory / f"{LOG_FILE}.new", directory / LOG_FILE)
         fsync_dir(directory)
@@ -693,6 +724,33 @@ class WalJournal:
             os.close(self._dir_lock)
             self._dir_lock = None
 
+    def write_problem(self) -> str | None:
+        """Why writes are refused now: a write found no space and the data directory's file system still
+        has less free than it needed; None otherwise (a check of free space, not a write)."""
+        needed = self._no_space_needed
+        if needed is None:
+            return None
+        try:
+            stats = os.statvfs(self.data_dir)
+            free = stats.f_bavail * stats.f_frsize
+        except OSError:
+            free = 0
+        if free >= needed:
+            self._no_space_needed = None
+            return None
+        return (
+            f"the file system of the data directory {self.data_dir} is full: {free} bytes free, the last "
+            f"refused write needed {needed}"
+        )
+
+    def _storage_full(self, what: str, needed: int) -> StorageFullError:
+        """The error for a write refused for lack of space (the caller has undone any partial write)."""
+        self._no_space_needed = max(needed, self._no_space_needed or 0)
+        return StorageFullError(
+            f"no space left on the file system of the data directory {self.data_dir}: {what} refused, "
+            "nothing was applied; free space there, then retry"
+        )
+
     # -- periodic snapshots --------------------------------------------------------------------------------
 
     def log_limit_bytes(self, snapshot_bytes: int) -> int | None:
@@ -759,14 +817,16 @@ class WalJournal:
                 handle.flush()
                 os.fsync(handle.fileno())
             fsync_dir(directory)
+            meta = _Meta(generation, version, snapshot_name, crc, size, embedding_dim, time.time())
+            meta_tmp = _write_temp_file(directory / META_FILE, meta.to_json())
         except BaseException:
             # Nothing is committed yet: leave the folder as it was (a full disk is the likely cause, and
             # the next start would remove these anyway).
             snapshot_file.unlink(missing_ok=True)
             new_log.unlink(missing_ok=True)
             raise
-        meta = _Meta(generation, version, snapshot_name, crc, size, embedding_dim, time.time())
-        _write_file_durably(directory / META_FILE, meta.to_json())
+        os.replace(meta_tmp, directory / META_FILE)  # the commit
+        fsync_dir(directory)
 
     def _read_meta(self, name: str) -> _Meta | None:
         path = self.table_dir(name) / META_FILE
@@ -1057,6 +1117,8 @@ class SnapshotScheduler:
                         logger.info("snapshot of table %r at version %d", name, version)
             except NotFoundError:
                 continue  # deleted meanwhile
+            except StorageFullError as error:  # an operator's problem, not a bug: no traceback
+                logger.warning("snapshot of table %r failed: %s", name, error)
             except Exception:
                 # A failed snapshot loses nothing (the log still holds every update); try again later.
                 logger.exception("snapshot of table %r failed", name)

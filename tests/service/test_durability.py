@@ -351,7 +351,7 @@ def test_a_load_whose_snapshot_fails_leaves_the_table_as_it_was(
         monkeypatch.setattr(Table, "save", disk_full)
         response = client.post("/v1/tables/t/load", content=saved)
         monkeypatch.undo()
-        assert response.status_code == 500, response.text
+        assert response.status_code == 507, response.text  # a full disk: StorageFullError
         assert client.get("/v1/tables/t").json()["version"] == 2
         assert torch.equal(_rows(client, PROBE), rows)
         assert _table_files(settings) == files

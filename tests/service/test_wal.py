@@ -21,7 +21,7 @@ from torch import Tensor
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConflictError, CorruptionError, InvalidInputError
 from robez_core.table import Table
-from service.journal import UpdateRecord
+from service.journal import StorageFullError, UpdateRecord
 from service.wal import (
     LOG_FILE,
     LOG_HEADER_SIZE,
@@ -546,8 +546,9 @@ def test_a_failed_write_leaves_no_partial_record(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "writev", half_write)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(StorageFullError, match="no space left .* nothing was applied") as refused:
         journal.append(UpdateRecord("t", 2, torch.tensor([1]), torch.ones(1, DIM), 0.1))
+    assert isinstance(refused.value.__cause__, OSError) and refused.value.__cause__.errno == 28
     monkeypatch.undo()
     server.update()  # version 2 again: the failed one was never applied
     loaded = journal.load("t")
@@ -670,8 +671,11 @@ def test_salvage_keeps_the_records_before_mid_log_damage(journal: WalJournal) ->
     assert path.stat().st_size == records[1].offset
 
 
+# _file_crc fails after the new snapshot file is written; _write_temp_file when meta.json is (its last
+# step before the commit: a full disk there must not leave the new snapshot taking space either).
+@pytest.mark.parametrize("failing_step", ["_file_crc", "_write_temp_file"])
 def test_a_snapshot_failing_before_its_commit_leaves_the_folder_as_it_was(
-    journal: WalJournal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    journal: WalJournal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing_step: str
 ) -> None:
     import service.wal
 
@@ -681,12 +685,13 @@ def test_a_snapshot_failing_before_its_commit_leaves_the_folder_as_it_was(
     directory = tmp_path / "data" / "t"
     before = {path.name: path.read_bytes() for path in directory.iterdir()}
 
-    def disk_full(path: Path, chunk_bytes: int = 0) -> tuple[int, int]:
+    def disk_full(*args: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(service.wal, "_file_crc", disk_full)  # after the new snapshot file is written
-    with pytest.raises(OSError):
+    monkeypatch.setattr(service.wal, failing_step, disk_full)
+    with pytest.raises(StorageFullError, match="snapshot of table 't' refused"):
         journal.snapshot("t", server.table, server.version)
+    assert journal.write_problem() is None  # the disk is not really full: free space says writable
     monkeypatch.undo()
     assert {path.name: path.read_bytes() for path in directory.iterdir()} == before
     server.update()  # the log is still the committed one
