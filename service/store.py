@@ -788,23 +788,29 @@ class TableStore:
         if not (applied_lr > 0 and applied_lr != float("inf")):
             raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
         start = time.perf_counter()
-        # Hashing reads only the config, so it runs outside the lock.
+        # Hashing reads only the config, so it runs outside the lock; so does coalescing the step.
         chunk_offsets = table.hash(ids)
         hashed = time.perf_counter()
+        step = table.prepare_step(chunk_offsets, grads, applied_lr)  # also: lr <= the table's max_lr
+        prepared = time.perf_counter()
         with self._locked(name) as locked:
             if locked is not entry:  # a load switched the table meanwhile (same config: checked again)
                 table = locked.table
                 table.validate_grads(ids, grads)
                 chunk_offsets = table.hash(ids)
+                step = table.prepare_step(chunk_offsets, grads, applied_lr)
             version = locked.version + 1
+            # Before the log: a step that would leave a non-finite value is refused, nothing changed.
+            table.check_step(step)
             ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
             apply_start = time.perf_counter()
-            table.apply_gradients_at(chunk_offsets, grads, applied_lr)
+            table.apply_step(step)
             applied = time.perf_counter()
             locked.counters[_VERSION] = version
         # The caller waits for durability outside the lock (group commit): the next updates append
         # while this one waits for its flush.
-        return UpdateResult(version, hashed - start, applied - apply_start), ticket
+        apply_seconds = (prepared - hashed) + (applied - apply_start)
+        return UpdateResult(version, hashed - start, apply_seconds), ticket
 
     def warm_up(self) -> None:
         """Load the compiled kernels now (numba's on-disk cache), so a worker's first lookup or update is

@@ -91,10 +91,8 @@ class RobezServer:
             self.kill()
             return
         os.killpg(self.process.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
         self.kill()  # workers the supervisor left behind, if any
 
     def log(self) -> str:

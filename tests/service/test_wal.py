@@ -546,7 +546,7 @@ def test_a_failed_write_leaves_no_partial_record(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "writev", half_write)
-    with pytest.raises(StorageFullError, match="no space left .* nothing was applied") as refused:
+    with pytest.raises(StorageFullError, match=r"no space left .* nothing was applied") as refused:
         journal.append(UpdateRecord("t", 2, torch.tensor([1]), torch.ones(1, DIM), 0.1))
     assert isinstance(refused.value.__cause__, OSError) and refused.value.__cause__.errno == 28
     monkeypatch.undo()
