@@ -161,10 +161,9 @@ class WorkerSupervisor:
         for slot, worker in enumerate(self.workers):
             if self.should_exit.is_set():
                 return
-            if worker is None:  # waiting out a back-off
+            if worker is None:  # waiting out a back-off (or a failed spawn)
                 if now >= self._restart_at[slot]:
-                    self.workers[slot] = self._spawn()
-                    logger.info("started worker [%s]", self.workers[slot].process.pid)  # type: ignore[union-attr]
+                    self._replace(slot, now)
                 continue
             problem = worker.check(now, self.healthcheck_timeout_s)
             if problem is None:
@@ -189,7 +188,19 @@ class WorkerSupervisor:
             self.workers[slot] = None
             self._restart_at[slot] = now + delay
             if not delay:
-                self.workers[slot] = self._spawn()
+                self._replace(slot, now)
+
+    def _replace(self, slot: int, now: float) -> None:
+        """Start the worker of an empty slot; if the OS refuses (out of processes or memory), try again
+        in a second rather than stop supervising the others."""
+        try:
+            worker = self._spawn()
+        except OSError as error:
+            logger.error("cannot start a worker (%s); trying again in 1 s", error)
+            self._restart_at[slot] = now + 1.0
+            return
+        self.workers[slot] = worker
+        logger.info("started worker [%s]", worker.process.pid)
 
     @staticmethod
     def _backoff(young_deaths: int) -> float:

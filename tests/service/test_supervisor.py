@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 # must be replaced at once, and lookups served again well within it even on a loaded machine.
 HEALTHCHECK_TIMEOUT_S = 60
 RESPAWNED_WITHIN_S = 5.0
-SERVED_AGAIN_WITHIN_S = 45.0
+SERVED_AGAIN_WITHIN_S = 50.0
 LOOKUP = {"ids": [1, 2, 3]}
 
 
@@ -107,3 +107,34 @@ def test_a_replacement_dying_while_it_starts_does_not_stall_the_other_workers(tm
     finally:
         server.stop()
     assert "Traceback" not in server.log()
+
+
+class _FakeProcess:
+    def __init__(self, alive: bool = True, exitcode: int | None = None) -> None:
+        self.alive, self.exitcode, self.pid = alive, exitcode, 1
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_health_checks_never_wait_and_tell_dead_from_hung() -> None:
+    import multiprocessing
+
+    from service.supervisor import WorkerSupervisor, _Worker
+
+    supervisor_end, worker_end = multiprocessing.Pipe()
+    worker = _Worker(_FakeProcess(), supervisor_end, started=0.0, last_answer=0.0)  # type: ignore[arg-type]
+    assert worker.check(now=10.0, timeout_s=5.0) is None and worker.ping_sent == 10.0
+    assert worker_end.recv() == b"ping"
+    worker_end.send(b"pong")
+    assert worker.check(now=11.0, timeout_s=5.0) is None and worker.ping_sent is None  # answered
+    assert worker.check(now=12.0, timeout_s=5.0) is None and worker_end.recv() == b"ping"
+    started = time.monotonic()
+    assert worker.check(now=17.5, timeout_s=5.0) == "did not answer a health check within 5 s"
+    assert time.monotonic() - started < 1.0  # read without waiting
+    worker_end.close()
+    assert worker.check(now=18.0, timeout_s=5.0) == "closed its health pipe (died)"
+    dead = _Worker(_FakeProcess(alive=False, exitcode=-9), supervisor_end)  # type: ignore[arg-type]
+    assert dead.check(now=0.0, timeout_s=5.0) == "exited with status -9"
+    assert [WorkerSupervisor._backoff(n) for n in range(7)] == [0.0, 0.0, 0.0, 0.5, 1.0, 2.0, 4.0]
+    assert WorkerSupervisor._backoff(20) == 10.0
