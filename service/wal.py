@@ -1079,6 +1079,10 @@ class SnapshotScheduler:
         self.check_seconds = check_seconds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._storage_full_logged = -float("inf")
+
+    # A full disk fails the snapshot at every check: one warning per this many seconds, not per check.
+    STORAGE_FULL_LOG_SECONDS = 60.0
 
     @property
     def periodic(self) -> bool:
@@ -1118,7 +1122,10 @@ class SnapshotScheduler:
             except NotFoundError:
                 continue  # deleted meanwhile
             except StorageFullError as error:  # an operator's problem, not a bug: no traceback
-                logger.warning("snapshot of table %r failed: %s", name, error)
+                now = time.monotonic()
+                if now - self._storage_full_logged >= self.STORAGE_FULL_LOG_SECONDS:  # retried each check
+                    self._storage_full_logged = now
+                    logger.warning("snapshot of table %r failed (retried every check): %s", name, error)
             except Exception:
                 # A failed snapshot loses nothing (the log still holds every update); try again later.
                 logger.exception("snapshot of table %r failed", name)
