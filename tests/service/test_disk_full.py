@@ -111,12 +111,15 @@ def test_a_full_data_directory_refuses_writes_with_507_and_recovers(tmp_path: Pa
 
             refused = [_push_binary(client, 1.0) for _ in range(4)] + [_push_json(client) for _ in range(2)]
             refused.append(client.post("/v1/tables/demo/snapshot"))  # a 1 MiB snapshot does not fit either
+            new_table = {"num_embeddings": 1000, "embedding_dim": 8, "memory_size": 1 << 16, "chunk_size": 4}
+            refused.append(client.post("/v1/tables", json={"name": "fresh", "config": new_table}))
             for response in refused:
                 assert response.status_code == 507, response.text
                 body = response.json()
                 assert body["error_type"] == "StorageFullError"
                 assert str(data_dir) in body["error"] and "nothing was applied" in body["error"]
             assert _state(client) == before  # nothing applied, lookups still served
+            assert client.get("/v1/tables/fresh").status_code == 404
             assert _storage_full_count(client) == len(refused)
 
             ready = client.get("/readyz")
