@@ -17,6 +17,10 @@ OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adagrad", "adam")
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # The paper initialises the shared array U(-0.001, 0.001); small, so pooled rows start near zero.
 DEFAULT_INIT_SCALE = 0.001
+# The largest lr a table accepts unless its config says otherwise (``OptimizerConfig.max_lr``): far above
+# any useful step size (embedding lrs are ~1e-4..10), far below where lr alone overflows float32.
+DEFAULT_MAX_LR = 1000.0
+FLOAT32_MAX = 3.4028234663852886e38  # kernels apply lr as float32: a larger lr would be inf there
 
 
 @dataclass(frozen=True)
@@ -105,12 +109,17 @@ class OptimizerConfig:
     betas: tuple[float, float] = field(default=(0.9, 0.999))
     eps: float = 1e-8
     initial_accumulator_value: float = 0.0  # adagrad
+    # The largest lr an update may use (the table's own lr and every per-update override); at most
+    # FLOAT32_MAX. Updates whose step would overflow are refused whatever the lr (Table.check_step).
+    max_lr: float = DEFAULT_MAX_LR
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_NAMES:
             raise ConfigError(f"unknown optimizer {self.name!r}; expected one of {OPTIMIZER_NAMES}")
-        if not self.lr > 0 or self.lr == float("inf"):
-            raise ConfigError(f"lr must be a positive finite number, got {self.lr}")
+        if not 0 < self.max_lr <= FLOAT32_MAX:
+            raise ConfigError(f"max_lr must be in (0, {FLOAT32_MAX:.4g}] (float32), got {self.max_lr}")
+        if not 0 < self.lr <= self.max_lr:
+            raise ConfigError(f"lr must be a positive number at most max_lr={self.max_lr:g}, got {self.lr}")
         b1, b2 = self.betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ConfigError(f"betas must be in [0, 1), got {self.betas}")

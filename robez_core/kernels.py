@@ -832,6 +832,50 @@ def _adam_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, e
         weight[i] -= step_size * (m / (np.sqrt(v) + eps))
 
 
+# Dry runs of the three steps above: the same float32 arithmetic, nothing written; they count the touched
+# locations whose gradient, new weight or new optimizer state would not be finite.
+
+
+@_parallel_kernel
+def _sgd_nonfinite_kernel(weight, locations, values, lr):
+    bad = 0
+    for k in prange(locations.shape[0]):
+        g = values[k]
+        w = weight[locations[k]] - lr * g
+        if not (np.isfinite(g) and np.isfinite(w)):
+            bad += 1
+    return bad
+
+
+@_parallel_kernel
+def _adagrad_nonfinite_kernel(weight, state_sum, locations, values, lr, eps):
+    bad = 0
+    for k in prange(locations.shape[0]):
+        i = locations[k]
+        g = values[k]
+        s = state_sum[i] + g * g
+        w = weight[i] - lr * (g / (np.sqrt(s) + eps))
+        if not (np.isfinite(g) and np.isfinite(s) and np.isfinite(w)):
+            bad += 1
+    return bad
+
+
+@_parallel_kernel
+def _adam_nonfinite_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, eps, step_size):
+    one_minus_beta1 = np.float32(1.0) - beta1
+    one_minus_beta2 = np.float32(1.0) - beta2
+    bad = 0
+    for k in prange(locations.shape[0]):
+        i = locations[k]
+        g = values[k]
+        m = exp_avg[i] + (g - exp_avg[i]) * one_minus_beta1
+        v = exp_avg_sq[i] + (g * g - exp_avg_sq[i]) * one_minus_beta2
+        w = weight[i] - step_size * (m / (np.sqrt(v) + eps))
+        if not (np.isfinite(g) and np.isfinite(m) and np.isfinite(v) and np.isfinite(w)):
+            bad += 1
+    return bad
+
+
 # --------------------------------------------------------------------------------------------------
 # public API (torch in, torch out)
 
@@ -1198,6 +1242,68 @@ def sgd_step(weight: torch.Tensor, locations: torch.Tensor, values: torch.Tensor
     weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
     set_kernel_threads()
     _sgd_kernel(weight_np, loc_np, val_np, np.float32(lr), work=loc_np.shape[0])
+
+
+def sgd_nonfinite(weight: torch.Tensor, locations: torch.Tensor, values: torch.Tensor, lr: float) -> int:
+    """How many of ``locations`` ``sgd_step`` would leave non-finite (or have a non-finite gradient);
+    reads only, so a caller can refuse the step before changing anything."""
+    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
+    set_kernel_threads()
+    return int(_sgd_nonfinite_kernel(weight_np, loc_np, val_np, np.float32(lr), work=loc_np.shape[0]))
+
+
+def adagrad_nonfinite(
+    weight: torch.Tensor,
+    state_sum: torch.Tensor,
+    locations: torch.Tensor,
+    values: torch.Tensor,
+    lr: float,
+    eps: float,
+) -> int:
+    """As ``sgd_nonfinite`` for ``adagrad_step`` (its weight and its ``state_sum``)."""
+    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
+    set_kernel_threads()
+    state_np = _state_np(state_sum, weight, "state_sum")
+    work = loc_np.shape[0]
+    return int(
+        _adagrad_nonfinite_kernel(
+            weight_np, state_np, loc_np, val_np, np.float32(lr), np.float32(eps), work=work
+        )
+    )
+
+
+def adam_nonfinite(
+    weight: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    locations: torch.Tensor,
+    values: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+) -> int:
+    """As ``sgd_nonfinite`` for ``adam_step`` (its weight and both moments) taken as step ``step``."""
+    if step < 1:
+        raise ConfigError(f"step must be >= 1, got {step}")
+    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
+    step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+    set_kernel_threads()
+    return int(
+        _adam_nonfinite_kernel(
+            weight_np,
+            _state_np(exp_avg, weight, "exp_avg"),
+            _state_np(exp_avg_sq, weight, "exp_avg_sq"),
+            loc_np,
+            val_np,
+            np.float32(beta1),
+            np.float32(beta2),
+            np.float32(eps),
+            np.float32(step_size),
+            work=loc_np.shape[0],
+        )
+    )
 
 
 def adagrad_step(

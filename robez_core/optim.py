@@ -24,7 +24,14 @@ from . import kernels
 from .config import OptimizerConfig
 from .errors import ConfigError, InvalidInputError
 
-__all__ = ["apply_coalesced", "fused_update", "init_state", "state_layout", "validate_state"]
+__all__ = [
+    "apply_coalesced",
+    "count_nonfinite",
+    "fused_update",
+    "init_state",
+    "state_layout",
+    "validate_state",
+]
 
 StateLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -115,6 +122,40 @@ def apply_coalesced(
             state["step"][0] = step
         else:
             raise ConfigError(f"unknown optimizer {optimizer.name!r}")
+
+
+def count_nonfinite(
+    optimizer: OptimizerConfig,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    locations: Tensor,
+    values: Tensor,
+    lr: float | None = None,
+) -> int:
+    """How many of ``locations`` the step ``apply_coalesced`` would take with the same arguments would
+    leave with a non-finite weight or optimizer state (or has a non-finite summed gradient). Reads only:
+    the same float32 arithmetic as the step, on the K touched locations, nothing written."""
+    step_lr = optimizer.lr if lr is None else _check_lr(lr)
+    if optimizer.name == "sgd":
+        return kernels.sgd_nonfinite(weight, locations, values, step_lr)
+    if optimizer.name == "adagrad":
+        return kernels.adagrad_nonfinite(weight, state["sum"], locations, values, step_lr, optimizer.eps)
+    if optimizer.name == "adam":
+        beta1, beta2 = optimizer.betas
+        step = int(state["step"][0]) + 1
+        return kernels.adam_nonfinite(
+            weight,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            locations,
+            values,
+            step_lr,
+            beta1,
+            beta2,
+            optimizer.eps,
+            step,
+        )
+    raise ConfigError(f"unknown optimizer {optimizer.name!r}")
 
 
 def fused_update(

@@ -21,12 +21,15 @@ the configuration in the header's string metadata:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
+import re
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,11 +46,21 @@ from .hashing import NUM_RANDOM_NUMBERS, paper_random_numbers, validate_random_n
 if TYPE_CHECKING:
     from .modules import RobezEmbedding
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Table", "import_paper_state_dict"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "PreparedStep", "Table", "import_paper_state_dict"]
 
 FORMAT_NAME = "robez-table"
 FORMAT_VERSION = 1
 _STATE_PREFIX = "state."
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """An update coalesced by ``Table.prepare_step``: distinct array ``locations`` int64 (K,), their summed
+    gradients ``values`` float32 (K,), and the lr to apply."""
+
+    locations: Tensor
+    values: Tensor
+    lr: float
 
 
 def _checksum(tensor: Tensor) -> str:
@@ -281,6 +294,43 @@ class Table:
             self.optimizer, self.weight, self.state, offsets, grads.contiguous(), self.config.chunk_size, lr
         )
 
+    # The same step as ``apply_gradients_at`` in three parts, for a caller that must refuse an update
+    # before it is logged (the service): ``prepare_step`` reads only the config (no lock needed),
+    # ``check_step`` reads the array, ``apply_step`` writes it. prepare + apply == apply_gradients_at.
+
+    def prepare_step(self, offsets: Tensor, grads: Tensor, lr: float | None = None) -> PreparedStep:
+        """Validate and coalesce an update of chunk ``offsets`` (N, C) with ``grads`` (N, d); ``lr`` must
+        be at most ``optimizer.max_lr``. Changes nothing."""
+        self._validate_offsets(offsets)
+        self._validate_grad_rows(grads, offsets.shape[0])
+        self._validate_lr(lr)
+        step_lr = self.optimizer.lr if lr is None else float(lr)
+        if step_lr > self.optimizer.max_lr:
+            raise InvalidInputError(
+                f"lr {step_lr:g} is over this table's max_lr={self.optimizer.max_lr:g} (its optimizer config)"
+            )
+        locations, values = kernels.coalesce_grad(
+            grads.contiguous(), offsets.contiguous(), self.config.chunk_size, self.config.memory_size
+        )
+        return PreparedStep(locations, values, step_lr)
+
+    def check_step(self, step: PreparedStep) -> None:
+        """Raise ``InvalidInputError`` if ``apply_step(step)``, now, would leave any array value or optimizer
+        state non-finite (lr x gradient overflowing float32, say). Reads the K touched locations only; call
+        it under the same lock as ``apply_step`` so that nothing changes in between."""
+        bad = optim.count_nonfinite(
+            self.optimizer, self.weight, self.state, step.locations, step.values, step.lr
+        )
+        if bad:
+            raise InvalidInputError(
+                f"the update would make {bad} of the {step.locations.numel()} array locations it touches "
+                f"non-finite (lr {step.lr:g} x gradient overflows float32); refused, nothing changed"
+            )
+
+    def apply_step(self, step: PreparedStep) -> None:
+        """Apply a step from ``prepare_step`` of this table (its config), in place."""
+        optim.apply_coalesced(self.optimizer, self.weight, self.state, step.locations, step.values, step.lr)
+
     # ------------------------------------------------------------------ checkpoints
 
     def tensors(self) -> dict[str, Tensor]:
@@ -317,8 +367,12 @@ class Table:
             try:
                 save_file({name: t.detach() for name, t in tensors.items()}, str(tmp), metadata=metadata)
             except SafetensorError as exc:
-                # safetensors reports disk errors as its own type; callers of save() expect OSError
-                raise OSError(f"cannot write checkpoint {str(path)!r}: {exc}") from exc
+                # safetensors reports disk errors as its own type; callers of save() expect OSError, with
+                # the errno its message carries ("... (os error 28)"), so a full disk can be told apart.
+                code = re.search(r"\(os error (\d+)\)", str(exc))
+                raise OSError(
+                    int(code.group(1)) if code else errno.EIO, f"cannot write checkpoint {str(path)!r}: {exc}"
+                ) from exc
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)

@@ -26,6 +26,7 @@ from .config import Settings
 logger = logging.getLogger("robez.cli")
 
 # CLI option -> Settings field; each is passed on to the workers as ROBEZ_<FIELD>.
+_APP = "service.app:create_app_from_env"  # uvicorn's factory: each worker builds its app from ROBEZ_*
 _SERVE_OPTIONS = ("host", "port", "workers", "config", "data_dir", "log_level", "threads_per_worker")
 
 
@@ -190,6 +191,7 @@ def _serve_locked(settings: Settings) -> int:
 
     from .app import open_journal
     from .store import TableStore
+    from .supervisor import run_workers
 
     journal = open_journal(settings)
     try:
@@ -208,20 +210,24 @@ def _serve_locked(settings: Settings) -> int:
             settings.workers,
             settings.kernel_threads(),
         )
-        uvicorn.run(
-            "service.app:create_app_from_env",
-            factory=True,
-            host=settings.host,
-            port=settings.port,
-            workers=settings.workers,
-            log_level=settings.log_level,
-            access_log=settings.access_log,
-            timeout_worker_healthcheck=settings.worker_healthcheck_timeout_s,
-        )
+        options: dict[str, Any] = {
+            "factory": True,
+            "host": settings.host,
+            "port": settings.port,
+            "workers": settings.workers,
+            "log_level": settings.log_level,
+            "access_log": settings.access_log,
+            "timeout_worker_healthcheck": settings.worker_healthcheck_timeout_s,
+        }
+        if settings.workers == 1:
+            uvicorn.run(_APP, **options)
+            return 0
+        # Several workers: robez's own supervisor, which never waits on one worker while others are down.
+        config = uvicorn.Config(_APP, **options)
+        return run_workers(config, settings.workers, settings.worker_healthcheck_timeout_s)
     finally:
         directory.remove()
         signal.signal(signal.SIGTERM, previous_sigterm)
-    return 0
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

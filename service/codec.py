@@ -19,7 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 from torch import Tensor
 
-from robez_core.config import INT64_MAX, INT64_MIN, OptimizerConfig, TableConfig
+from robez_core.config import (
+    DEFAULT_MAX_LR,
+    FLOAT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    OptimizerConfig,
+    TableConfig,
+)
 from robez_core.errors import InvalidInputError
 
 from .config import TableSpec
@@ -87,6 +94,7 @@ class OptimizerModel(_Model):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0)
     initial_accumulator_value: float = Field(default=0.0, ge=0)
+    max_lr: float = Field(default=DEFAULT_MAX_LR, gt=0, le=FLOAT32_MAX)
 
 
 class TableConfigModel(_Model):

@@ -7,6 +7,8 @@ request validation errors, unknown routes and unexpected failures alike.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +30,8 @@ from robez_core.errors import (
     RobezError,
 )
 
+from .journal import StorageFullError
+
 logger = logging.getLogger("robez.errors")
 
 
@@ -48,6 +52,7 @@ STATUS_BY_ERROR: Mapping[type[RobezError], int] = {
     UnauthorizedError: 401,
     ForbiddenError: 403,
     PayloadTooLargeError: 413,
+    StorageFullError: 507,
     NotFoundError: 404,
     ConflictError: 409,
     LimitExceededError: 422,
@@ -97,10 +102,37 @@ def _headers_for(error: RobezError, request: Request) -> dict[str, str]:
     return {}
 
 
+class _StorageFullLog:
+    """One log line (no traceback) for the first write refused for lack of space, then at most one per
+    ``every_seconds`` with the count refused meanwhile: a full disk under load must not flood the log."""
+
+    def __init__(self, every_seconds: float = 10.0) -> None:
+        self.every_seconds = every_seconds
+        self._lock = threading.Lock()
+        self._last = -float("inf")
+        self._suppressed = 0
+
+    def refused(self, request: Request, error: StorageFullError) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every_seconds:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        more = f" ({suppressed} more refused since the last such line)" if suppressed else ""
+        logger.error("507 on %s %s: %s%s", request.method, request.url.path, error, more)
+
+
+_storage_full_log = _StorageFullLog()
+
+
 async def _robez_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RobezError)
     status = status_for(exc)
-    if status >= 500:
+    if isinstance(exc, StorageFullError):
+        request.app.state.metrics.storage_full_total.inc()
+        _storage_full_log.refused(request, exc)
+    elif status >= 500:
         logger.error("%s on %s %s: %s", type(exc).__name__, request.method, request.url.path, exc)
     return error_response(status, str(exc), type(exc).__name__, _headers_for(exc, request))
 

@@ -12,13 +12,35 @@ implementation, ``WalJournal``.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from robez_core.errors import RobezError
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from robez_core.table import Table
+
+
+class StorageFullError(RobezError):
+    """The data directory's file system has no room for a write: the update (snapshot, new table, load) is
+    refused and nothing was applied. The server stays up and serves lookups; writes succeed again once
+    space is freed. Answered 507 Insufficient Storage (``service/errors.py``)."""
+
+
+_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_storage_full(error: BaseException) -> bool:
+    """Whether ``error`` (or the error it was raised from) says the file system is full (or over quota)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _NO_SPACE_ERRNOS:
+            return True
+        seen = seen.__cause__
+    return False
 
 
 @dataclass(frozen=True)
@@ -80,6 +102,10 @@ class Journal(Protocol):
         """Forget a table: remove its snapshot and log."""
         ...
 
+    def write_problem(self) -> str | None:
+        """Why this process cannot take writes now (the data directory's file system is full), or None."""
+        ...
+
     def close(self) -> None:
         """Flush and release files."""
         ...
@@ -111,6 +137,9 @@ class NullJournal:
 
     def drop(self, name: str) -> None:
         pass
+
+    def write_problem(self) -> str | None:
+        return None
 
     def close(self) -> None:
         pass

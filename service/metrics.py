@@ -96,6 +96,11 @@ class Metrics:
             ["endpoint", "method", "table", "status"],
             registry=self.registry,
         )
+        self.storage_full_total = Counter(
+            "robez_storage_full",
+            "Writes (updates, snapshots, new or loaded tables) refused with 507: the data directory is full",
+            registry=self.registry,
+        )
         self.rejected_total = Counter(
             "robez_rejected", "Requests refused before reaching a route", ["reason"], registry=self.registry
         )

@@ -805,15 +805,20 @@ class TableStore:
         if not (applied_lr > 0 and applied_lr != float("inf")):
             raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
         start = time.perf_counter()
-        # Hashing reads only the config, so it runs outside the lock.
+        # Hashing reads only the config, so it runs outside the lock; so does coalescing the step.
         chunk_offsets = table.hash(ids)
         hashed = time.perf_counter()
+        step = table.prepare_step(chunk_offsets, grads, applied_lr)  # also: lr <= the table's max_lr
+        prepared = time.perf_counter()
         with self._locked(name) as locked:
             if locked is not entry:  # a load switched the table meanwhile (same config: checked again)
                 table = locked.table
                 table.validate_grads(ids, grads)
                 chunk_offsets = table.hash(ids)
+                step = table.prepare_step(chunk_offsets, grads, applied_lr)
             version = locked.version + 1
+            # Before the log: a step that would leave a non-finite value is refused, nothing changed.
+            table.check_step(step)
             # Marked before the append, cleared after the bump: a worker that dies in between leaves the
             # mark for the next holder of the lock to repair (see the module docstring).
             locked.counters[_PENDING] = version
@@ -825,13 +830,14 @@ class TableStore:
             if self._fault_file is not None:
                 self._fault_point(table, chunk_offsets, grads, applied_lr)
             apply_start = time.perf_counter()
-            table.apply_gradients_at(chunk_offsets, grads, applied_lr)  # if it raises, the mark stays
+            table.apply_step(step)  # if it raises, the mark stays
             applied = time.perf_counter()
             locked.counters[_VERSION] = version
             locked.counters[_PENDING] = 0
         # The caller waits for durability outside the lock (group commit): the next updates append
         # while this one waits for its flush.
-        return UpdateResult(version, hashed - start, applied - apply_start), ticket
+        apply_seconds = (prepared - hashed) + (applied - apply_start)
+        return UpdateResult(version, hashed - start, apply_seconds), ticket
 
     def warm_up(self) -> None:
         """Load the compiled kernels now (numba's on-disk cache), so a worker's first lookup or update is

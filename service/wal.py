@@ -46,7 +46,7 @@ from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
 from robez_core.table import fsync_dir
 
-from .journal import UpdateRecord
+from .journal import StorageFullError, UpdateRecord, is_storage_full
 
 if TYPE_CHECKING:
     from robez_core.table import Table
@@ -328,13 +328,23 @@ def _sync_data(fd: int) -> None:
 
 def _write_file_durably(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the folder."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    os.replace(_write_temp_file(path, data), path)
     fsync_dir(path.parent)
+
+
+def _write_temp_file(path: Path, data: bytes) -> Path:
+    """``data`` in a fsynced temporary file beside ``path``, to be renamed over it; removed on failure (a
+    full disk must not keep the space of a half-written file)."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
 
 
 def _file_crc(path: Path, chunk_bytes: int = 1 << 24) -> tuple[int, int]:
@@ -345,6 +355,10 @@ def _file_crc(path: Path, chunk_bytes: int = 1 << 24) -> tuple[int, int]:
             crc = _crc(chunk, crc)
             size += len(chunk)
     return crc, size
+
+
+def _table_bytes(table: Table) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in table.tensors().values())
 
 
 def _write_all(fd: int, buffers: list[Any]) -> None:
@@ -480,6 +494,10 @@ class WalJournal:
         fsync_interval_ms: the least time between two flushes for ``"interval"``.
         snapshot_every_updates: take a snapshot once the log holds this many records (0: never).
         snapshot_every_seconds: take one when the last is older than this and the log is not empty (0: never).
+        snapshot_log_ratio: take one when the log's bytes exceed this many times the snapshot's bytes
+            (0: never) ...
+        snapshot_log_min_bytes: ... and at least this many (the floor, so a small table is not snapshotted
+            after every few big pushes).
         exclusive: lock the data directory for this journal alone (offline tools); servers share it. Either
             way a conflicting holder makes the constructor raise ``ConflictError``.
     """
@@ -495,14 +513,19 @@ class WalJournal:
         fsync_interval_ms: float = 10.0,
         snapshot_every_updates: int = 0,
         snapshot_every_seconds: float = 0.0,
+        snapshot_log_ratio: float = 0.0,
+        snapshot_log_min_bytes: int = 0,
         exclusive: bool = False,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ConfigError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         if not fsync_interval_ms > 0:
             raise ConfigError(f"fsync_interval_ms must be > 0, got {fsync_interval_ms}")
-        if snapshot_every_updates < 0 or snapshot_every_seconds < 0:
-            raise ConfigError("snapshot_every_updates and snapshot_every_seconds must be >= 0")
+        if (
+            min(snapshot_every_updates, snapshot_every_seconds, snapshot_log_ratio, snapshot_log_min_bytes)
+            < 0
+        ):
+            raise ConfigError("the snapshot_* policies must be >= 0")
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._dir_lock = _lock_data_dir(self.data_dir, exclusive)
@@ -514,6 +537,8 @@ class WalJournal:
         self.fsync_interval_ms = float(fsync_interval_ms)
         self.snapshot_every_updates = snapshot_every_updates
         self.snapshot_every_seconds = snapshot_every_seconds
+        self.snapshot_log_ratio = float(snapshot_log_ratio)
+        self.snapshot_log_min_bytes = int(snapshot_log_min_bytes)
         self._logs: dict[str, _OpenLog] = {}
         self._log_paths: dict[str, str] = {}
         # Guards self._logs and the life of its file descriptors against the flusher thread.
@@ -530,6 +555,9 @@ class WalJournal:
         self._flushed_through = 0  # the last ticket a finished flush round covered (or tried to)
         self._durable_through = 0  # the last ticket known durable
         self._flush_error: OSError | None = None  # sticky: see wait_durable
+        # Bytes the last write refused for lack of space needed (None: no such refusal since the last
+        # write that succeeded); ``write_problem`` reports it until that much space is free again.
+        self._no_space_needed: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WalJournal:
@@ -542,6 +570,8 @@ class WalJournal:
             fsync_interval_ms=settings.wal_fsync_interval_ms,
             snapshot_every_updates=settings.snapshot_every_updates,
             snapshot_every_seconds=settings.snapshot_every_seconds,
+            snapshot_log_ratio=settings.snapshot_log_ratio,
+            snapshot_log_min_bytes=settings.snapshot_log_min_bytes,
         )
 
     # -- paths -------------------------------------------------------------------------------------------
@@ -577,14 +607,18 @@ class WalJournal:
         if (directory / META_FILE).exists():
             raise ConflictError(f"table {name!r} already exists in {self.data_dir}")
         staging = self.data_dir / f".creating-{name}-{uuid.uuid4().hex[:8]}"
-        staging.mkdir()
         try:
+            staging.mkdir()
             self._write_generation(staging, table, version, generation=1)
             os.replace(staging / f"{LOG_FILE}.new", staging / LOG_FILE)
             if directory.exists():  # left by a crash before its meta.json was written: nothing committed
                 shutil.rmtree(directory)
             os.replace(staging, directory)
             fsync_dir(self.data_dir)
+        except Exception as error:
+            if is_storage_full(error):
+                raise self._storage_full(f"creating table {name!r}", _table_bytes(table)) from error
+            raise
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -628,11 +662,16 @@ class WalJournal:
             _write_all(log.fd, buffers)
             if self.fsync == "always":
                 _sync_data(log.fd)
-        except BaseException:
+        except BaseException as error:
             os.ftruncate(log.fd, size_before)
+            if is_storage_full(error):
+                needed = sum(memoryview(buffer).nbytes for buffer in buffers)
+                what = f"update to version {record.version} of table {record.table!r}"
+                raise self._storage_full(what, needed) from error
             raise
         log.end = size_before + sum(len(buffer) for buffer in buffers)
         log.last_version = record.version
+        self._no_space_needed = None
         if self.fsync != "interval":
             return 0
         with self._tickets:
@@ -674,7 +713,12 @@ class WalJournal:
         if meta is None:
             raise CorruptionError(f"table {name!r} has no committed snapshot in {directory}; cannot snapshot")
         old_snapshot = meta.snapshot
-        self._write_generation(directory, table, version, generation=meta.generation + 1)
+        try:
+            self._write_generation(directory, table, version, generation=meta.generation + 1)
+        except Exception as error:  # nothing committed: the old snapshot and log stand
+            if is_storage_full(error):
+                raise self._storage_full(f"snapshot of table {name!r}", _table_bytes(table)) from error
+            raise
         # meta.json now names the new generation; the old log is stale from here on.
         os.replace(directory / f"{LOG_FILE}.new", directory / LOG_FILE)
         fsync_dir(directory)
@@ -788,12 +832,47 @@ class WalJournal:
             os.close(self._dir_lock)
             self._dir_lock = None
 
+    def write_problem(self) -> str | None:
+        """Why writes are refused now: a write found no space and the data directory's file system still
+        has less free than it needed; None otherwise (a check of free space, not a write)."""
+        needed = self._no_space_needed
+        if needed is None:
+            return None
+        try:
+            stats = os.statvfs(self.data_dir)
+            free = stats.f_bavail * stats.f_frsize
+        except OSError:
+            free = 0
+        if free >= needed:
+            self._no_space_needed = None
+            return None
+        return (
+            f"the file system of the data directory {self.data_dir} is full: {free} bytes free, the last "
+            f"refused write needed {needed}"
+        )
+
+    def _storage_full(self, what: str, needed: int) -> StorageFullError:
+        """The error for a write refused for lack of space (the caller has undone any partial write)."""
+        self._no_space_needed = max(needed, self._no_space_needed or 0)
+        return StorageFullError(
+            f"no space left on the file system of the data directory {self.data_dir}: {what} refused, "
+            "nothing was applied; free space there, then retry"
+        )
+
     # -- periodic snapshots --------------------------------------------------------------------------------
 
-    def snapshot_due(self, name: str, version: int) -> bool:
-        """Whether the table, now at ``version``, is due a snapshot under the N updates / T seconds policy.
+    def log_limit_bytes(self, snapshot_bytes: int) -> int | None:
+        """The log size past which the size policy takes a snapshot (None: the policy is off)."""
+        if not self.snapshot_log_ratio:
+            return None
+        return max(self.snapshot_log_min_bytes, int(self.snapshot_log_ratio * snapshot_bytes))
 
-        Reads meta.json each time (about 30 us), so a snapshot taken by another worker counts at once.
+    def snapshot_due(self, name: str, version: int) -> bool:
+        """Whether the table, now at ``version``, is due a snapshot under the N updates / T seconds / log
+        bytes policies.
+
+        Reads meta.json and stats the log each time (tens of us), so a snapshot taken by another worker
+        counts at once.
         """
         meta = self._read_meta(name)
         if meta is None:
@@ -802,6 +881,9 @@ class WalJournal:
         if pending <= 0:
             return False
         if self.snapshot_every_updates and pending >= self.snapshot_every_updates:
+            return True
+        limit = self.log_limit_bytes(meta.snapshot_bytes)
+        if limit is not None and self._log_bytes(name) > limit:
             return True
         age_seconds = time.time() - meta.created_unix
         return bool(self.snapshot_every_seconds) and age_seconds >= self.snapshot_every_seconds
@@ -843,14 +925,16 @@ class WalJournal:
                 handle.flush()
                 os.fsync(handle.fileno())
             fsync_dir(directory)
+            meta = _Meta(generation, version, snapshot_name, crc, size, embedding_dim, time.time())
+            meta_tmp = _write_temp_file(directory / META_FILE, meta.to_json())
         except BaseException:
             # Nothing is committed yet: leave the folder as it was (a full disk is the likely cause, and
             # the next start would remove these anyway).
             snapshot_file.unlink(missing_ok=True)
             new_log.unlink(missing_ok=True)
             raise
-        meta = _Meta(generation, version, snapshot_name, crc, size, embedding_dim, time.time())
-        _write_file_durably(directory / META_FILE, meta.to_json())
+        os.replace(meta_tmp, directory / META_FILE)  # the commit
+        fsync_dir(directory)
 
     def _read_meta(self, name: str) -> _Meta | None:
         path = self.table_dir(name) / META_FILE
@@ -948,10 +1032,13 @@ class WalJournal:
             )
 
     def _log_is_empty(self, name: str) -> bool:
+        return self._log_bytes(name) <= LOG_HEADER_SIZE
+
+    def _log_bytes(self, name: str) -> int:
         try:
-            return (self.table_dir(name) / LOG_FILE).stat().st_size <= LOG_HEADER_SIZE
+            return (self.table_dir(name) / LOG_FILE).stat().st_size
         except FileNotFoundError:
-            return True
+            return 0
 
     def _log_for_append(self, name: str) -> _OpenLog:
         """This process's handle on the table's current log, reopened if another process replaced it."""
@@ -1132,11 +1219,18 @@ class SnapshotScheduler:
         self.check_seconds = check_seconds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._storage_full_logged = -float("inf")
+
+    # A full disk fails the snapshot at every check: one warning per this many seconds, not per check.
+    STORAGE_FULL_LOG_SECONDS = 60.0
 
     @property
     def periodic(self) -> bool:
         """Whether any periodic policy is configured (otherwise no thread is started)."""
-        return bool(self.journal.snapshot_every_updates or self.journal.snapshot_every_seconds)
+        journal = self.journal
+        return bool(
+            journal.snapshot_every_updates or journal.snapshot_every_seconds or journal.snapshot_log_ratio
+        )
 
     def start(self) -> None:
         if self.periodic and self._thread is None:
@@ -1167,6 +1261,11 @@ class SnapshotScheduler:
                         logger.info("snapshot of table %r at version %d", name, version)
             except NotFoundError:
                 continue  # deleted meanwhile
+            except StorageFullError as error:  # an operator's problem, not a bug: no traceback
+                now = time.monotonic()
+                if now - self._storage_full_logged >= self.STORAGE_FULL_LOG_SECONDS:  # retried each check
+                    self._storage_full_logged = now
+                    logger.warning("snapshot of table %r failed (retried every check): %s", name, error)
             except Exception:
                 # A failed snapshot loses nothing (the log still holds every update); try again later.
                 logger.exception("snapshot of table %r failed", name)

@@ -561,3 +561,31 @@ def test_import_missing_key_is_config_error() -> None:
     del state["helper_E1sR"]
     with pytest.raises(ConfigError, match="helper_E1sR"):
         import_paper_state_dict(state)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_prepare_check_apply_is_apply_gradients_at_and_refuses_overflow(name: str) -> None:
+    config = TableConfig(num_embeddings=100, embedding_dim=8, memory_size=64, chunk_size=4)
+    optimizer = OptimizerConfig(name=name, lr=0.05, max_lr=3e38)  # type: ignore[arg-type]
+    split, fused = Table(config, optimizer), Table(config, optimizer)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        ids = torch.randint(0, 100, (6,), generator=generator)
+        grads = torch.randn(6, 8, generator=generator)
+        step = split.prepare_step(split.hash(ids), grads, 0.1)
+        split.check_step(step)
+        split.apply_step(step)
+        fused.apply_gradients_at(fused.hash(ids), grads, 0.1)
+    for key, tensor in fused.tensors().items():
+        assert torch.equal(split.tensors()[key], tensor), key
+
+    before = {key: tensor.clone() for key, tensor in split.tensors().items()}
+    overflowing = split.prepare_step(split.hash(torch.tensor([3])), torch.full((1, 8), 1e30), 1e10)
+    with pytest.raises(InvalidInputError, match="non-finite"):
+        split.check_step(overflowing)
+    for key, tensor in before.items():
+        assert torch.equal(split.tensors()[key], tensor), key
+    with pytest.raises(InvalidInputError, match="max_lr"):
+        Table(config, OptimizerConfig(name=name)).prepare_step(  # type: ignore[arg-type]
+            split.hash(torch.tensor([3])), torch.ones(1, 8), 1e39
+        )

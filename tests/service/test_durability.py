@@ -284,6 +284,29 @@ def test_periodic_snapshots_follow_the_policy(tmp_path: Path) -> None:
         assert meta["version"] == 3 and meta["generation"] == 2
 
 
+def test_a_periodic_snapshot_on_a_full_disk_warns_once_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "shm").mkdir()
+    with TestClient(create_app(_settings(tmp_path, snapshot_every_updates=1))) as client:
+        _create(client)
+        _push(client, 1)
+        store = client.app.state.store  # type: ignore[attr-defined]
+        scheduler = SnapshotScheduler(store, store.journal)
+
+        def disk_full(self: Table, path: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(Table, "save", disk_full)
+        with caplog.at_level("WARNING", logger="robez.wal"):
+            assert scheduler.run_once() == [] and scheduler.run_once() == []
+        monkeypatch.undo()
+        warnings = [r for r in caplog.records if r.name == "robez.wal"]
+        assert len(warnings) == 1 and warnings[0].exc_info is None
+        assert "no space left" in warnings[0].getMessage()
+        assert scheduler.run_once() == ["t"]  # space back: the next check takes it
+
+
 def test_cli_import_and_snapshot_offline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data_dir = tmp_path / "data"
     state_dict = _paper_state_dict(DIM, CHUNK, MEMORY, seed=5)
@@ -351,7 +374,7 @@ def test_a_load_whose_snapshot_fails_leaves_the_table_as_it_was(
         monkeypatch.setattr(Table, "save", disk_full)
         response = client.post("/v1/tables/t/load", content=saved)
         monkeypatch.undo()
-        assert response.status_code == 500, response.text
+        assert response.status_code == 507, response.text  # a full disk: StorageFullError
         assert client.get("/v1/tables/t").json()["version"] == 2
         assert torch.equal(_rows(client, PROBE), rows)
         assert _table_files(settings) == files

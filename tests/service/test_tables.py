@@ -25,7 +25,7 @@ def test_default_demo_table(client: TestClient) -> None:
 def test_no_demo_when_disabled(client_factory) -> None:
     client = client_factory(default_table=False)
     assert client.get("/v1/tables").json() == {"tables": []}
-    assert client.get("/readyz").json() == {"status": "ready", "tables": 0}
+    assert client.get("/readyz").json() == {"status": "ready", "tables": 0, "writable": True}
 
 
 def test_create_get_delete(client: TestClient) -> None:

@@ -142,3 +142,66 @@ def test_empty_update_bumps_the_version_only(client: TestClient) -> None:
     assert response.json()["version"] == 1
     tensors, _ = table_state(client, "demo")
     assert torch.equal(tensors["weight"], before[0]["weight"])
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize(
+    ("lr", "grad"),
+    [(1e39, 0.5), (1e308, 1e30), (1001.0, 0.5)],  # over the default max_lr (1000): the cases
+)
+def test_an_lr_over_the_tables_max_lr_is_refused(client: TestClient, lr: float, grad: float) -> None:
+    before = table_state(client, "demo")
+    for body_lr in (False, True):
+        ids, grads = [1, 2], [[grad] * 64] * 2
+        if body_lr:
+            response = client.post("/v1/tables/demo/update", json={"ids": ids, "grads": grads, "lr": lr})
+        else:
+            response = client.post(
+                "/v1/tables/demo/update", params={"lr": lr}, json={"ids": ids, "grads": grads}
+            )
+        assert error_of(response, 422) == "InvalidInputError"
+        assert "max_lr=1000" in response.json()["error"]
+    assert_unchanged(client, "demo", before)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize(
+    ("lr", "grads"),
+    [
+        (1e10, [[1e30] * 8]),  # lr x grad overflows (sgd); grad^2 overflows the state (adagrad, adam)
+        (1.0, [[3e38] * 8, [3e38] * 8]),  # one id twice: the summed gradient overflows
+    ],
+)
+def test_an_update_that_would_leave_a_non_finite_value_is_refused_before_it_is_logged(
+    client_factory: Any, tmp_path: Any, optimizer: str, lr: float, grads: list[list[float]]
+) -> None:
+    client = client_factory(data_dir=tmp_path / "data", default_table=False)
+    create_table(client, "t", optimizer={"name": optimizer, "lr": 0.01, "max_lr": F32_MAX})
+    assert client.post("/v1/tables/t/update", json={"ids": [7], "grads": [[0.5] * 8]}).status_code == 200
+    log = tmp_path / "data" / "t" / "updates.wal"
+    log_bytes, before = log.stat().st_size, table_state(client, "t")
+    ids = [5] * len(grads)
+    response = client.post("/v1/tables/t/update", params={"lr": lr}, json={"ids": ids, "grads": grads})
+    assert error_of(response, 422) == "InvalidInputError"
+    assert "non-finite" in response.json()["error"]
+    assert_unchanged(client, "t", before)
+    assert log.stat().st_size == log_bytes  # not logged: a restart cannot replay it
+    good = client.post("/v1/tables/t/update", json={"ids": [5], "grads": [[0.5] * 8]})
+    assert good.status_code == 200 and good.json()["version"] == 2
+    weight, *state = table_state(client, "t")[0].values()
+    assert all(bool(torch.isfinite(t.float()).all()) for t in (weight, *state))
+
+
+def test_max_lr_is_part_of_the_optimizer_config(client: TestClient) -> None:
+    table = {"name": "t", "config": SMALL_TABLE}
+    for optimizer in ({"lr": 2.0, "max_lr": 1.0}, {"max_lr": 1e39}, {"max_lr": 0}):
+        response = client.post("/v1/tables", json={**table, "optimizer": optimizer})
+        assert response.status_code == 422, response.text
+    info = create_table(client, "t", optimizer={"lr": 0.5, "max_lr": 2.0})
+    assert info["optimizer"]["max_lr"] == 2.0
+    ok = client.post("/v1/tables/t/update?lr=2.0", json={"ids": [1], "grads": [[0.5] * 8]})
+    assert ok.status_code == 200, ok.text
+    refused = client.post("/v1/tables/t/update?lr=2.5", json={"ids": [1], "grads": [[0.5] * 8]})
+    assert error_of(refused, 422) == "InvalidInputError" and "max_lr=2" in refused.json()["error"]

@@ -21,7 +21,7 @@ from torch import Tensor
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConflictError, CorruptionError, InvalidInputError
 from robez_core.table import Table
-from service.journal import UpdateRecord
+from service.journal import StorageFullError, UpdateRecord
 from service.wal import (
     LOG_FILE,
     LOG_HEADER_SIZE,
@@ -546,8 +546,9 @@ def test_a_failed_write_leaves_no_partial_record(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "writev", half_write)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(StorageFullError, match=r"no space left .* nothing was applied") as refused:
         journal.append(UpdateRecord("t", 2, torch.tensor([1]), torch.ones(1, DIM), 0.1))
+    assert isinstance(refused.value.__cause__, OSError) and refused.value.__cause__.errno == 28
     monkeypatch.undo()
     server.update()  # version 2 again: the failed one was never applied
     loaded = journal.load("t")
@@ -593,6 +594,41 @@ def test_snapshot_due_follows_the_policy(tmp_path: Path) -> None:
     assert timed.snapshot_due("t", 11) and not timed.snapshot_due("t", 10)
 
 
+def test_snapshot_due_when_the_log_outgrows_the_table(tmp_path: Path) -> None:
+    """The size policy: a snapshot once the log is over max(floor, ratio x snapshot bytes), whatever the
+    update count (big pushes make big records); 0 turns it off."""
+    table = _table("sgd")
+    ids, grads = _random_update(torch.Generator().manual_seed(1), 50)
+    record_bytes = len(_record_bytes(1, ids, grads, 0.1))
+    wal = WalJournal(tmp_path, snapshot_log_ratio=2.0, snapshot_log_min_bytes=3 * record_bytes)
+    try:
+        wal.create("t", table, 0)
+        snapshot_bytes = wal.snapshot_path("t").stat().st_size  # type: ignore[union-attr]
+        limit = wal.log_limit_bytes(snapshot_bytes)
+        assert limit == max(3 * record_bytes, 2 * snapshot_bytes)
+        due = []
+        for version in range(1, 3 + limit // record_bytes):
+            wal.append(UpdateRecord("t", version, ids, grads, 0.1))
+            due.append(wal.snapshot_due("t", version))
+        log_bytes = (tmp_path / "t" / LOG_FILE).stat().st_size
+        first_due = due.index(True) + 1
+        assert log_bytes > limit and all(due[first_due - 1 :])
+        # Due exactly from the first record that takes the log over the limit.
+        assert (
+            LOG_HEADER_SIZE + (first_due - 1) * record_bytes
+            <= limit
+            < LOG_HEADER_SIZE + first_due * record_bytes
+        )
+        wal.snapshot("t", table, version)
+        assert not wal.snapshot_due("t", version)
+        wal.snapshot_log_ratio = 0.0  # off: the same log is never due by size
+        for later in range(version + 1, version + 2 + limit // record_bytes):
+            wal.append(UpdateRecord("t", later, ids, grads, 0.1))
+        assert not wal.snapshot_due("t", later)
+    finally:
+        wal.close()
+
+
 def test_offline_tools_and_servers_exclude_each_other(tmp_path: Path) -> None:
     server = WalJournal(tmp_path)
     with pytest.raises(ConflictError, match="in use"):
@@ -635,8 +671,11 @@ def test_salvage_keeps_the_records_before_mid_log_damage(journal: WalJournal) ->
     assert path.stat().st_size == records[1].offset
 
 
+# _file_crc fails after the new snapshot file is written; _write_temp_file when meta.json is (its last
+# step before the commit: a full disk there must not leave the new snapshot taking space either).
+@pytest.mark.parametrize("failing_step", ["_file_crc", "_write_temp_file"])
 def test_a_snapshot_failing_before_its_commit_leaves_the_folder_as_it_was(
-    journal: WalJournal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    journal: WalJournal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing_step: str
 ) -> None:
     import service.wal
 
@@ -646,12 +685,13 @@ def test_a_snapshot_failing_before_its_commit_leaves_the_folder_as_it_was(
     directory = tmp_path / "data" / "t"
     before = {path.name: path.read_bytes() for path in directory.iterdir()}
 
-    def disk_full(path: Path, chunk_bytes: int = 0) -> tuple[int, int]:
+    def disk_full(*args: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(service.wal, "_file_crc", disk_full)  # after the new snapshot file is written
-    with pytest.raises(OSError):
+    monkeypatch.setattr(service.wal, failing_step, disk_full)
+    with pytest.raises(StorageFullError, match="snapshot of table 't' refused"):
         journal.snapshot("t", server.table, server.version)
+    assert journal.write_problem() is None  # the disk is not really full: free space says writable
     monkeypatch.undo()
     assert {path.name: path.read_bytes() for path in directory.iterdir()} == before
     server.update()  # the log is still the committed one

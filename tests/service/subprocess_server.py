@@ -1,0 +1,99 @@
+"""A real ``robez serve`` in a subprocess for fault tests: its own process group, a free port on
+127.0.0.1, its log in a file, and a bounded wait for readiness."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class RobezServer:
+    """``python -m service serve`` with ``args`` and ``env`` added to a ROBEZ_-free environment.
+
+    Args:
+        log_path: stdout and stderr of every start, appended.
+        args: extra ``robez serve`` arguments (``--port`` is added).
+        env: extra environment (``ROBEZ_SHM_DIR`` should point into the test's temporary folder).
+    """
+
+    def __init__(self, log_path: Path, args: list[str], env: dict[str, str]) -> None:
+        self.log_path = log_path
+        self.args = args
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
+        self.env.update({"ROBEZ_THREADS_PER_WORKER": "1", **env})
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start and wait until /readyz answers 200; a port taken meanwhile by another program is retried."""
+        for _ in range(3):
+            if self._start_once():
+                return
+        raise AssertionError(f"server could not bind a port:\n{self.log()}")
+
+    def _start_once(self) -> bool:
+        self.port = free_port()
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "service", "serve", "--port", str(self.port), *self.args],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # one killpg reaches the supervisor and every worker
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                if "address already in use" in self.log_path.read_text(errors="replace")[log_start:].lower():
+                    return False
+                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise AssertionError(f"server not ready after {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash)."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM the server, SIGKILL its group if it has not stopped within 60 s."""
+        if self.process is None or self.process.poll() is not None:
+            self.kill()
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=60)
+        self.kill()  # workers the supervisor left behind, if any
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
