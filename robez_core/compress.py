@@ -63,7 +63,9 @@ def least_squares_array(
         raise ConfigError(f"{len(offsets_per_table)} val_offsets for {len(weights)} tables")
     dims = {int(weight.shape[1]) if weight.dim() == 2 else -1 for weight in weights}
     if len(dims) != 1 or -1 in dims:
-        raise ConfigError(f"full tables must be 2-D (n, d) with one d, got {[tuple(w.shape) for w in weights]}")
+        raise ConfigError(
+            f"full tables must be 2-D (n, d) with one d, got {[tuple(w.shape) for w in weights]}"
+        )
     embedding_dim = dims.pop()
     if chunk_size < 1 or memory_size < chunk_size:
         raise ConfigError(f"need 1 <= chunk_size <= memory_size, got Z={chunk_size}, m={memory_size}")
