@@ -34,7 +34,7 @@ from .report import compression_table, offline_table, online_table, plot_offline
 QUICK_OFFLINE = OfflineConfig(
     seeds=(0,), compressions=(16,), finetune_compressions=(16,), epochs=1, train_limit=20_000
 )
-QUICK_ONLINE = OnlineConfig(limit=6_000, window=3_000)
+QUICK_ONLINE = OnlineConfig(compressions=(16,), limit=6_000, window=3_000)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -166,9 +166,7 @@ def write_report(output: dict[str, Any], folder: Path) -> None:
         }
         online = OnlineResult(**online_fields)
         config = output["online_config"]
-        plot_online(
-            online, folder / "online.png", config["window"], config["compression"], config["chunk_size"]
-        )
+        plot_online(online, folder / "online.png", config["window"], config["chunk_size"])
         sections += [
             "## 2. Online, through the service",
             f"Ratings replayed in timestamp order, batches of {config['batch_size']}: predict (rows looked "
@@ -178,7 +176,7 @@ def write_report(output: dict[str, Any], folder: Path) -> None:
             "same "
             f"batches. Running AUC over the last {config['window']:,} predictions. One server worker, one "
             "kernel thread, on the same machine as the client.",
-            online_table(online, config["compression"], config["chunk_size"]),
+            online_table(online, config["chunk_size"]),
             "![running AUC, served vs local](online.png)",
         ]
     (folder / "latest.md").write_text("\n\n".join(sections) + "\n")

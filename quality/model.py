@@ -38,6 +38,7 @@ __all__ = [
     "full_embeddings",
     "full_floats",
     "log_loss",
+    "predict_all",
     "robez_embeddings",
     "train_epoch",
 ]
@@ -193,14 +194,19 @@ def log_loss(logits: Tensor, labels: Tensor) -> float:
     return float(nn.functional.binary_cross_entropy_with_logits(logits, labels))
 
 
-def evaluate(model: RatingModel, data: Ratings, batch_size: int = 8192) -> tuple[float, float]:
-    """(AUC, log-loss) of ``model`` on ``data``."""
+def predict_all(model: RatingModel, data: Ratings, batch_size: int = 8192) -> Tensor:
+    """Logits (N,) of every rating of ``data``, without gradients."""
     model.eval()
     with torch.no_grad():
-        logits = torch.cat(
+        return torch.cat(
             [
                 model.predict(data, slice(start, start + batch_size))
                 for start in range(0, len(data), batch_size)
             ]
         )
+
+
+def evaluate(model: RatingModel, data: Ratings, batch_size: int = 8192) -> tuple[float, float]:
+    """(AUC, log-loss) of ``model`` on ``data``."""
+    logits = predict_all(model, data, batch_size)
     return auc(logits, data.labels), log_loss(logits, data.labels)

@@ -20,10 +20,12 @@ import torch
 from .model import (
     Embeddings,
     RatingModel,
+    auc,
     compressed_embeddings,
     evaluate,
     full_embeddings,
     full_floats,
+    predict_all,
     robez_embeddings,
     train_epoch,
 )
@@ -57,6 +59,8 @@ class Result:
     log_loss: float
     untrained_auc: float
     train_seconds: float
+    seen_user_auc: float  # test ratings by users who also rated in the training period
+    new_user_auc: float  # test ratings by users first seen in the test period (cold start)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ def run_offline(
     if config.train_limit is not None:
         train = train.subset(slice(0, config.train_limit))
     total = full_floats(data, config.dim)
+    user = data.fields.index("user")
+    seen = torch.isin(test.ids[:, user], train.ids[:, user])
+    log(f"{int(seen.sum())} of {len(test)} test ratings are by users who rated in the training period")
     results: list[Result] = []
     compressions: list[CompressionResult] = []
     for seed in config.seeds:
@@ -112,12 +119,27 @@ def run_offline(
                 model, untrained, test_auc, test_loss, seconds = _train(
                     embeddings, train, test, config, generator, config.epochs
                 )
+                logits = predict_all(model, test)
+                seen_auc = auc(logits[seen], test.labels[seen])
+                new_auc = auc(logits[~seen], test.labels[~seen])
                 results.append(
-                    Result(method, compression, floats, seed, test_auc, test_loss, untrained, seconds)
+                    Result(
+                        method,
+                        compression,
+                        floats,
+                        seed,
+                        test_auc,
+                        test_loss,
+                        untrained,
+                        seconds,
+                        seen_auc,
+                        new_auc,
+                    )
                 )
                 log(
                     f"seed {seed} {method:10s} {compression:4d}x {floats:7d} floats: AUC {test_auc:.4f} "
-                    f"log-loss {test_loss:.4f} (untrained AUC {untrained:.4f}, {seconds:.1f} s)"
+                    f"(returning users {seen_auc:.4f}, new users {new_auc:.4f}) log-loss {test_loss:.4f} "
+                    f"(untrained AUC {untrained:.4f}, {seconds:.1f} s)"
                 )
                 if chunk_size is None:
                     compressions += _compress_and_finetune(

@@ -33,7 +33,7 @@ __all__ = ["OnlineConfig", "OnlineResult", "run_online", "serve"]
 @dataclass(frozen=True)
 class OnlineConfig:
     dim: int = 32
-    compression: int = 16
+    compressions: tuple[int, ...] = (4, 16)  # one served model (its own tables) per compression
     chunk_size: int = 32
     batch_size: int = 500
     server_lr: float = 0.05  # adagrad, on the server for ROBE-Z and locally for the full tables
@@ -46,18 +46,17 @@ class OnlineConfig:
 
 @dataclass
 class OnlineResult:
+    """Curves and totals of one replay; models are ``"full"`` and ``"robez-<c>x"`` per compression c."""
+
     seen: list[int] = field(default_factory=list)  # ratings replayed at each point of the curves
-    robez_auc: list[float] = field(default_factory=list)  # trailing-window AUC, served ROBE-Z model
-    full_auc: list[float] = field(default_factory=list)  # the same for the local full model
-    robez_progressive_auc: float = float("nan")  # AUC of every prediction of the replay
-    full_progressive_auc: float = float("nan")
-    lookups: int = 0  # lookup requests (one per table per batch)
-    pushes: int = 0  # gradient pushes (one per table per batch)
-    lookup_seconds: float = 0.0  # wall time of the forward passes of the served model
-    push_seconds: float = 0.0  # wall time of its backward passes (the pushes and the MLP's backward)
+    auc: dict[str, list[float]] = field(default_factory=dict)  # trailing-window AUC per model
+    progressive_auc: dict[str, float] = field(default_factory=dict)  # AUC of every prediction
+    floats: dict[str, int] = field(default_factory=dict)  # embedding floats per model
+    lookups: int = 0  # lookup requests (one per table per batch and served model)
+    pushes: int = 0  # gradient pushes (one per table per batch and served model)
+    lookup_seconds: float = 0.0  # wall time of the served models' forward passes
+    push_seconds: float = 0.0  # wall time of their backward passes (the pushes and the MLP's backward)
     replay_seconds: float = 0.0
-    memory_size: int = 0
-    full_floats: int = 0
 
     @property
     def lookups_per_s(self) -> float:
@@ -123,10 +122,10 @@ def serve(startup_timeout_s: float = 60.0) -> Iterator[str]:
 
 
 def _remote_embeddings(
-    client: RobezClient, data: Ratings, config: OnlineConfig, memory_size: int
+    client: RobezClient, data: Ratings, config: OnlineConfig, memory_size: int, prefix: str
 ) -> Embeddings:
     """One table per field and one for genres on the server, all sharing the first table's array."""
-    names = [f"{config.table_prefix}{name}" for name in data.fields] + [f"{config.table_prefix}genres"]
+    names = [f"{prefix}{name}" for name in data.fields] + [f"{prefix}genres"]
     sizes = [*data.cardinalities, data.num_genres]
     optimizer = {"name": "adagrad", "lr": config.server_lr}
     val_offset = 0
@@ -160,22 +159,35 @@ def _trailing_auc(scores: list[torch.Tensor], labels: list[torch.Tensor], window
 def run_online(
     data: Ratings, url: str, config: OnlineConfig, log: Callable[[str], None] = print
 ) -> OnlineResult:
-    torch.manual_seed(config.seed)
     total = full_floats(data, config.dim)
-    memory_size = max(config.chunk_size, total // config.compression)
+    result = OnlineResult()
     client = RobezClient(url)
     try:
-        served = RatingModel(_remote_embeddings(client, data, config, memory_size))
         torch.manual_seed(config.seed)
         full = RatingModel(full_embeddings(data, config.dim, torch.Generator().manual_seed(config.seed)))
-        full.mlp.load_state_dict(served.mlp.state_dict())  # both start from the same MLP
-        served_opt = torch.optim.Adam(served.mlp.parameters(), lr=config.mlp_lr)
-        full_opts = [
-            torch.optim.Adam(full.mlp.parameters(), lr=config.mlp_lr),
-            torch.optim.Adagrad([*full.fields.parameters(), *full.genres.parameters()], lr=config.server_lr),
-        ]
-        result = OnlineResult(memory_size=memory_size, full_floats=total)
-        scores: dict[str, list[torch.Tensor]] = {"robez": [], "full": []}
+        result.floats["full"] = total
+        # (model, its optimizers): the served models' embeddings are trained by the server.
+        models: dict[str, tuple[RatingModel, list[torch.optim.Optimizer]]] = {
+            "full": (
+                full,
+                [
+                    torch.optim.Adam(full.mlp.parameters(), lr=config.mlp_lr),
+                    torch.optim.Adagrad(
+                        [*full.fields.parameters(), *full.genres.parameters()], lr=config.server_lr
+                    ),
+                ],
+            )
+        }
+        for compression in config.compressions:
+            memory_size = max(config.chunk_size, total // compression)
+            prefix = f"{config.table_prefix}{compression}x_"
+            served = RatingModel(_remote_embeddings(client, data, config, memory_size, prefix))
+            served.mlp.load_state_dict(full.mlp.state_dict())  # every model starts from the same MLP
+            name = f"robez-{compression}x"
+            models[name] = (served, [torch.optim.Adam(served.mlp.parameters(), lr=config.mlp_lr)])
+            result.floats[name] = memory_size
+        scores: dict[str, list[torch.Tensor]] = {name: [] for name in models}
+        result.auc = {name: [] for name in models}
         labels: list[torch.Tensor] = []
         count = len(data) if config.limit is None else min(config.limit, len(data))
         report_every = max(1, count // config.batch_size // 50)
@@ -183,47 +195,40 @@ def run_online(
         for number, start in enumerate(range(0, count, config.batch_size), start=1):
             batch = torch.arange(start, min(start + config.batch_size, count))
             target = data.labels[batch]
-            before = time.perf_counter()
-            logits = served.predict(data, batch)  # the lookups
-            after_lookup = time.perf_counter()
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, target)
-            served_opt.zero_grad()
-            loss.backward()  # the pushes
-            served_opt.step()
-            result.lookup_seconds += after_lookup - before
-            result.push_seconds += time.perf_counter() - after_lookup
-            result.lookups += len(served.fields) + 1
-            result.pushes += len(served.fields) + 1
-
-            full_logits = full.predict(data, batch)
-            full_loss = nn.functional.binary_cross_entropy_with_logits(full_logits, target)
-            for optimizer in full_opts:
-                optimizer.zero_grad()
-            full_loss.backward()
-            for optimizer in full_opts:
-                optimizer.step()
-
-            scores["robez"].append(logits.detach())
-            scores["full"].append(full_logits.detach())
+            for name, (model, optimizers) in models.items():
+                before = time.perf_counter()
+                logits = model.predict(data, batch)  # served: the lookups
+                after_lookup = time.perf_counter()
+                loss = nn.functional.binary_cross_entropy_with_logits(logits, target)
+                for optimizer in optimizers:
+                    optimizer.zero_grad()
+                loss.backward()  # served: the pushes
+                for optimizer in optimizers:
+                    optimizer.step()
+                scores[name].append(logits.detach())
+                if name != "full":
+                    result.lookup_seconds += after_lookup - before
+                    result.push_seconds += time.perf_counter() - after_lookup
+                    result.lookups += len(model.fields) + 1
+                    result.pushes += len(model.fields) + 1
             labels.append(target)
             seen = int(batch[-1]) + 1
             if number % report_every == 0 or seen == count:
                 result.seen.append(seen)
-                result.robez_auc.append(_trailing_auc(scores["robez"], labels, config.window))
-                result.full_auc.append(_trailing_auc(scores["full"], labels, config.window))
+                for name in models:
+                    result.auc[name].append(_trailing_auc(scores[name], labels, config.window))
                 log(
-                    f"{seen:6d} ratings: trailing AUC served ROBE-Z {result.robez_auc[-1]:.4f}, "
-                    f"local full {result.full_auc[-1]:.4f}"
+                    f"{seen:6d} ratings: trailing AUC "
+                    + ", ".join(f"{name} {values[-1]:.4f}" for name, values in result.auc.items())
                 )
         result.replay_seconds = time.perf_counter() - started
         all_labels = torch.cat(labels)
-        result.robez_progressive_auc = auc(torch.cat(scores["robez"]), all_labels)
-        result.full_progressive_auc = auc(torch.cat(scores["full"]), all_labels)
+        result.progressive_auc = {name: auc(torch.cat(scores[name]), all_labels) for name in models}
     finally:
         client.close()
     log(
         f"replayed {count} ratings in {result.replay_seconds:.1f} s: {result.lookups_per_s:.0f} lookups/s, "
-        f"{result.pushes_per_s:.0f} pushes/s; progressive AUC served {result.robez_progressive_auc:.4f}, "
-        f"full {result.full_progressive_auc:.4f}"
+        f"{result.pushes_per_s:.0f} pushes/s; AUC of every prediction: "
+        + ", ".join(f"{name} {value:.4f}" for name, value in result.progressive_auc.items())
     )
     return result

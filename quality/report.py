@@ -42,6 +42,8 @@ def summarise(results: Sequence[Result]) -> dict[tuple[str, int], dict[str, floa
             "log_loss_std": loss_std,
             "seeds": float(len(rows)),
             "untrained_auc": statistics.fmean(row.untrained_auc for row in rows),
+            "seen_user_auc": statistics.fmean(row.seen_user_auc for row in rows),
+            "new_user_auc": statistics.fmean(row.new_user_auc for row in rows),
         }
     return summary
 
@@ -50,8 +52,8 @@ def offline_table(results: Sequence[Result]) -> str:
     summary = summarise(results)
     lines = [
         "| method | compression | embedding floats | test AUC (mean ± std) | test log-loss (mean ± std) "
-        "| seeds |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| AUC, returning users | AUC, new users | seeds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (method, compression), row in sorted(
         summary.items(), key=lambda item: (list(METHODS).index(item[0][0]), item[0][1])
@@ -59,7 +61,7 @@ def offline_table(results: Sequence[Result]) -> str:
         lines.append(
             f"| {_LABELS[method]} | {compression}x | {int(row['floats']):,} | {row['auc']:.4f} ± "
             f"{row['auc_std']:.4f} | {row['log_loss']:.4f} ± {row['log_loss_std']:.4f} "
-            f"| {int(row['seeds'])} |"
+            f"| {row['seen_user_auc']:.4f} | {row['new_user_auc']:.4f} | {int(row['seeds'])} |"
         )
     return "\n".join(lines)
 
@@ -87,20 +89,26 @@ def compression_table(rows: Sequence[CompressionResult]) -> str:
     return "\n".join(lines)
 
 
-def online_table(result: OnlineResult, compression: int, chunk_size: int) -> str:
-    return "\n".join(
-        [
-            "| | served ROBE-Z | local full tables |",
-            "|---|---:|---:|",
-            f"| embedding floats | {result.memory_size:,} ({compression}x, Z = {chunk_size}) | "
-            f"{result.full_floats:,} |",
-            f"| trailing-window AUC at the end | {result.robez_auc[-1]:.4f} | {result.full_auc[-1]:.4f} |",
-            f"| AUC of every prediction of the replay | {result.robez_progressive_auc:.4f} | "
-            f"{result.full_progressive_auc:.4f} |",
-            f"| lookup requests | {result.lookups:,} at {result.lookups_per_s:,.0f}/s | |",
-            f"| gradient pushes | {result.pushes:,} at {result.pushes_per_s:,.0f}/s | |",
-            f"| replay wall time | {result.replay_seconds:.1f} s (both models) | |",
-        ]
+def online_table(result: OnlineResult, chunk_size: int) -> str:
+    names = list(result.auc)
+    label = {
+        name: "local full tables" if name == "full" else f"served ROBE-Z {name[6:]}, Z = {chunk_size}"
+        for name in names
+    }
+    lines = [
+        "| model | embedding floats | trailing-window AUC at the end | AUC of every prediction |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in names:
+        lines.append(
+            f"| {label[name]} | {result.floats[name]:,} | {result.auc[name][-1]:.4f} | "
+            f"{result.progressive_auc[name]:.4f} |"
+        )
+    return "\n".join(lines) + (
+        f"\n\nServed models together: {result.lookups:,} lookup requests at {result.lookups_per_s:,.0f}/s "
+        "and "
+        f"{result.pushes:,} gradient pushes at {result.pushes_per_s:,.0f}/s (client wall time of the forward "
+        f"and backward passes); the replay of all models took {result.replay_seconds:.1f} s."
     )
 
 
@@ -140,18 +148,21 @@ def plot_offline(results: Sequence[Result], path: Path) -> None:
     _save(figure, path)
 
 
-def plot_online(result: OnlineResult, path: Path, window: int, compression: int, chunk_size: int) -> None:
+def plot_online(result: OnlineResult, path: Path, window: int, chunk_size: int) -> None:
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7.5, 4.2))
-    axis.plot(
-        result.seen, result.robez_auc, label=f"served by robez: ROBE-Z {compression}x, Z = {chunk_size}"
-    )
-    axis.plot(result.seen, result.full_auc, label="local full nn.Embedding tables", linestyle="--")
+    for name, values in result.auc.items():
+        if name == "full":
+            axis.plot(
+                result.seen, values, label="local full nn.Embedding tables", linestyle="--", color="black"
+            )
+        else:
+            axis.plot(result.seen, values, label=f"served by robez: ROBE-Z {name[6:]}, Z = {chunk_size}")
     axis.set_xlabel("ratings replayed in timestamp order (predict, then train)")
     axis.set_ylabel(f"AUC of the last {window:,} predictions")
     axis.set_title("MovieLens-100K online: test-then-train through the live server")
     axis.title.set_fontsize(9)
-    low = min(v for v in [*result.robez_auc, *result.full_auc] if not math.isnan(v))
+    low = min(v for values in result.auc.values() for v in values if not math.isnan(v))
     axis.set_ylim(max(0.45, low - 0.02), None)
     axis.legend(fontsize=8)
     axis.grid(True, alpha=0.3)
