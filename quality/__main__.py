@@ -170,12 +170,12 @@ def write_report(output: dict[str, Any], folder: Path) -> None:
         sections += [
             "## 2. Online, through the service",
             f"Ratings replayed in timestamp order, batches of {config['batch_size']}: predict (rows looked "
-            "up "
-            f"over HTTP by `RemoteEmbedding`), record, then push the gradients (server-side adagrad, lr "
-            f"{config['server_lr']}); the local full model gets torch's Adagrad with the same lr and the "
-            "same "
-            f"batches. Running AUC over the last {config['window']:,} predictions. One server worker, one "
-            "kernel thread, on the same machine as the client.",
+            "up over HTTP by `RemoteEmbedding`), record, then push the gradients (server-side "
+            f"{config['optimizer']}, lr {config['server_lr']}); the local full model gets the same optimizer "
+            "(torch's, sparse for adam) with the same lr and the same batches; every model's MLP starts "
+            f"equal and is trained by a local Adam (lr {config['mlp_lr']}). Running AUC over the last "
+            f"{config['window']:,} predictions. One server worker, one kernel thread, on the same machine "
+            "as the client.",
             online_table(online, config["chunk_size"]),
             "![running AUC, served vs local](online.png)",
         ]

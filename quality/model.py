@@ -65,13 +65,13 @@ def _val_offsets(data: Ratings) -> list[int]:
     return [sum(sizes[:index]) for index in range(len(sizes))]
 
 
-def full_embeddings(data: Ratings, dim: int, generator: torch.Generator) -> Embeddings:
+def full_embeddings(data: Ratings, dim: int, generator: torch.Generator, sparse: bool = False) -> Embeddings:
     fields: list[nn.Module] = []
     for cardinality in data.cardinalities:
-        table = nn.Embedding(cardinality, dim)
+        table = nn.Embedding(cardinality, dim, sparse=sparse)
         nn.init.uniform_(table.weight, -INIT_SCALE, INIT_SCALE, generator=generator)
         fields.append(table)
-    genres = nn.EmbeddingBag(data.num_genres, dim, mode="mean")
+    genres = nn.EmbeddingBag(data.num_genres, dim, mode="mean", sparse=sparse)
     nn.init.uniform_(genres.weight, -INIT_SCALE, INIT_SCALE, generator=generator)
     return Embeddings(fields, genres, dim)
 

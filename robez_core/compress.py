@@ -92,3 +92,57 @@ def least_squares_array(
     hit = counts > 0
     array[hit] = sums[hit] / counts[hit]
     return array
+
+
+def _bench(argv: Sequence[str] | None = None) -> int:
+    """``python -m robez_core.compress``: times ``least_squares_array`` on a random full table."""
+    import argparse
+    import datetime
+    import os
+    import platform
+    import time
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m robez_core.compress", description=_bench.__doc__)
+    parser.add_argument("--rows", type=int, default=10_000_000)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--compression", type=float, default=16.0)
+    parser.add_argument("--chunk-size", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    full = torch.empty(args.rows, args.dim).uniform_(-1, 1)
+    memory_size = int(args.rows * args.dim / args.compression)
+    least_squares_array([full[:1000]], memory_size, chunk_size=args.chunk_size)  # load the kernels
+    seconds = []
+    for _ in range(args.repeat):
+        started = time.perf_counter()
+        least_squares_array([full], memory_size, chunk_size=args.chunk_size)
+        seconds.append(time.perf_counter() - started)
+    cpu, flags = platform.machine(), ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                flags = " ".join(f for f in ("avx2", "avx512f", "avx512bw", "avx512vl") if f in have)
+    seconds.sort()
+    print(
+        f"least_squares_array: {args.rows:,} x {args.dim} full table -> m = {memory_size:,} "
+        f"({args.compression:g}x, Z = {args.chunk_size}): median {seconds[len(seconds) // 2]:.2f} s, "
+        f"min {seconds[0]:.2f} s of {args.repeat} ({args.rows * args.dim / seconds[0] / 1e9:.2f} G values/s)\n"
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, {cpu} ({flags}), "
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average "
+        f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_bench())
