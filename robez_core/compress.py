@@ -116,11 +116,12 @@ def _bench(argv: Sequence[str] | None = None) -> int:
     full = torch.empty(args.rows, args.dim).uniform_(-1, 1)
     memory_size = int(args.rows * args.dim / args.compression)
     least_squares_array([full[:1000]], memory_size, chunk_size=args.chunk_size)  # load the kernels
-    seconds = []
+    seconds, cpu_seconds = [], []
     for _ in range(args.repeat):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         least_squares_array([full], memory_size, chunk_size=args.chunk_size)
         seconds.append(time.perf_counter() - started)
+        cpu_seconds.append(time.process_time() - started_cpu)
     cpu, flags = platform.machine(), ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -131,10 +132,13 @@ def _bench(argv: Sequence[str] | None = None) -> int:
                 have = set(line.split(":", 1)[1].split())
                 flags = " ".join(f for f in ("avx2", "avx512f", "avx512bw", "avx512vl") if f in have)
     seconds.sort()
+    cpu_seconds.sort()
     print(
         f"least_squares_array: {args.rows:,} x {args.dim} full table -> m = {memory_size:,} "
         f"({args.compression:g}x, Z = {args.chunk_size}): median {seconds[len(seconds) // 2]:.2f} s, "
-        f"min {seconds[0]:.2f} s of {args.repeat} ({args.rows * args.dim / seconds[0] / 1e9:.2f} G values/s)\n"
+        f"min {seconds[0]:.2f} s of {args.repeat} "
+        f"({args.rows * args.dim / seconds[0] / 1e9:.2f} G values/s); "
+        f"CPU time (user + system) median {cpu_seconds[len(cpu_seconds) // 2]:.2f} s\n"
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, {cpu} ({flags}), "
         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average "
         f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}"
