@@ -15,11 +15,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import IO
 
+import httpx
 import torch
 from torch import nn
 
@@ -82,48 +85,41 @@ def _free_port() -> int:
 def serve(startup_timeout_s: float = 60.0) -> Iterator[str]:
     """Runs ``robez serve`` (one worker, one kernel thread, no data dir) on a free port; yields the URL."""
     port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "service",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-        "--threads-per-worker",
-        "1",
-        "--log-level",
-        "warning",
-    ]
+    command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--workers", "1", "--threads-per-worker", "1", "--log-level", "warning"]  # fmt: skip
     # Only the options above: no data dir, tables file or keys from the caller's environment.
     env = {key: value for key, value in os.environ.items() if not key.startswith("ROBEZ_")}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        with RobezClient(url, timeout=5.0) as client:
-            while True:
-                if process.poll() is not None:
-                    error = process.stderr.read().decode(errors="replace") if process.stderr else ""
-                    raise RuntimeError(f"robez serve exited with {process.returncode}: {error[-2000:]}")
-                try:
-                    client.ready()
-                    break
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"robez serve not ready after {startup_timeout_s} s") from None
-                    time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
+    # stderr to a file, not a pipe nobody reads while the replay runs (a full pipe would block the server).
+    with tempfile.TemporaryFile() as errors:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=errors)
         try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            url = f"http://127.0.0.1:{port}"
+            _wait_ready(process, url, errors, startup_timeout_s)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_ready(process: subprocess.Popen[bytes], url: str, errors: IO[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with RobezClient(url, timeout=5.0) as client:
+        while True:
+            if process.poll() is not None:
+                errors.seek(0)
+                error = errors.read().decode(errors="replace")
+                raise RuntimeError(f"robez serve exited with {process.returncode}: {error[-2000:]}")
+            try:
+                client.ready()
+                return
+            except (httpx.HTTPError, RobezClientError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"robez serve not ready after {timeout_s} s") from None
+                time.sleep(0.2)
 
 
 def _remote_embeddings(

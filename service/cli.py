@@ -102,7 +102,7 @@ def _add_durability_commands(commands: Any) -> None:
         metavar="M",
         help="the checkpoint is a trained full (n, d) table (safetensors, or a torch.save state_dict such as "
         "nn.Embedding's): compress it into a ROBE-Z array of M floats (each slot the mean of the values "
-        "hashed to it) with --chunk-size (default 32) and --val-offset",
+        "hashed to it) with --chunk-size (default 32), --val-offset and --optimizer/--lr (default sgd)",
     )
     load.add_argument(
         "--key", help="--compress-to: the tensor's name when the file holds several 2-D tensors"
