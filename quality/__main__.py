@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     output["run"] = {
-        "command": "python -m quality " + shlex.join(getattr(args, "argv", None) or sys.argv[1:]),
+        "command": shlex.join(["python", "-m", "quality", *(getattr(args, "argv", None) or sys.argv[1:])]),
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs: {_cpu_model()})",
         "torch_threads": args.threads,
