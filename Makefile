@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup test lint typecheck pytest bench bench-quick serve loadtest clean
+.PHONY: setup test lint typecheck pytest bench bench-quick serve loadtest quality clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ serve: $(STAMP)
 
 loadtest: $(STAMP)
 	$(BIN)/python -m loadtest $(ARGS)
+
+# Quality on MovieLens-100K (offline, online through a server, compression); writes docs/quality/.
+quality: $(STAMP)
+	$(BIN)/python -m quality $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

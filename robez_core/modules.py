@@ -13,7 +13,7 @@ gradient of shape (m,) for ``torch.optim.SparseAdam`` / ``SGD`` / ``Adagrad``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch
 from torch import Tensor, nn
@@ -235,6 +235,66 @@ class _RobezBase(nn.Module):
         if self.sparse and not getattr(self.weight, "_robez_coalesced_hook", False):
             self.weight.register_post_accumulate_grad_hook(_keep_coalesced_flag)
             self.weight._robez_coalesced_hook = True  # type: ignore[attr-defined]  # one hook per array
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: Tensor,
+        memory_size: int,
+        *,
+        freeze: bool = True,
+        chunk_size: int = 32,
+        seed: int = DEFAULT_SEED,
+        val_offset: int = 0,
+        hash: HashName = "paper",
+        init_scale: float = DEFAULT_INIT_SCALE,
+        random_numbers: Tensor | Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """A ROBE-Z table of ``memory_size`` floats that best reproduces a trained full table.
+
+        Like ``nn.Embedding(Bag).from_pretrained``, but compressing: every slot of the new array is the
+        mean of the values of ``embeddings`` (n, d) that the hash maps to it (the least-squares fit,
+        ``compress.least_squares_array``); slots nothing maps to keep their initial value. Row i of
+        ``embeddings`` is id i. ``freeze=True`` (torch's default) sets ``weight.requires_grad = False``;
+        pass ``freeze=False`` to fine-tune. Other keyword arguments (``sparse``, ``backend``, and for the
+        bag ``mode``, ``include_last_offset``) go to the constructor.
+
+        Example::
+
+            >>> full = nn.Embedding(100_000, 64)            # trained
+            >>> small = RobezEmbedding.from_pretrained(full.weight, 100_000 * 64 // 16, chunk_size=32)
+        """
+        from .compress import least_squares_array
+
+        if not isinstance(embeddings, Tensor) or embeddings.dim() != 2:
+            raise ConfigError("embeddings must be a 2-D (num_embeddings, embedding_dim) tensor")
+        if random_numbers is not None and not isinstance(random_numbers, Tensor):
+            random_numbers = torch.tensor(list(random_numbers), dtype=torch.int64)
+        array = least_squares_array(
+            [embeddings],
+            memory_size,
+            val_offsets=[val_offset],
+            chunk_size=chunk_size,
+            seed=seed,
+            hash=hash,
+            init_scale=init_scale,
+            random_numbers=random_numbers,
+        )
+        module = cls(
+            int(embeddings.shape[0]),
+            int(embeddings.shape[1]),
+            weight=array,
+            chunk_size=chunk_size,
+            seed=seed,
+            val_offset=val_offset,
+            hash=hash,
+            init_scale=init_scale,
+            random_numbers=random_numbers,
+            **kwargs,
+        )
+        module.weight.requires_grad_(not freeze)
+        return module
 
     # configuration, read through the validated config
     @property

@@ -92,8 +92,22 @@ def _add_durability_commands(commands: Any) -> None:
     load.add_argument("--chunk-size", dest="chunk_size", type=int, help="paper: Z (needed when d <= Z)")
     load.add_argument("--val-offset", dest="val_offset", type=int, default=0, help="paper: val_offset")
     load.add_argument("--prefix", help="paper: key prefix of the module in a model's state_dict")
-    load.add_argument("--optimizer", choices=("sgd", "adagrad", "adam"), help="paper: the table's optimizer")
-    load.add_argument("--lr", type=float, help="paper: the optimizer's lr")
+    load.add_argument(
+        "--optimizer", choices=("sgd", "adagrad", "adam"), help="paper, --compress-to: the table's optimizer"
+    )
+    load.add_argument("--lr", type=float, help="paper, --compress-to: the optimizer's lr")
+    load.add_argument(
+        "--compress-to",
+        dest="compress_to",
+        type=int,
+        metavar="M",
+        help="the checkpoint is a trained full (n, d) table (safetensors, or a torch.save state_dict such as "
+        "nn.Embedding's): compress it into a ROBE-Z array of M floats (each slot the mean of the values "
+        "hashed to it) with --chunk-size (default 32), --val-offset and --optimizer/--lr (default sgd)",
+    )
+    load.add_argument(
+        "--key", help="--compress-to: the tensor's name when the file holds several 2-D tensors"
+    )
     snapshot = commands.add_parser(
         "snapshot",
         help="replay tables' logs into fresh snapshots, checking every file (server stopped)",
@@ -126,12 +140,29 @@ def _durability_command(args: argparse.Namespace) -> int:
     if args.optimizer is not None or args.lr is not None:
         default = OptimizerConfig()
         optimizer = OptimizerConfig(name=args.optimizer or default.name, lr=args.lr or default.lr)
+    data, format = args.checkpoint.read_bytes(), args.format
+    if args.compress_to is not None:
+        from .full_import import compress_full_checkpoint, table_bytes
+
+        compressed = compress_full_checkpoint(
+            data,
+            args.compress_to,
+            key=args.key,
+            chunk_size=args.chunk_size or 32,
+            val_offset=args.val_offset,
+            optimizer=optimizer,
+        )
+        print(
+            f"compressed a full {compressed.config.num_embeddings} x {compressed.config.embedding_dim} table "
+            f"{compressed.config.compression_ratio:.1f}x into {args.compress_to} floats"
+        )
+        data, format = table_bytes(compressed), "robez"
     table, kind = import_offline(
         args.data_dir,
         validate_table_name(args.table),
-        args.checkpoint.read_bytes(),
+        data,
         replace=args.replace,
-        format=args.format,
+        format=format,
         num_embeddings=args.num_embeddings,
         chunk_size=args.chunk_size,
         val_offset=args.val_offset,
