@@ -76,7 +76,24 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None
     read_api_key: SecretStr | None = None
 
-    max_body_bytes: int = Field(default=64 * MiB, ge=1)
+    # Bodies are received whole before a request is admitted (service/limits.py); binary is the bulk
+    # format, JSON parses into Python objects ~10x its size, hence its own, smaller bound.
+    max_body_bytes: int = Field(default=64 * MiB, ge=1, description="any request body; larger: 413")
+    max_json_body_bytes: int = Field(default=4 * MiB, ge=1, description="non-binary bodies; larger: 413")
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, description="a request's whole body must arrive within this; else 408, closed"
+    )
+    # Connections (service/connections.py): uvicorn itself never closes one that sends no request.
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a connection must send a request's headers within this of opening or of its last "
+        "response; else it is closed",
+    )
+    keep_alive_timeout_s: int = Field(default=5, ge=1, description="idle keep-alive connections closed")
+    max_connections: int = Field(
+        default=1000, ge=1, description="open connections per worker; more are closed on accept"
+    )
     max_ids_per_request: int = Field(default=1 << 18, ge=1)
     # Bounds the (n, d) rows a request may ask for or push, whatever d is.
     max_values_per_request: int = Field(default=1 << 25, ge=1)

@@ -1,4 +1,6 @@
-"""Request limits that act before a route runs: body size (413) and saturation (503 + Retry-After).
+"""Request limits that act before a route runs: the body (size: 413, time: 408, client gone: counted) and
+saturation (503 + Retry-After). Connection-level limits (idle connections, connections per worker) are in
+``service/connections.py``.
 
 Per-request id counts, table counts and memory limits are checked by ``TableStore`` (``store.Limits``),
 which knows the table's dimension.
@@ -6,9 +8,13 @@ which knows the table's dimension.
 
 from __future__ import annotations
 
-from starlette.exceptions import HTTPException
+from dataclasses import dataclass
+
+import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .codec import OCTET_STREAM
+from .config import Settings
 from .errors import error_response
 from .metrics import Metrics
 
@@ -16,43 +22,143 @@ from .metrics import Metrics
 UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
-class BodySizeLimitMiddleware:
-    """Refuse bodies over ``max_body_bytes``: by Content-Length up front, or while a chunked body streams."""
+@dataclass(frozen=True)
+class BodyLimits:
+    """How a request body must arrive: within ``timeout_s`` of its headers and within a size that depends
+    on its type (binary is the bulk format; JSON grows ~10x when parsed into Python objects)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    max_body_bytes: int
+    max_json_body_bytes: int
+    timeout_s: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BodyLimits:
+        return cls(settings.max_body_bytes, settings.max_json_body_bytes, settings.body_timeout_s)
+
+    def max_bytes_for(self, content_type: str) -> tuple[int, str]:
+        """(limit, the setting's name) for a body of ``content_type``: every body that is not
+        ``application/octet-stream`` is parsed as JSON by the routes, so it gets the JSON limit."""
+        if content_type.split(";")[0].strip().lower() == OCTET_STREAM:
+            return self.max_body_bytes, "max_body_bytes"
+        if self.max_json_body_bytes < self.max_body_bytes:
+            return self.max_json_body_bytes, "max_json_body_bytes"
+        return self.max_body_bytes, "max_body_bytes"
+
+
+class BodyTooLarge(Exception):
+    """The body is over its limit (413)."""
+
+
+class BodyTimeout(Exception):
+    """The body did not arrive within ``body_timeout_s`` (408)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its body arrived (no answer is possible)."""
+
+
+async def read_body(receive: Receive, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole request body from ASGI ``receive``, at most ``max_bytes`` within ``timeout_s`` seconds.
+
+    Raises ``BodyTooLarge``, ``BodyTimeout`` or ``ClientGone``. The only place a request body is read
+    from the connection; routes read it from memory afterwards (``request.body()``).
+    """
+    chunks: list[bytes] = []
+    received = 0
+    try:
+        with anyio.fail_after(timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone()
+                chunk = message.get("body", b"")
+                if chunk:
+                    received += len(chunk)
+                    if received > max_bytes:
+                        raise BodyTooLarge()
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)  # one chunk: returned as is, no copy
+    except TimeoutError as exc:
+        raise BodyTimeout() from exc
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+class RequestBodyMiddleware:
+    """Receive each request's whole body before the app sees the request.
+
+    - over its size limit (by ``Content-Length`` up front, or while it streams in): 413;
+    - not all there within ``body_timeout_s``: 408 and the connection is closed, so a client that stalls
+      mid-body (slowloris) holds a connection for a bounded time and never a request slot;
+    - the client went away meanwhile: counted in ``robez_client_disconnects_total``, nothing answered and
+      nothing logged (a client leaving is normal).
+
+    The app then gets the body in one message from memory. Placed outside ``InFlightLimitMiddleware``, so
+    a request counts against ``max_in_flight`` only once its body is here.
+    """
+
+    def __init__(self, app: ASGIApp, limits: BodyLimits, metrics: Metrics) -> None:
         self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    def _message(self) -> str:
-        return f"request body is over the limit max_body_bytes={self.max_body_bytes}"
+        self.limits = limits
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = -1
-                if declared > self.max_body_bytes:
-                    response = error_response(413, self._message(), "PayloadTooLargeError")
-                    await response(scope, receive, send)
-                    return
-        received = 0
+        length = _header(scope, b"content-length")
+        if length is None and _header(scope, b"transfer-encoding") is None:
+            await self.app(scope, receive, send)  # no body (RFC 9112 6.3): nothing to wait for
+            return
+        content_type = (_header(scope, b"content-type") or b"").decode("latin-1")
+        max_bytes, setting = self.limits.max_bytes_for(content_type)
+        too_large = error_response(
+            413,
+            f"request body is over the limit {setting}={max_bytes}",
+            "PayloadTooLargeError",
+        )
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            await too_large(scope, receive, send)
+            return
+        try:
+            body = await read_body(receive, max_bytes, self.limits.timeout_s)
+        except BodyTooLarge:
+            await too_large(scope, receive, send)
+            return
+        except BodyTimeout:
+            self.metrics.rejected_total.labels("body_timeout").inc()
+            timeout = error_response(
+                408,
+                f"the request body did not arrive within body_timeout_s={self.limits.timeout_s:g}",
+                "RequestTimeoutError",
+                {"Connection": "close"},
+            )
+            await timeout(scope, receive, send)
+            return
+        except ClientGone:
+            self.metrics.client_disconnects_total.inc()
+            return
+        await self.app(scope, _replay(body, receive), send)
 
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    # An HTTPException, not a RobezError: FastAPI re-raises these from its own body reading.
-                    raise HTTPException(413, self._message())
-            return message
 
-        await self.app(scope, counting_receive, send)
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the app: the buffered body first, then the connection's own (disconnect) events."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 class InFlightLimitMiddleware:
