@@ -111,3 +111,20 @@ def read_until_closed(sock: socket.socket, deadline: float) -> bytes | None:
         if not chunk:
             return received
         received += chunk
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response with a Content-Length (status line, headers and body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length: *(\d+)", head)
+    assert length is not None, head
+    while len(body) < int(length.group(1)):
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed mid-body"
+        body += chunk
+    return head + b"\r\n\r\n" + body
