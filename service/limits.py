@@ -8,9 +8,11 @@ which knows the table's dimension.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .codec import OCTET_STREAM
@@ -30,10 +32,18 @@ class BodyLimits:
     max_body_bytes: int
     max_json_body_bytes: int
     timeout_s: float
+    max_held_bytes: int  # bodies one worker holds at once, received or arriving, until answered
+    retry_after_s: int = 1
 
     @classmethod
     def from_settings(cls, settings: Settings) -> BodyLimits:
-        return cls(settings.max_body_bytes, settings.max_json_body_bytes, settings.body_timeout_s)
+        return cls(
+            settings.max_body_bytes,
+            settings.max_json_body_bytes,
+            settings.body_timeout_s,
+            settings.max_body_bytes_held,
+            settings.retry_after_s,
+        )
 
     def max_bytes_for(self, content_type: str) -> tuple[int, str]:
         """(limit, the setting's name) for a body of ``content_type``: every body that is not
@@ -57,11 +67,16 @@ class ClientGone(Exception):
     """The client disconnected before its body arrived (no answer is possible)."""
 
 
-async def read_body(receive: Receive, max_bytes: int, timeout_s: float) -> bytes:
-    """The whole request body from ASGI ``receive``, at most ``max_bytes`` within ``timeout_s`` seconds.
+class WorkerFull(Exception):
+    """This worker already holds ``max_body_bytes_held`` of bodies (503, retry later)."""
 
-    Raises ``BodyTooLarge``, ``BodyTimeout`` or ``ClientGone``. The only place a request body is read
-    from the connection; routes read it from memory afterwards (``request.body()``).
+
+async def read_body(receive: Receive, max_bytes: int, timeout_s: float, hold: Callable[[int], None]) -> bytes:
+    """The whole request body from ASGI ``receive``, at most ``max_bytes`` within ``timeout_s`` seconds;
+    ``hold(n)`` is told of every ``n`` bytes received before they are kept (it may raise ``WorkerFull``).
+
+    Raises ``BodyTooLarge``, ``BodyTimeout``, ``ClientGone`` or ``WorkerFull``. The only place a request
+    body is read from the connection; routes read it from memory afterwards (``request.body()``).
     """
     chunks: list[bytes] = []
     received = 0
@@ -76,6 +91,7 @@ async def read_body(receive: Receive, max_bytes: int, timeout_s: float) -> bytes
                     received += len(chunk)
                     if received > max_bytes:
                         raise BodyTooLarge()
+                    hold(len(chunk))
                     chunks.append(chunk)
                 if not message.get("more_body", False):
                     return b"".join(chunks)  # one chunk: returned as is, no copy
@@ -97,7 +113,9 @@ class RequestBodyMiddleware:
     - not all there within ``body_timeout_s``: 408 and the connection is closed, so a client that stalls
       mid-body (slowloris) holds a connection for a bounded time and never a request slot;
     - the client went away meanwhile: counted in ``robez_client_disconnects_total``, nothing answered and
-      nothing logged (a client leaving is normal).
+      nothing logged (a client leaving is normal);
+    - the worker already holds ``max_body_bytes_held`` of bodies (counted from what has arrived, until
+      each request is answered): 503 + Retry-After, so many large bodies at once cannot take the machine.
 
     The app then gets the body in one message from memory. Placed outside ``InFlightLimitMiddleware``, so
     a request counts against ``max_in_flight`` only once its body is here.
@@ -107,6 +125,7 @@ class RequestBodyMiddleware:
         self.app = app
         self.limits = limits
         self.metrics = metrics
+        self.held_bytes = 0  # one event loop per worker: no lock needed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -123,13 +142,43 @@ class RequestBodyMiddleware:
             f"request body is over the limit {setting}={max_bytes}",
             "PayloadTooLargeError",
         )
-        if length is not None and length.isdigit() and int(length) > max_bytes:
+        declared = int(length) if length is not None and length.isdigit() else 0
+        if declared > max_bytes:
             await too_large(scope, receive, send)
             return
+        if self.held_bytes + declared > self.limits.max_held_bytes:
+            await self._worker_full(scope, receive, send, close=False)
+            return
+        held = 0
+
+        def hold(size: int) -> None:
+            nonlocal held
+            if self.held_bytes + size > self.limits.max_held_bytes:
+                raise WorkerFull()
+            self.held_bytes += size
+            held += size
+
         try:
-            body = await read_body(receive, max_bytes, self.limits.timeout_s)
+            await self._receive_then_call(scope, receive, send, max_bytes, hold, too_large)
+        finally:
+            self.held_bytes -= held
+
+    async def _receive_then_call(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        max_bytes: int,
+        hold: Callable[[int], None],
+        too_large: Response,
+    ) -> None:
+        try:
+            body = await read_body(receive, max_bytes, self.limits.timeout_s, hold)
         except BodyTooLarge:
             await too_large(scope, receive, send)
+            return
+        except WorkerFull:
+            await self._worker_full(scope, receive, send, close=True)
             return
         except BodyTimeout:
             self.metrics.rejected_total.labels("body_timeout").inc()
@@ -145,6 +194,17 @@ class RequestBodyMiddleware:
             self.metrics.client_disconnects_total.inc()
             return
         await self.app(scope, _replay(body, receive), send)
+
+    async def _worker_full(self, scope: Scope, receive: Receive, send: Send, *, close: bool) -> None:
+        self.metrics.rejected_total.labels("bodies_held").inc()
+        headers = {"Retry-After": str(self.limits.retry_after_s)}
+        if close:  # part of the body is unread and will not be
+            headers["Connection"] = "close"
+        message = (
+            f"server busy: this worker holds {self.held_bytes} bytes of request bodies "
+            f"(max_body_bytes_held={self.limits.max_held_bytes})"
+        )
+        await error_response(503, message, "BusyError", headers)(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -84,8 +84,12 @@ def _ok_app(seen: list[bytes]) -> Any:
     return app
 
 
-def _stack(app: Any, metrics: Metrics, *, max_in_flight: int = 1, timeout_s: float = 30.0) -> Any:
-    limits = BodyLimits(max_body_bytes=1 << 20, max_json_body_bytes=1 << 10, timeout_s=timeout_s)
+def _stack(
+    app: Any, metrics: Metrics, *, max_in_flight: int = 1, timeout_s: float = 30.0, held: int = 1 << 30
+) -> Any:
+    limits = BodyLimits(
+        max_body_bytes=1 << 20, max_json_body_bytes=1 << 10, timeout_s=timeout_s, max_held_bytes=held
+    )
     inner = InFlightLimitMiddleware(app, max_in_flight=max_in_flight, retry_after_s=1, metrics=metrics)
     return RequestBodyMiddleware(inner, limits, metrics)
 
@@ -180,6 +184,53 @@ def test_json_bodies_have_their_own_smaller_limit() -> None:
     chunked = {**_scope(b"application/json"), "headers": [(b"transfer-encoding", b"chunked")]}
     assert _status(anyio.run(_call, app, chunked, streamed)) == 413
     assert _status(anyio.run(_call, app, _scope(length=len(big)), whole)) == 200  # binary
+
+
+def test_a_worker_holds_at_most_max_body_bytes_held_of_bodies() -> None:
+    """Bodies count from the bytes that arrived until their request is answered; over the budget: 503."""
+    release = anyio.Event()
+    entered = anyio.Event()
+
+    async def slow_app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        entered.set()
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    metrics = Metrics()
+    app = _stack(slow_app, metrics, max_in_flight=8, held=100)
+
+    def whole(size: int) -> list[Message]:
+        return [{"type": "http.request", "body": b"\x00" * size, "more_body": False}]
+
+    async def scenario() -> dict[str, list[Message]]:
+        sent: dict[str, list[Message]] = {}
+
+        async def first() -> None:
+            sent["first"] = await _call(app, _scope(length=80), whole(80))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(first)
+            with anyio.fail_after(10):
+                await entered.wait()
+            sent["declared"] = await _call(app, _scope(length=40), whole(40))  # 80 + 40 > 100, up front
+            chunked = {**_scope(), "headers": [(b"transfer-encoding", b"chunked")]}
+            sent["streamed"] = await _call(app, chunked, whole(40))  # no length: refused on arrival
+            release.set()
+        sent["after"] = await _call(app, _scope(length=90), whole(90))  # the first's 80 bytes given back
+        return sent
+
+    sent = anyio.run(scenario)
+    assert _status(sent["first"]) == 200
+    for refused in (sent["declared"], sent["streamed"]):
+        assert _status(refused) == 503
+        assert (b"retry-after", b"1") in refused[0]["headers"]
+        assert b"max_body_bytes_held=100" in refused[1]["body"]
+    assert (b"connection", b"close") in sent["streamed"][0]["headers"]
+    assert _status(sent["after"]) == 200
+    assert app.held_bytes == 0  # everything given back
+    assert _sample(metrics, "robez_rejected_total", reason="bodies_held") == 2.0
 
 
 def _sample(metrics: Metrics, name: str, **labels: str) -> float:
