@@ -8,10 +8,11 @@ which knows the table's dimension.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-import anyio
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -71,39 +72,88 @@ class WorkerFull(Exception):
     """This worker already holds ``max_body_bytes_held`` of bodies (503, retry later)."""
 
 
-async def read_body(receive: Receive, max_bytes: int, timeout_s: float, hold: Callable[[int], None]) -> bytes:
-    """The whole request body from ASGI ``receive``, at most ``max_bytes`` within ``timeout_s`` seconds;
-    ``hold(n)`` is told of every ``n`` bytes received before they are kept (it may raise ``WorkerFull``).
+class BodyDeadlines:
+    """Cancels the tasks still reading a body past their deadline. One callback per worker checks every
+    ``check_s`` seconds while any body is being read, instead of a timer per request: an
+    ``asyncio.timeout`` costs ~5 us, a whole small request ~150-400 us of CPU. A deadline is kept to
+    within ``check_s``."""
+
+    def __init__(self, check_s: float) -> None:
+        self.check_s = check_s
+        self._deadlines: dict[asyncio.Task[Any], float] = {}
+        self._expired: set[asyncio.Task[Any]] = set()
+        self._check: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, task: asyncio.Task[Any], timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._deadlines[task] = loop.time() + timeout_s
+        if self._check is None or self._loop is not loop:  # none pending, or a new loop (tests)
+            self._loop = loop
+            self._check = loop.call_later(self.check_s, self._expire)
+
+    def remove(self, task: asyncio.Task[Any]) -> bool:
+        """Stop watching ``task``; whether its deadline had passed (and it was cancelled for it)."""
+        self._deadlines.pop(task, None)
+        if task in self._expired:
+            self._expired.discard(task)
+            return True
+        return False
+
+    def _expire(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        for task, deadline in list(self._deadlines.items()):
+            if deadline <= now:
+                del self._deadlines[task]
+                self._expired.add(task)
+                task.cancel()
+        self._check = self._loop.call_later(self.check_s, self._expire) if self._deadlines else None
+
+
+async def read_body(
+    receive: Receive, max_bytes: int, timeout_s: float, hold: Callable[[int], None], deadlines: BodyDeadlines
+) -> bytes:
+    """The whole request body from ASGI ``receive``, at most ``max_bytes`` within ``timeout_s`` seconds
+    (watched by ``deadlines``); ``hold(n)`` is told of every ``n`` bytes received before they are kept (it
+    may raise ``WorkerFull``).
 
     Raises ``BodyTooLarge``, ``BodyTimeout``, ``ClientGone`` or ``WorkerFull``. The only place a request
     body is read from the connection; routes read it from memory afterwards (``request.body()``).
     """
+    task = asyncio.current_task()
+    assert task is not None
+    cancelling = task.cancelling()
     chunks: list[bytes] = []
     received = 0
+    deadlines.add(task, timeout_s)
     try:
-        with anyio.fail_after(timeout_s):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone()
-                chunk = message.get("body", b"")
-                if chunk:
-                    received += len(chunk)
-                    if received > max_bytes:
-                        raise BodyTooLarge()
-                    hold(len(chunk))
-                    chunks.append(chunk)
-                if not message.get("more_body", False):
-                    return b"".join(chunks)  # one chunk: returned as is, no copy
-    except TimeoutError as exc:
-        raise BodyTimeout() from exc
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            if chunk:
+                received += len(chunk)
+                if received > max_bytes:
+                    raise BodyTooLarge()
+                hold(len(chunk))
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)  # one chunk: returned as is, no copy
+    except asyncio.CancelledError:
+        # Our cancellation (and no one else's, e.g. a shutdown's): the deadline passed.
+        if deadlines.remove(task) and task.uncancel() <= cancelling:
+            raise BodyTimeout() from None
+        raise
+    finally:
+        deadlines.remove(task)
 
 
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value)
-    return None
+def _too_large(setting: str, max_bytes: int) -> Response:
+    return error_response(
+        413, f"request body is over the limit {setting}={max_bytes}", "PayloadTooLargeError"
+    )
 
 
 class RequestBodyMiddleware:
@@ -126,25 +176,27 @@ class RequestBodyMiddleware:
         self.limits = limits
         self.metrics = metrics
         self.held_bytes = 0  # one event loop per worker: no lock needed
+        self.deadlines = BodyDeadlines(check_s=min(1.0, limits.timeout_s / 4))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = _header(scope, b"content-length")
-        if length is None and _header(scope, b"transfer-encoding") is None:
+        length = chunked = content_type = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"transfer-encoding":
+                chunked = value
+            elif name == b"content-type":
+                content_type = value
+        if length is None and chunked is None:
             await self.app(scope, receive, send)  # no body (RFC 9112 6.3): nothing to wait for
             return
-        content_type = (_header(scope, b"content-type") or b"").decode("latin-1")
-        max_bytes, setting = self.limits.max_bytes_for(content_type)
-        too_large = error_response(
-            413,
-            f"request body is over the limit {setting}={max_bytes}",
-            "PayloadTooLargeError",
-        )
+        max_bytes, setting = self.limits.max_bytes_for(content_type.decode("latin-1") if content_type else "")
         declared = int(length) if length is not None and length.isdigit() else 0
         if declared > max_bytes:
-            await too_large(scope, receive, send)
+            await _too_large(setting, max_bytes)(scope, receive, send)
             return
         if self.held_bytes + declared > self.limits.max_held_bytes:
             await self._worker_full(scope, receive, send, close=False)
@@ -159,27 +211,12 @@ class RequestBodyMiddleware:
             held += size
 
         try:
-            await self._receive_then_call(scope, receive, send, max_bytes, hold, too_large)
-        finally:
-            self.held_bytes -= held
-
-    async def _receive_then_call(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        max_bytes: int,
-        hold: Callable[[int], None],
-        too_large: Response,
-    ) -> None:
-        try:
-            body = await read_body(receive, max_bytes, self.limits.timeout_s, hold)
+            body = await read_body(receive, max_bytes, self.limits.timeout_s, hold, self.deadlines)
+            await self.app(scope, _replay(body, receive), send)
         except BodyTooLarge:
-            await too_large(scope, receive, send)
-            return
+            await _too_large(setting, max_bytes)(scope, receive, send)
         except WorkerFull:
             await self._worker_full(scope, receive, send, close=True)
-            return
         except BodyTimeout:
             self.metrics.rejected_total.labels("body_timeout").inc()
             timeout = error_response(
@@ -189,11 +226,10 @@ class RequestBodyMiddleware:
                 {"Connection": "close"},
             )
             await timeout(scope, receive, send)
-            return
         except ClientGone:
             self.metrics.client_disconnects_total.inc()
-            return
-        await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.held_bytes -= held
 
     async def _worker_full(self, scope: Scope, receive: Receive, send: Send, *, close: bool) -> None:
         self.metrics.rejected_total.labels("bodies_held").inc()

@@ -3,6 +3,7 @@ admitted; saturation: bounded in-flight requests per worker, the rest answered 5
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,14 @@ import orjson
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from service.limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware
+from service.limits import (
+    BodyDeadlines,
+    BodyLimits,
+    BodyTimeout,
+    InFlightLimitMiddleware,
+    RequestBodyMiddleware,
+    read_body,
+)
 from service.metrics import Metrics
 
 from .served import raw_connection, read_until_closed, serve
@@ -156,6 +164,25 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_closes_the_connection(
     assert (b"connection", b"close") in sent[0]["headers"]
     assert orjson.loads(sent[1]["body"])["error_type"] == "RequestTimeoutError"
     assert _sample(metrics, "robez_rejected_total", reason="body_timeout") == 1.0
+
+
+def test_only_the_body_deadline_becomes_a_timeout_other_cancellations_pass_through() -> None:
+    deadlines = BodyDeadlines(check_s=0.05)
+
+    async def stalled() -> Message:
+        await asyncio.sleep(3600)
+        raise AssertionError
+
+    async def scenario() -> None:
+        with pytest.raises(BodyTimeout):  # the deadline passed
+            await read_body(stalled, 100, 0.1, lambda size: None, deadlines)
+        reader = asyncio.ensure_future(read_body(stalled, 100, 30.0, lambda size: None, deadlines))
+        await asyncio.sleep(0.1)
+        reader.cancel()  # e.g. the server shutting down, long before the deadline
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+
+    asyncio.run(scenario())
 
 
 def test_a_client_leaving_mid_body_is_counted_and_not_answered() -> None:
