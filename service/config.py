@@ -77,7 +77,7 @@ class Settings(BaseSettings):
     read_api_key: SecretStr | None = None
 
     # Bodies are received whole before a request is admitted (service/limits.py); binary is the bulk
-    # format, JSON parses into Python objects ~10x its size, hence its own, smaller bound.
+    # format, JSON takes 5-37x its size while decoded into Python objects, hence its own, smaller bound.
     max_body_bytes: int = Field(default=64 * MiB, ge=1, description="any request body; larger: 413")
     max_json_body_bytes: int = Field(default=4 * MiB, ge=1, description="non-binary bodies; larger: 413")
     max_body_bytes_held: int = Field(

@@ -28,7 +28,8 @@ UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 @dataclass(frozen=True)
 class BodyLimits:
     """How a request body must arrive: within ``timeout_s`` of its headers and within a size that depends
-    on its type (binary is the bulk format; JSON grows ~10x when parsed into Python objects)."""
+    on its type (binary is the bulk format; JSON takes 5-37x its size while decoded into Python objects,
+    docs/benchmarks/body-memory-2026-11-22.md)."""
 
     max_body_bytes: int
     max_json_body_bytes: int
