@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -25,7 +25,7 @@ from service.limits import (
 )
 from service.metrics import Metrics
 
-from .served import raw_connection, read_until_closed, serve
+from .served import Served, raw_connection, read_until_closed, serve
 
 OCTET = {"content-type": "application/octet-stream"}
 
@@ -268,43 +268,52 @@ def _sample(metrics: Metrics, name: str, **labels: str) -> float:
     return 0.0
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One real server for the socket-level tests below: a short body timeout, few in-flight slots."""
+    with serve(
+        tmp_path_factory.mktemp("served"), body_timeout_s="2", max_in_flight="8", log_level="info"
+    ) as s:
+        yield s
+
+
 @pytest.mark.slow
-def test_stalled_bodies_do_not_deny_service_and_are_closed(tmp_path: Path) -> None:
+def test_stalled_bodies_do_not_deny_service_and_are_closed(server: Served) -> None:
     """40 clients send a lookup's headers and 9 of 1000 body bytes, then stall: more than max_in_flight.
     Normal lookups keep succeeding, and every stalled connection gets 408 and is closed."""
     stalled_count = 40
-    with serve(tmp_path, body_timeout_s="2", max_in_flight="8", log_level="info") as server:
-        stalled = [raw_connection(server.port, LOOKUP_HEAD + STALLED_BODY) for _ in range(stalled_count)]
-        try:
-            ids = np.arange(4, dtype="<i8").tobytes()
-            with httpx.Client(base_url=server.url, timeout=30) as client:
-                for _ in range(20):
-                    response = client.post("/v1/tables/demo/lookup", content=ids, headers=OCTET)
-                    assert response.status_code == 200, response.text
-            deadline = time.monotonic() + 60
-            answers = [read_until_closed(sock, deadline) for sock in stalled]
-        finally:
-            for sock in stalled:
-                sock.close()
-        assert all(answer is not None for answer in answers), "stalled connections still open"
-        assert all(answer.startswith(b"HTTP/1.1 408 ") for answer in answers if answer is not None)
-        assert server.metric("robez_rejected_total", reason="body_timeout") == stalled_count
-        assert "Traceback" not in server.log()
+    timeouts_before = server.metric("robez_rejected_total", reason="body_timeout")
+    stalled = [raw_connection(server.port, LOOKUP_HEAD + STALLED_BODY) for _ in range(stalled_count)]
+    try:
+        ids = np.arange(4, dtype="<i8").tobytes()
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for _ in range(20):
+                response = client.post("/v1/tables/demo/lookup", content=ids, headers=OCTET)
+                assert response.status_code == 200, response.text
+        deadline = time.monotonic() + 60
+        answers = [read_until_closed(sock, deadline) for sock in stalled]
+    finally:
+        for sock in stalled:
+            sock.close()
+    assert all(answer is not None for answer in answers), "stalled connections still open"
+    assert all(answer.startswith(b"HTTP/1.1 408 ") for answer in answers if answer is not None)
+    assert server.metric("robez_rejected_total", reason="body_timeout") == timeouts_before + stalled_count
+    assert "Traceback" not in server.log()
 
 
 @pytest.mark.slow
-def test_clients_leaving_mid_body_log_no_traceback_and_are_counted(tmp_path: Path) -> None:
+def test_clients_leaving_mid_body_log_no_traceback_and_are_counted(server: Served) -> None:
     leaving = 10
-    with serve(tmp_path, log_level="info") as server:
-        for _ in range(leaving):
-            raw_connection(server.port, LOOKUP_HEAD + STALLED_BODY).close()
-        deadline = time.monotonic() + 60
-        while server.metric("robez_client_disconnects_total") < leaving:
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.2)
-        assert server.metric("robez_client_disconnects_total") == leaving
-        # Counted as "client closed request", not as server errors.
-        labels = {"endpoint": "unmatched", "method": "POST", "table": "", "status": "499"}
-        assert server.metric("robez_requests_total", **labels) == leaving
-        log = server.log()
-        assert "Traceback" not in log and "ERROR" not in log, log
+    # Counted as "client closed request", not as server errors.
+    labels = {"endpoint": "unmatched", "method": "POST", "table": "", "status": "499"}
+    before = server.metric("robez_client_disconnects_total"), server.metric("robez_requests_total", **labels)
+    for _ in range(leaving):
+        raw_connection(server.port, LOOKUP_HEAD + STALLED_BODY).close()
+    deadline = time.monotonic() + 60
+    while server.metric("robez_client_disconnects_total") < before[0] + leaving:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.2)
+    assert server.metric("robez_client_disconnects_total") == before[0] + leaving
+    assert server.metric("robez_requests_total", **labels) == before[1] + leaving
+    log = server.log()
+    assert "Traceback" not in log and "ERROR" not in log, log
