@@ -19,9 +19,10 @@ from fastapi.openapi.utils import get_openapi
 
 from . import codec
 from .config import Settings
+from .connections import LIFESPAN_METRICS_KEY
 from .errors import install_error_handlers
 from .journal import Journal, NullJournal
-from .limits import BodySizeLimitMiddleware, InFlightLimitMiddleware
+from .limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware
 from .metrics import Metrics, RequestMetricsMiddleware
 from .routes import durability, health, lookup, tables, update
 from .store import SharedDirectory, TableStore
@@ -52,7 +53,7 @@ def shared_directory_for(settings: Settings) -> SharedDirectory | None:
 
 
 @asynccontextmanager
-async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     settings: Settings = app.state.settings
     torch.set_num_threads(settings.kernel_threads())
     journal = open_journal(settings)
@@ -67,7 +68,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.store = store
         logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())
         try:
-            yield
+            # uvicorn hands the lifespan state to each connection (service/connections.py counts there).
+            yield {LIFESPAN_METRICS_KEY: app.state.metrics}
         finally:
             del app.state.store
             store.close()
@@ -111,14 +113,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for module in (health, tables, lookup, update, durability):
         app.include_router(module.router)
-    # Added innermost first: metrics see every answer, including the 503s and 413s below them.
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    # Added innermost first: metrics see every answer, including the 503s, 413s and 408s below them; a
+    # request takes an in-flight slot only once its whole body has arrived.
     app.add_middleware(
         InFlightLimitMiddleware,
         max_in_flight=settings.max_in_flight,
         retry_after_s=settings.retry_after_s,
         metrics=metrics,
     )
+    app.add_middleware(RequestBodyMiddleware, limits=BodyLimits.from_settings(settings), metrics=metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -221,6 +221,7 @@ def _serve_locked(settings: Settings) -> int:
     import uvicorn
 
     from .app import open_journal
+    from .connections import uvicorn_options
     from .store import TableStore
     from .supervisor import run_workers
 
@@ -235,6 +236,7 @@ def _serve_locked(settings: Settings) -> int:
     previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         os.environ.update(_environment_for_workers(settings, directory.path))
+        _warn_if_too_few_file_descriptors(settings.max_connections)
         logger.info(
             "shared tables in %s; %d worker(s) x %d kernel thread(s)",
             directory.path,
@@ -249,6 +251,7 @@ def _serve_locked(settings: Settings) -> int:
             "log_level": settings.log_level,
             "access_log": settings.access_log,
             "timeout_worker_healthcheck": settings.worker_healthcheck_timeout_s,
+            **uvicorn_options(settings),
         }
         if settings.workers == 1:
             uvicorn.run(_APP, **options)
@@ -259,6 +262,27 @@ def _serve_locked(settings: Settings) -> int:
     finally:
         directory.remove()
         signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+# Descriptors a worker needs besides its connections: logs, snapshots, shared memory, the listening socket.
+_RESERVED_FILE_DESCRIPTORS = 128
+
+
+def _warn_if_too_few_file_descriptors(max_connections: int) -> None:
+    """Each worker (inheriting this limit) must be able to open ``max_connections`` sockets and its files."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < max_connections + _RESERVED_FILE_DESCRIPTORS:
+        logger.warning(
+            "the open-file limit (%d) is below max_connections=%d + %d for the tables' files: raise it "
+            "(ulimit -n) or lower ROBEZ_MAX_CONNECTIONS, or connections may fail at accept",
+            soft,
+            max_connections,
+            _RESERVED_FILE_DESCRIPTORS,
+        )
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

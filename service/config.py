@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from robez_core.config import OptimizerConfig, TableConfig
@@ -84,7 +84,29 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None
     read_api_key: SecretStr | None = None
 
-    max_body_bytes: int = Field(default=64 * MiB, ge=1)
+    # Bodies are received whole before a request is admitted (service/limits.py); binary is the bulk
+    # format, JSON takes 5-37x its size while decoded into Python objects, hence its own, smaller bound.
+    max_body_bytes: int = Field(default=64 * MiB, ge=1, description="any request body; larger: 413")
+    max_json_body_bytes: int = Field(default=4 * MiB, ge=1, description="non-binary bodies; larger: 413")
+    max_body_bytes_held: int = Field(
+        default=1 * GiB,
+        ge=1,
+        description="request bodies one worker holds at once (arrived, until answered); over: 503",
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, description="a request's whole body must arrive within this; else 408, closed"
+    )
+    # Connections (service/connections.py): uvicorn itself never closes one that sends no request.
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a connection must send a request's headers within this of opening or of its last "
+        "response; else it is closed",
+    )
+    keep_alive_timeout_s: int = Field(default=5, ge=1, description="idle keep-alive connections closed")
+    max_connections: int = Field(
+        default=1000, ge=1, description="open connections per worker; more are closed on accept"
+    )
     max_ids_per_request: int = Field(default=1 << 18, ge=1)
     # Bounds the (n, d) rows a request may ask for or push, whatever d is.
     max_values_per_request: int = Field(default=1 << 25, ge=1)
@@ -117,6 +139,15 @@ class Settings(BaseSettings):
         if value is not None and not value.get_secret_value():
             raise ValueError("an API key must not be empty; unset the variable to disable it")
         return value
+
+    @model_validator(mode="after")
+    def _one_body_fits_in_the_bodies_held(self) -> Settings:
+        if self.max_body_bytes > self.max_body_bytes_held:
+            raise ValueError(
+                f"max_body_bytes ({self.max_body_bytes}) is over max_body_bytes_held "
+                f"({self.max_body_bytes_held}): no body that large could ever be accepted"
+            )
+        return self
 
     def kernel_threads(self) -> int:
         """Kernel threads each worker uses: the setting, or the CPUs shared out over the workers."""

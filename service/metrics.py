@@ -104,6 +104,18 @@ class Metrics:
         self.rejected_total = Counter(
             "robez_rejected", "Requests refused before reaching a route", ["reason"], registry=self.registry
         )
+        self.client_disconnects_total = Counter(
+            "robez_client_disconnects",
+            "Requests whose client went away before their body arrived",
+            registry=self.registry,
+        )
+        self.connections_closed_total = Counter(
+            "robez_connections_closed",
+            "Connections closed by the server: header_timeout (no request's headers in time), "
+            "max_connections (over the cap on accept)",
+            ["reason"],
+            registry=self.registry,
+        )
 
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition of every worker's samples, and its content type."""
@@ -119,8 +131,13 @@ def server_timing(**stages_seconds: float) -> str:
     return ", ".join(f"{name};dur={seconds * 1000.0:.4f}" for name, seconds in stages_seconds.items())
 
 
+# nginx's status for "the client closed the connection before the server answered"; never sent.
+CLIENT_CLOSED_REQUEST = 499
+
+
 class RequestMetricsMiddleware:
-    """Counts and times every HTTP request by route template, method, table and status (pure ASGI).
+    """Counts and times every HTTP request by route template, method, table and status (pure ASGI);
+    requests whose client left before any answer count under status 499.
 
     The table label is set only by routes that resolved an existing table (``request.state.table``), so
     requests for unknown names cannot grow the label set.
@@ -135,7 +152,7 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
+        status: int | None = None
 
         async def send_with_status(message: Message) -> None:
             nonlocal status
@@ -145,7 +162,11 @@ class RequestMetricsMiddleware:
 
         try:
             await self.app(scope, receive, send_with_status)
+            if status is None:  # returned without answering: its client went away
+                status = CLIENT_CLOSED_REQUEST
         finally:
+            if status is None:  # raised before answering: the server error handler answers 500
+                status = 500
             route: Any = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
             table = str(scope.get("state", {}).get("table", ""))

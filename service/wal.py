@@ -1219,6 +1219,7 @@ class SnapshotScheduler:
         self.check_seconds = check_seconds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._failing: dict[str, str] = {}  # table -> the failure last logged
         self._storage_full_logged = -float("inf")
 
     # A full disk fails the snapshot at every check: one warning per this many seconds, not per check.
@@ -1251,14 +1252,18 @@ class SnapshotScheduler:
         due = due if due is not None else self.journal.snapshot_due
         taken: list[str] = []
         for name in self.store.names():
+            stage = "checking whether a snapshot is due (reading meta.json)"
             try:
                 if not due(name, self.store.version(name)):
+                    self._succeeded(name)
                     continue
                 with self.store.exclusive(name) as (table, version):
                     if due(name, version):
+                        stage = f"writing the snapshot at version {version}"
                         self.journal.snapshot(name, table, version)
                         taken.append(name)
                         logger.info("snapshot of table %r at version %d", name, version)
+                self._succeeded(name)
             except NotFoundError:
                 continue  # deleted meanwhile
             except StorageFullError as error:  # an operator's problem, not a bug: no traceback
@@ -1266,10 +1271,31 @@ class SnapshotScheduler:
                 if now - self._storage_full_logged >= self.STORAGE_FULL_LOG_SECONDS:  # retried each check
                     self._storage_full_logged = now
                     logger.warning("snapshot of table %r failed (retried every check): %s", name, error)
-            except Exception:
+            except Exception as error:
                 # A failed snapshot loses nothing (the log still holds every update); try again later.
-                logger.exception("snapshot of table %r failed", name)
+                self._failed(name, stage, error)
         return taken
+
+    def _failed(self, name: str, stage: str, error: Exception) -> None:
+        """Log what failed, once per distinct failure (the check runs every ``check_seconds``); the
+        traceback only for errors other than the operating system's (descriptors, space, permissions)."""
+        message = f"{type(error).__name__}: {error}"
+        if self._failing.get(name) == message:
+            return
+        self._failing[name] = message
+        logger.error(
+            "snapshot policy, table %r: failed %s: %s (the log keeps every update; retrying every %g s, "
+            "logged again only if the error changes)",
+            name,
+            stage,
+            message,
+            self.check_seconds,
+            exc_info=None if isinstance(error, OSError) else error,
+        )
+
+    def _succeeded(self, name: str) -> None:
+        if self._failing.pop(name, None) is not None:
+            logger.info("snapshot policy, table %r: working again", name)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.check_seconds):

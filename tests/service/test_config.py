@@ -95,3 +95,23 @@ def test_robez_help() -> None:
     serve_help = result.stdout
     for option in ("--host", "--port", "--workers", "--config", "--data-dir"):
         assert option in serve_help
+
+
+def test_a_body_of_max_body_bytes_must_fit_in_the_bodies_a_worker_holds() -> None:
+    with pytest.raises(ValidationError, match="max_body_bytes_held"):
+        Settings(_env_file=None, max_body_bytes=2048, max_body_bytes_held=1024)  # type: ignore[call-arg]
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    assert settings.max_json_body_bytes < settings.max_body_bytes <= settings.max_body_bytes_held
+
+
+def test_the_connection_protocol_pickles_into_spawned_workers() -> None:
+    """uvicorn pickles its Config (with the ``http`` protocol factory) into each spawned worker."""
+    import pickle
+
+    from service.connections import RobezHttpProtocol, uvicorn_options
+
+    settings = Settings(_env_file=None, header_timeout_s=2.5, max_connections=7)  # type: ignore[call-arg]
+    factory = pickle.loads(pickle.dumps(uvicorn_options(settings)["http"]))
+    assert factory.func is RobezHttpProtocol
+    assert factory.keywords["limits"].header_timeout_s == 2.5
+    assert factory.keywords["limits"].max_connections == 7

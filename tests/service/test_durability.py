@@ -3,8 +3,10 @@ recovery across app restarts, periodic and shutdown snapshots."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import logging
 import pickle
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -305,6 +307,39 @@ def test_a_periodic_snapshot_on_a_full_disk_warns_once_without_a_traceback(
         assert len(warnings) == 1 and warnings[0].exc_info is None
         assert "no space left" in warnings[0].getMessage()
         assert scheduler.run_once() == ["t"]  # space back: the next check takes it
+
+
+def test_a_failing_snapshot_check_says_what_failed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Out of file descriptors, the policy check cannot read meta.json: one line naming the stage and the
+    error (no traceback), not one per check; one line when it works again."""
+    (tmp_path / "shm").mkdir()
+    # No periodic policy, so the app runs no scheduler thread of its own; this one checks "has updates".
+    settings = _settings(tmp_path, snapshot_every_updates=0, snapshot_every_seconds=0)
+    with TestClient(create_app(settings)) as client:
+        _create(client)
+        store = client.app.state.store  # type: ignore[attr-defined]
+        scheduler = SnapshotScheduler(store, store.journal)
+        due = store.journal.has_pending
+        _push(client, 1)
+        real_read_bytes = Path.read_bytes
+
+        def no_descriptors(path: Path) -> bytes:
+            if path.name == "meta.json":
+                raise OSError(errno.EMFILE, "Too many open files", str(path))
+            return real_read_bytes(path)
+
+        monkeypatch.setattr(Path, "read_bytes", no_descriptors)
+        with caplog.at_level(logging.INFO, logger="robez.wal"):
+            assert scheduler.run_once(due) == [] and scheduler.run_once(due) == []
+            monkeypatch.undo()
+            assert scheduler.run_once(due) == ["t"]
+    failures = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(failures) == 1 and failures[0].exc_info is None
+    message = failures[0].getMessage()
+    assert "reading meta.json" in message and "Too many open files" in message, message
+    assert any("working again" in r.getMessage() for r in caplog.records)
 
 
 def test_cli_import_and_snapshot_offline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -196,6 +196,22 @@ def test_body_limit_answers_413(client_factory) -> None:
     error_of(response, 413)
 
 
+def test_json_bodies_are_bounded_apart_from_binary(client: TestClient) -> None:
+    """A JSON body grows ~5-36x when decoded (docs/benchmarks/body-memory-*.md): over
+    max_json_body_bytes (default 4 MiB) it is refused unread, while binary of that size is read."""
+    settings = client.app.state.settings  # type: ignore[attr-defined]
+    ids = settings.max_json_body_bytes // 2 + 1
+    body = b'{"ids":[' + b",".join([b"0"] * ids) + b"]}"
+    response = client.post(
+        "/v1/tables/demo/lookup", content=body, headers={"content-type": "application/json"}
+    )
+    assert error_of(response, 413) == "PayloadTooLargeError"
+    assert f"max_json_body_bytes={settings.max_json_body_bytes}" in response.json()["error"]
+    binary = np.zeros(len(body) // 8, dtype="<i8").tobytes()  # as many bytes, under max_body_bytes
+    response = client.post("/v1/tables/demo/lookup", content=binary, headers=OCTET)
+    assert error_of(response, 422) == "LimitExceededError"  # read, then refused by max_ids_per_request
+
+
 def test_empty_lookup(client: TestClient) -> None:
     response = client.post("/v1/tables/demo/lookup", content=b"", headers=OCTET)
     assert response.status_code == 200
