@@ -14,6 +14,15 @@ Why the kernels are fast (32768 ids, d = 100, Z = 32, 1 thread, on the 2-core de
   corrections instead of 64-bit divisions; that is branch-free, so ids are hashed 128 at a time, chunk
   by chunk, and LLVM runs eight lanes per instruction (hashing 0.31 -> 0.14 ms). Any P outside
   [2**16, 2**52) (constants imported from elsewhere) takes a generic loop with integer divisions;
+- that "float64" formulation needs AVX-512 DQ (int64 <-> float64 conversions, 64-bit multiplies in
+  vector registers); without it (AVX2: Zen 2/3, older Xeons) LLVM ran it one lane at a time. There the
+  paper hash (2**16 <= P < 2**31) takes "split32": one reduction per id of ``key mod P`` from its two
+  32-bit halves (int32 -> float64 conversions, quotient rounded by a magic-number add, ``q * P`` as two
+  32 x 32 -> 64 multiplies), then per chunk only ``(key mod P) + (chunk term mod P)`` with a correction
+  by ``2**64 mod P`` where the int64 sum wrapped, and the second mod in float64 on 31-bit values. On an
+  AVX2 target (emulated, see below) 32768 ids x 4 chunks took 0.54-0.65 ms as float64 and 0.19 ms as
+  split32; on AVX-512 float64 stays ahead (0.136 vs 0.157 ms), so ``_PAPER_FORMULATION`` is picked at
+  import from the features numba compiles for. Both are bit-exact; the tests force each on any CPU;
 - tables bigger than the caches get the chunks of the row four ahead prefetched (m = 10**8:
   gather 4.7 -> 2.3 ms, dense backward 4.0 -> 2.4 ms);
 - outputs are allocated by numpy (huge pages) rather than ``torch.empty``, and the coalesce's dense
@@ -33,6 +42,19 @@ writable (a system-wide install), numba uses the user's cache directory (``~/.ca
 built read-only). Later processes load the machine code instead:
 about 0.3 s for the first kernel, 20 ms for each further one. The cache is invalidated by a change of
 this file (its modification time and size) or of the CPU model, which then recompiles once.
+
+AVX2 on an AVX-512 machine: ``NUMBA_CPU_NAME=znver2`` with ``NUMBA_CPU_FEATURES`` set to the host's
+features minus every AVX-512 one makes numba compile for a Zen 2 (the generated code then has no zmm
+register: checked with ``inspect_asm``); ``python -m robez_core.bench --emulate-avx2`` sets that up and
+holds torch to its AVX2 kernels too. With ``split32`` the AVX2 build ran, side by side on the dev box
+(1 thread, p10 of 150 calls, 32768 ids, d = 100): hash 0.19 ms (AVX-512: 0.10), gather 0.43-0.46
+(0.41), lookup 0.61-0.65 (0.51-0.54), dense scatter 0.65-0.77 (0.58-0.61), coalesce 1.2-1.3 (1.1).
+
+Determinism: the coalesce runs serially in a fixed order and the optimizer steps touch each location
+once, so ``Table.apply_gradients`` / ``apply_gradients_at`` and the lookups give the same bits at any
+thread count (replicas may run different counts; ``tests/core/test_table.py`` checks 1 vs 2). The
+module-level dense ``scatter_grad`` at several threads (``RobezEmbedding``'s dense backward) sums
+per-thread partial arrays, so its float sums are grouped differently from the serial one's.
 
 Threads: every public function sets numba's thread count to ``torch.get_num_threads()`` (capped at
 numba's pool size), so ``torch.set_num_threads(1)`` makes the kernels single-threaded too.

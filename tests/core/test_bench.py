@@ -94,7 +94,7 @@ def test_run_benchmark_measures_every_phase_and_marks_skipped_rows(monkeypatch: 
         assert run.total_ms == pytest.approx(run.forward_ms + run.gradcomp_ms + run.backward_ms)
         assert all(v > 0 for v in (run.forward_ms, run.gradcomp_ms, run.backward_ms))
         assert math.isnan(run.hashing_ms) == (run.config.model == "full")
-    assert len(result.targets) == 5
+    assert len(result.targets) == 6
     assert all(t.baseline_ms > 0 and t.fused_ms > 0 for t in result.targets)
     markdown = bench.render_markdown(result)
     assert "skipped (--skip-slow)" in markdown
