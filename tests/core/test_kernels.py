@@ -633,6 +633,42 @@ def test_compiled_kernels_are_cached_on_disk(tmp_path: Path):
     assert any(tmp_path.rglob("*.nbi"))
 
 
+_AVX2_PROBE = """
+import json, re, torch
+from robez_core import kernels, paper_random_numbers
+from robez_core.hashing import reference_chunk_offsets
+ids = torch.randint(-(1 << 63), (1 << 63) - 1, (5000,))
+got = kernels.chunk_offsets(ids, 4, 32, 262_144, paper_random_numbers())
+exact = torch.equal(got, reference_chunk_offsets(ids, 4, 32, 262_144, paper_random_numbers()))
+asm = "".join(kernels._chunk_offsets_kernel.serial.inspect_asm().values())
+print(json.dumps({**kernels.compile_target(), "exact": exact, "zmm": len(re.findall("%zmm", asm)),
+                  "ymm": len(re.findall("%ymm", asm))}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels._X86, reason="the emulated AVX2 target is an x86-64 CPU")
+def test_avx2_emulation_compiles_without_avx512_and_picks_split32(tmp_path: Path):
+    """The bench's --emulate-avx2 environment really makes numba emit AVX2 code (no zmm register in
+    the hash kernel), the kernels then choose the split32 hash, and it stays bit-exact."""
+    from robez_core.bench import avx2_emulation_env
+
+    env = {**os.environ, **avx2_emulation_env(), "NUMBA_CACHE_DIR": str(tmp_path)}
+    completed = subprocess.run(
+        [sys.executable, "-c", _AVX2_PROBE],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr
+    probe = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert probe["cpu"] == "znver2" and probe["emulated"] == "yes" and probe["paper_hash"] == "split32"
+    assert "avx2" in probe["vector_extensions"].split() and "avx512f" not in probe["vector_extensions"]
+    assert probe["exact"] and probe["zmm"] == 0 and probe["ymm"] > 0
+
+
 _THREADS_PROBE = """
 import torch
 torch.set_num_threads(1)
