@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
 from .hashing import reference_indices
 from .modules import RobezEmbedding
 
@@ -369,8 +370,48 @@ def _target_memory_size(settings: BenchSettings) -> int:
     return TARGET_MEMORY_SIZE if TARGET_MEMORY_SIZE in settings.memory_sizes else settings.memory_sizes[0]
 
 
-def measure_targets(settings: BenchSettings, runs: list[RunResult]) -> list[TargetResult]:
-    """The issue's ratios at 1 thread: one lookup, hashing alone, and the dense-Adam training step."""
+def _time_embedding_share(settings: BenchSettings, memory_size: int, model: str) -> float:
+    """Median ms of the embedding's own part of a dense-Adam pair step: both lookups, their backward
+    (fed fixed output gradients, so none of the model's ops run) and ``optimizer.step()`` over the array."""
+    config = RunConfig(model, False, "adam", memory_size)
+    embedding = _make_embedding(config, settings)
+    optimizer = _make_optimizer(config, list(embedding.parameters()), settings.lr)
+    generator = torch.Generator().manual_seed(settings.seed + 2)
+    shape = (settings.batch_size, settings.embedding_dim)
+    output_grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    timings = []
+    for pairs, _ in _batches(settings):
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        rows = (embedding(pairs[:, 0]), embedding(pairs[:, 1]))
+        torch.autograd.backward(rows, output_grads)
+        optimizer.step()
+        timings.append(time.perf_counter() - start)
+    return _ms(timings)
+
+
+def _time_model_own_work(settings: BenchSettings) -> float:
+    """Median ms of the pair model's own part of a step, the same whatever the embedding: the product,
+    the row sums, the MSE loss and their backward, on rows that are plain leaf tensors."""
+    generator = torch.Generator().manual_seed(settings.seed + 3)
+    shape = (settings.batch_size, settings.embedding_dim)
+    left = torch.randn(shape, generator=generator).requires_grad_()
+    right = torch.randn(shape, generator=generator).requires_grad_()
+    timings = []
+    for _, targets in _batches(settings):
+        left.grad = right.grad = None
+        start = time.perf_counter()
+        loss = F.mse_loss((left * right).sum(dim=1), targets)
+        loss.backward()
+        timings.append(time.perf_counter() - start)
+    return _ms(timings)
+
+
+def measure_targets(
+    settings: BenchSettings, runs: list[RunResult], notes: list[str] | None = None
+) -> list[TargetResult]:
+    """The issue's ratios at 1 thread: one lookup, hashing alone, the embedding's share of the dense-Adam
+    step and the whole step. ``notes`` gets the floor the model's own work sets for the whole step."""
     memory_size = _target_memory_size(settings)
     generator = torch.Generator().manual_seed(settings.seed + 1)
     ids = torch.randint(0, settings.num_embeddings, (settings.batch_size,), generator=generator)
@@ -409,7 +450,29 @@ def measure_targets(settings: BenchSettings, runs: list[RunResult]) -> list[Targ
         name = f"pair-model training step, dense grads + Adam, m={memory_size}: fused vs"
         reference_step = step_ms("reference", False)
         if not math.isnan(reference_step):
+            with _torch_threads(1):
+                reference_share = _time_embedding_share(settings, memory_size, "reference")
+                fused_share = _time_embedding_share(settings, memory_size, "fused")
+                model_ms = _time_model_own_work(settings)
+            targets.append(
+                TargetResult(
+                    f"embedding's share of that step (2 lookups, their backward, dense Adam over the "
+                    f"array), m={memory_size}: fused vs reference",
+                    reference_share,
+                    fused_share,
+                    15.0,
+                )
+            )
             targets.append(TargetResult(f"{name} reference (dense Adam)", reference_step, fused_step, 10.0))
+            if notes is not None:
+                notes.append(
+                    f"The pair model's own work in a step (product, row sums, MSE and their backward, the "
+                    f"same for any embedding) measured {model_ms:.2f} ms at 1 thread: even an embedding that "
+                    f"cost nothing would make the whole dense-Adam step at most "
+                    f"{reference_step / model_ms:.1f}x faster than the reference's {reference_step:.2f} ms. "
+                    f"The fused step's remainder beyond its embedding share and that work: "
+                    f"{fused_step - fused_share - model_ms:.2f} ms (autograd, allocations)."
+                )
         full_step = step_ms("full", True)
         if not math.isnan(full_step):
             targets.append(
@@ -521,7 +584,7 @@ def run_benchmark(
                 )
     if 1 in settings.threads or settings.threads == (1,):
         say("targets at 1 thread ...")
-        result.targets = measure_targets(settings, result.runs)
+        result.targets = measure_targets(settings, result.runs, result.notes)
     else:
         result.notes.append(
             "Targets are defined at 1 thread; 1 was not among --threads, so none were measured."
@@ -606,11 +669,48 @@ def _memory_gib() -> float:
     return math.nan
 
 
+def _host_vector_extensions() -> str:
+    """The host CPU's SIMD flags from /proc/cpuinfo (what the hardware has, whatever numba targets)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line.split(":", 1)[1].split()
+                return " ".join(sorted(f for f in flags if f.startswith(_VECTOR_FLAG_PREFIXES)))
+    return "unknown"
+
+
+_VECTOR_FLAG_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "asimd", "sve")
+
+
+def _kernel_target() -> str:
+    target = kernels.compile_target()
+    how = (
+        " — **emulated**: numba told to compile for this CPU (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES), "
+        "the host has more"
+        if target["emulated"] == "yes"
+        else " (the host CPU)"
+    )
+    return (
+        f"{target['cpu']}{how}; vector extensions: {target['vector_extensions']}; "
+        f"paper hash formulation: {target['paper_hash']}"
+    )
+
+
+def _torch_capability() -> str:
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability + (f" (forced by ATEN_CPU_CAPABILITY={forced})" if forced else "")
+
+
 def machine_info() -> dict[str, str]:
-    """Where the numbers came from: host, CPU, cores, memory, library versions."""
+    """Where the numbers came from: host, CPU and its vector extensions, what the kernels and torch were
+    compiled / dispatched for, cores, memory, library versions."""
     return {
         "host": socket.gethostname(),
         "cpu": _cpu_model(),
+        "cpu vector extensions": _host_vector_extensions(),
+        "fused kernels compiled for": _kernel_target(),
+        "torch kernels dispatched for": _torch_capability(),
         "logical cpus": str(os.cpu_count()),
         "memory": f"{_memory_gib():.1f} GiB",
         "platform": platform.platform(),
@@ -776,7 +876,8 @@ def write_report(result: BenchResult, output_dir: Path) -> Path:
     """``<date>-<host>.md`` + ``.png`` under ``output_dir``, and ``latest.md`` / ``latest.png`` copies."""
     output_dir.mkdir(parents=True, exist_ok=True)
     host = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in socket.gethostname()) or "host"
-    stem = f"{result.started:%Y-%m-%d}-{host}" + ("-quick" if result.settings.quick else "")
+    emulated = "-avx2-emulated" if os.environ.get(_EMULATION_MARK) == "avx2" else ""
+    stem = f"{result.started:%Y-%m-%d}-{host}{emulated}" + ("-quick" if result.settings.quick else "")
     plot_path = output_dir / f"{stem}.png"
     render_plot(result, plot_path)
     profile_name = None
@@ -786,7 +887,7 @@ def write_report(result: BenchResult, output_dir: Path) -> Path:
     report_path = output_dir / f"{stem}.md"
     plot_name = plot_path.name if plot_path.exists() else None
     report_path.write_text(render_markdown(result, plot_name, profile_name) + "\n")
-    if not result.settings.quick:
+    if not result.settings.quick and not emulated:
         latest_plot = output_dir / "latest.png"
         if plot_path.exists():
             shutil.copyfile(plot_path, latest_plot)
@@ -854,6 +955,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
     parser.add_argument("--no-report", action="store_true", help="print only; write no files")
     parser.add_argument(
+        "--emulate-avx2",
+        action="store_true",
+        help="compile the kernels for, and hold torch to, an AVX2-only CPU (znver2) on an AVX-512 host",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="profile the fused dense-Adam step (automatic on a missed target)",
@@ -880,8 +986,48 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return replace(BenchSettings(), **overrides)  # type: ignore[arg-type]
 
 
+# An AVX2-only CPU of the kind cloud fleets are full of (AMD Zen 2: AVX2, FMA, BMI2, no AVX-512).
+EMULATED_AVX2_CPU = "znver2"
+_EMULATION_MARK = "ROBEZ_BENCH_EMULATED"
+
+
+def avx2_emulation_env() -> dict[str, str]:
+    """Environment that makes this process's compiled code target an AVX2-only CPU on a bigger host.
+
+    numba compiles for ``NUMBA_CPU_NAME`` with exactly ``NUMBA_CPU_FEATURES`` (the host's features with
+    every AVX-512, AVX10, AMX, AVX-VNNI and GFNI one switched off; its kernel cache is kept apart by CPU
+    name and features), and torch, MKL and oneDNN are held to their AVX2 kernels, so the reference and
+    ``nn.Embedding`` rows run what they would run on such a CPU too.
+    """
+    from llvmlite import binding
+
+    features = []
+    for item in binding.get_host_cpu_features().flatten().split(","):
+        name = item[1:]
+        disabled = name.startswith(("avx512", "avx10", "amx")) or name in ("avxvnni", "gfni")
+        features.append("-" + name if disabled else item)
+    return {
+        "NUMBA_CPU_NAME": EMULATED_AVX2_CPU,
+        "NUMBA_CPU_FEATURES": ",".join(features),
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        _EMULATION_MARK: "avx2",
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.emulate_avx2 and os.environ.get(_EMULATION_MARK) != "avx2":
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            raise SystemExit("--emulate-avx2 needs an x86-64 host")
+        # numba and torch read these at import: run the bench again in a process that has them
+        arguments = list(argv if argv is not None else sys.argv[1:])
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "robez_core.bench", *arguments],
+            {**os.environ, **avx2_emulation_env()},
+        )
     settings = settings_from_args(args)
     command = "python -m robez_core.bench" + (" " + " ".join(argv if argv is not None else sys.argv[1:]))
     result = run_benchmark(settings, command.strip())

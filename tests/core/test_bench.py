@@ -44,6 +44,15 @@ def test_quick_mode_keeps_the_target_rows():
     assert settings.threads == (1,)
 
 
+def test_avx2_emulation_env_switches_off_every_avx512_feature():
+    env = bench.avx2_emulation_env()
+    assert env["NUMBA_CPU_NAME"] == bench.EMULATED_AVX2_CPU and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    features = env["NUMBA_CPU_FEATURES"].split(",")
+    assert not [f for f in features if f.startswith("+avx512")]
+    if "-avx2" not in features and any(f == "+avx2" for f in features):
+        assert "+fma" in features  # an AVX2 host keeps what a Zen 2 has
+
+
 @pytest.mark.slow
 def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     previous_threads = torch.get_num_threads()
@@ -56,6 +65,13 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     assert "| ROBE-Z fused | False | 256 | 512 (0.0 MB) | adam |" in text
     assert "| full nn.Embedding | True | 256 | 16000 (0.1 MB) | adam |" in text
     assert "python -m robez_core.bench --quick" in text
+    for line in (
+        "| cpu vector extensions |",
+        "| fused kernels compiled for |",
+        "| torch kernels dispatched for |",
+    ):
+        assert line in text
+    assert "embedding's share of that step" in text and "model's own work in a step" in text
     assert list(tmp_path.glob("*-quick.png"))
     profile = next(tmp_path.glob("*-quick-profile.md")).read_text()
     assert "| loss.backward() |" in profile and "_FusedLookup" in profile
@@ -94,7 +110,7 @@ def test_run_benchmark_measures_every_phase_and_marks_skipped_rows(monkeypatch: 
         assert run.total_ms == pytest.approx(run.forward_ms + run.gradcomp_ms + run.backward_ms)
         assert all(v > 0 for v in (run.forward_ms, run.gradcomp_ms, run.backward_ms))
         assert math.isnan(run.hashing_ms) == (run.config.model == "full")
-    assert len(result.targets) == 5
+    assert len(result.targets) == 6
     assert all(t.baseline_ms > 0 and t.fused_ms > 0 for t in result.targets)
     markdown = bench.render_markdown(result)
     assert "skipped (--skip-slow)" in markdown

@@ -34,7 +34,12 @@ EDGE_IDS = [INT64_MIN, INT64_MIN + 1, -1, 0, 1, INT64_MAX - 1, INT64_MAX, PAPER_
 RANDOM_NUMBERS = paper_random_numbers()
 HASHES = ("paper", "fast")
 
-PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# function_scoped_fixture: the ``paper_hash`` fixture sets one formulation for all of a test's examples
+PROPERTY = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 int64s = st.integers(INT64_MIN, INT64_MAX)
 id_lists = st.lists(st.one_of(int64s, st.sampled_from(EDGE_IDS)), min_size=0, max_size=40)
@@ -50,6 +55,26 @@ def _parallel_even_for_small_batches() -> Iterator[None]:
         yield
     finally:
         kernels._PARALLEL_MIN_WORK = previous
+
+
+@pytest.fixture(params=["float64", "split32"])
+def paper_hash(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both formulations of the paper hash's reductions, whichever this CPU would pick, so CI on any
+    machine checks the AVX-512 (float64) and the AVX2 (split32) paths alike."""
+    monkeypatch.setattr(kernels, "_PAPER_FORMULATION", request.param)
+    return str(request.param)
+
+
+def test_each_formulation_takes_its_own_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = {"float64": kernels._MODE_PAPER_FLOAT, "split32": kernels._MODE_PAPER_SPLIT}
+    for formulation, mode in expected.items():
+        monkeypatch.setattr(kernels, "_PAPER_FORMULATION", formulation)
+        assert kernels._hash_setup("paper", RANDOM_NUMBERS, 1000, 8)[0] == mode
+        # P >= 2**31 is outside the split formulation's range: the float64 one takes it
+        big_prime = torch.tensor([(1 << 31) + 11, *RANDOM_NUMBERS[1:].tolist()])
+        assert kernels._hash_setup("paper", big_prime, 1000, 8)[0] == kernels._MODE_PAPER_FLOAT
+    target = kernels.compile_target()
+    assert target["paper_hash"] in expected and target["cpu"] and "sse2" in target["vector_extensions"]
 
 
 @contextlib.contextmanager
@@ -150,7 +175,7 @@ def test_reference_fast_hash_matches_python_int_oracle(ids, val_offset, chunk_si
     num_chunks=st.integers(1, 6),
     hash=st.sampled_from(HASHES),
 )
-def test_chunk_offsets_bit_exact(ids, val_offset, chunk_size, extra_memory, num_chunks, hash):
+def test_chunk_offsets_bit_exact(ids, val_offset, chunk_size, extra_memory, num_chunks, hash, paper_hash):
     memory_size = chunk_size + extra_memory
     assume(hash == "paper" or memory_size - chunk_size + 1 <= MAX_FAST_RANGE)
     ids_t = torch.tensor(ids, dtype=torch.int64)
@@ -167,14 +192,17 @@ def test_chunk_offsets_bit_exact(ids, val_offset, chunk_size, extra_memory, num_
     ids=st.lists(int64s, min_size=1, max_size=20),
     prime=st.one_of(
         st.integers(1, 1000),
-        st.integers(1 << 16, (1 << 52) - 1),  # the float-reduction path
+        st.integers(1 << 16, (1 << 52) - 1),  # the float64 reduction
+        st.integers(1 << 16, (1 << 31) - 1),  # the split32 one (huge draws: the key sums wrap)
         st.integers(1, INT64_MAX),
-        st.sampled_from([PAPER_PRIME, (1 << 16) - 1, 1 << 16, (1 << 52) - 1, 1 << 52]),
+        st.sampled_from(
+            [PAPER_PRIME, (1 << 16) - 1, 1 << 16, (1 << 31) - 1, 1 << 31, (1 << 52) - 1, 1 << 52]
+        ),
     ),
     draws=st.lists(int64s, min_size=10, max_size=10),
     extra_memory=st.one_of(st.integers(0, 1000), st.integers(0, 1 << 62)),
 )
-def test_paper_hash_with_imported_constants(ids, prime, draws, extra_memory):
+def test_paper_hash_with_imported_constants(ids, prime, draws, extra_memory, paper_hash):
     """Any P and constants (state_dicts from elsewhere) take the generic path and still agree."""
     random_numbers = torch.tensor([prime, *draws], dtype=torch.int64)
     memory_size = 8 + extra_memory
@@ -183,21 +211,26 @@ def test_paper_hash_with_imported_constants(ids, prime, draws, extra_memory):
     assert torch.equal(kernels.chunk_offsets(ids_t, 4, 8, memory_size, random_numbers, 17, "paper"), expected)
 
 
-@pytest.mark.parametrize("prime", [1 << 16, PAPER_PRIME, (1 << 52) - 1, 999_999_999_989])
+@pytest.mark.parametrize("prime", [1 << 16, PAPER_PRIME, (1 << 31) - 1, (1 << 52) - 1, 999_999_999_989])
 @pytest.mark.parametrize("memory_size", [1, 33, 262_144, 1 << 40])
-def test_float_reduction_at_the_edges_of_its_range(prime, memory_size):
-    """The branch-free float mod is exact for 2**16 <= P < 2**52: the smallest and largest P (largest
-    quotient error), huge and tiny ranges, on many ids spread over all of int64."""
+def test_float_reduction_at_the_edges_of_its_range(prime, memory_size, paper_hash):
+    """The branch-free mods are exact for 2**16 <= P < 2**52 (float64) and 2**16 <= P < 2**31 (split32;
+    a larger P takes float64): the smallest and largest P (largest quotient error), huge and tiny
+    ranges, on many ids spread over all of int64; draws below P as the paper's, and over all of int64,
+    whose key sums wrap around (split32 corrects those by 2**64 mod P)."""
     generator = torch.Generator().manual_seed(prime % 1000)
     ids = torch.cat(
-        [torch.randint(INT64_MIN, INT64_MAX, (50_000,), generator=generator), torch.tensor(EDGE_IDS)]
+        [torch.randint(INT64_MIN, INT64_MAX, (30_000,), generator=generator), torch.tensor(EDGE_IDS)]
     )
-    draws = torch.randint(0, prime, (10,), generator=generator)
-    random_numbers = torch.cat([torch.tensor([prime]), draws])
-    for val_offset in (0, INT64_MAX, INT64_MIN + 3):
-        expected = reference_chunk_offsets(ids, 5, 1, memory_size, random_numbers, val_offset, "paper")
-        got = kernels.chunk_offsets(ids, 5, 1, memory_size, random_numbers, val_offset, "paper")
-        assert torch.equal(got, expected)
+    for draws in (
+        torch.randint(0, prime, (10,), generator=generator),
+        torch.randint(INT64_MIN, INT64_MAX, (10,), generator=generator),
+    ):
+        random_numbers = torch.cat([torch.tensor([prime]), draws])
+        for val_offset in (0, INT64_MAX, INT64_MIN + 3):
+            expected = reference_chunk_offsets(ids, 5, 1, memory_size, random_numbers, val_offset, "paper")
+            got = kernels.chunk_offsets(ids, 5, 1, memory_size, random_numbers, val_offset, "paper")
+            assert torch.equal(got, expected)
 
 
 @PROPERTY
@@ -209,7 +242,9 @@ def test_float_reduction_at_the_edges_of_its_range(prime, memory_size):
     extra_memory=st.one_of(st.just(0), st.integers(0, 50), st.integers(0, 5000)),
     hash=st.sampled_from(HASHES),
 )
-def test_lookup_and_gather_bit_exact(ids, val_offset, embedding_dim, chunk_size, extra_memory, hash):
+def test_lookup_and_gather_bit_exact(
+    ids, val_offset, embedding_dim, chunk_size, extra_memory, hash, paper_hash
+):
     memory_size = chunk_size + extra_memory  # extra_memory == 0 is m == Z: every chunk starts at 0
     weight = torch.randn(memory_size)
     ids_t = torch.tensor(ids, dtype=torch.int64)
@@ -231,7 +266,7 @@ def test_lookup_and_gather_bit_exact(ids, val_offset, embedding_dim, chunk_size,
 
 
 @pytest.mark.parametrize("hash", HASHES)
-def test_tables_sharing_one_array_read_their_own_rows(hash):
+def test_tables_sharing_one_array_read_their_own_rows(hash, paper_hash):
     weight = torch.randn(1000)
     ids = torch.tensor([INT64_MIN, -5, 0, 3, INT64_MAX])
     for val_offset in (0, 1_000_000, INT64_MAX, INT64_MIN):
@@ -255,7 +290,7 @@ def test_lookup_writes_into_out_and_handles_empty():
     assert kernels.lookup(weight, torch.empty(0, dtype=torch.int64), 50, 32, RANDOM_NUMBERS).shape == (0, 50)
 
 
-def test_large_batch_paper_configuration_bit_exact():
+def test_large_batch_paper_configuration_bit_exact(paper_hash):
     """The benchmark's shape (d=100, Z=32, m=262144) on a real batch, through the parallel loops."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(INT64_MIN, INT64_MAX, (20_000,), generator=generator)
@@ -291,7 +326,9 @@ def bags(draw):
     hash=st.sampled_from(HASHES),
     val_offset=int64s,
 )
-def test_lookup_bag_matches_embedding_bag(bag_layout, embedding_dim, chunk_size, mode, hash, val_offset):
+def test_lookup_bag_matches_embedding_bag(
+    bag_layout, embedding_dim, chunk_size, mode, hash, val_offset, paper_hash
+):
     num_ids, starts = bag_layout
     generator = torch.Generator().manual_seed(num_ids)
     memory_size = chunk_size + 97
@@ -594,6 +631,42 @@ def test_compiled_kernels_are_cached_on_disk(tmp_path: Path):
     if "parallel" in runs[0]:
         assert runs[1]["parallel"] == {"hits": 1, "misses": 0}
     assert any(tmp_path.rglob("*.nbi"))
+
+
+_AVX2_PROBE = """
+import json, re, torch
+from robez_core import kernels, paper_random_numbers
+from robez_core.hashing import reference_chunk_offsets
+ids = torch.randint(-(1 << 63), (1 << 63) - 1, (5000,))
+got = kernels.chunk_offsets(ids, 4, 32, 262_144, paper_random_numbers())
+exact = torch.equal(got, reference_chunk_offsets(ids, 4, 32, 262_144, paper_random_numbers()))
+asm = "".join(kernels._chunk_offsets_kernel.serial.inspect_asm().values())
+print(json.dumps({**kernels.compile_target(), "exact": exact, "zmm": len(re.findall("%zmm", asm)),
+                  "ymm": len(re.findall("%ymm", asm))}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels._X86, reason="the emulated AVX2 target is an x86-64 CPU")
+def test_avx2_emulation_compiles_without_avx512_and_picks_split32(tmp_path: Path):
+    """The bench's --emulate-avx2 environment really makes numba emit AVX2 code (no zmm register in
+    the hash kernel), the kernels then choose the split32 hash, and it stays bit-exact."""
+    from robez_core.bench import avx2_emulation_env
+
+    env = {**os.environ, **avx2_emulation_env(), "NUMBA_CACHE_DIR": str(tmp_path)}
+    completed = subprocess.run(
+        [sys.executable, "-c", _AVX2_PROBE],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr
+    probe = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert probe["cpu"] == "znver2" and probe["emulated"] == "yes" and probe["paper_hash"] == "split32"
+    assert "avx2" in probe["vector_extensions"].split() and "avx512f" not in probe["vector_extensions"]
+    assert probe["exact"] and probe["zmm"] == 0 and probe["ymm"] > 0
 
 
 _THREADS_PROBE = """

@@ -7,6 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -26,6 +27,7 @@ from robez_core import (
     Table,
     TableConfig,
     import_paper_state_dict,
+    kernels,
     reference,
 )
 from robez_core.hashing import PAPER_PRIME
@@ -195,6 +197,59 @@ def test_apply_gradients_at_equals_apply_gradients(optimizer: OptimizerConfig) -
     one.apply_gradients(ids, grads)
     two.apply_gradients_at(two.hash(ids), grads)
     _assert_bitwise_equal(_snapshot(one), _snapshot(two))
+
+
+def _run_updates(optimizer: OptimizerConfig, memory_size: int, threads: int) -> tuple[Table, torch.Tensor]:
+    """Three updates (apply_gradients, apply_gradients_at, apply_gradients) and a lookup at ``threads``."""
+    table = _table(optimizer, embedding_dim=64, memory_size=memory_size, chunk_size=16)
+    gen = torch.Generator().manual_seed(11)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(3):
+            ids = torch.randint(-50_000, 50_000, (2048,), generator=gen)
+            grads = torch.randn(2048, 64, generator=gen)
+            if step == 1:
+                table.apply_gradients_at(table.hash(ids), grads, lr=optimizer.lr / 3)
+            else:
+                table.apply_gradients(ids, grads)
+        rows = table.lookup(torch.randint(-50_000, 50_000, (4096,), generator=gen))
+    finally:
+        torch.set_num_threads(previous)
+    return table, rows
+
+
+# 200_000 locations take the coalesce's dense scratch, 10**7 the sort of chunk starts
+@pytest.mark.parametrize("memory_size", [200_000, 10_000_000])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+def test_updates_are_bitwise_identical_at_any_kernel_thread_count(
+    optimizer: OptimizerConfig, memory_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replicas running with different thread counts must hold the same bits: the coalesce sums each
+    location's gradients in a fixed order and the optimizer steps are per location, so 1 and 2 kernel
+    threads agree exactly (the parallel step and lookup compilations really run at 2 threads)."""
+    if numba.config.NUMBA_NUM_THREADS < 2:  # type: ignore[attr-defined]
+        pytest.skip("numba has one thread on this machine")
+    step_kernel = {
+        "sgd": kernels._sgd_kernel,
+        "adagrad": kernels._adagrad_kernel,
+        "adam": kernels._adam_kernel,
+    }
+    parallel_calls: list[str] = []
+    for name, pair in (("step", step_kernel[optimizer.name]), ("lookup", kernels._lookup_kernel)):
+        original = pair.parallel
+
+        def counted(*args: object, _original: object = original, _name: str = name) -> object:
+            parallel_calls.append(_name)
+            return _original(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(pair, "parallel", counted)
+    one, rows_one = _run_updates(optimizer, memory_size, threads=1)
+    assert not parallel_calls
+    two, rows_two = _run_updates(optimizer, memory_size, threads=2)
+    assert parallel_calls.count("step") == 3 and parallel_calls.count("lookup") == 1
+    _assert_bitwise_equal(_snapshot(one), _snapshot(two))
+    assert torch.equal(_bits(rows_one), _bits(rows_two))
 
 
 _GOOD_IDS = torch.tensor([1, 2, 3])
