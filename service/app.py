@@ -20,6 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from . import codec
 from .config import Settings
 from .errors import install_error_handlers
+from .fastpath import FastPathMiddleware
 from .journal import Journal, NullJournal
 from .limits import BodySizeLimitMiddleware, InFlightLimitMiddleware
 from .metrics import Metrics, RequestMetricsMiddleware
@@ -101,6 +102,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=API_VERSION,
         description="ROBE-Z compressed embedding tables: batched lookups and gradient-push training.",
         lifespan=_lifespan,
+        # robez reports its own Prometheus metrics and configures no OpenTelemetry provider; FastAPI's
+        # native telemetry would still look for one on every request (~5 us).
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.settings = settings
     metrics_dir = (
@@ -111,7 +115,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for module in (health, tables, lookup, update, durability):
         app.include_router(module.router)
-    # Added innermost first: metrics see every answer, including the 503s and 413s below them.
+    # Added innermost first: metrics see every answer, including the 503s and 413s below them, and the
+    # fast path (the hot routes without FastAPI's per-request machinery) sits under all of them.
+    app.add_middleware(
+        FastPathMiddleware, routes=[*health.fast_routes, *lookup.fast_routes, *update.fast_routes]
+    )
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(
         InFlightLimitMiddleware,
