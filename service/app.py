@@ -18,13 +18,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from . import codec
+from . import oip as oip_codec
 from .config import Settings
 from .errors import install_error_handlers
 from .fastpath import FastPathMiddleware
 from .journal import Journal, NullJournal
 from .limits import BodySizeLimitMiddleware, InFlightLimitMiddleware
 from .metrics import Metrics, RequestMetricsMiddleware
-from .routes import durability, health, lookup, tables, update
+from .routes import durability, health, lookup, oip, tables, update
 from .store import SharedDirectory, TableStore
 from .wal import WalJournal
 
@@ -37,6 +38,7 @@ _HAND_READ_MODELS: tuple[type[Any], ...] = (
     codec.LookupRequest,
     codec.MultiLookupRequest,
     codec.UpdateRequest,
+    oip_codec.InferRequest,
 )
 
 
@@ -113,12 +115,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics(metrics_dir)
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (health, tables, lookup, update, durability):
+    for module in (health, tables, lookup, update, durability, oip):
         app.include_router(module.router)
     # Added innermost first: metrics see every answer, including the 503s and 413s below them, and the
     # fast path (the hot routes without FastAPI's per-request machinery) sits under all of them.
     app.add_middleware(
-        FastPathMiddleware, routes=[*health.fast_routes, *lookup.fast_routes, *update.fast_routes]
+        FastPathMiddleware,
+        routes=[*health.fast_routes, *lookup.fast_routes, *update.fast_routes, *oip.fast_routes],
     )
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(
