@@ -854,6 +854,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
     parser.add_argument("--no-report", action="store_true", help="print only; write no files")
     parser.add_argument(
+        "--small",
+        action="store_true",
+        help="instead: the small-batch micro-benchmark (lookup of 1 id, update of 8; --small --help)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="profile the fused dense-Adam step (automatic on a missed target)",
@@ -881,6 +886,11 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--small" in given:  # the small-batch micro-benchmark has options of its own
+        from .bench_small import main as small_main
+
+        return small_main([arg for arg in given if arg != "--small"])
     args = build_parser().parse_args(argv)
     settings = settings_from_args(args)
     command = "python -m robez_core.bench" + (" " + " ".join(argv if argv is not None else sys.argv[1:]))

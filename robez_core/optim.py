@@ -121,7 +121,6 @@ def apply_coalesced(
 def small_step(
     optimizer: OptimizerConfig,
     weight: np.ndarray,
-    state: dict[str, Tensor],
     state_np: dict[str, np.ndarray],
     locations: np.ndarray,
     values: np.ndarray,
@@ -137,7 +136,7 @@ def small_step(
             weight, state_np["sum"], locations, values, np.float32(lr), np.float32(optimizer.eps)
         )
     elif optimizer.name == "adam":
-        step = int(state["step"][0]) + 1
+        step = int(state_np["step"][0]) + 1  # the numpy view: a torch scalar read costs ~2 us
         beta1, beta2 = optimizer.betas
         # as kernels.adam_step computes it
         step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
@@ -152,7 +151,7 @@ def small_step(
             np.float32(optimizer.eps),
             np.float32(step_size),
         )
-        state["step"][0] = step
+        state_np["step"][0] = step
     else:
         raise ConfigError(f"unknown optimizer {optimizer.name!r}")
 

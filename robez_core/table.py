@@ -122,7 +122,7 @@ class _SmallPath:
             locations, values = kernels._coalesce_sorted_kernel(
                 grads_np, offsets_np, self.embedding_dim, self.chunk_size
             )
-        optim.small_step(self.optimizer, self.weight_np, self.state, self.state_np, locations, values, lr)
+        optim.small_step(self.optimizer, self.weight_np, self.state_np, locations, values, lr)
 
     def lookup(self, ids_np: np.ndarray) -> np.ndarray:
         out = np.empty((ids_np.shape[0], self.embedding_dim), dtype=np.float32)
