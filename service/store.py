@@ -262,6 +262,9 @@ class _Entry:
     def version(self) -> int:
         return int(self._counters_np[_VERSION])
 
+    def set_version(self, version: int) -> None:
+        self._counters_np[_VERSION] = version
+
 
 @dataclass
 class _Registry:
@@ -830,7 +833,7 @@ class TableStore:
             apply_start = time.perf_counter()
             table.apply_gradients_at(chunk_offsets, grads, applied_lr)
             applied = time.perf_counter()
-            locked.counters[_VERSION] = version
+            locked.set_version(version)
         # The caller waits for durability outside the lock (group commit): the next updates append
         # while this one waits for its flush.
         return UpdateResult(version, hashed - start, applied - apply_start), ticket
