@@ -23,6 +23,15 @@ BINARY_KERNEL_TARGET = 0.5
 JSON_FLOOR_TARGET = 0.7
 EFFICIENCY_TARGET = 0.8
 EFFICIENCY_WORKERS = 4
+# Against the framework floor (a bare Starlette app on the same uvicorn), 1 worker: (scenario, batch,
+# what, threshold). Large batches must not regress either: LARGE_BATCH_TARGET of the in-process kernel.
+FLOOR_TARGETS: tuple[tuple[str, int, str, float], ...] = (
+    ("healthz", 1, "/healthz", 0.9),
+    ("binary", 1, "single-id binary lookups", 0.6),
+    ("json", 1, "single-id JSON lookups", 0.5),
+    ("update", 8, "gradient pushes of 8 ids (binary, no data dir)", 0.4),
+)
+LARGE_BATCH_TARGET = 0.9
 
 
 @dataclass(frozen=True)
@@ -153,6 +162,140 @@ def target_checks(result: SweepResult) -> list[TargetCheck]:
             detail += "; the clients shared the server's cores, so this understates the server"
         checks.append(TargetCheck(name, EFFICIENCY_TARGET, ratio, detail))
     return checks
+
+
+def floor_checks(result: SweepResult) -> list[TargetCheck]:
+    """The small-request targets as ratios to the framework floor measured in the same run, and the
+    large-batch no-regression target."""
+    one = _one_worker(result)
+    floor = find_run(result.runs, "floor", 1, one)
+    checks = []
+    for scenario, batch, what, threshold in FLOOR_TARGETS:
+        name = f"{what}, 1 worker: req/s / framework floor req/s"
+        run = find_run(result.runs, scenario, batch, one)
+        if floor is None or run is None:
+            missing = "the framework floor" if floor is None else f"{scenario} at batch {batch}"
+            checks.append(TargetCheck(name, threshold, None, f"{missing} was not measured"))
+            continue
+        ratio = run.requests_per_s / floor.requests_per_s if floor.requests_per_s > 0 else math.nan
+        detail = f"{run.requests_per_s:,.0f} / {floor.requests_per_s:,.0f} req/s"
+        cpu, floor_cpu = _cpu_ms_per_request(run), _cpu_ms_per_request(floor)
+        if math.isfinite(cpu) and math.isfinite(floor_cpu) and cpu > 0:
+            detail += (
+                f"; server CPU per request {cpu:.3f} vs {floor_cpu:.3f} ms (ratio {floor_cpu / cpu:.2f})"
+            )
+        checks.append(TargetCheck(name, threshold, ratio, detail))
+    binary = find_run(result.runs, "binary", REFERENCE_BATCH, one)
+    kernel = _kernel(result, REFERENCE_BATCH)
+    name = f"binary lookups of {REFERENCE_BATCH} ids do not regress: server ids/s / in-process kernel ids/s"
+    if binary is None or kernel is None:
+        checks.append(
+            TargetCheck(name, LARGE_BATCH_TARGET, None, f"batch {REFERENCE_BATCH} was not measured")
+        )
+    else:
+        ratio = binary.ids_per_s / kernel.ids_per_s if kernel.ids_per_s > 0 else math.nan
+        detail = f"{binary.ids_per_s:,.0f} / {kernel.ids_per_s:,.0f} ids/s"
+        checks.append(TargetCheck(name, LARGE_BATCH_TARGET, ratio, detail))
+    return checks
+
+
+def _floor_section(result: SweepResult) -> list[str]:
+    """Every small-request run next to the framework floor of the same worker count."""
+    rows = []
+    for run in result.runs:
+        spec = run.spec
+        if spec.mode != "closed" or spec.batch_size > 8 or spec.scenario in ("floor", "redis", "redis_set"):
+            continue
+        if "httpx client" in spec.label:
+            continue
+        floor = find_run(result.runs, "floor", 1, run.server_cores)
+        if floor is None or floor.requests_per_s <= 0:
+            continue
+        cpu, floor_cpu = _cpu_ms_per_request(run), _cpu_ms_per_request(floor)
+        cpu_ratio = floor_cpu / cpu if math.isfinite(cpu) and cpu > 0 else math.nan
+        rows.append(
+            f"| {_cores(run)} | {spec.label} | {spec.batch_size} | {_fmt(run.requests_per_s, 0)}"
+            f" | {_fmt(floor.requests_per_s, 0)} | {_fmt(run.requests_per_s / floor.requests_per_s)}"
+            f" | {_fmt(cpu, 3)} | {_fmt(floor_cpu, 3)} | {_fmt(cpu_ratio)} |"
+        )
+    if not rows:
+        return []
+    return [
+        "## Small requests against the framework floor",
+        "",
+        "The floor is a bare Starlette app (one route answering `ok`) served by the same uvicorn with the"
+        " same options, workers and cores, measured in this run (`loadtest/floor.py`). The second ratio"
+        " divides server CPU per request instead of throughput: it does not depend on how much CPU other"
+        " processes left the server during each run.",
+        "",
+        "| server cores | run | batch | req/s | floor req/s | ratio | server CPU ms/request"
+        " | floor CPU ms/request | CPU ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def _peer_section(result: SweepResult) -> list[str]:
+    """robez against Redis holding one full row per id, same clients, same pinning."""
+    redis_runs = [r for r in result.runs if r.spec.scenario in ("redis", "redis_set")]
+    if not redis_runs:
+        note = next((n for n in result.notes if "Redis peer was skipped" in n), None)
+        return ["## Peer: Redis", "", note, ""] if note else []
+    lines = [
+        "## Peer: Redis",
+        "",
+        "A real `redis-server` on loopback, pinned to the robez server's cores, holding one full row per"
+        " id (float32 bytes under its own key), read with GET (1 id) / MGET (a batch) and written with"
+        " SET / MSET of new rows, by the same client processes (RESP over the same asyncio machinery)."
+        " Rows per server CPU-second divide by the CPU each server actually used.",
+        "",
+        "| workload | batch | robez req/s | Redis req/s | robez rows/s per server core"
+        " | Redis rows/s per server core | robez / Redis | robez p50 / p99 ms | Redis p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    one = _one_worker(result)
+    for run in redis_runs:
+        spec = run.spec
+        robez_scenario = "binary" if spec.scenario == "redis" else "update"
+        robez = find_run(result.runs, robez_scenario, spec.batch_size, one)
+        if robez is None:
+            continue
+        robez_rate, redis_rate = _rows_per_cpu_second(robez), _rows_per_cpu_second(run)
+        ratio = robez_rate / redis_rate if redis_rate > 0 else math.nan
+        workload = (
+            "lookup (binary / GET, MGET)" if robez_scenario == "binary" else "update (push / SET, MSET)"
+        )
+        lines.append(
+            f"| {workload} | {spec.batch_size} | {_fmt(robez.requests_per_s, 0)}"
+            f" | {_fmt(run.requests_per_s, 0)}"
+            f" | {_fmt(robez_rate, 0)} | {_fmt(redis_rate, 0)} | {_fmt(ratio)}"
+            f" | {_fmt(robez.latency_ms.p50)} / {_fmt(robez.latency_ms.p99)}"
+            f" | {_fmt(run.latency_ms.p50)} / {_fmt(run.latency_ms.p99)} |"
+        )
+    memory = result.peer_memory
+    if memory is not None:
+        mib = 1 << 20
+        lines += [
+            "",
+            f"Memory for the table ({memory.rows:,} ids x {memory.row_bytes} bytes per row):",
+            "",
+            "| | robez | Redis |",
+            "|---|---|---|",
+            f"| the table itself | {memory.robez_table_bytes / mib:,.1f} MiB (the ROBE-Z array)"
+            f" | {memory.redis_dataset_bytes / mib:,.1f} MiB (INFO used_memory growth) |",
+            f"| server process RSS | {memory.robez_rss_bytes / mib:,.1f} MiB (incl. Python, torch, numba)"
+            f" | {memory.redis_rss_bytes / mib:,.1f} MiB |",
+        ]
+    lines.append("")
+    return lines
+
+
+def _rows_per_cpu_second(run: RunResult) -> float:
+    if not run.server_cpu_s:
+        return math.nan
+    rows = run.ids if run.spec.scenario in ("update", "redis_set") else run.rows
+    return rows / run.server_cpu_s
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -531,7 +674,7 @@ def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path
         "|---|---|---|---|---|",
     ]
     checks = target_checks(result)
-    for check in checks:
+    for check in [*checks, *floor_checks(result)]:
         result_text = check.status if check.status != "missed" else f"**missed** — {check.shortfall}"
         lines.append(
             f"| {check.name} | {_fmt(check.ratio)} | >= {check.threshold:.2f} | {result_text}"
@@ -541,6 +684,8 @@ def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path
     if explanation:
         lines += ["", "What the measurements say about the missed targets:", "", *explanation]
     lines.append("")
+    lines += _floor_section(result)
+    lines += _peer_section(result)
     lines += ["## Runs", "", *_runs_table(result.runs), ""]
     lines += ["## In-process kernel baseline (the ceiling)", "", *_kernel_table(result.kernel), ""]
     lines += _scaling_section(result)

@@ -13,6 +13,11 @@ Scenarios (``SCENARIOS``):
 - ``multi``    POST /v1/lookup, the batch split over several tables in one request (a DLRM request).
 - ``update``   POST /v1/tables/{t}/update, binary: n int64 ids then n x d float32 gradients.
 - ``mix``      95% binary lookups, 5% binary updates of the same batch size (exactly 1 in 20).
+- ``oip``      POST /v2/models/{t}/infer (Open Inference Protocol v2), binary tensor data both ways.
+- ``floor``    GET / on a bare Starlette app (one route returning "ok") under the same uvicorn: the
+               framework floor the small-request scenarios are compared with.
+- ``redis``    the peer: a Redis server holding one full row per id (float32 bytes); GET for one id,
+               MGET for a batch (``redis_set``: SET / MSET of new rows, the update counterpart).
 """
 
 from __future__ import annotations
@@ -23,9 +28,23 @@ import numpy as np
 import orjson
 
 from .stats import make_sampler
-from .transport import PreparedRequest, Response, Target, prepare_request
+from .transport import PreparedRequest, Response, Target, prepare_request, resp_command
 
-SCENARIOS: tuple[str, ...] = ("healthz", "binary", "json", "pooled", "multi", "update", "mix")
+SCENARIOS: tuple[str, ...] = (
+    "healthz",
+    "binary",
+    "json",
+    "pooled",
+    "multi",
+    "update",
+    "mix",
+    "oip",
+    "floor",
+    "redis",
+)
+# Built for the Redis peer's update runs (chosen with "redis"), not named on the command line.
+PEER_UPDATE = "redis_set"
+REDIS_KEY_PREFIX = b"robez:"
 OCTET_STREAM = "application/octet-stream"
 SHAPE_HEADER = "X-Robez-Shape"
 MAX_BATCH_SIZE = 32768
@@ -66,10 +85,10 @@ class RequestTemplate:
     """
 
     request: PreparedRequest
-    kind: str  # "lookup" | "update" | "healthz"
+    kind: str  # "lookup" | "update" | "healthz" | "peer" (Redis: no Server-Timing)
     ids: int
     rows: int
-    response: str  # "binary" | "json" | "multi" | "status"
+    response: str  # "binary" | "json" | "multi" | "status" | "oip" | "rows" (bytes of rows, no header)
 
 
 def build_requests(
@@ -80,17 +99,17 @@ def build_requests(
     Raises:
         ValueError: unknown scenario, or a batch size outside ``[1, MAX_BATCH_SIZE]``.
     """
-    if scenario not in SCENARIOS:
+    if scenario not in SCENARIOS and scenario != PEER_UPDATE:
         raise ValueError(f"unknown scenario {scenario!r}; expected one of {SCENARIOS}")
     if not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise ValueError(f"batch size must be in [1, {MAX_BATCH_SIZE}], got {batch_size}")
-    if scenario == "healthz":
-        return [
-            RequestTemplate(prepare_request(context.target, "GET", "/healthz"), "healthz", 0, 0, "status")
-        ]
+    if scenario in ("healthz", "floor"):
+        path = "/healthz" if scenario == "healthz" else "/"
+        return [RequestTemplate(prepare_request(context.target, "GET", path), "healthz", 0, 0, "status")]
     sampler = make_sampler(context.distribution, context.num_ids, context.zipf_exponent, seed)
     rng = np.random.default_rng(seed + 1)
-    per_body_bytes = batch_size * 8 * (1 + (context.embedding_dim if scenario in ("update", "mix") else 0))
+    writes = scenario in ("update", "mix", PEER_UPDATE)
+    per_body_bytes = batch_size * 8 * (1 + (context.embedding_dim if writes else 0))
     pool_size = max(2, min(_POOL_MAX, _POOL_BYTES // max(1, per_body_bytes)))
     if scenario == "mix":
         pool_size = _MIX_PERIOD
@@ -105,6 +124,12 @@ def build_requests(
             templates.append(_pooled_lookup(context, ids))
         elif scenario == "multi":
             templates.append(_multi_lookup(context, ids))
+        elif scenario == "oip":
+            templates.append(_oip_infer(context, ids))
+        elif scenario == "redis":
+            templates.append(_redis_get(context, ids))
+        elif scenario == PEER_UPDATE:
+            templates.append(_redis_set(context, ids, rng))
         else:  # update, or the one update in every mix period
             templates.append(_binary_update(context, ids, rng))
     if scenario == "mix":
@@ -168,6 +193,55 @@ def _binary_update(context: ScenarioContext, ids: np.ndarray, rng: np.random.Gen
     return RequestTemplate(request, "update", ids.size, 0, "status")
 
 
+OIP_HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+def _oip_infer(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate:
+    """Binary tensors both ways, as Triton's clients send them by default."""
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "ids",
+                    "shape": [int(ids.size)],
+                    "datatype": "INT64",
+                    "parameters": {"binary_data_size": int(ids.size) * 8},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    )
+    headers = {OIP_HEADER_LENGTH: str(len(header)), **_auth(context)}
+    body = header + ids.astype("<i8").tobytes()
+    request = prepare_request(context.target, "POST", f"/v2/models/{context.table}/infer", body, headers)
+    return RequestTemplate(request, "lookup", ids.size, ids.size, "oip")
+
+
+def redis_key(row_id: int) -> bytes:
+    return REDIS_KEY_PREFIX + str(row_id).encode()
+
+
+def _resp_request(command: bytes, wire: bytes) -> PreparedRequest:
+    return PreparedRequest(command.decode(), "", (), b"", wire)
+
+
+def _redis_get(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate:
+    keys = [redis_key(int(i)) for i in ids]
+    command = b"GET" if len(keys) == 1 else b"MGET"
+    request = _resp_request(command, resp_command(command, *keys))
+    return RequestTemplate(request, "peer", ids.size, ids.size, "rows")
+
+
+def _redis_set(context: ScenarioContext, ids: np.ndarray, rng: np.random.Generator) -> RequestTemplate:
+    rows = (rng.standard_normal((ids.size, context.embedding_dim)) * _GRAD_SCALE).astype("<f4")
+    parts: list[bytes] = []
+    for row_id, row in zip(ids, rows, strict=True):
+        parts += [redis_key(int(row_id)), row.tobytes()]
+    command = b"SET" if ids.size == 1 else b"MSET"
+    request = _resp_request(command, resp_command(command, *parts))
+    return RequestTemplate(request, "peer", ids.size, 0, "status")
+
+
 def check_response(template: RequestTemplate, response: Response, embedding_dim: int) -> str | None:
     """None when ``response`` is a correct answer to ``template``, else a short reason (an error kind).
 
@@ -175,6 +249,15 @@ def check_response(template: RequestTemplate, response: Response, embedding_dim:
     """
     if template.response == "status":
         return None
+    if template.response == "rows":
+        expected = template.rows * embedding_dim * 4
+        return (
+            None
+            if len(response.body) == expected
+            else f"rows {len(response.body)} bytes, expected {expected}"
+        )
+    if template.response == "oip":
+        return _check_oip(template, response, embedding_dim)
     if template.response == "binary":
         expected = template.rows * embedding_dim * 4
         if len(response.body) != expected:
@@ -205,4 +288,21 @@ def _check_shape(payload: object, rows: int, embedding_dim: int) -> str | None:
     shape = payload.get("shape") if isinstance(payload, dict) else None
     if shape != [rows, embedding_dim]:
         return f"JSON shape {shape!r}, expected [{rows}, {embedding_dim}]"
+    return None
+
+
+def _check_oip(template: RequestTemplate, response: Response, embedding_dim: int) -> str | None:
+    length = response.headers.get(OIP_HEADER_LENGTH.lower(), "")
+    if not length.isdigit() or int(length) > len(response.body):
+        return f"{OIP_HEADER_LENGTH} {length!r} does not frame the body"
+    try:
+        header = orjson.loads(response.body[: int(length)])
+        shape = header["outputs"][0]["shape"]
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+        return "the OIP response header has no outputs[0].shape"
+    if shape != [template.rows, embedding_dim]:
+        return f"OIP shape {shape!r}, expected [{template.rows}, {embedding_dim}]"
+    expected = template.rows * embedding_dim * 4
+    if len(response.body) - int(length) != expected:
+        return f"OIP tensor {len(response.body) - int(length)} bytes, expected {expected}"
     return None

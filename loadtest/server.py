@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -163,16 +164,20 @@ def _wait_ready(server: ServerProcess, timeout_s: float) -> None:
 
 def stop_server(server: ServerProcess, timeout_s: float = 15.0) -> None:
     """SIGTERM the server's process group (a graceful uvicorn shutdown); SIGKILL what is left."""
-    if server.process.poll() is None:
+    _stop_group(server.process, timeout_s)
+
+
+def _stop_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.process.pid, signal.SIGTERM)
+            os.killpg(process.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            server.process.wait(timeout=timeout_s)
+            process.wait(timeout=timeout_s)
     # workers can outlive the supervisor; the group is ours alone
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(server.process.pid, signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        server.process.wait(timeout=5.0)
+        process.wait(timeout=5.0)
 
 
 @contextlib.contextmanager
@@ -186,6 +191,123 @@ def running_server(
             yield server
         finally:
             stop_server(server)
+
+
+@dataclass
+class BaselineProcess:
+    """A baseline server the load test started (the framework floor or the Redis peer)."""
+
+    name: str
+    target: Target
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, limit: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+
+def _spawn(
+    name: str, command: list[str], cores: tuple[int, ...] | None, workdir: Path, port: int
+) -> BaselineProcess:
+    log_path = workdir / f"{name}-{port}.log"
+    with log_path.open("wb") as log, affinity(cores):
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return BaselineProcess(name, Target("127.0.0.1", port), process, log_path)
+
+
+def _wait_until(baseline: BaselineProcess, ready: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if baseline.process.poll() is not None:
+            raise RuntimeError(
+                f"{baseline.name} exited with {baseline.process.returncode}:\n{baseline.log_tail()}"
+            )
+        with contextlib.suppress(OSError, httpx.HTTPError):
+            if ready():
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{baseline.name} not ready after {timeout_s:.0f} s:\n{baseline.log_tail()}")
+
+
+def stop_baseline(baseline: BaselineProcess, timeout_s: float = 15.0) -> None:
+    """SIGTERM the baseline's process group; SIGKILL what is left."""
+    _stop_group(baseline.process, timeout_s)
+
+
+@contextlib.contextmanager
+def running_floor(
+    workers: int, cores: tuple[int, ...] | None, *, ready_timeout_s: float = 60.0
+) -> Iterator[BaselineProcess]:
+    """``python -m loadtest.floor`` with ``workers`` on ``cores`` (as ``robez serve``), stopped on exit."""
+    port = free_loopback_port()
+    command = [sys.executable, "-m", "loadtest.floor", "--port", str(port), "--workers", str(workers)]
+    with tempfile.TemporaryDirectory(prefix="robez-floor-") as workdir:
+        floor = _spawn("the framework floor", command, cores, Path(workdir), port)
+        try:
+            _wait_until(
+                floor,
+                lambda: httpx.get(f"{floor.target.base_url}/", timeout=2.0).status_code == 200,
+                ready_timeout_s,
+            )
+            yield floor
+        finally:
+            stop_baseline(floor)
+
+
+def redis_server_path() -> str | None:
+    """The ``redis-server`` (or Valkey's ``valkey-server``) on PATH, if any; the load test installs none."""
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+def _redis_ping(target: Target) -> bool:
+    with socket.create_connection((target.host, target.port), timeout=2.0) as sock:
+        sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+        return sock.recv(64).startswith(b"+PONG")
+
+
+@contextlib.contextmanager
+def running_redis(
+    executable: str, cores: tuple[int, ...] | None, *, ready_timeout_s: float = 30.0
+) -> Iterator[BaselineProcess]:
+    """A private in-memory Redis on loopback (no persistence, no other clients), pinned to ``cores``."""
+    port = free_loopback_port()
+    with tempfile.TemporaryDirectory(prefix="robez-redis-") as workdir:
+        command = [
+            executable, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+            "--dir", workdir, "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
+        ]  # fmt: skip
+        redis = _spawn("redis-server", command, cores, Path(workdir), port)
+        try:
+            _wait_until(redis, lambda: _redis_ping(redis.target), ready_timeout_s)
+            yield redis
+        finally:
+            stop_baseline(redis)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of one process (VmRSS), 0 if it is gone."""
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as file:
+        for line in file:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def tree_rss_bytes(pid: int, max_processes: int = 1024) -> int:
+    """Resident memory of ``pid`` and its descendants, summed (pages shared between them count twice)."""
+    total = 0
+    pending, seen = [pid], set[int]()
+    while pending and len(seen) < max_processes:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        total += rss_bytes(current)
+        pending += _children(current)
+    return total
 
 
 def _children(pid: int) -> list[int]:

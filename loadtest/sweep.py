@@ -26,19 +26,39 @@ from robez_core.config import TableConfig
 from .baseline import KernelResult, measure_kernel
 from .profile import Profiler, ProfileSummary
 from .runner import ClientFleet, RunResult, RunSpec
-from .scenarios import SCENARIOS, ScenarioContext
+from .scenarios import PEER_UPDATE, SCENARIOS, ScenarioContext, redis_key
 from .server import (
     MAIN_TABLE,
     MULTI_TABLES,
     TABLE_CONFIG,
     machine_busy_seconds,
+    redis_server_path,
+    rss_bytes,
+    running_floor,
+    running_redis,
     running_server,
     tree_cpu_seconds,
+    tree_rss_bytes,
 )
-from .transport import Target
+from .transport import RESP, Target, resp_command
 
 REFERENCE_BATCH = 4096  # the issue's binary-lookup target batch
 FEATURE_SCENARIOS: tuple[str, ...] = ("pooled", "multi", "update", "mix")
+SMALL_UPDATE_BATCH = 8  # a gradient push of one user's handful of rows
+PEER_MAX_BATCH = 4096  # MGET batches measured against Redis (its replies grow 256 bytes per row)
+_PEER_FILL_CHUNK = 16384  # rows per MSET while filling Redis
+
+
+@dataclass(frozen=True)
+class PeerMemory:
+    """What each server needed to hold the table: robez's array vs Redis holding one row per id."""
+
+    rows: int
+    row_bytes: int
+    redis_dataset_bytes: int  # INFO used_memory after filling minus before
+    redis_rss_bytes: int
+    robez_table_bytes: int  # the table's array and optimizer state (GET /v1/tables/{t}: memory_bytes)
+    robez_rss_bytes: int  # the robez server's process tree (torch and numba included)
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,7 @@ class SweepResult:
     profiles: list[ProfileSummary] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     table_config: dict[str, Any] = field(default_factory=lambda: dict(TABLE_CONFIG))
+    peer_memory: PeerMemory | None = None
 
     @property
     def failed_runs(self) -> list[RunResult]:
@@ -291,6 +312,8 @@ class Sweep:
                 return self._measure(fleet, spec, context, server_cores, server_pid, shared)
 
             wanted = set(config.scenarios)
+            if "floor" in wanted:
+                self._floor(fleet, base, context, server_cores, shared)
             if "healthz" in wanted:
                 measure(replace(base, label="HTTP floor", scenario="healthz"))
             if "json" in wanted:
@@ -303,6 +326,13 @@ class Sweep:
                         reference = run
             if not first:
                 return
+            if "update" in wanted:
+                label = f"gradient push (binary), {SMALL_UPDATE_BATCH} ids"
+                measure(replace(base, label=label, scenario="update", batch_size=SMALL_UPDATE_BATCH))
+            if "oip" in wanted:
+                for batch in sorted({1, REFERENCE_BATCH} & set(config.batch_sizes)) or [1]:
+                    label = "OIP v2 infer (binary tensors)"
+                    measure(replace(base, label=label, scenario="oip", batch_size=batch))
             labels = {
                 "pooled": f"pooled lookup, sum over bags of {config.bag_size}",
                 "multi": f"multi-table lookup over {len(multi_tables)} table(s)",
@@ -335,6 +365,8 @@ class Sweep:
                 measure(
                     replace(base, label="HTTP floor, httpx client", scenario="healthz", transport="httpx")
                 )
+            if "redis" in wanted:
+                self._redis_peer(fleet, base, context, server_cores, server_pid, shared)
             if config.profile and server_pid is not None:
                 profiled = [
                     ("json", 1, "single-id JSON lookups"),
@@ -344,6 +376,75 @@ class Sweep:
                     if scenario in wanted:
                         spec = replace(base, label=f"{what}, 1 worker", scenario=scenario, batch_size=batch)
                         self._profile(fleet, spec, context, server_pid, client_cores)
+
+    def _floor(
+        self,
+        fleet: ClientFleet,
+        base: RunSpec,
+        context: ScenarioContext,
+        server_cores: tuple[int, ...] | None,
+        shared: bool,
+    ) -> None:
+        """The bare Starlette app on the same uvicorn, workers and cores: the small-request baseline."""
+        if server_cores is None:
+            self.result.notes.append(
+                "framework floor not measured: it needs a server the load test starts itself (not --url)"
+            )
+            return
+        workers = len(server_cores)
+        self.progress(f"  starting the framework floor (bare Starlette) with {workers} worker(s)")
+        with running_floor(workers, server_cores) as floor:
+            spec = replace(base, label="framework floor (bare Starlette, same uvicorn)", scenario="floor")
+            self._measure(
+                fleet, spec, replace(context, target=floor.target), server_cores, floor.process.pid, shared
+            )
+
+    def _redis_peer(
+        self,
+        fleet: ClientFleet,
+        base: RunSpec,
+        context: ScenarioContext,
+        server_cores: tuple[int, ...] | None,
+        server_pid: int | None,
+        shared: bool,
+    ) -> None:
+        """Redis holding one full row per id, pinned like the robez server, read and written by the same
+        clients: GET / MGET for the lookups, SET / MSET for the updates."""
+        executable = redis_server_path()
+        if executable is None:
+            self.result.notes.append(
+                "the Redis peer was skipped: no redis-server (or valkey-server) on PATH. Install Debian's"
+                " redis-server (or Valkey) to include it; the load test installs nothing itself."
+            )
+            return
+        if server_cores is None:
+            self.result.notes.append("the Redis peer was skipped: with --url the server's cores are unknown")
+            return
+        config = self.config
+        self.progress(
+            f"  starting {executable} on cores {list(server_cores)}; filling {config.num_ids:,} rows"
+        )
+        with running_redis(executable, server_cores) as redis:
+            before = _redis_used_memory(redis.target)
+            _fill_redis(redis.target, self.result.table_config, config.num_ids)
+            memory = PeerMemory(
+                rows=config.num_ids,
+                row_bytes=context.embedding_dim * 4,
+                redis_dataset_bytes=_redis_used_memory(redis.target) - before,
+                redis_rss_bytes=rss_bytes(redis.process.pid),
+                robez_table_bytes=_table_memory_bytes(context),
+                robez_rss_bytes=tree_rss_bytes(server_pid) if server_pid is not None else 0,
+            )
+            self.result.peer_memory = memory
+            peer = replace(context, target=redis.target)
+            peer_base = replace(base, transport=RESP)
+            for batch in sorted({b for b in config.batch_sizes if b <= PEER_MAX_BATCH} | {1}):
+                label = "Redis GET" if batch == 1 else "Redis MGET"
+                spec = replace(peer_base, label=label, scenario="redis", batch_size=batch)
+                self._measure(fleet, spec, peer, server_cores, redis.process.pid, shared)
+            for batch in sorted({SMALL_UPDATE_BATCH, config.feature_batch}):
+                spec = replace(peer_base, label="Redis MSET (update)", scenario=PEER_UPDATE, batch_size=batch)
+                self._measure(fleet, spec, peer, server_cores, redis.process.pid, shared)
 
     def _profile(
         self,
@@ -404,6 +505,63 @@ class Sweep:
         self.result.runs.append(result)
         self.progress("      " + describe(result))
         return result
+
+
+def _redis_call(sock: socket.socket, command: bytes) -> bytes:
+    """Send one RESP command on a blocking socket; the first line of the reply (enough for our uses)."""
+    sock.sendall(command)
+    reply = b""
+    while not reply.endswith(b"\r\n"):
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise RuntimeError("redis-server closed the connection")
+        reply += chunk
+    if reply.startswith(b"-"):
+        raise RuntimeError(f"redis-server answered {reply[:200]!r}")
+    return reply
+
+
+def _fill_redis(target: Target, table_config: dict[str, Any], num_ids: int) -> None:
+    """Store the robez table's row of every id in [0, num_ids) as float32 bytes under its own key."""
+    import numpy as np
+    import torch
+
+    from robez_core.table import Table
+
+    table = Table(TableConfig(**{"seed": 1024, **table_config}))  # the load test's main table
+    with socket.create_connection((target.host, target.port), timeout=60) as sock:
+        for start in range(0, num_ids, _PEER_FILL_CHUNK):
+            ids = torch.arange(start, min(num_ids, start + _PEER_FILL_CHUNK), dtype=torch.int64)
+            rows = np.ascontiguousarray(table.lookup(ids).numpy(), dtype="<f4")
+            parts: list[bytes] = []
+            for row_id, row in zip(ids.tolist(), rows, strict=True):
+                parts += [redis_key(row_id), row.tobytes()]
+            _redis_call(sock, resp_command(b"MSET", *parts))
+
+
+def _redis_used_memory(target: Target) -> int:
+    with socket.create_connection((target.host, target.port), timeout=30) as sock:
+        sock.sendall(resp_command(b"INFO", b"memory"))
+        data = b""
+        while b"\r\n" not in data:
+            data += sock.recv(1 << 16)
+        size = int(data[1 : data.index(b"\r\n")])
+        header = data.index(b"\r\n") + 2
+        while len(data) < header + size:
+            data += sock.recv(1 << 16)
+    for line in data[header : header + size].decode().splitlines():
+        if line.startswith("used_memory:"):
+            return int(line.split(":", 1)[1])
+    return 0
+
+
+def _table_memory_bytes(context: ScenarioContext) -> int:
+    headers = {"Authorization": f"Bearer {context.api_key}"} if context.api_key else {}
+    try:
+        reply = httpx.get(f"{context.target.base_url}/v1/tables/{context.table}", headers=headers, timeout=30)
+        return int(reply.json().get("memory_bytes", 0)) if reply.status_code == 200 else 0
+    except (httpx.HTTPError, ValueError):
+        return 0
 
 
 def _open_loop_batch(batch_sizes: tuple[int, ...]) -> int:

@@ -24,6 +24,8 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 TRANSPORTS: tuple[str, ...] = ("raw", "httpx")
+# The peer baseline's wire (Redis's RESP2); chosen by the sweep for its Redis runs, not by --transport.
+RESP = "resp"
 _SERVER_TIMING_ENTRY = re.compile(r"([A-Za-z0-9_.-]+)\s*;[^,]*?dur\s*=\s*([0-9.eE+-]+)")
 
 
@@ -196,6 +198,108 @@ class RawConnection:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+
+def resp_command(*parts: bytes) -> bytes:
+    """One Redis command in RESP2 (an array of bulk strings)."""
+    pieces = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        pieces += [b"$%d\r\n" % len(part), part, b"\r\n"]
+    return b"".join(pieces)
+
+
+class RespConnection:
+    """One connection to a Redis server speaking RESP2, behind the same ``Connection`` interface.
+
+    ``request.wire`` is the encoded command. The answer maps to a ``Response``: status 200 with the
+    reply's payload as body (a bulk string's bytes; an array of bulk strings concatenated; a status
+    line's text), 500 with the message for an error reply, 404 for a nil (a key that is missing).
+    """
+
+    def __init__(self, target: Target) -> None:
+        self._target = target
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def send(self, request: PreparedRequest) -> Response:
+        try:
+            if self._writer is None:
+                self._reader, self._writer = await asyncio.open_connection(
+                    self._target.host, self._target.port, limit=1 << 20
+                )
+            assert self._reader is not None
+            self._writer.write(request.wire)
+            return await self._read_reply(self._reader)
+        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            await self.close()
+            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+        except asyncio.CancelledError:
+            self._abort()
+            raise
+
+    @staticmethod
+    async def _read_reply(reader: asyncio.StreamReader) -> Response:
+        line = await reader.readuntil(b"\r\n")
+        kind, rest = line[:1], line[1:-2]
+        if kind in (b"+", b":"):
+            return Response(200, {}, bytes(rest))
+        if kind == b"-":
+            return Response(500, {}, bytes(rest))
+        if kind == b"$":
+            size = int(rest)
+            if size < 0:
+                return Response(404, {}, b"")
+            return Response(200, {}, (await reader.readexactly(size + 2))[:-2])
+        if kind != b"*":
+            raise ValueError(f"unexpected RESP reply {line[:40]!r}")
+        # An array of bulk strings, parsed from a local buffer: one await per socket read, not two
+        # per element (an MGET of 4096 rows would otherwise cost the client more than the server).
+        count = int(rest)
+        buffer = b""
+        position = 0
+        items: list[bytes] = []
+        missing = False
+        while len(items) < count:
+            end = buffer.find(b"\r\n", position)
+            if end < 0:
+                buffer = buffer[position:] + await _more(reader)
+                position = 0
+                continue
+            if buffer[position : position + 1] != b"$":
+                raise ValueError(f"unexpected RESP array element {buffer[position : position + 40]!r}")
+            size = int(buffer[position + 1 : end])
+            if size < 0:
+                missing = True
+                items.append(b"")
+                position = end + 2
+                continue
+            stop = end + 2 + size + 2
+            while len(buffer) < stop:
+                buffer += await _more(reader)
+            items.append(buffer[end + 2 : stop - 2])
+            position = stop
+        if position != len(buffer):
+            raise ValueError("bytes after a RESP reply")
+        return Response(404 if missing else 200, {}, b"".join(items))
+
+    def _abort(self) -> None:
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
+
+    async def close(self) -> None:
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def _more(reader: asyncio.StreamReader) -> bytes:
+    data = await reader.read(1 << 16)
+    if not data:
+        raise EOFError("the server closed the connection mid-reply")
+    return data
 
 
 class HttpxConnection:

@@ -960,6 +960,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the kernels for, and hold torch to, an AVX2-only CPU (znver2) on an AVX-512 host",
     )
     parser.add_argument(
+        "--small",
+        action="store_true",
+        help="instead: the small-batch micro-benchmark (lookup of 1 id, update of 8; --small --help)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="profile the fused dense-Adam step (automatic on a missed target)",
@@ -1017,6 +1022,11 @@ def avx2_emulation_env() -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--small" in given:  # the small-batch micro-benchmark has options of its own
+        from .bench_small import main as small_main
+
+        return small_main([arg for arg in given if arg != "--small"])
     args = build_parser().parse_args(argv)
     if args.emulate_avx2 and os.environ.get(_EMULATION_MARK) != "avx2":
         if platform.machine().lower() not in ("x86_64", "amd64"):

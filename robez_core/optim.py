@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,6 +30,7 @@ __all__ = [
     "count_nonfinite",
     "fused_update",
     "init_state",
+    "small_step",
     "state_layout",
     "validate_state",
 ]
@@ -156,6 +158,44 @@ def count_nonfinite(
             step,
         )
     raise ConfigError(f"unknown optimizer {optimizer.name!r}")
+
+
+def small_step(
+    optimizer: OptimizerConfig,
+    weight: np.ndarray,
+    state_np: dict[str, np.ndarray],
+    locations: np.ndarray,
+    values: np.ndarray,
+    lr: float,
+) -> None:
+    """``apply_coalesced`` for a few locations (numpy views, ``lr`` already checked): the same serial
+    kernels, called directly, without the per-call checks and thread set-up that cost more than a few
+    hundred values' arithmetic. Bit-identical to ``apply_coalesced`` (tests/core/test_table.py)."""
+    if optimizer.name == "sgd":
+        kernels._sgd_kernel.serial(weight, locations, values, np.float32(lr))
+    elif optimizer.name == "adagrad":
+        kernels._adagrad_kernel.serial(
+            weight, state_np["sum"], locations, values, np.float32(lr), np.float32(optimizer.eps)
+        )
+    elif optimizer.name == "adam":
+        step = int(state_np["step"][0]) + 1  # the numpy view: a torch scalar read costs ~2 us
+        beta1, beta2 = optimizer.betas
+        # as kernels.adam_step computes it
+        step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+        kernels._adam_kernel.serial(
+            weight,
+            state_np["exp_avg"],
+            state_np["exp_avg_sq"],
+            locations,
+            values,
+            np.float32(beta1),
+            np.float32(beta2),
+            np.float32(optimizer.eps),
+            np.float32(step_size),
+        )
+        state_np["step"][0] = step
+    else:
+        raise ConfigError(f"unknown optimizer {optimizer.name!r}")
 
 
 def fused_update(

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -68,6 +69,104 @@ def _checksum(tensor: Tensor) -> str:
     if tensor.numel():
         digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)
     return digest.hexdigest()
+
+
+# Requests of at most this many ids take the small-input path below: its result is bit-identical to the
+# general path's, minus that path's per-call checks and set-up (~10 us a call, more than the arithmetic
+# of a few rows). Far below kernels._PARALLEL_MIN_WORK, so these calls always ran serially anyway.
+SMALL_BATCH_MAX_IDS = 64
+
+
+class _SmallPath:
+    """What every small call of one ``Table`` needs, prepared once: numpy views of the live tensors, the
+    hash constants and mode, and the serial kernels (``kernels``' own compiled functions, called
+    directly). Valid while the table keeps the same ``weight`` tensor (checked by identity)."""
+
+    def __init__(self, table: Table) -> None:
+        config = table.config
+        self.weight = table.weight
+        self.weight_np = table.weight.numpy()
+        self.hash_mode, self.constants, self.range_size = kernels._hash_setup(
+            config.hash, table.random_numbers, config.memory_size, config.chunk_size, config.embedding_dim
+        )
+        self.val_offset = np.int64(kernels._wrap_int64(config.val_offset))
+        self.num_chunks = config.num_chunks
+        self.embedding_dim = config.embedding_dim
+        self.chunk_size = config.chunk_size
+        self.state = table.state
+        self.state_np = {name: tensor.numpy() for name, tensor in table.state.items()}
+        self.optimizer = table.optimizer
+        self.memory_size = config.memory_size
+        self.hash_kernel = kernels._chunk_offsets_kernel.serial
+        self.gather_kernel = kernels._gather_kernel.serial
+        self.lookup_kernel = kernels._lookup_kernel.serial
+
+    def hash(self, ids_np: np.ndarray) -> np.ndarray:
+        out = np.empty((ids_np.shape[0], self.num_chunks), dtype=np.int64)
+        if ids_np.shape[0]:
+            self.hash_kernel(
+                ids_np,
+                self.val_offset,
+                self.num_chunks,
+                self.hash_mode,
+                self.constants,
+                self.range_size,
+                out,
+            )
+        return out
+
+    def gather(self, offsets_np: np.ndarray) -> np.ndarray:
+        out = np.empty((offsets_np.shape[0], self.embedding_dim), dtype=np.float32)
+        if offsets_np.shape[0]:
+            self.gather_kernel(
+                self.weight_np, offsets_np, self.embedding_dim, self.chunk_size, False, False, out
+            )
+        return out
+
+    def apply(self, offsets_np: np.ndarray, grads_np: np.ndarray, lr: float) -> None:
+        """``optim.fused_update`` for a small batch: the same coalescing, then ``optim.small_step``."""
+        if self.memory_size <= kernels._DENSE_COALESCE_FACTOR * grads_np.size:
+            # the general path would coalesce through the dense scratch here: take it, same sums
+            locations_t, values_t = kernels.coalesce_grad(
+                torch.from_numpy(grads_np), torch.from_numpy(offsets_np), self.chunk_size, self.memory_size
+            )
+            locations, values = locations_t.numpy(), values_t.numpy()
+        else:
+            locations, values = kernels._coalesce_sorted_kernel(
+                grads_np, offsets_np, self.embedding_dim, self.chunk_size
+            )
+        optim.small_step(self.optimizer, self.weight_np, self.state_np, locations, values, lr)
+
+    def lookup(self, ids_np: np.ndarray) -> np.ndarray:
+        out = np.empty((ids_np.shape[0], self.embedding_dim), dtype=np.float32)
+        if ids_np.shape[0]:
+            self.lookup_kernel(
+                self.weight_np,
+                ids_np,
+                self.val_offset,
+                self.embedding_dim,
+                self.chunk_size,
+                self.hash_mode,
+                self.constants,
+                False,
+                False,
+                out,
+            )
+        return out
+
+
+def _small_ids(ids: object) -> np.ndarray | None:
+    """A numpy view of ``ids`` when it is a valid small batch (1-D int64 CPU, at most
+    ``SMALL_BATCH_MAX_IDS``), else None (the general path then checks and reports it)."""
+    if (
+        type(ids) is Tensor
+        and ids.dtype == torch.int64
+        and ids.dim() == 1
+        and 1 <= ids.shape[0] <= SMALL_BATCH_MAX_IDS
+        and ids.device.type == "cpu"
+    ):
+        return ids.contiguous().numpy()
+    return None
 
 
 def fsync_dir(directory: Path) -> None:
@@ -136,6 +235,13 @@ class Table:
             optim.validate_state(self.optimizer, memory_size, state)
         self.weight: Tensor = weight.detach()
         self.state: dict[str, Tensor] = dict(state)
+        self._small: _SmallPath | None = None
+
+    def _small_path(self) -> _SmallPath:
+        small = self._small
+        if small is None or small.weight is not self.weight or small.state is not self.state:
+            small = self._small = _SmallPath(self)
+        return small
 
     def __repr__(self) -> str:
         c = self.config
@@ -177,7 +283,13 @@ class Table:
                 f"grads must be a float32 CPU tensor of shape ({num_rows}, {d}), "
                 f"got {grads.dtype} {tuple(grads.shape)}"
             )
-        if not bool(torch.isfinite(grads).all()):
+        # numpy's check costs ~1 us on a small batch, torch's ~6 us
+        finite = (
+            np.isfinite(grads.detach().numpy()).all()
+            if num_rows <= SMALL_BATCH_MAX_IDS
+            else torch.isfinite(grads).all()
+        )
+        if not bool(finite):
             raise InvalidInputError("grads contain NaN or Inf")
 
     def _validate_offsets(self, offsets: Tensor) -> None:
@@ -189,7 +301,16 @@ class Table:
                 f"offsets must have shape (N, {c.num_chunks}), got {tuple(offsets.shape)}"
             )
         # Offsets outside the array would read or write out of bounds in the kernels.
-        if offsets.numel() and (int(offsets.min()) < 0 or int(offsets.max()) > c.memory_size - c.chunk_size):
+        if offsets.shape[0] <= SMALL_BATCH_MAX_IDS:  # numpy's reductions cost far less on a few values
+            values = offsets.numpy()
+            out_of_bounds = values.size > 0 and (
+                int(values.min()) < 0 or int(values.max()) > c.memory_size - c.chunk_size
+            )
+        else:
+            out_of_bounds = offsets.numel() > 0 and (
+                int(offsets.min()) < 0 or int(offsets.max()) > c.memory_size - c.chunk_size
+            )
+        if out_of_bounds:
             raise InvalidInputError(f"offsets must lie in [0, {c.memory_size - c.chunk_size}]")
 
     @staticmethod
@@ -201,6 +322,9 @@ class Table:
 
     def hash(self, ids: Tensor) -> Tensor:
         """Chunk offsets of ``ids`` int64 (N,): int64 (N, C) in ``[0, m - Z]``."""
+        ids_np = _small_ids(ids)
+        if ids_np is not None:
+            return torch.from_numpy(self._small_path().hash(ids_np))
         self.validate_ids(ids)
         c = self.config
         return kernels.chunk_offsets(
@@ -216,12 +340,17 @@ class Table:
     def gather(self, offsets: Tensor) -> Tensor:
         """Rows at chunk ``offsets`` int64 (N, C): float32 (N, d)."""
         self._validate_offsets(offsets)
+        if offsets.shape[0] <= SMALL_BATCH_MAX_IDS:
+            return torch.from_numpy(self._small_path().gather(offsets.contiguous().numpy()))
         return kernels.gather(
             self.weight, offsets.contiguous(), self.config.embedding_dim, self.config.chunk_size
         )
 
     def lookup(self, ids: Tensor) -> Tensor:
         """Rows of ``ids`` int64 (N,): float32 (N, d), hashing fused with the gather."""
+        ids_np = _small_ids(ids)
+        if ids_np is not None:
+            return torch.from_numpy(self._small_path().lookup(ids_np))
         self.validate_ids(ids)
         c = self.config
         return kernels.lookup(
@@ -278,14 +407,41 @@ class Table:
         locations change. ``lr`` overrides the optimizer's. Invalid input raises ``InvalidInputError``
         before anything changes.
         """
+        ids_np = _small_ids(ids)
+        if ids_np is not None and self._small_update_ok(grads, ids_np.shape[0], lr):
+            small = self._small_path()
+            grads_np = grads.detach().contiguous().numpy()
+            small.apply(small.hash(ids_np), grads_np, self.optimizer.lr if lr is None else lr)
+            return
         self.validate_grads(ids, grads)
         self._validate_lr(lr)
         self._apply(self.hash(ids), grads, lr)
 
+    def _small_update_ok(self, grads: object, num_rows: int, lr: float | None) -> bool:
+        """True when a small update's grads and lr pass every check of the general path (which, when
+        this is False, runs the checks again and raises the error)."""
+        return (
+            type(grads) is Tensor
+            and grads.dtype == torch.float32
+            and grads.dim() == 2
+            and grads.shape[0] == num_rows
+            and grads.shape[1] == self.config.embedding_dim
+            and grads.device.type == "cpu"
+            and bool(np.isfinite(grads.detach().numpy()).all())
+            and (lr is None or (type(lr) is float and lr > 0 and math.isfinite(lr)))
+        )
+
     def apply_gradients_at(self, offsets: Tensor, grads: Tensor, lr: float | None = None) -> None:
         """As :meth:`apply_gradients` with ids already hashed to chunk ``offsets`` int64 (N, C)."""
         self._validate_offsets(offsets)
-        self._validate_grad_rows(grads, offsets.shape[0])
+        num_rows = offsets.shape[0]
+        if 1 <= num_rows <= SMALL_BATCH_MAX_IDS and self._small_update_ok(grads, num_rows, lr):
+            small = self._small_path()
+            grads_np = grads.detach().contiguous().numpy()
+            offsets_np = offsets.contiguous().numpy()
+            small.apply(offsets_np, grads_np, self.optimizer.lr if lr is None else lr)
+            return
+        self._validate_grad_rows(grads, num_rows)
         self._validate_lr(lr)
         self._apply(offsets.contiguous(), grads, lr)
 

@@ -18,13 +18,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from . import codec
+from . import oip as oip_codec
 from .config import Settings
 from .connections import LIFESPAN_METRICS_KEY
 from .errors import install_error_handlers
+from .fastpath import FastPathMiddleware
 from .journal import Journal, NullJournal
 from .limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware
 from .metrics import Metrics, RequestMetricsMiddleware
-from .routes import durability, health, lookup, tables, update
+from .routes import durability, health, lookup, oip, tables, update
 from .store import SharedDirectory, TableStore
 from .wal import WalJournal
 
@@ -37,6 +39,7 @@ _HAND_READ_MODELS: tuple[type[Any], ...] = (
     codec.LookupRequest,
     codec.MultiLookupRequest,
     codec.UpdateRequest,
+    oip_codec.InferRequest,
 )
 
 
@@ -103,6 +106,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=API_VERSION,
         description="ROBE-Z compressed embedding tables: batched lookups and gradient-push training.",
         lifespan=_lifespan,
+        # robez reports its own Prometheus metrics and configures no OpenTelemetry provider; FastAPI's
+        # native telemetry would still look for one on every request (~5 us).
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.settings = settings
     metrics_dir = (
@@ -111,10 +117,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics(metrics_dir)
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (health, tables, lookup, update, durability):
+    for module in (health, tables, lookup, update, durability, oip):
         app.include_router(module.router)
     # Added innermost first: metrics see every answer, including the 503s, 413s and 408s below them; a
-    # request takes an in-flight slot only once its whole body has arrived.
+    # request takes an in-flight slot only once its whole body has arrived; the fast path (the hot routes
+    # without FastAPI's per-request machinery) sits under all of them.
+    app.add_middleware(
+        FastPathMiddleware,
+        routes=[*health.fast_routes, *lookup.fast_routes, *update.fast_routes, *oip.fast_routes],
+    )
     app.add_middleware(
         InFlightLimitMiddleware,
         max_in_flight=settings.max_in_flight,

@@ -80,7 +80,8 @@ class Journal(Protocol):
 
     def append(self, record: UpdateRecord) -> int:
         """Log one update (written, so it survives a crash of the process, when this returns); returns a
-        ticket for ``wait_durable``. Called under the table's update lock."""
+        ticket for ``wait_durable``; a ticket <= 0 means already as durable as promised (nothing to wait
+        for, and callers may skip the wait). Called under the table's update lock."""
         ...
 
     def wait_durable(self, ticket: int) -> None:

@@ -22,7 +22,7 @@ from .errors import error_response
 from .metrics import Metrics
 
 # Probes and scrapes must answer even when the data path is saturated.
-UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ workers start) and ``/metrics`` through any worker sums them all.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,15 @@ _REQUEST_BUCKETS = (
     2.5,
     10.0,
 )
+
+
+@dataclass(frozen=True)
+class TableStages:
+    """One table's children of the stage histograms (``Metrics.stages``)."""
+
+    hash_seconds: Any
+    lookup_seconds: Any
+    update_apply_seconds: Any
 
 
 class Metrics:
@@ -101,6 +111,7 @@ class Metrics:
             "Writes (updates, snapshots, new or loaded tables) refused with 507: the data directory is full",
             registry=self.registry,
         )
+        self._stages: dict[str, TableStages] = {}
         self.rejected_total = Counter(
             "robez_rejected", "Requests refused before reaching a route", ["reason"], registry=self.registry
         )
@@ -116,6 +127,17 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+
+    def stages(self, table: str) -> TableStages:
+        """The stage histograms of one table, labelled once (``labels()`` costs a lock and checks)."""
+        stages = self._stages.get(table)
+        if stages is None:
+            stages = self._stages[table] = TableStages(
+                self.hash_seconds.labels(table),
+                self.lookup_seconds.labels(table),
+                self.update_apply_seconds.labels(table),
+            )
+        return stages
 
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition of every worker's samples, and its content type."""
@@ -146,6 +168,8 @@ class RequestMetricsMiddleware:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+        # labels -> (histogram child, counter child): ``labels()`` takes a lock and validates every call
+        self._children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -171,5 +195,11 @@ class RequestMetricsMiddleware:
             endpoint = getattr(route, "path", None) or "unmatched"
             table = str(scope.get("state", {}).get("table", ""))
             labels = (endpoint, scope["method"], table, str(status))
-            self.metrics.request_duration_seconds.labels(*labels).observe(time.perf_counter() - start)
-            self.metrics.requests_total.labels(*labels).inc()
+            children = self._children.get(labels)
+            if children is None:
+                children = self._children[labels] = (
+                    self.metrics.request_duration_seconds.labels(*labels),
+                    self.metrics.requests_total.labels(*labels),
+                )
+            children[0].observe(time.perf_counter() - start)
+            children[1].inc()

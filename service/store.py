@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -193,13 +194,24 @@ class _FileLock:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
     @contextmanager
-    def hold(self) -> Iterator[None]:
-        with self._thread_lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+    def hold(self, blocking: bool = True) -> Iterator[bool]:
+        """Holds the lock inside the block; with ``blocking=False`` yields False (not held) at once
+        when another thread or process has it."""
+        if not self._thread_lock.acquire(blocking):
+            yield False
+            return
+        try:
             try:
-                yield
+                fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -255,10 +267,26 @@ class _Entry:
     array: _SharedArray
     lock: _FileLock  # the table's update lock, the same object for every entry of this table
     counters: Tensor  # int64 (3,) [version, state, pending], shared
+    # the same memory as numpy: reading one value this way costs ~0.1 us instead of ~2 us
+    _counters_np: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._counters_np = self.counters.numpy()
 
     @property
     def version(self) -> int:
-        return int(self.counters[_VERSION])
+        return int(self._counters_np[_VERSION])
+
+    def set_version(self, version: int) -> None:
+        self._counters_np[_VERSION] = version
+
+    @property
+    def pending(self) -> int:
+        """The version an update under way will produce (``_EXCLUSIVE``: a snapshot), else 0."""
+        return int(self._counters_np[_PENDING])
+
+    def set_pending(self, version: int) -> None:
+        self._counters_np[_PENDING] = version
 
 
 @dataclass
@@ -397,6 +425,7 @@ class TableStore:
         # Testing only (ROBEZ_FAULT_DIE_AFTER_APPEND): die half-way through an update; see _fault_point.
         self._fault_file = settings.fault_die_after_append
         self._generation = directory.map("generation", 1, torch.int64)
+        self._generation_np = self._generation.numpy()  # read on every request: numpy is cheaper
         self._registry_lock = _FileLock(directory.path / "registry.lock")
         self._sync_lock = threading.Lock()
         self._seen_generation = -1
@@ -451,7 +480,7 @@ class TableStore:
 
     def refresh(self) -> None:
         """Map tables created and drop tables deleted by any worker since this worker last looked."""
-        generation = int(self._generation[0])
+        generation = int(self._generation_np[0])
         if generation == self._seen_generation:
             return
         with self._registry_lock.hold(), self._sync_lock:
@@ -787,16 +816,25 @@ class TableStore:
         """Apply the table's optimizer to the gradients ``grads`` (float32 (n, d)) of the rows of ``ids``
         (int64 (n,)); duplicates are summed. Journalled before it is applied; nothing changes on error.
         Returns once the update is as durable as the journal's fsync policy promises."""
-        result, ticket = self.apply_update(name, ids, grads, lr)
+        done = self.apply_update(name, ids, grads, lr)
+        assert done is not None  # blocking
+        result, ticket = done
         self.journal.wait_durable(ticket)
         return result
 
+    def journal_is_memory_only(self) -> bool:
+        """True when updates are journalled nowhere (no data directory): applying one does no I/O."""
+        return isinstance(self.journal, NullJournal)
+
     def apply_update(
-        self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None
-    ) -> tuple[UpdateResult, int]:
+        self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None, *, blocking: bool = True
+    ) -> tuple[UpdateResult, int] | None:
         """``update`` without the final wait: returns the journal ticket to pass to
         ``journal.wait_durable`` before acknowledging. The HTTP route waits outside its compute slot, so
-        updates waiting for one group-commit flush do not hold back others from joining it."""
+        updates waiting for one group-commit flush do not hold back others from joining it.
+
+        ``blocking=False``: returns None, having changed nothing, when the table's update lock is held
+        elsewhere (the caller, on the event loop, then retries from a worker thread)."""
         entry = self._entry(name)
         table = entry.table
         self.limits.check_request(int(ids.numel()), table.config.embedding_dim)
@@ -810,7 +848,9 @@ class TableStore:
         hashed = time.perf_counter()
         step = table.prepare_step(chunk_offsets, grads, applied_lr)  # also: lr <= the table's max_lr
         prepared = time.perf_counter()
-        with self._locked(name) as locked:
+        with self._try_locked(name, blocking) as locked:
+            if locked is None:
+                return None
             if locked is not entry:  # a load switched the table meanwhile (same config: checked again)
                 table = locked.table
                 table.validate_grads(ids, grads)
@@ -821,19 +861,19 @@ class TableStore:
             table.check_step(step)
             # Marked before the append, cleared after the bump: a worker that dies in between leaves the
             # mark for the next holder of the lock to repair (see the module docstring).
-            locked.counters[_PENDING] = version
+            locked.set_pending(version)
             try:
                 ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
             except BaseException:
-                locked.counters[_PENDING] = 0  # a failed append leaves the log as it was
+                locked.set_pending(0)  # a failed append leaves the log as it was
                 raise
             if self._fault_file is not None:
                 self._fault_point(table, chunk_offsets, grads, applied_lr)
             apply_start = time.perf_counter()
             table.apply_step(step)  # if it raises, the mark stays
             applied = time.perf_counter()
-            locked.counters[_VERSION] = version
-            locked.counters[_PENDING] = 0
+            locked.set_version(version)
+            locked.set_pending(0)
         # The caller waits for durability outside the lock (group commit): the next updates append
         # while this one waits for its flush.
         apply_seconds = (prepared - hashed) + (applied - apply_start)
@@ -863,15 +903,25 @@ class TableStore:
         """The table's current entry, its update lock held: no update, snapshot, load or delete of it runs
         meanwhile. An entry a load replaced while this waited for the lock is looked up again; one whose
         last holder died in the middle of an update is repaired first."""
+        with self._try_locked(name, blocking=True) as entry:
+            assert entry is not None
+            yield entry
+
+    @contextmanager
+    def _try_locked(self, name: str, blocking: bool) -> Iterator[_Entry | None]:
+        """As ``_locked``; with ``blocking=False`` None at once when the lock is held elsewhere."""
         for _ in range(_MAX_SWITCHES):
             entry = self._entry(name)
-            with entry.lock.hold():
+            with entry.lock.hold(blocking) as held:
+                if not held:
+                    yield None
+                    return
                 state = int(entry.counters[_STATE])
                 if state == _REPLACED:
                     continue
                 if state == _DELETED:
                     raise NotFoundError(f"no table named {name!r}")
-                if int(entry.counters[_PENDING]):
+                if entry.pending:
                     self._repair(entry)
                 yield entry
                 return

@@ -7,6 +7,7 @@ from typing import Annotated, Any, TypeVar
 
 import anyio.to_thread
 from fastapi import Depends, Path, Request
+from starlette.requests import ClientDisconnect
 
 from ..codec import OCTET_STREAM
 from ..metrics import Metrics
@@ -44,6 +45,22 @@ async def compute(request: Request, work: Callable[[], T], *, inline: bool = Fal
         return work()
     result: T = await anyio.to_thread.run_sync(work, limiter=request.app.state.compute_limiter)
     return result
+
+
+async def read_body(request: Request) -> bytes:
+    """The whole request body: the one place the data routes (lookups, updates, inference) read one,
+    on the fast path and through FastAPI alike. Raises ``ClientDisconnect`` if the client goes away."""
+    chunks: list[bytes] = []
+    receive = request.receive
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def is_binary(request: Request) -> bool:

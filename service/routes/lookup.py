@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..auth import ReadAccess
+from ..auth import ReadAccess, require_read_key
 from ..codec import (
     OCTET_STREAM,
     SHAPE_HEADER,
@@ -26,16 +26,16 @@ from ..codec import (
     rows_bytes,
     split_ids,
 )
+from ..fastpath import FastRoute
 from ..metrics import Metrics, server_timing
-from ..store import LookupRequestItem, LookupResult
+from ..store import LookupRequestItem, LookupResult, TableStore
 from .deps import (
     INLINE_MAX_BODY_BYTES,
-    MetricsDep,
-    StoreDep,
     TableNameParam,
     body_doc,
     compute,
     is_binary,
+    read_body,
     wants_binary,
 )
 
@@ -50,8 +50,9 @@ _BINARY_RESPONSE = {"content": {OCTET_STREAM: {"schema": {"type": "string", "for
 
 
 def _observe(metrics: Metrics, table: str, result: LookupResult) -> None:
-    metrics.hash_seconds.labels(table).observe(result.hash_seconds)
-    metrics.lookup_seconds.labels(table).observe(result.lookup_seconds)
+    stages = metrics.stages(table)
+    stages.hash_seconds.observe(result.hash_seconds)
+    stages.lookup_seconds.observe(result.lookup_seconds)
 
 
 @router.post(
@@ -61,11 +62,16 @@ def _observe(metrics: Metrics, table: str, result: LookupResult) -> None:
     openapi_extra=body_doc("LookupRequest", _BINARY_LOOKUP),
     summary="Rows (or pooled bags) of ids from one table",
 )
-async def lookup(
-    name: TableNameParam, request: Request, store: StoreDep, metrics: MetricsDep, _: ReadAccess
-) -> Response:
+async def lookup(name: TableNameParam, request: Request, _: ReadAccess) -> Response:
+    return await lookup_one(request, name)
+
+
+async def lookup_one(request: Request, name: str) -> Response:
+    """``POST /v1/tables/{name}/lookup`` once access is granted (FastAPI's endpoint and the fast path)."""
     start = time.perf_counter()
-    body = await request.body()
+    store: TableStore = request.app.state.store
+    metrics: Metrics = request.app.state.metrics
+    body = await read_body(request)
     small = len(body) <= INLINE_MAX_BODY_BYTES
     if is_binary(request):
         result = await compute(request, lambda: store.lookup(name, decode_ids(body)), inline=small)
@@ -97,9 +103,16 @@ async def lookup(
     openapi_extra=body_doc("MultiLookupRequest", _BINARY_MULTI),
     summary="Rows from several tables in one request",
 )
-async def lookup_many(request: Request, store: StoreDep, metrics: MetricsDep, _: ReadAccess) -> Response:
+async def lookup_many(request: Request, _: ReadAccess) -> Response:
+    return await lookup_several(request)
+
+
+async def lookup_several(request: Request, _: str = "") -> Response:
+    """``POST /v1/lookup`` once access is granted (FastAPI's endpoint and the fast path)."""
     start = time.perf_counter()
-    body = await request.body()
+    store: TableStore = request.app.state.store
+    metrics: Metrics = request.app.state.metrics
+    body = await read_body(request)
     small = len(body) <= INLINE_MAX_BODY_BYTES
     if is_binary(request):
         tables = parse_tables_header(request.headers.get(TABLES_HEADER))
@@ -141,3 +154,19 @@ async def lookup_many(request: Request, store: StoreDep, metrics: MetricsDep, _:
         "timing": lookup_timing(hash_seconds, lookup_seconds, total),
     }
     return JSONBytesResponse(payload, headers=headers)
+
+
+async def _lookup_fast(request: Request, name: str) -> Response:
+    await require_read_key(request)
+    return await lookup_one(request, name)
+
+
+async def _lookup_many_fast(request: Request, _: str) -> Response:
+    await require_read_key(request)
+    return await lookup_several(request)
+
+
+fast_routes = [
+    FastRoute.of(router, "POST", "/v1/tables/{name}/lookup", _lookup_fast),
+    FastRoute.of(router, "POST", "/v1/lookup", _lookup_many_fast),
+]

@@ -28,9 +28,11 @@ from robez_core import (
     TableConfig,
     import_paper_state_dict,
     kernels,
+    optim,
     reference,
 )
 from robez_core.hashing import PAPER_PRIME
+from robez_core.table import SMALL_BATCH_MAX_IDS
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 OPTIMIZERS = [
@@ -644,3 +646,50 @@ def test_prepare_check_apply_is_apply_gradients_at_and_refuses_overflow(name: st
         Table(config, OptimizerConfig(name=name)).prepare_step(  # type: ignore[arg-type]
             split.hash(torch.tensor([3])), torch.ones(1, 8), 1e39
         )
+
+
+# ------------------------------------------------------------------------- small-batch fast path
+
+
+def _general_path_update(table: Table, ids: torch.Tensor, grads: torch.Tensor, lr: float | None) -> None:
+    """The general path by hand: public kernels, as ``Table._apply`` runs them for big batches."""
+    c = table.config
+    offsets = kernels.chunk_offsets(
+        ids, c.num_chunks, c.chunk_size, c.memory_size, table.random_numbers, c.val_offset, c.hash
+    )
+    optim.fused_update(table.optimizer, table.weight, table.state, offsets, grads, c.chunk_size, lr)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+@pytest.mark.parametrize("memory_size", [3000, 200_000], ids=["dense-coalesce", "sorted-coalesce"])
+@pytest.mark.parametrize("hash", ["paper", "fast"])
+def test_small_batches_are_bit_identical_to_the_general_path(
+    optimizer: OptimizerConfig, memory_size: int, hash: str
+) -> None:
+    fast = _table(optimizer, memory_size=memory_size, hash=hash)
+    general = _table(optimizer, memory_size=memory_size, hash=hash)
+    generator = torch.Generator().manual_seed(7)
+    for step, size in enumerate([1, 3, 8, 8, SMALL_BATCH_MAX_IDS]):
+        ids = torch.randint(-50, 50, (size,), generator=generator)  # duplicates included
+        grads = torch.randn(size, 20, generator=generator)
+        lr = None if step % 2 else 0.03
+        if step == 3:  # the service's path: ids hashed first, then applied at offsets
+            fast.apply_gradients_at(fast.hash(ids), grads, lr)
+        else:
+            fast.apply_gradients(ids, grads, lr)
+        _general_path_update(general, ids, grads, lr)
+        _assert_bitwise_equal(_snapshot(general), _snapshot(fast))
+        c = general.config
+        rows = kernels.lookup(
+            general.weight, ids, c.embedding_dim, c.chunk_size, general.random_numbers, c.val_offset, c.hash
+        )
+        assert torch.equal(_bits(fast.lookup(ids)), _bits(rows))
+        assert torch.equal(_bits(fast.gather(fast.hash(ids))), _bits(rows))
+
+
+def test_small_path_follows_a_replaced_weight() -> None:
+    table = _table()
+    ids = torch.tensor([4, 5])
+    table.lookup(ids)  # prepares the small path over the first array
+    table.weight = torch.zeros_like(table.weight)
+    assert torch.equal(table.lookup(ids), torch.zeros(2, 20))

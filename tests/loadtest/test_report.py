@@ -10,10 +10,10 @@ import pytest
 
 from loadtest.baseline import KernelResult
 from loadtest.profile import summarise
-from loadtest.report import find_run, target_checks, write_report
+from loadtest.report import find_run, floor_checks, target_checks, write_report
 from loadtest.runner import RunResult, RunSpec
 from loadtest.stats import Summary
-from loadtest.sweep import SweepConfig, SweepResult
+from loadtest.sweep import PeerMemory, SweepConfig, SweepResult
 
 
 def _run(
@@ -151,3 +151,47 @@ def test_profile_summary_merges_lines_and_ranks() -> None:
     assert ("lookup (service/routes/lookup.py)", pytest.approx(0.8)) in summary.top_inclusive
     assert all("cli.py" not in frame for frame, _ in summary.top_inclusive)
     assert summarise("", "empty").error is not None
+
+
+def test_floor_targets_are_ratios_to_the_framework_floor() -> None:
+    runs = [
+        _run("floor", 1, 1, ok=1000),
+        _run("healthz", 1, 1, ok=950),  # 0.95: met
+        _run("binary", 1, 1, ok=500),  # 0.5 < 0.6: missed
+        _run("json", 1, 1, ok=500),  # 0.5: met
+        _run("binary", 4096, 1, ok=240),  # 983,040 / 1,024,000 = 0.96: met
+    ]
+    checks = floor_checks(_sweep(2, runs, [_kernel(4096, 250)]))
+    by_name = {check.name.split(",")[0]: check for check in checks}
+    assert by_name["/healthz"].ratio == pytest.approx(0.95) and by_name["/healthz"].status == "met"
+    assert by_name["single-id binary lookups"].status == "missed"
+    assert by_name["single-id JSON lookups"].status == "met"
+    assert by_name["gradient pushes of 8 ids (binary"].status == "not measurable"
+    assert checks[-1].ratio == pytest.approx(0.96) and checks[-1].status == "met"
+    no_floor = floor_checks(_sweep(2, runs[1:], []))
+    assert all(check.status == "not measurable" for check in no_floor)
+
+
+def test_report_has_the_floor_and_peer_sections(tmp_path: Path) -> None:
+    runs = [
+        _run("floor", 1, 1, ok=1000),
+        _run("binary", 1, 1, ok=700),
+        _run("binary", 4096, 1, ok=100),
+        _run("redis", 1, 1, ok=2000),
+        _run("redis", 4096, 1, ok=10),
+    ]
+    result = _sweep(2, runs, [_kernel(1, 1000), _kernel(4096, 250)])
+    result.peer_memory = PeerMemory(1000, 256, 400_000, 9 << 20, 1 << 20, 300 << 20)
+    text = write_report(result, tmp_path, update_latest=False).markdown.read_text()
+    assert "## Small requests against the framework floor" in text
+    assert "| 1 | binary run | 1 | 700 | 1,000 | 0.70 |" in text
+    assert "## Peer: Redis" in text
+    assert "| lookup (binary / GET, MGET) | 4096 | 100 | 10 |" in text
+    assert "| the table itself | 1.0 MiB" in text
+
+
+def test_report_says_when_the_peer_was_skipped(tmp_path: Path) -> None:
+    result = _sweep(2, [_run("binary", 1, 1, ok=10)], [])
+    result.notes.append("the Redis peer was skipped: no redis-server (or valkey-server) on PATH.")
+    text = write_report(result, tmp_path, update_latest=False).markdown.read_text()
+    assert "## Peer: Redis\n\nthe Redis peer was skipped" in text

@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from loadtest.scenarios import (
+    PEER_UPDATE,
     SCENARIOS,
     RequestTemplate,
     ScenarioContext,
@@ -124,3 +125,45 @@ def test_check_json_and_multi_responses() -> None:
     assert check_response(multi, Response(200, {}, orjson.dumps(results)), DIM) is None
     results["results"].pop()
     assert check_response(multi, Response(200, {}, orjson.dumps(results)), DIM) is not None
+
+
+def test_oip_body_frames_binary_ids_and_asks_for_binary_rows() -> None:
+    (template, *_) = build_requests("oip", 5, CONTEXT, seed=4)
+    assert template.request.path == "/v2/models/t/infer"
+    length = int(_headers(template)["Inference-Header-Content-Length"])
+    header = orjson.loads(_body(template)[:length])
+    assert header["inputs"][0] == {
+        "name": "ids",
+        "shape": [5],
+        "datatype": "INT64",
+        "parameters": {"binary_data_size": 40},
+    }
+    assert header["parameters"] == {"binary_data_output": True}
+    ids = np.frombuffer(_body(template)[length:], dtype="<i8")
+    assert ids.size == 5 and ids.min() >= 0 and ids.max() < CONTEXT.num_ids
+    reply_header = orjson.dumps({"outputs": [{"name": "embeddings", "shape": [5, DIM]}]})
+    good = Response(
+        200, {"inference-header-content-length": str(len(reply_header))}, reply_header + bytes(5 * DIM * 4)
+    )
+    assert check_response(template, good, DIM) is None
+    short = Response(200, good.headers, good.body[:-4])
+    assert "bytes" in (check_response(template, short, DIM) or "")
+    unframed = Response(200, {}, good.body)
+    assert "frame" in (check_response(template, unframed, DIM) or "")
+
+
+def test_redis_commands_hold_the_ids_and_rows() -> None:
+    (get,) = build_requests("redis", 1, CONTEXT, seed=5)[:1]
+    assert get.request.wire.startswith(b"*2\r\n$3\r\nGET\r\n") and get.kind == "peer"
+    (mget, *_) = build_requests("redis", 3, CONTEXT, seed=5)
+    assert mget.request.wire.startswith(b"*4\r\n$4\r\nMGET\r\n") and mget.request.wire.count(b"robez:") == 3
+    assert check_response(mget, Response(200, {}, bytes(3 * DIM * 4)), DIM) is None
+    assert check_response(mget, Response(200, {}, bytes(2 * DIM * 4)), DIM) is not None
+    (mset, *_) = build_requests(PEER_UPDATE, 2, CONTEXT, seed=6)
+    assert mset.request.wire.startswith(b"*5\r\n$4\r\nMSET\r\n") and mset.ids == 2 and mset.rows == 0
+    assert f"${DIM * 4}\r\n".encode() in mset.request.wire
+
+
+def test_floor_is_a_get_of_the_root() -> None:
+    (template,) = build_requests("floor", 1, CONTEXT, seed=0)
+    assert template.request.wire.startswith(b"GET / HTTP/1.1\r\n") and template.kind == "healthz"

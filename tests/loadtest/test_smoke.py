@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.__main__ import main
+from loadtest.server import redis_server_path
 
 MAX_REQUESTS = 300
 
@@ -78,3 +79,25 @@ def test_non_loopback_url_is_refused(capsys: pytest.CaptureFixture[str]) -> None
         main(["--url", "http://10.1.2.3:8000", "--out", os.devnull])
     assert exit_info.value.code == 2
     assert "non-loopback" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_run_with_the_floor_and_the_peer(tmp_path: Path) -> None:
+    argv = ["--quick", "--cpus", "1", "--scenarios", "floor,healthz,binary,oip,redis", "--batch-sizes", "1"]
+    argv += ["--duration", "1", "--max-requests", "200", "--num-ids", "3000", "--clients", "1"]
+    argv += ["--feature-batch", "16", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (report,) = sorted(tmp_path.glob("*-quick.md"))
+    text = report.read_text()
+    assert "## Small requests against the framework floor" in text
+    assert "/healthz, 1 worker: req/s / framework floor req/s" in text
+    assert "No unexpected errors" in text
+    with report.with_suffix(".csv").open() as file:
+        scenarios = {row["scenario"] for row in csv.DictReader(file) if row["kind"] == "http"}
+    assert {"floor", "healthz", "binary", "oip"} <= scenarios
+    if redis_server_path() is None:
+        assert "the Redis peer was skipped" in text
+    else:
+        assert {"redis", "redis_set"} <= scenarios
+        assert "| the table itself |" in text

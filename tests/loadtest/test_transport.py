@@ -8,12 +8,15 @@ import pytest
 
 from loadtest.transport import (
     HttpxConnection,
+    PreparedRequest,
     RawConnection,
+    RespConnection,
     Target,
     TransportError,
     loopback_target,
     parse_server_timing,
     prepare_request,
+    resp_command,
 )
 
 
@@ -184,5 +187,91 @@ def test_httpx_connection_same_answers() -> None:
             response = await connection.send(prepare_request(target, "POST", "/p", b"x"))
             await connection.close()
         assert (response.status, response.body, response.headers["x-robez-shape"]) == (200, b"ok", "1,2")
+
+    _run(scenario())
+
+
+class _RespServer:
+    """A loopback server answering every RESP command with the next scripted reply, in small pieces."""
+
+    def __init__(self, replies: list[bytes], piece: int = 7) -> None:
+        self.replies = list(replies)
+        self.piece = piece
+        self.commands: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Target:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return Target("127.0.0.1", self.server.sockets[0].getsockname()[1])
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while self.replies:
+                count = int((await reader.readuntil(b"\r\n"))[1:-2])
+                parts = []
+                for _ in range(count):
+                    size = int((await reader.readuntil(b"\r\n"))[1:-2])
+                    parts.append((await reader.readexactly(size + 2))[:-2])
+                self.commands.append(b" ".join(parts))
+                reply = self.replies.pop(0)
+                for start in range(0, len(reply), self.piece):  # replies arrive split at odd places
+                    writer.write(reply[start : start + self.piece])
+                    await writer.drain()
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
+
+
+def test_resp_command_encoding() -> None:
+    assert resp_command(b"GET", b"k") == b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
+    assert resp_command(b"SET", b"k", b"\r\n") == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\n\r\n\r\n"
+
+
+def test_resp_connection_replies() -> None:
+    rows = [bytes([i]) * 12 for i in range(3)]
+    array = b"*3\r\n" + b"".join(b"$12\r\n" + row + b"\r\n" for row in rows)
+    replies = [
+        b"$5\r\nhello\r\n",
+        array,
+        b"+OK\r\n",
+        b"-ERR wrong\r\n",
+        b"*2\r\n$1\r\na\r\n$-1\r\n",
+        b"$-1\r\n",
+    ]
+
+    async def scenario() -> None:
+        server = _RespServer(replies)
+        async with server as target:
+            connection = RespConnection(target)
+
+            async def send(*parts: bytes) -> tuple[int, bytes]:
+                wire = resp_command(*parts)
+                reply = await connection.send(PreparedRequest(parts[0].decode(), "", (), b"", wire))
+                return reply.status, reply.body
+
+            assert await send(b"GET", b"a") == (200, b"hello")
+            assert await send(b"MGET", b"a", b"b", b"c") == (200, b"".join(rows))
+            assert await send(b"SET", b"a", b"1") == (200, b"OK")
+            assert await send(b"GET", b"x") == (500, b"ERR wrong")
+            assert (await send(b"MGET", b"a", b"missing"))[0] == 404
+            assert await send(b"GET", b"missing") == (404, b"")
+            await connection.close()
+        assert server.commands[1] == b"MGET a b c"
+
+    _run(scenario())
+
+
+def test_resp_connection_reports_a_broken_reply() -> None:
+    async def scenario() -> None:
+        async with _RespServer([b"?what\r\n"]) as target:
+            connection = RespConnection(target)
+            with pytest.raises(TransportError):
+                await connection.send(PreparedRequest("GET", "", (), b"", resp_command(b"GET", b"a")))
 
     _run(scenario())
