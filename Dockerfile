@@ -19,6 +19,7 @@ COPY pyproject.toml README.md ./
 COPY robez_core ./robez_core
 COPY service ./service
 COPY loadtest ./loadtest
+COPY quality ./quality
 RUN pip install -c constraints.txt . \
     && python -c "import torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
 
