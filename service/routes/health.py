@@ -19,11 +19,20 @@ async def healthz() -> dict[str, Any]:
     return {"status": "ok", "pid": os.getpid()}
 
 
-@router.get("/readyz", summary="Readiness: 200 once this worker has its tables mapped, else 503")
+@router.get(
+    "/readyz",
+    summary="Readiness: 200 once the tables are mapped (a replica: caught up with the log), else 503",
+)
 async def readyz(request: Request) -> Response:
     store = getattr(request.app.state, "store", None)
     if store is None:
         return JSONBytesResponse({"status": "starting"}, status_code=503)
+    replica = getattr(request.app.state, "replica", None)
+    if replica is not None and not replica.ready():
+        # Replicated: not ready until it has applied the log as it stood when the replica started.
+        status = replica.status()
+        tables = status.tables if status is not None else {}
+        return JSONBytesResponse({"status": "catching up", "replication": tables}, status_code=503)
     return JSONBytesResponse({"status": "ready", "tables": len(store.names())})
 
 

@@ -26,6 +26,7 @@ from ..codec import (
     rows_bytes,
     split_ids,
 )
+from ..consistency import MIN_VERSION_HEADER, parse_min_versions, wait_min_versions
 from ..metrics import Metrics, server_timing
 from ..store import LookupRequestItem, LookupResult
 from .deps import (
@@ -65,6 +66,7 @@ async def lookup(
     name: TableNameParam, request: Request, store: StoreDep, metrics: MetricsDep, _: ReadAccess
 ) -> Response:
     start = time.perf_counter()
+    await wait_min_versions(request, store, parse_min_versions(request.headers.get(MIN_VERSION_HEADER), name))
     body = await request.body()
     small = len(body) <= INLINE_MAX_BODY_BYTES
     if is_binary(request):
@@ -99,6 +101,7 @@ async def lookup(
 )
 async def lookup_many(request: Request, store: StoreDep, metrics: MetricsDep, _: ReadAccess) -> Response:
     start = time.perf_counter()
+    await wait_min_versions(request, store, parse_min_versions(request.headers.get(MIN_VERSION_HEADER)))
     body = await request.body()
     small = len(body) <= INLINE_MAX_BODY_BYTES
     if is_binary(request):

@@ -8,6 +8,7 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
+from torch import Tensor
 
 from ..auth import WriteAccess
 from ..codec import (
@@ -24,6 +25,11 @@ from ..store import UpdateResult
 from .deps import MetricsDep, StoreDep, TableNameParam, body_doc, compute, is_binary
 
 router = APIRouter(prefix="/v1", tags=["update"])
+
+# Replicated mode: a retry with the same key (to any replica, within ROBEZ_NATS_DEDUP_WINDOW_S) is applied
+# once and answered with the first attempt's version (docs/replication.md).
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+REPLICA_HEADER = "X-Robez-Replica"
 
 _BINARY_UPDATE = (
     f"{SHAPE_HEADER}: n,d; body = n little-endian int64 ids then n*d little-endian float32 gradients"
@@ -49,17 +55,31 @@ async def update(
     binary = is_binary(request)
     shape_header = request.headers.get(SHAPE_HEADER)
 
-    def work() -> tuple[UpdateResult, int]:
+    def decode() -> tuple[Tensor, Tensor, float | None]:
         if binary:
             ids, grads = decode_update_binary(body, shape_header)
-            body_lr = None
-        else:
-            ids, grads, body_lr = decode_update_json(body, store.table(name).config.embedding_dim)
-        return store.apply_update(name, ids, grads, lr if lr is not None else body_lr)
+            return ids, grads, lr
+        ids, grads, body_lr = decode_update_json(body, store.table(name).config.embedding_dim)
+        return ids, grads, lr if lr is not None else body_lr
 
-    result, ticket = await compute(request, work)
-    # Wait for the flush outside the compute slots, so concurrent updates share one group commit.
-    await anyio.to_thread.run_sync(store.journal.wait_durable, ticket)
+    replica = request.app.state.replica
+    if replica is not None:
+        # Replicated: validate, append to the log, answer once this replica applied it.
+        def validate() -> tuple[Tensor, Tensor, float]:
+            ids, grads, wanted_lr = decode()
+            return ids, grads, store.validate_update(name, ids, grads, wanted_lr)
+
+        ids, grads, applied_lr = await compute(request, validate)
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        result, _duplicate = await replica.update(name, ids, grads, applied_lr, key)
+    else:
+
+        def work() -> tuple[UpdateResult, int]:
+            return store.apply_update(name, *decode())
+
+        result, ticket = await compute(request, work)
+        # Wait for the flush outside the compute slots, so concurrent updates share one group commit.
+        await anyio.to_thread.run_sync(store.journal.wait_durable, ticket)
     request.state.table = name
     metrics.hash_seconds.labels(name).observe(result.hash_seconds)
     metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
@@ -68,4 +88,6 @@ async def update(
         "Server-Timing": server_timing(hash=result.hash_seconds, apply=result.apply_seconds, total=total),
         VERSION_HEADER: str(result.version),
     }
+    if replica is not None:  # tells clients that a resent Idempotency-Key is applied once here
+        headers[REPLICA_HEADER] = replica.name
     return JSONBytesResponse(update_json(name, result, total), headers=headers)
