@@ -214,19 +214,20 @@ class Replica:
 
         ``key`` (the request's Idempotency-Key): a second append with it, within the dedup window,
         is not added to the log; its answer is the first one's version."""
-        entry = await self._catalog_entry(name)
-        local = self.store.info(name)
-        if not _same_spec(entry, local.config, local.optimizer):
-            # The table was dropped and created again with another shape; the local copy is behind.
-            entry = await self._catalog_entry(name, fresh=True)
-            raise BusyError(f"table {name!r} is being re-created on this replica; try again")
         payload, headers = encode_update(ids, grads, lr)
-        start = time.perf_counter()
-        try:
-            appended = await self.log.append(entry, payload, headers, key or secrets.token_hex(16))
-        except NotFoundError:
-            self._entries.pop(name, None)
-            raise
+        key = key or secrets.token_hex(16)
+        for attempt in range(2):
+            # The cached catalog entry may be of an incarnation dropped since: then the append finds no
+            # stream, and the second attempt reads the catalog again.
+            entry = await self._wait_local(name, fresh=attempt > 0)
+            start = time.perf_counter()
+            try:
+                appended = await self.log.append(entry, payload, headers, key)
+                break
+            except NotFoundError:
+                self._entries.pop(name, None)
+                if attempt:
+                    raise
         acked = time.perf_counter()
         self.metrics.replication_publish_ack_seconds.labels(name).observe(acked - start)
         if not await self.wait_version(name, appended.position, self.settings.apply_wait_s):
@@ -234,7 +235,26 @@ class Replica:
                 f"update stored in the log at version {appended.position} but not yet applied by this "
                 "replica; retry with the same Idempotency-Key"
             )
+        if self._local_incarnation(name) != entry.incarnation:
+            raise BusyError(f"table {name!r} was dropped or re-created meanwhile; try again")
         return UpdateResult(appended.position, 0.0, time.perf_counter() - acked), appended.duplicate
+
+    def _local_incarnation(self, name: str) -> str | None:
+        status = self.status()
+        return None if status is None else status.tables.get(name, {}).get("incarnation")
+
+    async def _wait_local(self, name: str, *, fresh: bool) -> CatalogEntry:
+        """The catalog's entry of the table, once this replica serves that incarnation (it may be
+        creating it, or still have the one dropped before): versions of two incarnations must never be
+        compared. The cached entry is checked against the catalog when they differ."""
+        deadline = time.monotonic() + self.settings.apply_wait_s
+        entry = await self._catalog_entry(name, fresh=fresh)
+        while self._local_incarnation(name) != entry.incarnation:
+            if time.monotonic() > deadline:
+                raise BusyError(f"table {name!r} is being created on this replica; try again")
+            await asyncio.sleep(0.01)
+            entry = await self._catalog_entry(name, fresh=True)
+        return entry
 
     async def wait_version(self, name: str, version: int, timeout_s: float) -> bool:
         """True once this replica's table ``name`` is at ``version`` or later; False after ``timeout_s``."""
