@@ -23,7 +23,7 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import nats
@@ -288,7 +288,7 @@ class JetStreamLog:
             raise _unavailable("publish", exc) from exc
         return Appended(int(ack.seq), bool(ack.duplicate))
 
-    async def read(self, entry: CatalogEntry, after: int) -> AsyncIterator[LogEntry]:
+    async def read(self, entry: CatalogEntry, after: int) -> AsyncGenerator[LogEntry, None]:
         position = after
         while True:
             try:

@@ -12,7 +12,7 @@ snapshot but never renumbers). A table dropped and created again is a new *incar
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -102,7 +102,7 @@ class ReplicatedLog(Protocol):
         key of an earlier one (within the dedup window) is not added again."""
         ...
 
-    def read(self, entry: CatalogEntry, after: int) -> AsyncIterator[LogEntry]:
+    def read(self, entry: CatalogEntry, after: int) -> AsyncGenerator[LogEntry, None]:
         """Entries from position ``after + 1`` on, in order, forever; may skip ahead only if the log was
         trimmed past ``after`` (the reader sees the gap in the positions)."""
         ...

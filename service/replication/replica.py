@@ -318,10 +318,15 @@ class Applier:
         self._lag: dict[str, int] = {}
         self._last_apply: dict[str, float] = {}
         previous = ReplicaStatus.read(status_path)
-        # A worker taking over from a dead applier keeps the tables it left (same incarnation).
         self._incarnations: dict[str, str] = (
             {name: info["incarnation"] for name, info in previous.tables.items()} if previous else {}
         )
+        # A worker taking over from an applier that died (kill -9, crash) cannot trust the tables: the
+        # dead one may have stopped half-way through an update. Each is rebuilt privately from the
+        # snapshot and the log, then switched in atomically (lookups go on meanwhile).
+        self._rebuild: set[str] = set(self._incarnations) if previous is not None else set()
+        if previous is not None and self._rebuild:
+            logger.warning("taking over from applier %d: rebuilding %s", previous.applier_pid, self._rebuild)
         self._status_task: asyncio.Task[None] | None = None
 
     async def wait_progress(self, timeout_s: float) -> None:
@@ -483,7 +488,7 @@ class Applier:
                 self._write_status()
             await self._notify()
             every = self.settings.replica_snapshot_every_updates
-            if every and since_snapshot >= every and item.pending == 0:
+            if every and since_snapshot >= every:
                 since_snapshot = 0
                 await self._snapshot(entry)
 
@@ -493,6 +498,9 @@ class Applier:
         name = entry.name
         if name in self.store.names():
             if self._incarnations.get(name) == entry.incarnation:
+                if name in self._rebuild:
+                    await self._rebuild_table(entry)
+                    self._rebuild.discard(name)
                 return self.store.version(name)
             await anyio.to_thread.run_sync(self.store.delete, name)
         snapshot = await self.log.get_snapshot(entry)
@@ -508,6 +516,33 @@ class Applier:
         await anyio.to_thread.run_sync(self.store.warm_up)
         self._write_status()
         return self.store.version(name)
+
+    async def _rebuild_table(self, entry: CatalogEntry) -> None:
+        """Rebuild the table from the snapshot (or fresh) and the log up to its current end, in private,
+        then switch the shared table to the result (``TableStore.restore``)."""
+        snapshot = await self.log.get_snapshot(entry)
+        if snapshot is not None:
+            table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
+            position = snapshot.position
+        else:
+            config = TableConfig.from_dict(entry.config)
+            table = Table(config, OptimizerConfig.from_dict(entry.optimizer))
+            position = 0
+        first, last = await self.log.bounds(entry)
+        if first > position + 1:
+            raise CorruptionError(
+                f"table {entry.name!r}: the log starts at {first}, the snapshot at {position}"
+            )
+        if last > position:
+            async with contextlib.aclosing(self.log.read(entry, position)) as entries:
+                async for item in entries:
+                    record = decode_update(entry.name, item.position, item.payload, item.headers)
+                    await anyio.to_thread.run_sync(table.apply_gradients, record.ids, record.grads, record.lr)
+                    position = item.position
+                    if position >= last:
+                        break
+        await anyio.to_thread.run_sync(self.store.restore, entry.name, table, position)
+        logger.warning("table %s: rebuilt from the log at version %d", entry.name, position)
 
     async def _restore_snapshot(self, entry: CatalogEntry, need: int) -> int:
         """The log was trimmed past this replica's position: load the snapshot (at >= ``need``)."""

@@ -7,6 +7,9 @@ see each other's updates. Every loop is bounded in count and time.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 import time
 import uuid
@@ -267,5 +270,33 @@ def test_replica_without_nats_is_not_ready(tmp_path: Path, nats_cluster: NatsClu
             timeout=10,
         )
         assert response.status_code == 503
+    finally:
+        server.stop()
+
+
+def test_kill9_of_the_applying_worker_another_worker_takes_over(
+    nats_cluster: NatsCluster, replicas: list[ReplicaServer], tmp_path: Path
+) -> None:
+    """A replica with 2 workers: kill -9 the one applying the log mid-stream; the other takes the
+    applier lock, rebuilds the table privately from the log (the dead one may have stopped half-way
+    through an update), and the replica ends with the same bytes."""
+    table = "takeover"
+    create_table(replicas[0], table)
+    server = ReplicaServer("w2", nats_cluster, tmp_path, "t", ROBEZ_WORKERS=2).start().wait_ready()
+    try:
+        pusher = _Pusher(replicas[0].url, table, 60, pause_s=0.01)
+        pusher.thread.start()
+        pusher.wait_acked(15)
+        status_path = next((server.workdir / "shm").glob("robez-*/replication.json"))
+        applier = json.loads(status_path.read_text())["applier_pid"]
+        os.kill(applier, signal.SIGKILL)
+        pusher.join()
+        deadline = time.monotonic() + 30
+        while json.loads(status_path.read_text())["applier_pid"] == applier:
+            assert time.monotonic() < deadline, "no worker took over:\n" + server.log()
+            time.sleep(0.1)
+        order = [seed for _, seed in sorted(pusher.acked)]
+        assert_converged([replicas[0], server], table, 60, replay_checksum(order))
+        assert "rebuilt from the log" in server.log()
     finally:
         server.stop()
