@@ -270,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("| " + " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells) + " |")
         achieved = streamer.sent / streamer.elapsed if streamer.elapsed else 0.0
         print(
-            f"\n## Replication lag, aiming at {args.rate:g} pushes/s to A (achieved {achieved:.0f}/s), seen at B\n"
+            f"\n## Replication lag, aiming at {args.rate:g} pushes/s to A "
+            f"(achieved {achieved:.0f}/s), seen at B\n"
         )
         print(f"{len(lags)} pushes; one writer thread, each push followed by the lag probe at B.\n")
         print("| p50 ms | p99 ms | max ms | goal p99 |")
