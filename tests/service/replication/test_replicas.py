@@ -64,6 +64,11 @@ def test_concurrent_pushes_to_two_replicas_converge(replicas: list[ReplicaServer
     assert versions == list(range(1, len(seeds) + 1))  # #2xx == version, each exactly once
     order = [seed for _, seed in sorted(acked)]
     assert_converged(replicas, table, len(seeds), replay_checksum(order))
+    metrics = httpx.get(f"{replicas[0].url}/metrics", timeout=10).text
+    assert f'robez_replication_publish_ack_seconds_count{{table="{table}"}} 20.0' in metrics
+    assert f'robez_replication_apply_delay_seconds_count{{table="{table}"}} 40.0' in metrics
+    ready = httpx.get(f"{replicas[1].url}/readyz", timeout=10)
+    assert ready.status_code == 200
 
 
 def test_bad_push_is_refused_and_never_logged(replicas: list[ReplicaServer]) -> None:
