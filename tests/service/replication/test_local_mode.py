@@ -48,3 +48,10 @@ def test_min_version_waits_bounded_then_503(client_factory) -> None:  # type: ig
         "/v1/lookup", json={"lookups": [{"table": "m", "ids": [1]}]}, headers={"X-Robez-Min-Version": "1"}
     )
     assert unnamed.status_code == 422
+
+
+def test_serve_refuses_a_data_dir_with_nats(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from service.cli import main
+
+    assert main(["serve", "--nats", "nats://127.0.0.1:1", "--data-dir", str(tmp_path)]) == 2
+    assert "--data-dir and --nats" in capsys.readouterr().err

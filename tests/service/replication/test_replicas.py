@@ -305,3 +305,28 @@ def test_kill9_of_the_applying_worker_another_worker_takes_over(
         assert "rebuilt from the log" in server.log()
     finally:
         server.stop()
+
+
+def test_tables_file_tables_are_created_once_by_replicas_starting_together(
+    nats_cluster: NatsCluster, tmp_path: Path
+) -> None:
+    config = tmp_path / "tables.toml"
+    config.write_text(
+        "[tables.fromfile]\nnum_embeddings = 1000\nembedding_dim = 8\nmemory_size = 4096\nchunk_size = 4\n"
+        '[tables.fromfile.optimizer]\nname = "adam"\nlr = 0.01\n'
+    )
+    servers = [
+        ReplicaServer(name, nats_cluster, tmp_path, "cfg", ROBEZ_CONFIG=config) for name in ("c1", "c2")
+    ]
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+        assert servers[0].checksum("fromfile") == servers[1].checksum("fromfile")
+        assert servers[0].checksum("fromfile")["sha256"] == replay_checksum([])
+        assert push(servers[1], "fromfile", 4).json()["version"] == 1
+        assert_converged(servers, "fromfile", 1, replay_checksum([4]))
+    finally:
+        for server in servers:
+            server.stop()
