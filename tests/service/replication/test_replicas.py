@@ -330,3 +330,44 @@ def test_tables_file_tables_are_created_once_by_replicas_starting_together(
     finally:
         for server in servers:
             server.stop()
+
+
+def test_replica_behind_a_trimmed_log_restores_the_snapshot(
+    nats_cluster: NatsCluster, tmp_path: Path
+) -> None:
+    """A running replica frozen (SIGSTOP) while the others snapshot and trim the log past its position:
+    once it runs again it cannot read the entries it missed, so it restores the snapshot and goes on."""
+    leader = ReplicaServer(
+        "l1",
+        nats_cluster,
+        tmp_path,
+        "lag",
+        ROBEZ_REPLICA_SNAPSHOT_EVERY_UPDATES=10,
+        ROBEZ_REPLICA_TRIM_KEEP=0,
+    )
+    frozen = ReplicaServer("l2", nats_cluster, tmp_path, "lag")
+    servers = [leader.start(), frozen.start()]
+    try:
+        for server in servers:
+            server.wait_ready()
+        table = "behind"
+        create_table(leader, table)
+        for seed in range(3):
+            assert push(leader, table, seed).status_code == 200
+        frozen.wait_version(table, 3)
+        assert frozen.process is not None
+        os.kill(frozen.process.pid, signal.SIGSTOP)
+        try:
+            for seed in range(3, 30):
+                assert push(leader, table, seed).status_code == 200
+            deadline = time.monotonic() + 30
+            while stream_bounds(nats_cluster, "lag", table)[0] <= 4:
+                assert time.monotonic() < deadline, "the log was never trimmed:\n" + leader.log()
+                time.sleep(0.1)
+        finally:
+            os.kill(frozen.process.pid, signal.SIGCONT)
+        assert_converged(servers, table, 30, replay_checksum(list(range(30))))
+        assert "re-bootstrapped from the snapshot" in frozen.log()
+    finally:
+        for server in servers:
+            server.stop()
