@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import time
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -24,7 +25,7 @@ from robez_core.errors import BusyError, ConfigError, NotFoundError
 
 from ..config import Settings, TableSpec
 from ..metrics import Metrics
-from ..store import TableInfo, TableStore, UpdateResult, validate_table_name
+from ..store import TableInfo, TableStore, validate_table_name
 from .applier import STATUS_FILE, Applier, ReplicaStatus
 from .log import CatalogEntry, ReplicatedLog
 from .records import encode_update
@@ -59,6 +60,17 @@ def open_log(settings: Settings) -> ReplicatedLog:
 
 def replica_name(settings: Settings) -> str:
     return settings.replica_name or f"{os.uname().nodename}:{settings.port}"
+
+
+@dataclass(frozen=True)
+class ReplicatedUpdate:
+    """A push as the log took it: its version (= position), seconds from publishing to the quorum's ack
+    and from the ack to this replica having applied it, and whether its key had been seen before."""
+
+    version: int
+    publish_seconds: float
+    apply_wait_seconds: float
+    duplicate: bool
 
 
 class Replica:
@@ -158,9 +170,9 @@ class Replica:
 
     async def update(
         self, name: str, ids: Tensor, grads: Tensor, lr: float, key: str | None
-    ) -> tuple[UpdateResult, bool]:
+    ) -> ReplicatedUpdate:
         """Append a validated push (``lr`` already resolved by ``TableStore.validate_update``) and wait
-        until this replica applied it; returns (result with version = log position, duplicate).
+        until this replica applied it; the version is the log position.
 
         ``key`` (the request's Idempotency-Key): a second append with it, within the dedup window,
         is not added to the log; its answer is the first one's version."""
@@ -187,7 +199,9 @@ class Replica:
             )
         if self._local_incarnation(name) != entry.incarnation:
             raise BusyError(f"table {name!r} was dropped or re-created meanwhile; try again")
-        return UpdateResult(appended.position, 0.0, time.perf_counter() - acked), appended.duplicate
+        return ReplicatedUpdate(
+            appended.position, acked - start, time.perf_counter() - acked, appended.duplicate
+        )
 
     def _local_incarnation(self, name: str) -> str | None:
         status = self.status()

@@ -71,7 +71,10 @@ async def update(
 
         ids, grads, applied_lr = await compute(request, validate)
         key = request.headers.get(IDEMPOTENCY_HEADER)
-        result, _duplicate = await replica.update(name, ids, grads, applied_lr, key)
+        logged = await replica.update(name, ids, grads, applied_lr, key)
+        # The applier hashes and applies (and records those times); here: the log's ack, then the wait.
+        result = UpdateResult(logged.version, 0.0, logged.apply_wait_seconds)
+        stages = {"publish": logged.publish_seconds, "apply_wait": logged.apply_wait_seconds}
     else:
 
         def work() -> tuple[UpdateResult, int]:
@@ -80,12 +83,13 @@ async def update(
         result, ticket = await compute(request, work)
         # Wait for the flush outside the compute slots, so concurrent updates share one group commit.
         await anyio.to_thread.run_sync(store.journal.wait_durable, ticket)
+        metrics.hash_seconds.labels(name).observe(result.hash_seconds)
+        metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
+        stages = {"hash": result.hash_seconds, "apply": result.apply_seconds}
     request.state.table = name
-    metrics.hash_seconds.labels(name).observe(result.hash_seconds)
-    metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
     total = time.perf_counter() - start
     headers = {
-        "Server-Timing": server_timing(hash=result.hash_seconds, apply=result.apply_seconds, total=total),
+        "Server-Timing": server_timing(**stages, total=total),
         VERSION_HEADER: str(result.version),
     }
     if replica is not None:  # tells clients that a resent Idempotency-Key is applied once here

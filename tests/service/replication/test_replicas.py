@@ -56,6 +56,7 @@ def test_concurrent_pushes_to_two_replicas_converge(replicas: list[ReplicaServer
         response = push(replicas[seed % 2], table, seed)
         assert response.status_code == 200, response.text
         assert response.headers["X-Robez-Replica"] == replicas[seed % 2].name
+        assert "publish;dur=" in response.headers["Server-Timing"]
         return int(response.json()["version"]), seed
 
     with ThreadPoolExecutor(4) as pool:
