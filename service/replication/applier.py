@@ -33,7 +33,7 @@ from robez_core.table import Table
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
 from ..metrics import Metrics
 from ..store import TableStore
-from .log import CatalogEntry, CatalogEvent, ReplicatedLog, Snapshot
+from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog, Snapshot
 from .records import decode_update
 
 logger = logging.getLogger("robez.replication")
@@ -212,6 +212,9 @@ class Applier:
                 raise
             except NotFoundError:
                 return  # dropped: the catalog watch removes it
+            except LogTrimmedError as exc:
+                logger.info("%s; restoring the snapshot", exc)
+                continue  # _follow_once sees the log start past its version and restores the snapshot
             except RobezError:
                 logger.exception(
                     "table %s: applying the log failed; restarting from the local version", entry.name

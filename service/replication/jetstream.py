@@ -45,7 +45,7 @@ from nats.js.object_store import ObjectStore
 
 from robez_core.errors import BusyError, ConflictError, NotFoundError
 
-from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, Snapshot
+from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, Snapshot
 
 logger = logging.getLogger("robez.replication.jetstream")
 
@@ -312,7 +312,9 @@ class JetStreamLog:
                     try:
                         msg = await sub.next_msg(timeout=_READ_IDLE_S)
                     except nats.errors.TimeoutError:
-                        _, last = await self._bounds_or_unknown(entry)
+                        first, last = await self._bounds_or_unknown(entry)
+                        if first is not None and first > position + 1:
+                            raise LogTrimmedError(entry.name, position, first) from None
                         if last is not None and last > position:
                             logger.info(
                                 "table %s: reader stalled at %d of %d; restarting", entry.name, position, last

@@ -16,6 +16,17 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from robez_core.errors import RobezError
+
+
+class LogTrimmedError(RobezError):
+    """The entries after the reader's position were trimmed away (below a snapshot): the reader must
+    restore a snapshot at ``first - 1`` or later before reading on."""
+
+    def __init__(self, table: str, position: int, first: int) -> None:
+        super().__init__(f"table {table!r}: the log now starts at {first}, after position {position}")
+        self.first = first
+
 
 @dataclass(frozen=True)
 class CatalogEntry:
@@ -103,8 +114,9 @@ class ReplicatedLog(Protocol):
         ...
 
     def read(self, entry: CatalogEntry, after: int) -> AsyncGenerator[LogEntry, None]:
-        """Entries from position ``after + 1`` on, in order, forever; may skip ahead only if the log was
-        trimmed past ``after`` (the reader sees the gap in the positions)."""
+        """Entries from position ``after + 1`` on, in order, forever. If the log was trimmed past the
+        reader's position, either the next entry's position shows the gap or ``LogTrimmedError`` is
+        raised (when no entry follows the trimmed ones yet)."""
         ...
 
     async def bounds(self, entry: CatalogEntry) -> tuple[int, int]:

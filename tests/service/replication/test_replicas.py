@@ -333,11 +333,12 @@ def test_tables_file_tables_are_created_once_by_replicas_starting_together(
             server.stop()
 
 
-def test_replica_behind_a_trimmed_log_restores_the_snapshot(
+def test_replica_frozen_while_the_log_is_trimmed_catches_up(
     nats_cluster: NatsCluster, tmp_path: Path
 ) -> None:
-    """A running replica frozen (SIGSTOP) while the others snapshot and trim the log past its position:
-    once it runs again it cannot read the entries it missed, so it restores the snapshot and goes on."""
+    """A running replica frozen (SIGSTOP) while another snapshots and trims the log past its position
+    ends with the same bytes once it runs again. Which way it catches up is not fixed: the entries the
+    log had already pushed to its connection before the trim, or (when it finds a gap) the snapshot."""
     leader = ReplicaServer(
         "l1",
         nats_cluster,
@@ -368,7 +369,6 @@ def test_replica_behind_a_trimmed_log_restores_the_snapshot(
         finally:
             os.kill(frozen.process.pid, signal.SIGCONT)
         assert_converged(servers, table, 30, replay_checksum(list(range(30))))
-        assert "re-bootstrapped from the snapshot" in frozen.log()
     finally:
         for server in servers:
             server.stop()
