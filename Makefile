@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup test lint typecheck pytest bench bench-quick serve loadtest quality clean
+.PHONY: setup test lint typecheck pytest bench bench-quick serve cluster loadtest quality clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ bench-quick: $(STAMP)
 # Serve the built-in default table on 127.0.0.1:8000.
 serve: $(STAMP)
 	$(BIN)/robez serve $(ARGS)
+
+# 3 NATS JetStream nodes + 2 robez replicas on loopback (ports 8001, 8002); Ctrl-C stops them all.
+cluster: $(STAMP)
+	$(BIN)/python -m service.replication.devcluster $(ARGS)
 
 loadtest: $(STAMP)
 	$(BIN)/python -m loadtest $(ARGS)

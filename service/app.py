@@ -26,7 +26,8 @@ from .fastpath import FastPathMiddleware
 from .journal import Journal, NullJournal
 from .limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware
 from .metrics import Metrics, RequestMetricsMiddleware
-from .routes import durability, health, lookup, oip, tables, update
+from .replication.replica import Replica, local_settings
+from .routes import checksum, durability, health, lookup, oip, tables, update
 from .store import SharedDirectory, TableStore
 from .wal import WalJournal
 
@@ -59,21 +60,30 @@ def shared_directory_for(settings: Settings) -> SharedDirectory | None:
 async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     settings: Settings = app.state.settings
     torch.set_num_threads(settings.kernel_threads())
-    journal = open_journal(settings)
+    replicated = settings.nats_url is not None
+    # A replica's journal is the replicated log (service/replication/), not a local one.
+    journal = NullJournal() if replicated else open_journal(settings)
     owned: SharedDirectory | None = None
     try:
         directory = shared_directory_for(settings)
         if directory is None:
-            directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, settings, journal)
+            local = local_settings(settings) if replicated else settings
+            directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, local, journal)
         store = TableStore(directory, settings, journal)
         await anyio.to_thread.run_sync(store.warm_up)
         app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
         app.state.store = store
+        if replicated:
+            app.state.replica = Replica(store, settings, app.state.metrics)
+            await app.state.replica.start()
         logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())
         try:
             # uvicorn hands the lifespan state to each connection (service/connections.py counts there).
             yield {LIFESPAN_METRICS_KEY: app.state.metrics}
         finally:
+            if app.state.replica is not None:
+                await app.state.replica.stop()
+                app.state.replica = None
             del app.state.store
             store.close()
     finally:
@@ -111,13 +121,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.settings = settings
+    app.state.replica = None  # a Replica in replicated mode (--nats), set at start-up
     metrics_dir = (
         settings.shm_path / "metrics" if settings.shm_path is not None and settings.workers > 1 else None
     )
     metrics = Metrics(metrics_dir)
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (health, tables, lookup, update, durability, oip):
+    for module in (health, tables, lookup, update, durability, checksum, oip):
         app.include_router(module.router)
     # Added innermost first: metrics see every answer, including the 503s, 413s and 408s below them; a
     # request takes an in-flight slot only once its whole body has arrived; the fast path (the hot routes

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from robez_core.errors import RobezError
+from robez_core.errors import ConfigError, RobezError
 
 from .config import Settings
 
@@ -27,7 +27,18 @@ logger = logging.getLogger("robez.cli")
 
 # CLI option -> Settings field; each is passed on to the workers as ROBEZ_<FIELD>.
 _APP = "service.app:create_app_from_env"  # uvicorn's factory: each worker builds its app from ROBEZ_*
-_SERVE_OPTIONS = ("host", "port", "workers", "config", "data_dir", "log_level", "threads_per_worker")
+_SERVE_OPTIONS = (
+    "host",
+    "port",
+    "workers",
+    "config",
+    "data_dir",
+    "log_level",
+    "threads_per_worker",
+    "nats_url",
+    "nats_replicas",
+    "replica_name",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,6 +76,25 @@ def _parser() -> argparse.ArgumentParser:
         dest="threads_per_worker",
         type=int,
         help="kernel threads per worker (default: CPUs // workers; ROBEZ_THREADS_PER_WORKER)",
+    )
+    serve.add_argument(
+        "--nats",
+        dest="nats_url",
+        metavar="URL[,URL...]",
+        help="run as a replica: tables are kept identical with every other replica through a NATS "
+        "JetStream log at these servers (ROBEZ_NATS_URL); see docs/replication.md",
+    )
+    serve.add_argument(
+        "--nats-replicas",
+        dest="nats_replicas",
+        type=int,
+        help="JetStream replication factor of the tables' logs (default 3; 1 for a single NATS server; "
+        "ROBEZ_NATS_REPLICAS)",
+    )
+    serve.add_argument(
+        "--replica-name",
+        dest="replica_name",
+        help="this replica's name in NATS (default: host name:port; ROBEZ_REPLICA_NAME)",
     )
     _add_durability_commands(commands)
     return parser
@@ -208,6 +238,11 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if settings.nats_url is not None and settings.data_dir is not None:
+        raise ConfigError(
+            "--data-dir and --nats: a replica keeps its tables in the replicated log and its snapshots "
+            "in the log's Object Store, not in a data directory; drop one of the two"
+        )
     # Held until the workers are gone: a second server on the directory fails here, before it loads.
     server_lock = ServerLock(settings.data_dir) if settings.data_dir is not None else None
     try:
@@ -222,12 +257,16 @@ def _serve_locked(settings: Settings) -> int:
 
     from .app import open_journal
     from .connections import uvicorn_options
+    from .journal import NullJournal
+    from .replication.replica import local_settings
     from .store import TableStore
     from .supervisor import run_workers
 
-    journal = open_journal(settings)
+    replicated = settings.nats_url is not None
+    # A replica starts with no tables: its applier creates them from the replicated log.
+    journal = NullJournal() if replicated else open_journal(settings)
     try:
-        directory = TableStore.prepare(settings, journal)
+        directory = TableStore.prepare(local_settings(settings) if replicated else settings, journal)
     finally:
         # Each worker opens its own journal; this one only loaded the tables.
         journal.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -45,6 +46,9 @@ SHAPE_HEADER = "X-Robez-Shape"
 SHAPES_HEADER = "X-Robez-Shapes"  # multi-table lookup: "n,d;n,d;..." in request order
 TABLES_HEADER = "X-Robez-Tables"  # multi-table lookup: "name=n,name=n,..." in body order
 VERSION_HEADER = "X-Robez-Version"
+MIN_VERSION_HEADER = "X-Robez-Min-Version"  # read-your-writes: wait until the server has this version
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+REPLICA_HEADER = "X-Robez-Replica"  # set by replicas, which apply a resent Idempotency-Key once
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_BUSY_RETRIES = 2
@@ -208,6 +212,7 @@ class _Call(Generic[T]):
     json: Any = None
     headers: Mapping[str, str] = field(default_factory=dict)
     params: Mapping[str, str] = field(default_factory=dict)
+    resend_safe: bool = False  # carries an Idempotency-Key: may be resent after a transport error
 
 
 def _table_path(table: str, suffix: str = "") -> str:
@@ -239,15 +244,12 @@ def _lr_params(lr: float | None) -> dict[str, str]:
     return {} if lr is None else {"lr": repr(float(lr))}
 
 
-def _lookup_call(table: str, ids: IdsLike) -> _Call[Tensor]:
+def _lookup_call(table: str, ids: IdsLike, min_version: int | None = None) -> _Call[Tensor]:
     body, _ = encode_ids(ids)
-    return _Call(
-        "POST",
-        _table_path(table, "/lookup"),
-        _parse_rows,
-        content=body,
-        headers={"Content-Type": OCTET_STREAM, "Accept": OCTET_STREAM},
-    )
+    headers = {"Content-Type": OCTET_STREAM, "Accept": OCTET_STREAM}
+    if min_version is not None:
+        headers[MIN_VERSION_HEADER] = str(int(min_version))
+    return _Call("POST", _table_path(table, "/lookup"), _parse_rows, content=body, headers=headers)
 
 
 def _rows_from_json(body: Mapping[str, Any]) -> Tensor:
@@ -309,8 +311,10 @@ def _update_call(table: str, ids: IdsLike, grads: Tensor | np.ndarray, lr: float
         _table_path(table, "/update"),
         _parse_version,
         content=body,
-        headers={"Content-Type": OCTET_STREAM, SHAPE_HEADER: shape},
+        # A fresh key per push: a resend of this call (after a lost answer) is applied once by a replica.
+        headers={"Content-Type": OCTET_STREAM, SHAPE_HEADER: shape, IDEMPOTENCY_HEADER: uuid.uuid4().hex},
         params=_lr_params(lr),
+        resend_safe=True,
     )
 
 
@@ -349,6 +353,7 @@ class _ClientBase:
         """Server-Timing figures (ms by stage) of the last completed request; {} when it had none."""
         self.last_version: int | None = None
         """The table version reported by the last response that carried one."""
+        self._server_dedups = False
 
     def _request_kwargs(self, call: _Call[Any]) -> dict[str, Any]:
         return {
@@ -370,7 +375,24 @@ class _ClientBase:
         delay = retry_after if retry_after is not None else _BUSY_BACKOFF_S * 2**attempt
         return min(max(delay, 0.0), _MAX_BUSY_DELAY_S)
 
+    def _resend_after(self, call: _Call[Any], error: httpx.TransportError, attempt: int) -> float | None:
+        """Seconds to wait before resending after a transport error, or None to raise it.
+
+        Nothing reached the server after a connect error, so any call may be resent. After other
+        errors the request may have been applied: only a push with an Idempotency-Key to a server that
+        said it is a replica (which applies the key once) is resent.
+        """
+        if attempt >= self.busy_retries:
+            return None
+        if not isinstance(error, httpx.ConnectError | httpx.ConnectTimeout) and not (
+            call.resend_safe and self._server_dedups
+        ):
+            return None
+        return min(_BUSY_BACKOFF_S * 2**attempt, _MAX_BUSY_DELAY_S)
+
     def _finish(self, call: _Call[T], response: httpx.Response) -> T:
+        if REPLICA_HEADER in response.headers:
+            self._server_dedups = True
         self.last_timing = parse_server_timing(response.headers.get("Server-Timing"))
         if response.is_error:
             raise _error_from_response(response)
@@ -416,7 +438,14 @@ class RobezClient(_ClientBase):
 
     def _send(self, call: _Call[T]) -> T:
         for attempt in range(self.busy_retries + 1):
-            response = self._http.request(call.method, call.path, **self._request_kwargs(call))
+            try:
+                response = self._http.request(call.method, call.path, **self._request_kwargs(call))
+            except httpx.TransportError as error:
+                wait = self._resend_after(call, error, attempt)
+                if wait is None:
+                    raise
+                time.sleep(wait)
+                continue
             delay = self._busy_delay(response, attempt)
             if delay is None:
                 break
@@ -470,9 +499,10 @@ class RobezClient(_ClientBase):
         """``DELETE /v1/tables/{name}``."""
         self._send(_Call("DELETE", _table_path(name), lambda response: None))
 
-    def lookup(self, table: str, ids: IdsLike) -> Tensor:
-        """Rows of ``ids`` over the binary path: int64 (n,) -> float32 (n, d)."""
-        return self._send(_lookup_call(table, ids))
+    def lookup(self, table: str, ids: IdsLike, *, min_version: int | None = None) -> Tensor:
+        """Rows of ``ids`` over the binary path: int64 (n,) -> float32 (n, d). ``min_version``: the
+        server first waits (bounded) until it has that table version (read-your-writes on replicas)."""
+        return self._send(_lookup_call(table, ids, min_version))
 
     def lookup_pooled(
         self,
@@ -525,7 +555,14 @@ class AsyncRobezClient(_ClientBase):
 
     async def _send(self, call: _Call[T]) -> T:
         for attempt in range(self.busy_retries + 1):
-            response = await self._http.request(call.method, call.path, **self._request_kwargs(call))
+            try:
+                response = await self._http.request(call.method, call.path, **self._request_kwargs(call))
+            except httpx.TransportError as error:
+                wait = self._resend_after(call, error, attempt)
+                if wait is None:
+                    raise
+                await asyncio.sleep(wait)
+                continue
             delay = self._busy_delay(response, attempt)
             if delay is None:
                 break
@@ -566,8 +603,8 @@ class AsyncRobezClient(_ClientBase):
     async def delete_table(self, name: str) -> None:
         await self._send(_Call("DELETE", _table_path(name), lambda response: None))
 
-    async def lookup(self, table: str, ids: IdsLike) -> Tensor:
-        return await self._send(_lookup_call(table, ids))
+    async def lookup(self, table: str, ids: IdsLike, *, min_version: int | None = None) -> Tensor:
+        return await self._send(_lookup_call(table, ids, min_version))
 
     async def lookup_pooled(
         self,
@@ -606,7 +643,7 @@ class _RemoteLookup(torch.autograd.Function):
         ctx.unique_ids = unique_ids
         ctx.module = module
         ctx.lr = lr
-        return module.client.lookup(module.table, unique_ids)
+        return module.client.lookup(module.table, unique_ids, min_version=module.last_version)
 
     @staticmethod
     def backward(ctx: Any, grad_rows: Tensor) -> tuple[None, None, None, None]:
@@ -626,6 +663,8 @@ class RemoteEmbedding(nn.Module):
     The gradient pushed is exactly what autograd computed (a mean-reduced loss divides it by the batch
     size), so pick the table's lr with that scale in mind. Pushes happen inside ``backward`` and block
     until the server has applied them; a failed push raises ``RobezClientError`` out of ``backward``.
+    Lookups after a push ask for at least the version it produced (``X-Robez-Min-Version``), so behind
+    a load balancer over replicas the module still reads its own writes.
 
     Args:
         client: a ``RobezClient`` connected to the server.
@@ -670,7 +709,7 @@ class RemoteEmbedding(nn.Module):
             anchor = torch.empty(0, requires_grad=True)
             rows = _RemoteLookup.apply(anchor, unique_ids, self, self.lr if lr is None else lr)
         else:
-            rows = self.client.lookup(self.table, unique_ids)
+            rows = self.client.lookup(self.table, unique_ids, min_version=self.last_version)
         # Indexing scatters gradients of repeated ids back onto their one unique row before the push.
         return rows[inverse].reshape(*ids.shape, rows.shape[1])
 

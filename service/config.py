@@ -117,6 +117,29 @@ class Settings(BaseSettings):
     max_in_flight: int = Field(default=64, ge=1, description="requests admitted per worker before 503")
     retry_after_s: int = Field(default=1, ge=0)
 
+    # Replicated mode (service/replication/, docs/replication.md): a replica of tables kept identical
+    # through a NATS JetStream log. None = the single-machine mode above.
+    nats_url: str | None = Field(default=None, description="NATS server URL(s), comma-separated")
+    nats_replicas: int = Field(default=3, ge=1, le=5, description="JetStream replication factor")
+    replica_name: str | None = Field(default=None, description="this replica's name; default host:port")
+    nats_prefix: str = Field(
+        default="robez", pattern=r"^[A-Za-z0-9_-]{1,32}$", description="names of streams and buckets"
+    )
+    nats_dedup_window_s: float = Field(
+        default=600.0, gt=0, description="Idempotency-Key retries within this window are applied once"
+    )
+    nats_publish_timeout_s: float = Field(default=10.0, gt=0, description="wait for a JetStream ack")
+    apply_wait_s: float = Field(default=10.0, gt=0, description="wait for an acked update to be applied")
+    min_version_wait_ms: float = Field(
+        default=1000.0, ge=0, description="X-Robez-Min-Version: wait this long for the version, then 503"
+    )
+    replica_snapshot_every_updates: int = Field(
+        default=10_000, ge=0, description="upload a snapshot to the Object Store after this many updates"
+    )
+    replica_trim_keep: int = Field(
+        default=1_000, ge=0, description="log entries kept below the newest snapshot when trimming"
+    )
+
     shm_dir: Path = Field(default=Path("/dev/shm"), description="where shared table memory is created")
     # Set by `robez serve` for its workers: the prepared shared-memory directory to attach to.
     shm_path: Path | None = None

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -126,6 +133,36 @@ class Metrics:
             "max_connections (over the cap on accept)",
             ["reason"],
             registry=self.registry,
+        )
+
+        # Replicated mode (service/replication/): set by the worker that applies the log.
+        self.replication_lag_versions = Gauge(
+            "robez_replication_lag_versions",
+            "Log entries stored but not yet applied by this replica",
+            ["table"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.replication_last_apply_timestamp = Gauge(
+            "robez_replication_last_apply_timestamp_seconds",
+            "Unix time this replica last applied a log entry",
+            ["table"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.replication_publish_ack_seconds = Histogram(
+            "robez_replication_publish_ack_seconds",
+            "Time from publishing an update to the log's acknowledgement (quorum stored it)",
+            ["table"],
+            registry=self.registry,
+            buckets=_REQUEST_BUCKETS,
+        )
+        self.replication_apply_delay_seconds = Histogram(
+            "robez_replication_apply_delay_seconds",
+            "Time from the log storing an update to this replica having applied it",
+            ["table"],
+            registry=self.registry,
+            buckets=_REQUEST_BUCKETS,
         )
 
     def stages(self, table: str) -> TableStages:

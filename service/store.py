@@ -47,6 +47,7 @@ Lock order, everywhere: a table's update lock, then ``registry.lock``, then a st
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -878,6 +879,65 @@ class TableStore:
         # while this one waits for its flush.
         apply_seconds = (prepared - hashed) + (applied - apply_start)
         return UpdateResult(version, hashed - start, apply_seconds), ticket
+
+    # -- replicated mode: the log decides the order and the versions (service/replication/) ----------
+
+    def validate_update(self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None) -> float:
+        """Every check ``apply_update`` makes before it changes anything; returns the lr to apply. A
+        replica runs it before publishing, so a bad push is a 4xx and never reaches the log."""
+        table = self._entry(name).table
+        self.limits.check_request(int(ids.numel()), table.config.embedding_dim)
+        table.validate_grads(ids, grads)
+        applied_lr = table.optimizer.lr if lr is None else float(lr)
+        if not (applied_lr > 0 and applied_lr != float("inf")):
+            raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
+        # lr <= the table's max_lr, and a step that would leave a non-finite value on the table as this
+        # replica has it now is refused before it is published (apply_logged checks again, at its version).
+        table.check_step(table.prepare_step(table.hash(ids), grads, applied_lr))
+        return applied_lr
+
+    def apply_logged(self, record: UpdateRecord) -> UpdateResult | None:
+        """Apply the update at log position ``record.version``: the table goes from ``version - 1`` to
+        ``version``. None if the table already has it (a replay). A gap is a ``CorruptionError``: the
+        caller reads the log from the wrong place. The journal is not called: the log is the journal."""
+        entry = self._entry(record.table)
+        start = time.perf_counter()
+        chunk_offsets = entry.table.hash(record.ids)
+        hashed = time.perf_counter()
+        with self._locked(record.table) as locked:
+            if locked.version >= record.version:
+                return None
+            if locked.version != record.version - 1:
+                raise CorruptionError(
+                    f"table {record.table!r} is at version {locked.version}; "
+                    f"log position {record.version} cannot follow it"
+                )
+            if locked is not entry:
+                chunk_offsets = locked.table.hash(record.ids)
+            apply_start = time.perf_counter()
+            step = locked.table.prepare_step(chunk_offsets, record.grads, record.lr)
+            try:
+                locked.table.check_step(step)
+            except InvalidInputError as error:
+                # Published after a check against an earlier version, but at this version the step would
+                # leave a non-finite value: every replica is at these same bytes, so every replica skips
+                # it alike; the version still advances (an empty update), keeping versions equal.
+                logger.warning("table %r: log entry %d skipped: %s", record.table, record.version, error)
+            else:
+                locked.table.apply_step(step)
+            applied = time.perf_counter()
+            locked.set_version(record.version)
+        return UpdateResult(record.version, hashed - start, applied - apply_start)
+
+    def checksum(self, name: str) -> tuple[int, str]:
+        """(version, sha256 hex) over the array and optimizer state, taken under the update lock, so the
+        digest is of exactly that version. Replicas at the same version have the same digest."""
+        with self.exclusive(name) as (table, version):
+            digest = hashlib.sha256()
+            for key, tensor in sorted(table.tensors().items()):
+                digest.update(key.encode())
+                digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
+            return version, digest.hexdigest()
 
     def warm_up(self) -> None:
         """Load the compiled kernels now (numba's on-disk cache), so a worker's first lookup or update is

@@ -101,6 +101,11 @@ async def load(
     optimizer: Annotated[OptimizerName | None, Query(description="paper, new table: its optimizer")] = None,
     lr: Annotated[float | None, Query(gt=0, description="paper, new table: the optimizer's lr")] = None,
 ) -> dict[str, Any]:
+    if request.app.state.replica is not None:
+        raise ConflictError(
+            "loading a checkpoint into a replica is not supported: it would bypass the replicated log; "
+            "see docs/replication.md"
+        )
     default_optimizer = OptimizerConfig()
     new_optimizer = OptimizerConfig(
         name=optimizer or default_optimizer.name, lr=lr if lr is not None else default_optimizer.lr

@@ -49,7 +49,8 @@ async def _healthz_fast(request: Request, _: str) -> Response:
 
 @router.get(
     "/readyz",
-    summary="Readiness: 200 once this worker has its tables mapped, else 503; with writes=true also 503 "
+    summary="Readiness: 200 once this worker has its tables mapped (a replica: caught up with the log), "
+    "else 503; with writes=true also 503 "
     "while the data directory is full (lookups are still served)",
 )
 async def readyz(
@@ -61,6 +62,12 @@ async def readyz(
     store = getattr(request.app.state, "store", None)
     if store is None:
         return JSONBytesResponse({"status": "starting"}, status_code=503)
+    replica = getattr(request.app.state, "replica", None)
+    if replica is not None and not replica.ready():
+        # Replicated: not ready until it has applied the log as it stood when the replica started.
+        status = replica.status()
+        tables = status.tables if status is not None else {}
+        return JSONBytesResponse({"status": "catching up", "replication": tables}, status_code=503)
     body: dict[str, Any] = {"status": "ready", "tables": len(store.names()), "writable": True}
     problem = store.journal.write_problem()
     if problem is not None:

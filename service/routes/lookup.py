@@ -26,6 +26,7 @@ from ..codec import (
     rows_bytes,
     split_ids,
 )
+from ..consistency import MIN_VERSION_HEADER, parse_min_versions, wait_min_versions
 from ..fastpath import FastRoute
 from ..metrics import Metrics, server_timing
 from ..store import LookupRequestItem, LookupResult, TableStore
@@ -71,6 +72,7 @@ async def lookup_one(request: Request, name: str) -> Response:
     start = time.perf_counter()
     store: TableStore = request.app.state.store
     metrics: Metrics = request.app.state.metrics
+    await wait_min_versions(request, store, parse_min_versions(request.headers.get(MIN_VERSION_HEADER), name))
     body = await read_body(request)
     small = len(body) <= INLINE_MAX_BODY_BYTES
     if is_binary(request):
@@ -112,6 +114,7 @@ async def lookup_several(request: Request, _: str = "") -> Response:
     start = time.perf_counter()
     store: TableStore = request.app.state.store
     metrics: Metrics = request.app.state.metrics
+    await wait_min_versions(request, store, parse_min_versions(request.headers.get(MIN_VERSION_HEADER)))
     body = await read_body(request)
     small = len(body) <= INLINE_MAX_BODY_BYTES
     if is_binary(request):

@@ -34,6 +34,12 @@ async def get_table(name: TableNameParam, store: StoreDep, _: ReadAccess) -> dic
 )
 async def create_table(request: Request, store: StoreDep, _: WriteAccess) -> dict[str, Any]:
     body = await request.body()
+    replica = request.app.state.replica
+    if replica is not None:  # through the log, so every replica creates it
+        parsed = decode_create_json(body)
+        info = await replica.create_table(parsed.name, parsed.spec())
+        request.state.table = info.name
+        return table_info_json(info)
 
     def work() -> TableInfo:
         # Read by hand like every other body, so any malformed body is one 422 shape; initialising a
@@ -48,5 +54,9 @@ async def create_table(request: Request, store: StoreDep, _: WriteAccess) -> dic
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete a table")
 async def delete_table(name: TableNameParam, request: Request, store: StoreDep, _: WriteAccess) -> Response:
-    await compute(request, lambda: store.delete(name))
+    replica = request.app.state.replica
+    if replica is not None:  # through the log, so every replica drops it
+        await replica.drop_table(name)
+    else:
+        await compute(request, lambda: store.delete(name))
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -8,6 +8,7 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
+from torch import Tensor
 
 from ..auth import WriteAccess, require_write_key
 from ..codec import (
@@ -25,6 +26,11 @@ from ..store import TableStore, UpdateResult
 from .deps import INLINE_MAX_BODY_BYTES, TableNameParam, body_doc, compute, is_binary, read_body
 
 router = APIRouter(prefix="/v1", tags=["update"])
+
+# Replicated mode: a retry with the same key (to any replica, within ROBEZ_NATS_DEDUP_WINDOW_S) is applied
+# once and answered with the first attempt's version (docs/replication.md).
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+REPLICA_HEADER = "X-Robez-Replica"
 
 _BINARY_UPDATE = (
     f"{SHAPE_HEADER}: n,d; body = n little-endian int64 ids then n*d little-endian float32 gradients"
@@ -55,35 +61,55 @@ async def apply_update(request: Request, name: str, lr: float | None = None) -> 
     binary = is_binary(request)
     shape_header = request.headers.get(SHAPE_HEADER)
 
-    def work(blocking: bool) -> tuple[UpdateResult, int] | None:
+    def decode() -> tuple[Tensor, Tensor, float | None]:
         if binary:
             ids, grads = decode_update_binary(body, shape_header)
-            body_lr = None
-        else:
-            ids, grads, body_lr = decode_update_json(body, store.table(name).config.embedding_dim)
-        return store.apply_update(name, ids, grads, lr if lr is not None else body_lr, blocking=blocking)
+            return ids, grads, lr
+        ids, grads, body_lr = decode_update_json(body, store.table(name).config.embedding_dim)
+        return ids, grads, lr if lr is not None else body_lr
 
-    # A small push runs on the event loop when the table's lock is free at once and the journal writes
-    # nothing (the hop to a worker thread and back costs more than its whole work); otherwise it waits
-    # for the lock in a worker thread.
-    inline = len(body) <= INLINE_MAX_BODY_BYTES and store.journal_is_memory_only()
-    done = work(False) if inline else None
-    if done is None:
-        done = await compute(request, lambda: work(True))
-    assert done is not None
-    result, ticket = done
-    if ticket > 0:
-        # Wait for the flush outside the compute slots, so concurrent updates share one group commit.
-        await anyio.to_thread.run_sync(store.journal.wait_durable, ticket)
+    replica = request.app.state.replica
+    if replica is not None:
+        # Replicated: validate, append to the log, answer once this replica applied it.
+        def validate() -> tuple[Tensor, Tensor, float]:
+            ids, grads, wanted_lr = decode()
+            return ids, grads, store.validate_update(name, ids, grads, wanted_lr)
+
+        ids, grads, applied_lr = await compute(request, validate)
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        logged = await replica.update(name, ids, grads, applied_lr, key)
+        # The applier hashes and applies (and records those times); here: the log's ack, then the wait.
+        result = UpdateResult(logged.version, 0.0, logged.apply_wait_seconds)
+        stages = {"publish": logged.publish_seconds, "apply_wait": logged.apply_wait_seconds}
+    else:
+
+        def work(blocking: bool) -> tuple[UpdateResult, int] | None:
+            return store.apply_update(name, *decode(), blocking=blocking)
+
+        # A small push runs on the event loop when the table's lock is free at once and the journal
+        # writes nothing (the hop to a worker thread and back costs more than its whole work); otherwise
+        # it waits for the lock in a worker thread.
+        inline = len(body) <= INLINE_MAX_BODY_BYTES and store.journal_is_memory_only()
+        done = work(False) if inline else None
+        if done is None:
+            done = await compute(request, lambda: work(True))
+        assert done is not None
+        result, ticket = done
+        if ticket > 0:
+            # Wait for the flush outside the compute slots, so concurrent updates share one group commit.
+            await anyio.to_thread.run_sync(store.journal.wait_durable, ticket)
+        table_stages = metrics.stages(name)
+        table_stages.hash_seconds.observe(result.hash_seconds)
+        table_stages.update_apply_seconds.observe(result.apply_seconds)
+        stages = {"hash": result.hash_seconds, "apply": result.apply_seconds}
     request.state.table = name
-    stages = metrics.stages(name)
-    stages.hash_seconds.observe(result.hash_seconds)
-    stages.update_apply_seconds.observe(result.apply_seconds)
     total = time.perf_counter() - start
     headers = {
-        "Server-Timing": server_timing(hash=result.hash_seconds, apply=result.apply_seconds, total=total),
+        "Server-Timing": server_timing(**stages, total=total),
         VERSION_HEADER: str(result.version),
     }
+    if replica is not None:  # tells clients that a resent Idempotency-Key is applied once here
+        headers[REPLICA_HEADER] = replica.name
     return JSONBytesResponse(update_json(name, result, total), headers=headers)
 
 

@@ -1,0 +1,395 @@
+"""The applier: the one process per replica that applies the replicated log to the shared tables.
+
+It follows the catalog (tables created and dropped through the log), creates each table from its newest
+snapshot in the log's snapshot store (or fresh, deterministically seeded), then reads the table's log
+from there on and applies every entry in order with ``TableStore.apply_logged``. It uploads a snapshot
+every ``replica_snapshot_every_updates`` updates and then trims the log below it, keeping
+``replica_trim_keep`` entries; a replica whose position was trimmed away restores the snapshot. A worker
+that takes over from a dead applier rebuilds every table privately and switches it in (``restore``).
+
+Readiness and lag go to ``replication.json`` in the shared directory (``ReplicaStatus``), so every worker
+of the replica can answer ``/readyz``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError, RobezError
+from robez_core.table import Table
+
+from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
+from ..metrics import Metrics
+from ..store import TableStore
+from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog, Snapshot
+from .records import decode_update
+
+logger = logging.getLogger("robez.replication")
+
+STATUS_FILE = "replication.json"
+_CONNECT_RETRY_S = 0.5
+_STATUS_EVERY_S = 0.5
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """What the applier last wrote to ``replication.json``."""
+
+    ready: bool
+    applier_pid: int
+    tables: dict[str, dict[str, Any]]  # name -> {incarnation, version, lag, last_apply}
+
+    @classmethod
+    def read(cls, path: Path) -> ReplicaStatus | None:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return cls(bool(data["ready"]), int(data["applier_pid"]), dict(data["tables"]))
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(
+            json.dumps({"ready": self.ready, "applier_pid": self.applier_pid, "tables": self.tables})
+        )
+        os.replace(tmp, path)
+
+
+class Applier:
+    """Applies the replicated log to this replica's shared tables (one per replica; see module doc)."""
+
+    def __init__(
+        self, store: TableStore, settings: Settings, metrics: Metrics, log: ReplicatedLog, status_path: Path
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics
+        self.log = log
+        self.status_path = status_path
+        self._tasks: dict[str, tuple[CatalogEntry, asyncio.Task[None]]] = {}
+        self._caught_up: dict[str, bool] = {}
+        self._catalog_loaded = False
+        self._progress = asyncio.Condition()
+        self._lag: dict[str, int] = {}
+        self._last_apply: dict[str, float] = {}
+        previous = ReplicaStatus.read(status_path)
+        self._incarnations: dict[str, str] = (
+            {name: info["incarnation"] for name, info in previous.tables.items()} if previous else {}
+        )
+        # A worker taking over from an applier that died (kill -9, crash) cannot trust the tables: the
+        # dead one may have stopped half-way through an update. Each is rebuilt privately from the
+        # snapshot and the log, then switched in atomically (lookups go on meanwhile).
+        self._rebuild: set[str] = set(self._incarnations) if previous is not None else set()
+        if previous is not None and self._rebuild:
+            logger.warning("taking over from applier %d: rebuilding %s", previous.applier_pid, self._rebuild)
+        self._status_task: asyncio.Task[None] | None = None
+
+    async def wait_progress(self, timeout_s: float) -> None:
+        async with self._progress:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), timeout_s)
+
+    async def _notify(self) -> None:
+        async with self._progress:
+            self._progress.notify_all()
+
+    async def stop(self) -> None:
+        for _, task in self._tasks.values():
+            task.cancel()
+        for _, task in self._tasks.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._status_task is not None:
+            self._status_task.cancel()
+
+    # -- catalog ------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._write_status()
+        self._status_task = asyncio.create_task(self._status_loop())
+        await self._create_configured_tables()
+        seen: set[str] = set()
+        async for event in self.log.watch_tables():
+            await self._on_catalog(event, seen)
+
+    async def _on_catalog(self, event: CatalogEvent, seen: set[str]) -> None:
+        if event.initial_done:
+            for name in set(self.store.names()) - seen:
+                await self._drop_local(name)
+            seen.clear()
+            self._catalog_loaded = True
+            self._write_status()
+            return
+        if event.entry is None:
+            seen.discard(event.name)
+            await self._drop_local(event.name)
+            return
+        seen.add(event.name)
+        current = self._tasks.get(event.name)
+        if current is not None and current[0] == event.entry and not current[1].done():
+            return
+        if current is not None:
+            current[1].cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await current[1]
+        self._caught_up[event.name] = False
+        task = asyncio.create_task(self._follow(event.entry), name=f"robez-apply-{event.name}")
+        self._tasks[event.name] = (event.entry, task)
+
+    async def _create_configured_tables(self) -> None:
+        """Tables of the tables file (or ``demo`` when none is configured and the catalog is empty) are
+        created in the catalog by whichever replica comes first; a different spec there is an error."""
+        settings = self.settings
+        specs = load_tables_file(settings.config) if settings.config is not None else {}
+        for name, spec in specs.items():
+            await self._ensure_table(name, spec)
+        wants_demo = not specs and settings.config is None and settings.default_table
+        if wants_demo and not self.store.names() and await self._catalog_empty():
+            await self._ensure_table("demo", demo_table_spec())
+
+    async def _catalog_empty(self) -> bool:
+        while True:
+            try:
+                return not await self.log.table_names()
+            except BusyError as exc:
+                logger.info("cannot read the catalog yet: %s", exc)
+                await asyncio.sleep(_CONNECT_RETRY_S)
+
+    async def _ensure_table(self, name: str, spec: TableSpec) -> None:
+        while True:
+            try:
+                existing = await self.log.get_table(name)
+                if existing is None:
+                    await self.log.create_table(name, spec.config.to_dict(), spec.optimizer.to_dict())
+                    logger.info("created table %s in the catalog", name)
+                    return
+                if not _same_spec(existing, spec.config, spec.optimizer):
+                    logger.error(
+                        "table %r in the catalog differs from the tables file; serving the catalog's", name
+                    )
+                return
+            except ConflictError:
+                continue  # another replica created it meanwhile: compare with theirs
+            except BusyError as exc:
+                logger.info("cannot create table %s yet: %s", name, exc)
+                await asyncio.sleep(_CONNECT_RETRY_S)
+
+    async def _drop_local(self, name: str) -> None:
+        current = self._tasks.pop(name, None)
+        if current is not None:
+            current[1].cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await current[1]
+        self._caught_up.pop(name, None)
+        self._incarnations.pop(name, None)
+        self._lag.pop(name, None)
+        with contextlib.suppress(NotFoundError):
+            await anyio.to_thread.run_sync(self.store.delete, name)
+            logger.info("dropped table %s", name)
+        self._write_status()
+
+    # -- one table ----------------------------------------------------------------------------------
+
+    async def _follow(self, entry: CatalogEntry) -> None:
+        """Bring the local table to the log's current position, then apply every new entry, forever."""
+        while True:
+            try:
+                await self._follow_once(entry)
+                return
+            except asyncio.CancelledError:
+                raise
+            except NotFoundError:
+                return  # dropped: the catalog watch removes it
+            except LogTrimmedError as exc:
+                logger.info("%s; restoring the snapshot", exc)
+                continue  # _follow_once sees the log start past its version and restores the snapshot
+            except RobezError:
+                logger.exception(
+                    "table %s: applying the log failed; restarting from the local version", entry.name
+                )
+            except Exception:
+                logger.exception(
+                    "table %s: reading the log failed; restarting from the local version", entry.name
+                )
+            await asyncio.sleep(_CONNECT_RETRY_S)
+
+    async def _follow_once(self, entry: CatalogEntry) -> None:
+        name = entry.name
+        position = await self._bootstrap(entry)
+        first, last = await self.log.bounds(entry)
+        if first > position + 1:
+            position = await self._restore_snapshot(entry, need=first - 1)
+        target = last
+        self._caught_up[name] = position >= target
+        self._write_status()
+        since_snapshot = 0
+        async for item in self.log.read(entry, position):
+            if item.position != position + 1:
+                position = await self._restore_snapshot(entry, need=item.position - 1)
+                if item.position != position + 1:
+                    raise CorruptionError(f"table {name!r}: log jumps from {position} to {item.position}")
+            record = decode_update(name, item.position, item.payload, item.headers)
+            result = await anyio.to_thread.run_sync(self.store.apply_logged, record)
+            position = item.position
+            now = time.time()
+            if result is not None:
+                self.metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
+                since_snapshot += 1
+            if item.timestamp:
+                self.metrics.replication_apply_delay_seconds.labels(name).observe(
+                    max(0.0, now - item.timestamp)
+                )
+            self._lag[name] = item.pending
+            self._last_apply[name] = now
+            if not self._caught_up.get(name) and (position >= target or item.pending == 0):
+                self._caught_up[name] = True
+                self._write_status()
+            await self._notify()
+            every = self.settings.replica_snapshot_every_updates
+            if every and since_snapshot >= every:
+                since_snapshot = 0
+                await self._snapshot(entry)
+
+    async def _bootstrap(self, entry: CatalogEntry) -> int:
+        """The local table of this incarnation at some version (kept, or created from the newest
+        snapshot, or created fresh at version 0); returns that version."""
+        name = entry.name
+        if name in self.store.names():
+            if self._incarnations.get(name) == entry.incarnation:
+                if name in self._rebuild:
+                    await self._rebuild_table(entry)
+                    self._rebuild.discard(name)
+                return self.store.version(name)
+            await anyio.to_thread.run_sync(self.store.delete, name)
+        snapshot = await self.log.get_snapshot(entry)
+        spec = TableSpec(TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
+        if snapshot is not None:
+            table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
+            await anyio.to_thread.run_sync(self.store.create_from, name, table, snapshot.position)
+            logger.info("table %s: bootstrapped from the snapshot at version %d", name, snapshot.position)
+        else:
+            await anyio.to_thread.run_sync(self.store.create, name, spec)
+        self._incarnations[name] = entry.incarnation
+        # Load the compiled kernels for this kind of table now, not in the first apply.
+        await anyio.to_thread.run_sync(self.store.warm_up)
+        self._write_status()
+        return self.store.version(name)
+
+    async def _rebuild_table(self, entry: CatalogEntry) -> None:
+        """Rebuild the table from the snapshot (or fresh) and the log up to its current end, in private,
+        then switch the shared table to the result (``TableStore.restore``)."""
+        snapshot = await self.log.get_snapshot(entry)
+        if snapshot is not None:
+            table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
+            position = snapshot.position
+        else:
+            config = TableConfig.from_dict(entry.config)
+            table = Table(config, OptimizerConfig.from_dict(entry.optimizer))
+            position = 0
+        first, last = await self.log.bounds(entry)
+        if first > position + 1:
+            raise CorruptionError(
+                f"table {entry.name!r}: the log starts at {first}, the snapshot at {position}"
+            )
+        if last > position:
+            async with contextlib.aclosing(self.log.read(entry, position)) as entries:
+                async for item in entries:
+                    record = decode_update(entry.name, item.position, item.payload, item.headers)
+                    await anyio.to_thread.run_sync(table.apply_gradients, record.ids, record.grads, record.lr)
+                    position = item.position
+                    if position >= last:
+                        break
+        await anyio.to_thread.run_sync(self.store.restore, entry.name, table, position)
+        logger.warning("table %s: rebuilt from the log at version %d", entry.name, position)
+
+    async def _restore_snapshot(self, entry: CatalogEntry, need: int) -> int:
+        """The log was trimmed past this replica's position: load the snapshot (at >= ``need``)."""
+        snapshot = await self.log.get_snapshot(entry)
+        if snapshot is None or snapshot.position < need:
+            raise CorruptionError(
+                f"table {entry.name!r}: the log was trimmed to {need + 1} and no snapshot reaches it"
+            )
+        table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
+        await anyio.to_thread.run_sync(self.store.restore, entry.name, table, snapshot.position)
+        logger.info(
+            "table %s: re-bootstrapped from the snapshot at version %d", entry.name, snapshot.position
+        )
+        return snapshot.position
+
+    async def _snapshot(self, entry: CatalogEntry) -> None:
+        """Upload the table's state (if newer than the stored snapshot), then trim the log below it."""
+        try:
+            data, version = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, entry.name)
+            stored = await self.log.snapshot_position(entry)
+            if version <= stored:
+                return
+            await self.log.put_snapshot(entry, Snapshot(version, data))
+            await self.log.trim(entry, version + 1 - self.settings.replica_trim_keep)
+            logger.info("table %s: snapshot at version %d uploaded, log trimmed", entry.name, version)
+        except RobezError as exc:
+            logger.warning("table %s: snapshot failed: %s", entry.name, exc)
+
+    # -- status -------------------------------------------------------------------------------------
+
+    def _write_status(self) -> None:
+        names = self.store.names()
+        ready = self._catalog_loaded and all(self._caught_up.get(name, False) for name in self._tasks)
+        tables = {
+            name: {
+                "incarnation": self._incarnations.get(name, ""),
+                "version": self.store.version(name),
+                "lag": self._lag.get(name, 0),
+                "last_apply": self._last_apply.get(name, 0.0),
+            }
+            for name in names
+        }
+        ReplicaStatus(ready, os.getpid(), tables).write(self.status_path)
+
+    async def _status_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_STATUS_EVERY_S)
+            for name, lag in self._lag.items():
+                self.metrics.replication_lag_versions.labels(name).set(lag)
+            for name, when in self._last_apply.items():
+                self.metrics.replication_last_apply_timestamp.labels(name).set(when)
+            try:
+                self._write_status()
+            except (OSError, RobezError):
+                logger.debug("could not write the replication status", exc_info=True)
+
+
+def _same_spec(entry: CatalogEntry, config: TableConfig, optimizer: OptimizerConfig) -> bool:
+    return (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer)) == (
+        config,
+        optimizer,
+    )
+
+
+def _table_from_snapshot(snapshot: Snapshot) -> Table:
+    from ..wal import read_checkpoint
+
+    table, _ = read_checkpoint(snapshot.data, format="robez")
+    return table
+
+
+def _snapshot_bytes(store: TableStore, name: str) -> tuple[bytes, int]:
+    """A checkpoint of the table at one version (copied under its update lock), as bytes."""
+    with store.exclusive(name) as (table, version):
+        state = {key: tensor.clone() for key, tensor in table.state.items()}
+        copy = Table(table.config, table.optimizer, weight=table.weight.clone(), state=state)
+    with tempfile.TemporaryDirectory(prefix="robez-snapshot-") as tmp:
+        path = Path(tmp) / "snapshot.safetensors"
+        copy.save(path)
+        return path.read_bytes(), version

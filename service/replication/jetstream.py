@@ -1,0 +1,405 @@
+"""``ReplicatedLog`` on NATS JetStream (client: nats-py).
+
+What lives where, for prefix ``robez`` (``ROBEZ_NATS_PREFIX``):
+
+- catalog: KV bucket ``robez_tables``, key = table name, value = JSON {config, optimizer, incarnation};
+  ``create`` is the KV's create-if-absent, so two replicas creating one table race safely.
+- updates: one stream per table incarnation, ``robez_<table>_<incarnation>`` on subject
+  ``robez.u.<table>.<incarnation>``; stream sequence = position = table version. File storage,
+  ``num_replicas`` = ``ROBEZ_NATS_REPLICAS``, ``duplicate_window`` = ``ROBEZ_NATS_DEDUP_WINDOW_S`` (an
+  append's key is its ``Nats-Msg-Id``), no age or size limits: only ``trim`` removes entries.
+- snapshots: Object Store bucket ``robez_snapshots``, object ``<table>.<incarnation>`` (the newest one
+  uploaded), its position in the object's description.
+
+A publish is acknowledged by the stream leader once a quorum of the stream's replicas stored it
+(Raft); each node fsyncs per its ``sync_interval`` (docs/replication.md says which setting the promises
+need).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import (
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    ObjectMeta,
+    ObjectStoreConfig,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from robez_core.errors import BusyError, ConflictError, NotFoundError
+
+from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, Snapshot
+
+logger = logging.getLogger("robez.replication.jetstream")
+
+_MSG_ID = "Nats-Msg-Id"
+# A reader that has seen nothing for this long asks the stream whether it missed something (its
+# consumer may have lived on a node that died) and starts a new consumer if so.
+_READ_IDLE_S = 1.0
+_WATCH_RESYNC_S = 5.0
+
+
+def _unavailable(what: str, exc: BaseException) -> BusyError:
+    return BusyError(f"the replicated log is unavailable ({what}: {type(exc).__name__}: {exc}); try again")
+
+
+class JetStreamLog:
+    """A ``ReplicatedLog`` over a NATS JetStream cluster.
+
+    Args:
+        urls: NATS server URLs (any subset of the cluster's nodes).
+        replicas: replication factor of streams and buckets (3 for a 3-node cluster; 1 for development).
+        prefix: stream / bucket / subject prefix, so several robez clusters can share one NATS.
+        dedup_window_s: how long an append's key suppresses a second append with it.
+        client_name: shown by the NATS server's monitoring (the replica name).
+        timeout_s: per JetStream API request and per publish.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        replicas: int = 3,
+        prefix: str = "robez",
+        dedup_window_s: float = 600.0,
+        client_name: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.urls = urls
+        self.replicas = replicas
+        self.prefix = prefix
+        self.dedup_window_s = dedup_window_s
+        self.client_name = client_name
+        self.timeout_s = timeout_s
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._kv: KeyValue | None = None
+        self._obs: ObjectStore | None = None
+
+    # -- connection ---------------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Connect and make sure the catalog and snapshot buckets exist (creating them is idempotent).
+        Raises ``BusyError`` if the cluster does not answer (the caller retries)."""
+        try:
+            self._nc = await nats.connect(
+                servers=self.urls,
+                name=self.client_name,
+                connect_timeout=2,
+                reconnect_time_wait=0.25,
+                max_reconnect_attempts=-1,
+                allow_reconnect=True,
+            )
+            self._js = self._nc.jetstream(timeout=self.timeout_s)
+            self._kv = await self._js.create_key_value(
+                KeyValueConfig(
+                    bucket=f"{self.prefix}_tables",
+                    history=1,
+                    replicas=self.replicas,
+                    storage=StorageType.FILE,
+                )
+            )
+            self._obs = await self._js.create_object_store(
+                f"{self.prefix}_snapshots",
+                config=ObjectStoreConfig(replicas=self.replicas, storage=StorageType.FILE),
+            )
+        except (TimeoutError, nats.errors.Error, OSError) as exc:
+            await self.close()
+            raise _unavailable("connect", exc) from exc
+
+    async def close(self) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            try:
+                await self._nc.close()
+            except Exception:  # closing a broken connection must not hide the error that broke it
+                logger.debug("closing the NATS connection failed", exc_info=True)
+        self._nc = self._js = self._kv = self._obs = None
+
+    @property
+    def js(self) -> JetStreamContext:
+        if self._js is None:
+            raise BusyError("not connected to NATS")
+        return self._js
+
+    @property
+    def kv(self) -> KeyValue:
+        if self._kv is None:
+            raise BusyError("not connected to NATS")
+        return self._kv
+
+    @property
+    def obs(self) -> ObjectStore:
+        if self._obs is None:
+            raise BusyError("not connected to NATS")
+        return self._obs
+
+    # -- names --------------------------------------------------------------------------------------
+
+    def stream_name(self, entry: CatalogEntry) -> str:
+        return f"{self.prefix}_{entry.name}_{entry.incarnation}"
+
+    def subject(self, entry: CatalogEntry) -> str:
+        return f"{self.prefix}.u.{entry.name}.{entry.incarnation}"
+
+    # -- catalog ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _decode_entry(name: str, value: bytes | None) -> CatalogEntry:
+        data = json.loads(value or b"{}")
+        return CatalogEntry(name, data["config"], data["optimizer"], data["incarnation"])
+
+    async def create_table(
+        self, name: str, config: dict[str, Any], optimizer: dict[str, Any]
+    ) -> CatalogEntry:
+        entry = CatalogEntry(name, config, optimizer, secrets.token_hex(6))
+        try:
+            await self.js.add_stream(
+                StreamConfig(
+                    name=self.stream_name(entry),
+                    subjects=[self.subject(entry)],
+                    num_replicas=self.replicas,
+                    storage=StorageType.FILE,
+                    duplicate_window=self.dedup_window_s,
+                    allow_direct=True,
+                )
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("create stream", exc) from exc
+        value = json.dumps({"config": config, "optimizer": optimizer, "incarnation": entry.incarnation})
+        try:
+            await self.kv.create(name, value.encode())
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            await self._delete_stream(entry)
+            raise ConflictError(f"table {name!r} already exists") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            await self._delete_stream(entry)
+            raise _unavailable("create table", exc) from exc
+        return entry
+
+    async def get_table(self, name: str) -> CatalogEntry | None:
+        try:
+            found = await self.kv.get(name)
+        except nats.js.errors.NotFoundError:  # never created, or deleted
+            return None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("read catalog", exc) from exc
+        return self._decode_entry(name, found.value)
+
+    async def table_names(self) -> list[str]:
+        try:
+            return sorted(await self.kv.keys())
+        except nats.js.errors.NoKeysError:
+            return []
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("list catalog", exc) from exc
+
+    async def drop_table(self, name: str) -> None:
+        try:
+            found = await self.kv.get(name)
+        except nats.js.errors.NotFoundError as exc:
+            raise NotFoundError(f"no table named {name!r}") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("read catalog", exc) from exc
+        entry = self._decode_entry(name, found.value)
+        try:
+            await self.kv.delete(name, last=found.revision)
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise ConflictError(f"table {name!r} changed while being dropped; try again") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("drop table", exc) from exc
+        await self._delete_stream(entry)
+        with contextlib.suppress(TimeoutError, nats.errors.Error):  # no snapshot yet
+            await self.obs.delete(f"{name}.{entry.incarnation}")
+
+    async def _delete_stream(self, entry: CatalogEntry) -> None:
+        try:
+            await self.js.delete_stream(self.stream_name(entry))
+        except (TimeoutError, nats.errors.Error):
+            logger.warning("could not delete stream %s", self.stream_name(entry), exc_info=True)
+
+    async def watch_tables(self) -> AsyncIterator[CatalogEvent]:
+        # The watch is restarted every few seconds of silence: its consumer may have lived on a node that
+        # died. Each restart replays the whole catalog (last value per key, deletes included), which the
+        # caller applies idempotently.
+        while True:
+            try:
+                watcher = await self.kv.watchall()
+            except (TimeoutError, nats.errors.Error) as exc:
+                logger.warning("catalog watch failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                while True:
+                    try:
+                        update = await watcher.updates(timeout=_WATCH_RESYNC_S)
+                    except nats.errors.TimeoutError:
+                        break
+                    if update is None:
+                        yield CatalogEvent("", None, initial_done=True)
+                        continue
+                    if update.operation in ("DEL", "PURGE") or not update.value:
+                        yield CatalogEvent(update.key, None)
+                    else:
+                        yield CatalogEvent(update.key, self._decode_entry(update.key, update.value))
+            finally:
+                try:
+                    await watcher.stop()
+                except Exception:
+                    logger.debug("stopping the catalog watch failed", exc_info=True)
+
+    # -- updates ------------------------------------------------------------------------------------
+
+    async def append(
+        self, entry: CatalogEntry, payload: bytes, headers: dict[str, str], key: str
+    ) -> Appended:
+        try:
+            ack = await self.js.publish(
+                self.subject(entry),
+                payload,
+                timeout=self.timeout_s,
+                stream=self.stream_name(entry),
+                headers={**headers, _MSG_ID: key},
+            )
+        except nats.js.errors.NotFoundError as exc:
+            raise NotFoundError(f"no table named {entry.name!r}") from exc
+        except nats.errors.NoRespondersError as exc:
+            # No stream listens on the subject: dropped, or (briefly) no leader.
+            if await self.get_table(entry.name) != entry:
+                raise NotFoundError(f"no table named {entry.name!r}") from exc
+            raise _unavailable("publish", exc) from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("publish", exc) from exc
+        return Appended(int(ack.seq), bool(ack.duplicate))
+
+    async def read(self, entry: CatalogEntry, after: int) -> AsyncGenerator[LogEntry, None]:
+        position = after
+        while True:
+            try:
+                sub = await self.js.subscribe(
+                    self.subject(entry),
+                    stream=self.stream_name(entry),
+                    ordered_consumer=True,
+                    idle_heartbeat=_READ_IDLE_S / 2,
+                    config=ConsumerConfig(
+                        deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=position + 1
+                    ),
+                )
+            except nats.js.errors.NotFoundError as exc:
+                raise NotFoundError(f"the log of table {entry.name!r} is gone") from exc
+            except (TimeoutError, nats.errors.Error) as exc:
+                logger.info("table %s: cannot read the log yet (%s); retrying", entry.name, exc)
+                await asyncio.sleep(0.25)
+                continue
+            try:
+                while True:
+                    try:
+                        msg = await sub.next_msg(timeout=_READ_IDLE_S)
+                    except nats.errors.TimeoutError:
+                        first, last = await self._bounds_or_unknown(entry)
+                        if first is not None and first > position + 1:
+                            raise LogTrimmedError(entry.name, position, first) from None
+                        if last is not None and last > position:
+                            logger.info(
+                                "table %s: reader stalled at %d of %d; restarting", entry.name, position, last
+                            )
+                            break
+                        continue
+                    meta = msg.metadata
+                    sequence = int(meta.sequence.stream)
+                    if sequence <= position:
+                        continue  # redelivered after a consumer reset
+                    position = sequence
+                    yield LogEntry(
+                        sequence,
+                        msg.data,
+                        dict(msg.headers or {}),
+                        meta.timestamp.timestamp() if meta.timestamp is not None else 0.0,
+                        int(meta.num_pending or 0),
+                    )
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    logger.debug("unsubscribing the reader failed", exc_info=True)
+
+    async def _bounds_or_unknown(self, entry: CatalogEntry) -> tuple[int | None, int | None]:
+        try:
+            first, last = await self.bounds(entry)
+        except BusyError:
+            return None, None
+        return first, last
+
+    async def bounds(self, entry: CatalogEntry) -> tuple[int, int]:
+        try:
+            info = await self.js.stream_info(self.stream_name(entry))
+        except nats.js.errors.NotFoundError as exc:
+            raise NotFoundError(f"the log of table {entry.name!r} is gone") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("stream info", exc) from exc
+        state = info.state
+        last = int(state.last_seq or 0)
+        first = int(state.first_seq or 0) if state.messages else last + 1
+        return first, last
+
+    async def trim(self, entry: CatalogEntry, below: int) -> None:
+        if below <= 1:
+            return
+        try:
+            await self.js.purge_stream(self.stream_name(entry), seq=below)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("trim", exc) from exc
+
+    # -- snapshots ----------------------------------------------------------------------------------
+
+    async def put_snapshot(self, entry: CatalogEntry, snapshot: Snapshot) -> None:
+        meta = ObjectMeta(
+            name=f"{entry.name}.{entry.incarnation}",
+            description=json.dumps({"position": snapshot.position}),
+        )
+        try:
+            await self.obs.put(meta.name or "", snapshot.data, meta=meta)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("upload snapshot", exc) from exc
+
+    async def get_snapshot(self, entry: CatalogEntry) -> Snapshot | None:
+        try:
+            result = await self.obs.get(f"{entry.name}.{entry.incarnation}")
+        except nats.js.errors.NotFoundError:
+            return None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("download snapshot", exc) from exc
+        if result.info.deleted or result.data is None:
+            return None
+        position = int(json.loads(result.info.description or "{}").get("position", -1))
+        if position < 0:
+            return None
+        return Snapshot(position, bytes(result.data))
+
+    async def snapshot_position(self, entry: CatalogEntry) -> int:
+        """Position of the stored snapshot without downloading it; 0 if there is none."""
+        try:
+            info = await self.obs.get_info(f"{entry.name}.{entry.incarnation}")
+        except nats.js.errors.NotFoundError:
+            return 0
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("snapshot info", exc) from exc
+        if info.deleted:
+            return 0
+        return int(json.loads(info.description or "{}").get("position", 0))

@@ -1,0 +1,269 @@
+"""A robez server as a replica of tables kept identical through a replicated log (``ReplicatedLog``).
+
+Every worker of a replica has a ``Replica``: it takes writes (validate -> append to the log -> wait until
+this replica applied that position) and answers with the log position as the version. Exactly one
+process per replica applies the log to the shared tables (``applier.Applier``): the worker holding
+``applier.lock`` (an ``flock`` in the shared directory; if that worker dies the lock is free and another
+takes over). The others wait for versions by polling the tables' shared version counters, which the
+applier advances, and read readiness from the applier's ``replication.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from robez_core.errors import BusyError, ConfigError, NotFoundError
+
+from ..config import Settings, TableSpec
+from ..metrics import Metrics
+from ..store import TableInfo, TableStore, validate_table_name
+from .applier import STATUS_FILE, Applier, ReplicaStatus
+from .log import CatalogEntry, ReplicatedLog
+from .records import encode_update
+
+logger = logging.getLogger("robez.replication")
+
+LOCK_FILE = "applier.lock"
+_ELECTION_POLL_S = 0.5
+_CONNECT_RETRY_S = 0.5
+
+
+def local_settings(settings: Settings) -> Settings:
+    """The settings ``TableStore.prepare`` gets in replicated mode: no tables of its own (the applier
+    creates them from the log's catalog and snapshots) and no data directory (the log is the journal)."""
+    return settings.model_copy(update={"config": None, "default_table": False, "data_dir": None})
+
+
+def open_log(settings: Settings) -> ReplicatedLog:
+    """The replicated log named by the settings (JetStream; a Kafka backend would be chosen here)."""
+    from .jetstream import JetStreamLog
+
+    assert settings.nats_url is not None
+    return JetStreamLog(
+        [url.strip() for url in settings.nats_url.split(",") if url.strip()],
+        replicas=settings.nats_replicas,
+        prefix=settings.nats_prefix,
+        dedup_window_s=settings.nats_dedup_window_s,
+        client_name=replica_name(settings),
+        timeout_s=settings.nats_publish_timeout_s,
+    )
+
+
+def replica_name(settings: Settings) -> str:
+    return settings.replica_name or f"{os.uname().nodename}:{settings.port}"
+
+
+@dataclass(frozen=True)
+class ReplicatedUpdate:
+    """A push as the log took it: its version (= position), seconds from publishing to the quorum's ack
+    and from the ack to this replica having applied it, and whether its key had been seen before."""
+
+    version: int
+    publish_seconds: float
+    apply_wait_seconds: float
+    duplicate: bool
+
+
+class Replica:
+    """One worker's part of a replica: the write path, version waits, and (when elected) the applier.
+
+    Args:
+        store: this worker's ``TableStore`` (NullJournal; the log is the journal).
+        settings: ``nats_*``, ``apply_wait_s``, ``min_version_wait_ms`` and the tables file.
+        metrics: where publish, apply and lag figures go.
+        log: the replicated log (default: ``open_log(settings)``).
+    """
+
+    def __init__(
+        self, store: TableStore, settings: Settings, metrics: Metrics, log: ReplicatedLog | None = None
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics
+        self.log = log if log is not None else open_log(settings)
+        self.name = replica_name(settings)
+        self.status_path = store.directory.path / STATUS_FILE
+        self._lock_path = store.directory.path / LOCK_FILE
+        self._lock_fd: int | None = None
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.applier: Applier | None = None
+        self._entries: dict[str, CatalogEntry] = {}
+
+    # -- life cycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect (in the background, retrying) and take part in the applier election."""
+        self._task = asyncio.create_task(self._run(), name="robez-replica")
+        self._task.add_done_callback(_log_failure)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self.applier is not None:
+            await self.applier.stop()
+        await self.log.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock: another worker may take over
+            self._lock_fd = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.log.connect()
+                break
+            except BusyError as exc:
+                logger.info("waiting for NATS: %s", exc)
+                await asyncio.sleep(_CONNECT_RETRY_S)
+        self._connected.set()
+        logger.info("replica %s connected to the log", replica_name(self.settings))
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(_ELECTION_POLL_S)
+        self._lock_fd = fd
+        logger.info("worker %d applies the log", os.getpid())
+        self.applier = Applier(self.store, self.settings, self.metrics, self.log, self.status_path)
+        await self.applier.run()
+
+    # -- readiness ----------------------------------------------------------------------------------
+
+    def status(self) -> ReplicaStatus | None:
+        return ReplicaStatus.read(self.status_path)
+
+    def ready(self) -> bool:
+        status = self.status()
+        return status is not None and status.ready and self._connected.is_set()
+
+    # -- writes -------------------------------------------------------------------------------------
+
+    async def _catalog_entry(self, name: str, *, fresh: bool = False) -> CatalogEntry:
+        entry = None if fresh else self._entries.get(name)
+        if entry is None:
+            await self._wait_connected()
+            entry = await self.log.get_table(name)
+            if entry is None:
+                self._entries.pop(name, None)
+                raise NotFoundError(f"no table named {name!r}")
+            self._entries[name] = entry
+        return entry
+
+    async def _wait_connected(self) -> None:
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout=self.settings.apply_wait_s)
+        except TimeoutError as exc:
+            raise BusyError("this replica is not connected to the replicated log yet") from exc
+
+    async def update(
+        self, name: str, ids: Tensor, grads: Tensor, lr: float, key: str | None
+    ) -> ReplicatedUpdate:
+        """Append a validated push (``lr`` already resolved by ``TableStore.validate_update``) and wait
+        until this replica applied it; the version is the log position.
+
+        ``key`` (the request's Idempotency-Key): a second append with it, within the dedup window,
+        is not added to the log; its answer is the first one's version."""
+        payload, headers = encode_update(ids, grads, lr)
+        key = key or secrets.token_hex(16)
+        for attempt in range(2):
+            # The cached catalog entry may be of an incarnation dropped since: then the append finds no
+            # stream, and the second attempt reads the catalog again.
+            entry = await self._wait_local(name, fresh=attempt > 0)
+            start = time.perf_counter()
+            try:
+                appended = await self.log.append(entry, payload, headers, key)
+                break
+            except NotFoundError:
+                self._entries.pop(name, None)
+                if attempt:
+                    raise
+        acked = time.perf_counter()
+        self.metrics.replication_publish_ack_seconds.labels(name).observe(acked - start)
+        if not await self.wait_version(name, appended.position, self.settings.apply_wait_s):
+            raise BusyError(
+                f"update stored in the log at version {appended.position} but not yet applied by this "
+                "replica; retry with the same Idempotency-Key"
+            )
+        if self._local_incarnation(name) != entry.incarnation:
+            raise BusyError(f"table {name!r} was dropped or re-created meanwhile; try again")
+        return ReplicatedUpdate(
+            appended.position, acked - start, time.perf_counter() - acked, appended.duplicate
+        )
+
+    def _local_incarnation(self, name: str) -> str | None:
+        status = self.status()
+        return None if status is None else status.tables.get(name, {}).get("incarnation")
+
+    async def _wait_local(self, name: str, *, fresh: bool) -> CatalogEntry:
+        """The catalog's entry of the table, once this replica serves that incarnation (it may be
+        creating it, or still have the one dropped before): versions of two incarnations must never be
+        compared. The cached entry is checked against the catalog when they differ."""
+        deadline = time.monotonic() + self.settings.apply_wait_s
+        entry = await self._catalog_entry(name, fresh=fresh)
+        while self._local_incarnation(name) != entry.incarnation:
+            if time.monotonic() > deadline:
+                raise BusyError(f"table {name!r} is being created on this replica; try again")
+            await asyncio.sleep(0.01)
+            entry = await self._catalog_entry(name, fresh=True)
+        return entry
+
+    async def wait_version(self, name: str, version: int, timeout_s: float) -> bool:
+        """True once this replica's table ``name`` is at ``version`` or later; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0002
+        while True:
+            if self.store.version(name) >= version:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if self.applier is not None:
+                await self.applier.wait_progress(min(remaining, 0.05))
+            else:
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(2 * delay, 0.002)
+
+    async def create_table(self, name: str, spec: TableSpec) -> TableInfo:
+        """Create a table on every replica (through the catalog); returns once this replica has it."""
+        validate_table_name(name)
+        if spec.share_array_with is not None:
+            raise ConfigError("share_array_with is not available on replicas: each table has its own log")
+        await self._wait_connected()
+        entry = await self.log.create_table(name, spec.config.to_dict(), spec.optimizer.to_dict())
+        self._entries[name] = entry
+        deadline = time.monotonic() + self.settings.apply_wait_s
+        while time.monotonic() < deadline:
+            if name in self.store.names():
+                return self.store.info(name)
+            await asyncio.sleep(0.01)
+        raise BusyError(f"table {name!r} was created in the log but not yet on this replica; it will appear")
+
+    async def drop_table(self, name: str) -> None:
+        """Drop a table on every replica; returns once this replica no longer serves it."""
+        await self._wait_connected()
+        await self.log.drop_table(name)
+        self._entries.pop(name, None)
+        deadline = time.monotonic() + self.settings.apply_wait_s
+        while time.monotonic() < deadline:
+            if name not in self.store.names():
+                return
+            await asyncio.sleep(0.01)
+        raise BusyError(f"table {name!r} was dropped from the log but this replica still has it")
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("the replica stopped following the log", exc_info=task.exception())

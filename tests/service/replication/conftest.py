@@ -1,0 +1,222 @@
+"""Fixtures for replication tests: a real 3-node NATS JetStream cluster on loopback, and robez replicas
+as real ``python -m service serve --nats ...`` processes. Everything is stopped by pid."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+import torch
+
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.table import Table
+from service.replication.natscluster import NatsCluster, free_ports
+
+REPO = Path(__file__).resolve().parents[3]
+SMALL = {"num_embeddings": 1000, "embedding_dim": 8, "memory_size": 4096, "chunk_size": 4}
+ADAM = {"name": "adam", "lr": 0.01}
+START_TIMEOUT_S = 90.0
+
+
+def wait_for_jetstream(cluster: NatsCluster, timeout_s: float = 60.0) -> None:
+    """Until the cluster has elected its JetStream meta leader (a stream can be created)."""
+
+    async def probe() -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                nc = await nats.connect(servers=cluster.urls, connect_timeout=1)
+                try:
+                    await nc.jetstream(timeout=2).account_info()
+                    return
+                finally:
+                    await nc.close()
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    asyncio.run(probe())
+
+
+@pytest.fixture(scope="module")
+def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    cluster = NatsCluster(tmp_path_factory.mktemp("nats"), size=3)
+    try:
+        cluster.start()
+        wait_for_jetstream(cluster)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class ReplicaServer:
+    """One ``robez serve --nats`` process (1 worker, 1 kernel thread) on a free loopback port."""
+
+    def __init__(self, name: str, cluster: NatsCluster, workdir: Path, prefix: str, **env: Any) -> None:
+        self.name = name
+        self.cluster = cluster
+        self.workdir = workdir / name
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.prefix = prefix
+        self.extra_env = {key: str(value) for key, value in env.items()}
+        self.port = free_ports(1)[0]
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = self.workdir / "server.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ReplicaServer:
+        env = {key: value for key, value in os.environ.items() if not key.startswith("ROBEZ_")}
+        env.update(
+            {
+                "ROBEZ_SHM_DIR": str(self.workdir / "shm"),
+                "ROBEZ_THREADS_PER_WORKER": "1",
+                "ROBEZ_DEFAULT_TABLE": "false",
+                "ROBEZ_NATS_PREFIX": self.prefix,
+                "ROBEZ_LOG_LEVEL": "info",
+                "PYTHONPATH": str(REPO),
+                **self.extra_env,
+            }
+        )
+        command = [sys.executable, "-m", "service", "serve", "--port", str(self.port)]
+        command += ["--nats", ",".join(self.cluster.urls), "--replica-name", self.name]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> ReplicaServer:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None and self.process.poll() is None, self.log()
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"replica {self.name} not ready in {timeout_s} s:\n{self.log()}")
+
+    def kill(self) -> None:
+        """kill -9, by pid."""
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+    def checksum(self, table: str) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/v1/tables/{table}/checksum", timeout=10)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def version(self, table: str) -> int:
+        response = httpx.get(f"{self.url}/v1/tables/{table}", timeout=10)
+        assert response.status_code == 200, response.text
+        return int(response.json()["version"])
+
+    def wait_version(self, table: str, version: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.version(table) < version:
+            assert time.monotonic() < deadline, f"{self.name} stuck below version {version}:\n{self.log()}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    nats_cluster: NatsCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[ReplicaServer]]:
+    """Two replicas sharing the cluster (prefix ``t``); tests create their own tables on them."""
+    workdir = tmp_path_factory.mktemp("replicas")
+    servers = [ReplicaServer(name, nats_cluster, workdir, "t") for name in ("a", "b")]
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def create_table(server: ReplicaServer, name: str, optimizer: dict[str, Any] | None = None) -> None:
+    payload = {"name": name, "config": SMALL, "optimizer": optimizer or ADAM}
+    response = httpx.post(f"{server.url}/v1/tables", json=payload, timeout=30)
+    assert response.status_code == 201, response.text
+
+
+def push_grads(seed: int, rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic push: ids and float32 gradients that a test can regenerate from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, SMALL["num_embeddings"], (rows,), generator=generator)
+    grads = torch.randn(rows, SMALL["embedding_dim"], generator=generator)
+    return ids, grads
+
+
+def replay_checksum(pushes_in_order: list[int], optimizer: dict[str, Any] | None = None) -> str:
+    """The checksum a table must have after the pushes (by seed) in this order, from a private Table:
+    what every replica computes independently, byte for byte."""
+    table = Table(TableConfig.from_dict(SMALL), OptimizerConfig.from_dict(optimizer or ADAM))
+    for seed in pushes_in_order:
+        ids, grads = push_grads(seed)
+        table.apply_gradients(ids, grads)
+    digest = hashlib.sha256()
+    for key, tensor in sorted(table.tensors().items()):
+        digest.update(key.encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def stream_leader(cluster: NatsCluster, prefix: str, table: str) -> str:
+    """Name of the NATS node leading the stream of ``table`` (current incarnation)."""
+
+    async def find() -> str:
+        nc = await nats.connect(servers=cluster.urls)
+        try:
+            js = nc.jetstream(timeout=5)
+            for info in await js.streams_info():
+                if info.config.name.startswith(f"{prefix}_{table}_") and info.cluster is not None:
+                    return str(info.cluster.leader)
+        finally:
+            await nc.close()
+        raise AssertionError(f"no stream for table {table}")
+
+    return asyncio.run(find())
+
+
+def stream_bounds(cluster: NatsCluster, prefix: str, table: str) -> tuple[int, int]:
+    async def bounds() -> tuple[int, int]:
+        nc = await nats.connect(servers=cluster.urls)
+        try:
+            js = nc.jetstream(timeout=5)
+            for info in await js.streams_info():
+                if info.config.name.startswith(f"{prefix}_{table}_"):
+                    return int(info.state.first_seq), int(info.state.last_seq)
+        finally:
+            await nc.close()
+        raise AssertionError(f"no stream for table {table}")
+
+    return asyncio.run(bounds())

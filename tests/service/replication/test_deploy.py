@@ -1,0 +1,52 @@
+"""deploy/cluster: read the compose file (no Docker engine in CI) and check the NATS config with the
+real nats-server's config test."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from service.config import Settings
+from service.replication.natscluster import nats_server_binary
+
+CLUSTER = Path(__file__).resolve().parents[3] / "deploy" / "cluster"
+
+
+def _compose() -> dict[str, Any]:
+    return dict(yaml.safe_load((CLUSTER / "docker-compose.yml").read_text()))
+
+
+def test_three_nats_three_replicas_and_a_load_balancer() -> None:
+    services = _compose()["services"]
+    nats_nodes = [name for name in services if name.startswith("nats")]
+    replicas = [name for name in services if name.startswith("robez")]
+    assert len(nats_nodes) == 3 and len(replicas) == 3 and "lb" in services
+    for name in replicas:
+        environment = services[name]["environment"]
+        assert set(environment) <= {f"ROBEZ_{field.upper()}" for field in Settings.model_fields}
+        urls = environment["ROBEZ_NATS_URL"].split(",")
+        assert sorted(urls) == sorted(f"nats://{node}:4222" for node in nats_nodes)
+        assert environment["ROBEZ_NATS_REPLICAS"] == "3"
+        assert environment["ROBEZ_REPLICA_NAME"] == name
+        assert "--data-dir" not in services[name]["command"]  # a replica's journal is the log
+    haproxy = (CLUSTER / "haproxy.cfg").read_text()
+    assert "GET /readyz" in haproxy
+    assert sorted(re.findall(r"server (robez\d) ", haproxy)) == sorted(replicas)
+
+
+def test_nats_config_is_valid_and_fsyncs_every_message() -> None:
+    config = CLUSTER / "nats.conf"
+    assert re.search(r"sync_interval:\s*always", config.read_text())
+    result = subprocess.run(
+        [nats_server_binary(), "-t", "-c", str(config)],
+        env={**os.environ, "SERVER_NAME": "nats1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,47 @@
+"""The log's update payload and the X-Robez-Min-Version header, without any server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from robez_core.errors import CorruptionError, InvalidInputError
+from service.consistency import parse_min_versions
+from service.replication.records import LR, SHAPE, decode_update, encode_update
+
+
+def test_update_round_trips_bit_exactly() -> None:
+    ids = torch.tensor([5, -3, 2**62, 5], dtype=torch.int64)
+    grads = torch.randn(4, 6)
+    grads[1, 2] = 1e-42  # a subnormal survives too
+    lr = 0.1 + 1e-17  # not a "nice" float: sent as float.hex
+    payload, headers = encode_update(ids, grads, lr)
+    record = decode_update("t", 7, payload, headers)
+    assert (record.table, record.version, record.lr) == ("t", 7, lr)
+    assert torch.equal(record.ids, ids)
+    assert torch.equal(record.grads.view(torch.int32), grads.view(torch.int32))
+
+
+def test_empty_update_round_trips() -> None:
+    payload, headers = encode_update(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 4), 0.5)
+    record = decode_update("t", 1, payload, headers)
+    assert record.ids.shape == (0,) and record.grads.shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    "headers, cut",
+    [({SHAPE: "2,3", LR: "0x1p-1"}, 1), ({SHAPE: "two,3", LR: "0x1p-1"}, 0), ({SHAPE: "2,3"}, 0)],
+)
+def test_damaged_entries_are_corruption(headers: dict[str, str], cut: int) -> None:
+    payload, _ = encode_update(torch.tensor([1, 2]), torch.zeros(2, 3), 0.5)
+    with pytest.raises(CorruptionError):
+        decode_update("t", 1, payload[: len(payload) - cut], headers)
+
+
+def test_min_version_header() -> None:
+    assert parse_min_versions(None, "t") == {}
+    assert parse_min_versions("12", "t") == {"t": 12}
+    assert parse_min_versions("a=3, b=4,a=1") == {"a": 3, "b": 4}
+    for bad, default in (("x", "t"), ("-1", "t"), ("3", None), ("a=", None), ("a=1.5", None)):
+        with pytest.raises(InvalidInputError):
+            parse_min_versions(bad, default)
