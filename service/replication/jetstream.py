@@ -114,6 +114,7 @@ class JetStreamLog:
                     history=1,
                     replicas=self.replicas,
                     storage=StorageType.FILE,
+                    direct=False,  # catalog reads go to the stream leader, never a lagging follower
                 )
             )
             self._obs = await self._js.create_object_store(

@@ -158,6 +158,12 @@ class Replica:
             entry = await self.log.get_table(name)
             if entry is None:
                 self._entries.pop(name, None)
+                if self._local_incarnation(name) is not None:
+                    # This replica still serves the table: a drop not applied here yet, or a catalog read
+                    # that missed it (seen once right after a NATS node restarted). A 404 is final for
+                    # a client; a 503 is retried with the same Idempotency-Key, and answers 404 once the
+                    # drop has reached this replica.
+                    raise BusyError(f"table {name!r} is not in the catalog read just now; try again")
                 raise NotFoundError(f"no table named {name!r}")
             self._entries[name] = entry
         return entry
