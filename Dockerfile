@@ -2,12 +2,13 @@
 # (or `docker compose up`). CPU only: torch comes from PyTorch's CPU wheel index, so the image carries
 # no CUDA libraries.
 #
-# Build arguments, for machines without Docker Hub or PyTorch's index (defaults need neither set):
-#   PYTHON_IMAGE    base of both stages; any Debian-like image with Python 3.11 on PATH as `python`,
-#                   `venv`, `groupadd`/`useradd` (default python:3.11-slim)
-#   TORCH_PIP_ARGS  where pip finds torch (default PyTorch's CPU index). Offline: copy the
+# Build arguments, for machines that reach neither Docker Hub nor PyTorch's index (`docker build .` with
+# none keeps the defaults):
+#   PYTHON_IMAGE    base of both stages (default python:3.11-slim); any Debian-like image with Python 3.11
+#                   as `python`, its `venv` module, `groupadd` and `useradd`
+#   TORCH_PIP_ARGS  where pip finds torch (default PyTorch's CPU index). Without that index, copy the
 #                   torch-2.13.0+cpu cp311 wheel into deploy/wheels/ and pass
-#                   --build-arg TORCH_PIP_ARGS="--no-index --find-links deploy/wheels"
+#                   --build-arg TORCH_PIP_ARGS="--find-links deploy/wheels" (torch's dependencies: PyPI)
 # `make container-test` uses both (docs/deploy.md).
 ARG PYTHON_IMAGE=python:3.11-slim
 

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup test lint typecheck pytest bench bench-quick serve loadtest clean
+.PHONY: setup test lint typecheck pytest bench bench-quick serve loadtest clean container-test container-clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,17 @@ serve: $(STAMP)
 
 loadtest: $(STAMP)
 	$(BIN)/python -m loadtest $(ARGS)
+
+# Build the image and run docker-compose.yml for real (Podman + Docker Compose v2), checking what it
+# promises; installs what is missing (apt, pip download). Needs root and minutes, so not part of `test`.
+# ARGS="--record docs/deploy.md" writes the run's summary there. See docs/deploy.md.
+CONTAINER_STATE ?= /var/tmp/robez-container-test
+container-test:
+	$(PYTHON) deploy/container_test.py --state $(CONTAINER_STATE) $(ARGS)
+
+# The container test's engine state: its images (the build cache), configuration and Compose binary.
+container-clean:
+	$(PYTHON) deploy/container_test.py --state $(CONTAINER_STATE) --clean
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
