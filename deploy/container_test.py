@@ -901,7 +901,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             + ", "
             + run([str(binary), "version"], deadline).stdout.strip()
         )
-        tree = run(["git", "log", "-1", "--format=%h %s"], deadline, check=False).stdout.strip()
+        tree = run(["git", "log", "-1", "--format=%h %s"], deadline, check=False).stdout.strip()[:90]
         dirty = run(["git", "status", "--porcelain", "--untracked-files=no"], deadline, check=False).stdout
         header = [
             f"make container-test: passed {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC "
