@@ -159,3 +159,27 @@ def test_compose_environment_names_real_settings() -> None:
     for name in compose_service()["environment"]:
         assert name.startswith("ROBEZ_")
         assert name.removeprefix("ROBEZ_").lower() in Settings.model_fields, name
+
+
+def test_offline_build_arguments_match_the_container_test() -> None:
+    """`make container-test` (deploy/container_test.py, not run in CI) builds with PYTHON_IMAGE and
+    TORCH_PIP_ARGS and a wheel in deploy/wheels/: renaming either in the Dockerfile must fail here."""
+    script = (REPO / "deploy" / "container_test.py").read_text()
+    instructions = dockerfile_instructions()
+    assert instructions[0] == ("ARG", "PYTHON_IMAGE=python:3.11-slim")  # global: usable in every FROM
+    assert [args.split()[0] for name, args in instructions if name == "FROM"] == [
+        "${PYTHON_IMAGE}",
+        "${PYTHON_IMAGE}",
+    ]
+    assert "PYTHON_IMAGE=" in script and "TORCH_PIP_ARGS=--find-links deploy/wheels" in script
+    build_stage = instructions[: [name for name, _ in instructions].index("FROM", 2)]
+    assert any(name == "ARG" and args.startswith("TORCH_PIP_ARGS=") for name, args in build_stage)
+    assert ("COPY", "deploy/wheels ./deploy/wheels") in build_stage
+    assert (REPO / "deploy" / "wheels").is_dir()
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert not any(fnmatch.fnmatch("deploy/wheels/torch.whl", pattern) for pattern in ignored)
+    assert "/deploy/wheels/*.whl" in (REPO / ".gitignore").read_text().split()
+    # --record rewrites the block between these markers.
+    deploy_doc = (REPO / "docs" / "deploy.md").read_text()
+    assert deploy_doc.count("<!-- container-test summary: begin -->") == 1
+    assert deploy_doc.count("<!-- container-test summary: end -->") == 1
