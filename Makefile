@@ -47,11 +47,11 @@ loadtest: $(STAMP)
 # ARGS="--record docs/deploy.md" writes the run's summary there. See docs/deploy.md.
 CONTAINER_STATE ?= /var/tmp/robez-container-test
 container-test:
-	$(PYTHON) deploy/container_test.py --state $(CONTAINER_STATE) $(ARGS)
+	PYTHONPATH=deploy $(PYTHON) -m container_test --state $(CONTAINER_STATE) $(ARGS)
 
 # The container test's engine state: its images (the build cache), configuration and Compose binary.
 container-clean:
-	$(PYTHON) deploy/container_test.py --state $(CONTAINER_STATE) --clean
+	PYTHONPATH=deploy $(PYTHON) -m container_test --state $(CONTAINER_STATE) --clean
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

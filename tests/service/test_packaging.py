@@ -162,9 +162,9 @@ def test_compose_environment_names_real_settings() -> None:
 
 
 def test_offline_build_arguments_match_the_container_test() -> None:
-    """`make container-test` (deploy/container_test.py, not run in CI) builds with PYTHON_IMAGE and
+    """`make container-test` (deploy/container_test/, not run in CI) builds with PYTHON_IMAGE and
     TORCH_PIP_ARGS and a wheel in deploy/wheels/: renaming either in the Dockerfile must fail here."""
-    script = (REPO / "deploy" / "container_test.py").read_text()
+    script = (REPO / "deploy" / "container_test" / "images.py").read_text()
     instructions = dockerfile_instructions()
     assert instructions[0] == ("ARG", "PYTHON_IMAGE=python:3.11-slim")  # global: usable in every FROM
     assert [args.split()[0] for name, args in instructions if name == "FROM"] == [
