@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster: Compose | None = None
         cluster_note = "--no-cluster" if args.no_cluster else f"{CLUSTER_FILE} absent"
         if (REPO / CLUSTER_FILE).exists() and not args.no_cluster:
-            cluster = Compose(binary, engine, CLUSTER_FILE, CLUSTER_PROJECT, CLUSTER_PORT, "ROBEZ_LB_PORT")
+            cluster = Compose(binary, engine, CLUSTER_FILE, CLUSTER_PROJECT, CLUSTER_PORT, None)
             standins = ensure_cluster_standins(engine, cluster, deadline) if args.base == "standin" else {}
         engine.start_service(deadline)
         compose = Compose(binary, engine, "docker-compose.yml", PROJECT, free_port(), "ROBEZ_HOST_PORT")

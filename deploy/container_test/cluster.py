@@ -119,7 +119,11 @@ class Pusher(threading.Thread):
                         break
                 except urllib.error.HTTPError as error:
                     if error.code < 500:
-                        self.error = f"push {index} answered {error.code}: {error.read()[:200]!r}"
+                        replica = error.headers.get("X-Robez-Replica", "?")
+                        self.error = (
+                            f"push {index} answered {error.code} by replica {replica} at "
+                            f"{time.strftime('%H:%M:%S')}: {error.read()[:200]!r}"
+                        )
                         return
                 except (OSError, http.client.HTTPException):
                     pass
@@ -186,7 +190,10 @@ def check_cluster_stack(compose: Compose, deadline: Deadline, step: int) -> dict
     pusher.stop.set()
     pusher.join(deadline.left(600))
     if pusher.error or pusher.is_alive():
-        raise Failure(f"cluster pushes: {pusher.error or 'still running at the time limit'}")
+        states = compose("ps", "-a", "--format", "{{.Service}} {{.State}} {{.Status}}", deadline=deadline)
+        raise Failure(
+            f"cluster pushes: {pusher.error or 'still running at the time limit'}; containers now:\n{states}"
+        )
     pushes = len(pusher.versions)
     if sorted(pusher.versions) != list(range(1, pushes + 1)):
         raise Failure(f"acknowledged versions are not exactly 1..{pushes}: {sorted(pusher.versions)}")

@@ -112,8 +112,10 @@ class Compose:
     """The Compose v2 CLI on one compose file, talking to Podman's socket, under its own project name."""
 
     def __init__(
-        self, binary: Path, engine: Engine, file: str, project: str, port: int, port_variable: str
+        self, binary: Path, engine: Engine, file: str, project: str, port: int, port_variable: str | None
     ) -> None:
+        """`port` is the published host port the checks use; `port_variable`, when the file reads one
+        (docker-compose.yml: ROBEZ_HOST_PORT), is set to it."""
         self.binary = binary
         self.engine = engine
         self.file = file
@@ -123,8 +125,9 @@ class Compose:
             os.environ,
             DOCKER_HOST=f"unix://{engine.socket}",
             DOCKER_CONFIG=str(engine.state / "docker-config"),
-            **{port_variable: str(port)},
         )
+        if port_variable is not None:
+            self.env[port_variable] = str(port)
 
     def __call__(self, *args: str, deadline: Deadline, cap: float = 300, check: bool = True) -> str:
         command = [str(self.binary), "-f", self.file, "-p", self.project, *args]
