@@ -1,8 +1,19 @@
 # robez service image: `docker build -t robez .` then `docker run -p 8000:8000 --shm-size=1g robez`
 # (or `docker compose up`). CPU only: torch comes from PyTorch's CPU wheel index, so the image carries
 # no CUDA libraries.
+#
+# Build arguments, for machines that reach neither Docker Hub nor PyTorch's index (`docker build .` with
+# none keeps the defaults):
+#   PYTHON_IMAGE    base of both stages (default python:3.11-slim); any Debian-like image with Python 3.11
+#                   as `python`, its `venv` module, `groupadd` and `useradd`
+#   TORCH_PIP_ARGS  where pip finds torch (default PyTorch's CPU index). Without that index, copy the
+#                   torch-2.13.0+cpu cp311 wheel into deploy/wheels/ and pass
+#                   --build-arg TORCH_PIP_ARGS="--find-links deploy/wheels" (torch's dependencies: PyPI)
+# `make container-test` uses both (docs/deploy.md).
+ARG PYTHON_IMAGE=python:3.11-slim
 
-FROM python:3.11-slim AS build
+FROM ${PYTHON_IMAGE} AS build
+ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -13,7 +24,8 @@ WORKDIR /src
 # torch first, from the CPU index: the pin in constraints.txt (torch==2.13.0) also matches
 # 2.13.0+cpu, so the second install keeps it instead of pulling the CUDA build from PyPI.
 COPY constraints.txt ./
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
+COPY deploy/wheels ./deploy/wheels
+RUN pip install ${TORCH_PIP_ARGS} "torch==2.13.0+cpu"
 
 COPY pyproject.toml README.md ./
 COPY robez_core ./robez_core
@@ -24,7 +36,7 @@ RUN pip install -c constraints.txt . \
     && python -c "import torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
 
 
-FROM python:3.11-slim
+FROM ${PYTHON_IMAGE}
 
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

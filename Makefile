@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup test lint typecheck pytest bench bench-quick serve cluster loadtest quality clean
+.PHONY: setup test lint typecheck pytest bench bench-quick serve cluster loadtest quality clean \
+	container-test container-clean
 
 setup: $(STAMP)
 
@@ -49,6 +50,17 @@ loadtest: $(STAMP)
 # Quality on MovieLens-100K (offline, online through a server, compression); writes docs/quality/.
 quality: $(STAMP)
 	$(BIN)/python -m quality $(ARGS)
+
+# Build the image and run docker-compose.yml for real (Podman + Docker Compose v2), checking what it
+# promises; installs what is missing (apt, pip download). Needs root and minutes, so not part of `test`.
+# ARGS="--record docs/deploy.md" writes the run's summary there. See docs/deploy.md.
+CONTAINER_STATE ?= /var/tmp/robez-container-test
+container-test:
+	PYTHONPATH=deploy $(PYTHON) -m container_test --state $(CONTAINER_STATE) $(ARGS)
+
+# The container test's engine state: its images (the build cache), configuration and Compose binary.
+container-clean:
+	PYTHONPATH=deploy $(PYTHON) -m container_test --state $(CONTAINER_STATE) --clean
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -35,6 +35,20 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return [(text.split(None, 1)[0].upper(), text.split(None, 1)[1]) for text in logical]
 
 
+def base_images() -> list[str]:
+    """The image of each FROM, with ${ARG} references replaced by the ARG defaults declared before it."""
+    defaults: dict[str, str] = {}
+    images: list[str] = []
+    for name, args in dockerfile_instructions():
+        if name == "ARG" and "=" in args:
+            key, value = args.split("=", 1)
+            defaults[key] = value.strip('"')
+        elif name == "FROM":
+            image = args.split()[0]
+            images.append(re.sub(r"\$\{(\w+)\}", lambda match: defaults[match[1]], image))
+    return images
+
+
 def final_stage() -> list[tuple[str, str]]:
     instructions = dockerfile_instructions()
     last_from = max(i for i, (name, _) in enumerate(instructions) if name == "FROM")
@@ -59,8 +73,8 @@ def compose_service() -> dict[str, Any]:
 
 
 def test_dockerfile_stages_are_slim_and_run_unprivileged() -> None:
-    instructions = dockerfile_instructions()
-    assert [args.split()[0] for name, args in instructions if name == "FROM"] == ["python:3.11-slim"] * 2
+    # Default build: both stages on the official slim image (PYTHON_IMAGE overrides it offline).
+    assert base_images() == ["python:3.11-slim"] * 2
     stage = dict(final_stage())
     assert stage["USER"] not in ("root", "0")
     assert stage["EXPOSE"] == "8000"
@@ -89,7 +103,9 @@ def test_dockerfile_installs_cpu_torch_at_the_pinned_version() -> None:
     )
     text = (REPO / "Dockerfile").read_text()
     assert f'"torch=={pins["torch"]}+cpu"' in text
-    assert "--index-url https://download.pytorch.org/whl/cpu" in text
+    # The default source is PyTorch's CPU index; TORCH_PIP_ARGS replaces it for offline builds.
+    assert 'ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"' in text
+    assert 'pip install ${TORCH_PIP_ARGS} "torch==' in text
     assert re.search(r"pip install -c constraints\.txt \.", text)
 
 
@@ -143,3 +159,27 @@ def test_compose_environment_names_real_settings() -> None:
     for name in compose_service()["environment"]:
         assert name.startswith("ROBEZ_")
         assert name.removeprefix("ROBEZ_").lower() in Settings.model_fields, name
+
+
+def test_offline_build_arguments_match_the_container_test() -> None:
+    """`make container-test` (deploy/container_test/, not run in CI) builds with PYTHON_IMAGE and
+    TORCH_PIP_ARGS and a wheel in deploy/wheels/: renaming either in the Dockerfile must fail here."""
+    script = (REPO / "deploy" / "container_test" / "images.py").read_text()
+    instructions = dockerfile_instructions()
+    assert instructions[0] == ("ARG", "PYTHON_IMAGE=python:3.11-slim")  # global: usable in every FROM
+    assert [args.split()[0] for name, args in instructions if name == "FROM"] == [
+        "${PYTHON_IMAGE}",
+        "${PYTHON_IMAGE}",
+    ]
+    assert "PYTHON_IMAGE=" in script and "TORCH_PIP_ARGS=--find-links deploy/wheels" in script
+    build_stage = instructions[: [name for name, _ in instructions].index("FROM", 2)]
+    assert any(name == "ARG" and args.startswith("TORCH_PIP_ARGS=") for name, args in build_stage)
+    assert ("COPY", "deploy/wheels ./deploy/wheels") in build_stage
+    assert (REPO / "deploy" / "wheels").is_dir()
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert not any(fnmatch.fnmatch("deploy/wheels/torch.whl", pattern) for pattern in ignored)
+    assert "/deploy/wheels/*.whl" in (REPO / ".gitignore").read_text().split()
+    # --record rewrites the block between these markers.
+    deploy_doc = (REPO / "docs" / "deploy.md").read_text()
+    assert deploy_doc.count("<!-- container-test summary: begin -->") == 1
+    assert deploy_doc.count("<!-- container-test summary: end -->") == 1
