@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     workers: int = Field(default=1, ge=1, le=256, description="uvicorn worker processes")
     config: Path | None = Field(default=None, description="tables file (TOML); see docs/api.md")
     data_dir: Path | None = Field(default=None, description="durable tables (WAL + snapshots); None = memory")
-    # Write-ahead log (service/wal.py), used when data_dir is set; see docs/durability.md.
+    # Write-ahead log (service/wal/), used when data_dir is set; see docs/durability.md.
     wal_fsync: Literal["always", "interval", "never"] = Field(
         default="always",
         description="always: fdatasync before each update's response; interval: group commit, one "

@@ -6,7 +6,7 @@
 is sent (group commit: the writers that come next append meanwhile and share one flush); ``create`` /
 ``snapshot`` / ``drop`` when tables come and go; ``load`` and ``names`` at start-up; ``recover`` when a
 worker died holding a table's update lock in the middle of an update (the store's repair). ``NullJournal`` (no
-data directory) keeps nothing: tables live in memory only. ``service/wal.py`` provides the durable
+data directory) keeps nothing: tables live in memory only. ``service/wal/`` provides the durable
 implementation, ``WalJournal``.
 """
 

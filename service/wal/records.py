@@ -1,0 +1,251 @@
+"""The update log's bytes: the log header, records (checksummed), scanning and following a log."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from robez_core.errors import CorruptionError, InvalidInputError
+
+if TYPE_CHECKING:
+    pass
+
+logger = logging.getLogger("robez.wal")
+
+# What replay calls for each record: ``Table.apply_gradients(ids, grads, lr)``.
+_ApplyFn = Callable[[torch.Tensor, torch.Tensor, float], None]
+
+FsyncPolicy = Literal["always", "interval", "never"]
+FSYNC_POLICIES: tuple[str, ...] = ("always", "interval", "never")
+
+META_FILE = "meta.json"
+LOG_FILE = "updates.wal"
+META_FORMAT = "robez-table-dir"
+META_FORMAT_VERSION = 1
+
+# Log file header: magic, format version, embedding_dim, generation, base_version; then its CRC32.
+LOG_MAGIC = b"ROBEZWAL"
+LOG_FORMAT_VERSION = 1
+_LOG_HEADER = struct.Struct("<8sIIQQ")
+LOG_HEADER_SIZE = _LOG_HEADER.size + 4
+
+# Record header: magic, format version, reserved (0), embedding_dim, n ids, version produced, lr; then
+# the CRC32 of those 36 bytes, so a flipped length field is caught before it is trusted. The payload is
+# n int64 ids then n * dim float32 gradients (little-endian), then the CRC32 of header + payload.
+RECORD_MAGIC = b"RZUP"
+RECORD_FORMAT_VERSION = 1
+_RECORD_HEADER = struct.Struct("<4sHHIQQd")
+RECORD_HEADER_SIZE = _RECORD_HEADER.size + 4
+_CRC = struct.Struct("<I")
+
+
+def _crc(data: Any, value: int = 0) -> int:
+    return zlib.crc32(data, value) & 0xFFFFFFFF
+
+
+def encode_log_header(embedding_dim: int, generation: int, base_version: int) -> bytes:
+    """The 36-byte header that starts every log file."""
+    head = _LOG_HEADER.pack(LOG_MAGIC, LOG_FORMAT_VERSION, embedding_dim, generation, base_version)
+    return head + _CRC.pack(_crc(head))
+
+
+def encode_record(version: int, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> list[Any]:
+    """One log record as buffers for ``os.writev``: header, ids, grads, trailing CRC32.
+
+    Args:
+        version: the table version this update produces.
+        ids: int64 (N,).
+        grads: float32 (N, d).
+        lr: the learning rate applied.
+    """
+    ids_array = np.ascontiguousarray(ids.detach().cpu().numpy(), dtype="<i8")
+    grads_array = np.ascontiguousarray(grads.detach().cpu().numpy(), dtype="<f4")
+    if grads_array.ndim != 2 or ids_array.ndim != 1 or grads_array.shape[0] != ids_array.shape[0]:
+        raise InvalidInputError(
+            f"record needs ids (N,) and grads (N, d); got {ids_array.shape}, {grads_array.shape}"
+        )
+    num_ids, embedding_dim = grads_array.shape
+    head = _RECORD_HEADER.pack(RECORD_MAGIC, RECORD_FORMAT_VERSION, 0, embedding_dim, num_ids, version, lr)
+    head += _CRC.pack(_crc(head))
+    crc = _crc(grads_array, _crc(ids_array, _crc(head)))
+    # Flat byte views: writev and the CRC see the same bytes, with no copy (empty updates included).
+    return [
+        head,
+        ids_array.reshape(-1).view(np.uint8),
+        grads_array.reshape(-1).view(np.uint8),
+        _CRC.pack(crc),
+    ]
+
+
+@dataclass(frozen=True)
+class RecordSpan:
+    """Where one verified record lies in a log buffer (byte offsets)."""
+
+    offset: int
+    length: int
+    version: int
+    num_ids: int
+    embedding_dim: int
+    lr: float
+
+
+@dataclass(frozen=True)
+class LogScan:
+    """The result of checking a whole log: its header, verified records, and any dropped tail."""
+
+    generation: int
+    base_version: int
+    embedding_dim: int
+    records: list[RecordSpan]
+    good_length: int  # bytes up to the end of the last good record; the file is cut here
+    file_length: int
+    tail_problem: str | None  # why the bytes after good_length were dropped; None when there are none
+
+
+def _parse_record(buf: Any, offset: int) -> RecordSpan | str:
+    """The verified record at ``offset``, or why there is none (the caller decides what that means)."""
+    size = len(buf)
+    if size - offset < RECORD_HEADER_SIZE:
+        return f"{size - offset} bytes, less than a record header"
+    head = bytes(buf[offset : offset + _RECORD_HEADER.size])
+    magic, fmt, _reserved, dim, num_ids, version, lr = _RECORD_HEADER.unpack(head)
+    if magic != RECORD_MAGIC:
+        return "bad record magic"
+    (head_crc,) = _CRC.unpack_from(buf, offset + _RECORD_HEADER.size)
+    if head_crc != _crc(head):
+        return "record header checksum mismatch"
+    if fmt != RECORD_FORMAT_VERSION:
+        return f"unknown record format {fmt}"
+    length = RECORD_HEADER_SIZE + num_ids * 8 + num_ids * dim * 4 + 4
+    if offset + length > size:
+        return f"record of {length} bytes cut short at {size - offset}"
+    (crc,) = _CRC.unpack_from(buf, offset + length - 4)
+    if crc != _crc(buf[offset : offset + length - 4]):
+        return "record checksum mismatch"
+    return RecordSpan(offset, length, version, num_ids, dim, lr)
+
+
+def _valid_record_after(buf: Any, start: int) -> int | None:
+    """Offset of the first fully valid record at or after ``start``, searching byte by byte for the magic."""
+    position = buf.find(RECORD_MAGIC, start)
+    while position != -1:
+        if isinstance(_parse_record(buf, position), RecordSpan):
+            return int(position)
+        position = buf.find(RECORD_MAGIC, position + 1)
+    return None
+
+
+def scan_log(buf: Any, where: str = "log", *, salvage: bool = False) -> LogScan:
+    """Verify a whole log held in ``buf`` (bytes or mmap).
+
+    A bad record with no valid record anywhere after it is a torn tail: reported in ``tail_problem`` and
+    left out of ``records``. Raises ``CorruptionError`` for a bad header, a bad record followed by a valid
+    one (damage in the middle of the log), a record of another dim, or versions that do not follow on.
+    With ``salvage`` damage in the middle is treated as a tail too: everything from the first bad record
+    on is given up (an operator's explicit choice, ``robez snapshot --salvage``); and a record that
+    repeats the previous record's version replaces it: the earlier one was written by a worker that died
+    before it finished the update (never acknowledged), the later one by the next writer (versions before
+    robez 0.1.1 could write such a pair; see docs/durability.md).
+    """
+    size = len(buf)
+    if size < LOG_HEADER_SIZE:
+        raise CorruptionError(f"{where}: {size} bytes, too short for the log header")
+    head = bytes(buf[: _LOG_HEADER.size])
+    magic, fmt, dim, generation, base_version = _LOG_HEADER.unpack(head)
+    (head_crc,) = _CRC.unpack_from(buf, _LOG_HEADER.size)
+    if magic != LOG_MAGIC or head_crc != _crc(head):
+        raise CorruptionError(f"{where}: bad log header (magic or checksum)")
+    if fmt != LOG_FORMAT_VERSION:
+        raise CorruptionError(f"{where}: unknown log format version {fmt}")
+    records: list[RecordSpan] = []
+    offset = LOG_HEADER_SIZE
+    expected_version = base_version + 1
+    tail_problem: str | None = None
+    while offset < size:
+        parsed = _parse_record(buf, offset)
+        if isinstance(parsed, str):
+            later = _valid_record_after(buf, offset + 1)
+            if later is not None and not salvage:
+                raise CorruptionError(
+                    f"{where}: record at byte {offset} is bad ({parsed}) but a valid record follows at byte "
+                    f"{later}: the log is damaged in the middle, not torn at its end"
+                )
+            tail_problem = f"{parsed} at byte {offset}"
+            if later is not None:
+                tail_problem += f"; salvaged: valid records after it, from byte {later}, are given up too"
+            break
+        if parsed.embedding_dim != dim:
+            raise CorruptionError(
+                f"{where}: record at byte {offset} has dim {parsed.embedding_dim}, log has {dim}"
+            )
+        if salvage and records and parsed.version == expected_version - 1:
+            logger.warning(
+                "%s: record at byte %d repeats version %d; salvage keeps it instead of the earlier one at "
+                "byte %d (an update whose worker died before finishing it)",
+                where,
+                offset,
+                parsed.version,
+                records[-1].offset,
+            )
+            records[-1] = parsed
+            offset += parsed.length
+            continue
+        if parsed.version != expected_version:
+            repeated = parsed.version == expected_version - 1
+            hint = " (robez snapshot --salvage can recover it)" if repeated else ""
+            raise CorruptionError(
+                f"{where}: record at byte {offset} produces version {parsed.version}, "
+                f"expected {expected_version}{hint}"
+            )
+        records.append(parsed)
+        expected_version += 1
+        offset += parsed.length
+    return LogScan(generation, base_version, dim, records, offset, size, tail_problem)
+
+
+def follow_records(fd: int, offset: int, size: int, last_version: int, where: str) -> tuple[int, int]:
+    """Walk the record headers of an open log from byte ``offset`` (just after the record that produced
+    ``last_version``) to ``size``; returns (end, last version) of the last record.
+
+    Reads only the headers (each checked by its CRC, the payload is not), so it costs a few microseconds a
+    record. Raises ``CorruptionError`` for a record that does not follow on (a repeated or skipped
+    version) or that is cut short (a writer died in the middle of its append).
+    """
+    while offset < size:
+        head = os.pread(fd, RECORD_HEADER_SIZE, offset)
+        if len(head) < RECORD_HEADER_SIZE:
+            raise CorruptionError(f"{where}: an unfinished record at byte {offset} ({size - offset} bytes)")
+        magic, _fmt, _reserved, dim, num_ids, version, _lr = _RECORD_HEADER.unpack_from(head)
+        (head_crc,) = _CRC.unpack_from(head, _RECORD_HEADER.size)
+        if magic != RECORD_MAGIC or head_crc != _crc(head[: _RECORD_HEADER.size]):
+            raise CorruptionError(f"{where}: a bad record header at byte {offset}")
+        length = RECORD_HEADER_SIZE + num_ids * 8 + num_ids * dim * 4 + 4
+        if offset + length > size:
+            raise CorruptionError(
+                f"{where}: an unfinished record at byte {offset} ({size - offset} of {length} bytes)"
+            )
+        if version != last_version + 1:
+            raise CorruptionError(
+                f"{where}: record at byte {offset} produces version {version}, expected {last_version + 1}"
+            )
+        offset += length
+        last_version = version
+    return offset, last_version
+
+
+def decode_record(buf: Any, span: RecordSpan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids int64 (N,) and grads float32 (N, d) of a verified record, copied out of ``buf``."""
+    start = span.offset + RECORD_HEADER_SIZE
+    ids = np.frombuffer(buf, dtype="<i8", count=span.num_ids, offset=start).astype(np.int64)
+    grads = np.frombuffer(
+        buf, dtype="<f4", count=span.num_ids * span.embedding_dim, offset=start + span.num_ids * 8
+    ).astype(np.float32)
+    return torch.from_numpy(ids), torch.from_numpy(grads.reshape(span.num_ids, span.embedding_dim))
