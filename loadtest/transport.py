@@ -143,7 +143,7 @@ class RawConnection:
                 )
             assert self._reader is not None
             self._writer.write(request.wire)
-            response = await self._read_response(self._reader)
+            response = await self._read(self._reader)
         except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             await self.close()
             raise TransportError(f"{type(exc).__name__}: {exc}") from exc
@@ -154,6 +154,10 @@ class RawConnection:
         if response.headers.get("connection", "").lower() == "close":
             await self.close()
         return response
+
+    async def _read(self, reader: asyncio.StreamReader) -> Response:
+        """One answer off the stream: an HTTP/1.1 response here (``RespConnection``: a RESP reply)."""
+        return await self._read_response(reader)
 
     @staticmethod
     async def _read_response(reader: asyncio.StreamReader) -> Response:
@@ -208,34 +212,17 @@ def resp_command(*parts: bytes) -> bytes:
     return b"".join(pieces)
 
 
-class RespConnection:
-    """One connection to a Redis server speaking RESP2, behind the same ``Connection`` interface.
+class RespConnection(RawConnection):
+    """One connection to a Redis server speaking RESP2, behind the same ``Connection`` interface
+    (``RawConnection``'s connection handling, another reply parser).
 
     ``request.wire`` is the encoded command. The answer maps to a ``Response``: status 200 with the
     reply's payload as body (a bulk string's bytes; an array of bulk strings concatenated; a status
     line's text), 500 with the message for an error reply, 404 for a nil (a key that is missing).
     """
 
-    def __init__(self, target: Target) -> None:
-        self._target = target
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-
-    async def send(self, request: PreparedRequest) -> Response:
-        try:
-            if self._writer is None:
-                self._reader, self._writer = await asyncio.open_connection(
-                    self._target.host, self._target.port, limit=1 << 20
-                )
-            assert self._reader is not None
-            self._writer.write(request.wire)
-            return await self._read_reply(self._reader)
-        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            await self.close()
-            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
-        except asyncio.CancelledError:
-            self._abort()
-            raise
+    async def _read(self, reader: asyncio.StreamReader) -> Response:
+        return await self._read_reply(reader)
 
     @staticmethod
     async def _read_reply(reader: asyncio.StreamReader) -> Response:
@@ -281,18 +268,6 @@ class RespConnection:
         if position != len(buffer):
             raise ValueError("bytes after a RESP reply")
         return Response(404 if missing else 200, {}, b"".join(items))
-
-    def _abort(self) -> None:
-        writer, self._reader, self._writer = self._writer, None, None
-        if writer is not None:
-            writer.close()
-
-    async def close(self) -> None:
-        writer, self._reader, self._writer = self._writer, None, None
-        if writer is not None:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
 
 
 async def _more(reader: asyncio.StreamReader) -> bytes:
