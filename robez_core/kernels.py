@@ -1433,10 +1433,8 @@ def adam_nonfinite(
     step: int,
 ) -> int:
     """As ``sgd_nonfinite`` for ``adam_step`` (its weight and both moments) taken as step ``step``."""
-    if step < 1:
-        raise ConfigError(f"step must be >= 1, got {step}")
+    step_size = adam_step_size(lr, beta1, beta2, step)
     weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
-    step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
     set_kernel_threads()
     return int(
         _adam_nonfinite_kernel(
@@ -1452,6 +1450,15 @@ def adam_nonfinite(
             work=loc_np.shape[0],
         )
     )
+
+
+def adam_step_size(lr: float, beta1: float, beta2: float, step: int) -> float:
+    """The bias-corrected step size of Adam step number ``step`` (1 for the first update), in float64: the
+    one formula every Adam path (``adam_step``, ``adam_nonfinite``, the small-batch step) must share to stay
+    bit-identical."""
+    if step < 1:
+        raise ConfigError(f"step must be >= 1, got {step}")
+    return lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
 
 
 def adagrad_step(
@@ -1495,10 +1502,8 @@ def adam_step(
 
     ``step`` is the step number being taken (1 for the first update); the bias corrections use it.
     """
-    if step < 1:
-        raise ConfigError(f"step must be >= 1, got {step}")
+    step_size = adam_step_size(lr, beta1, beta2, step)
     weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
-    step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
     set_kernel_threads()
     _adam_kernel(
         weight_np,

@@ -180,8 +180,7 @@ def small_step(
     elif optimizer.name == "adam":
         step = int(state_np["step"][0]) + 1  # the numpy view: a torch scalar read costs ~2 us
         beta1, beta2 = optimizer.betas
-        # as kernels.adam_step computes it
-        step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+        step_size = kernels.adam_step_size(lr, beta1, beta2, step)
         kernels._adam_kernel.serial(
             weight,
             state_np["exp_avg"],
