@@ -20,7 +20,6 @@ Prints a Markdown report (machine, CPU, date, command) for docs/benchmarks/repli
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import os
 import platform
@@ -37,7 +36,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-import nats
 import numpy as np
 
 from .natscluster import NatsCluster, free_ports
@@ -209,22 +207,6 @@ def _means(url: str) -> dict[str, float]:
     }
 
 
-async def _wait_for_jetstream(urls: list[str]) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            nc = await nats.connect(servers=urls, connect_timeout=1)
-            try:
-                await nc.jetstream(timeout=2).account_info()
-                return
-            finally:
-                await nc.close()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
-
-
 def _cpu() -> str:
     model, flags = platform.processor() or "unknown", ""
     try:
@@ -253,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers: list[_Server] = []
     try:
         cluster.start()
-        asyncio.run(_wait_for_jetstream(cluster.urls))
+        cluster.wait_for_jetstream()
         nats_args = ["--nats", ",".join(cluster.urls)]
         a = _Server("a", workdir, [*nats_args, "--replica-name", "a"], {})
         b = _Server("b", workdir, [*nats_args, "--replica-name", "b"], {})

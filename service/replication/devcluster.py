@@ -11,7 +11,6 @@ until Ctrl-C (or SIGTERM), then stops every process it started, by pid. NATS sto
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import subprocess
@@ -21,25 +20,8 @@ import time
 from pathlib import Path
 
 import httpx
-import nats
 
 from .natscluster import NatsCluster
-
-
-async def _wait_for_jetstream(urls: list[str], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            nc = await nats.connect(servers=urls, connect_timeout=1)
-            try:
-                await nc.jetstream(timeout=2).account_info()
-                return
-            finally:
-                await nc.close()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
 
 
 def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> bool:
@@ -77,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start()
         print(f"NATS: {','.join(cluster.urls)} (stores in {directory / 'nats'}); waiting for JetStream...")
-        asyncio.run(_wait_for_jetstream(cluster.urls, 60.0))
+        cluster.wait_for_jetstream(60.0)
         urls = []
         for index in range(args.replicas):
             port = args.port + index

@@ -10,6 +10,7 @@ the quorum, the setting docs/replication.md's power-loss promise rests on.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -139,6 +140,10 @@ class NatsCluster:
                         ) from None
                     time.sleep(0.05)
 
+    def wait_for_jetstream(self, timeout_s: float = 60.0) -> None:
+        """Until the cluster has elected its JetStream meta leader (a stream can be created)."""
+        asyncio.run(_wait_for_jetstream(self.urls, timeout_s))
+
     def kill(self, node: NatsNode) -> None:
         """kill -9 one node (by its pid) and reap it."""
         if node.process is not None and node.process.poll() is None:
@@ -158,3 +163,21 @@ class NatsCluster:
                 except subprocess.TimeoutExpired:
                     node.process.kill()
                     node.process.wait(timeout=10)
+
+
+async def _wait_for_jetstream(urls: list[str], timeout_s: float) -> None:
+    import nats  # the runtime dependency of replicated mode; imported only when a cluster is probed
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            nc = await nats.connect(servers=urls, connect_timeout=1)
+            try:
+                await nc.jetstream(timeout=2).account_info()
+                return
+            finally:
+                await nc.close()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)

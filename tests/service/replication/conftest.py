@@ -29,33 +29,12 @@ ADAM = {"name": "adam", "lr": 0.01}
 START_TIMEOUT_S = 90.0
 
 
-def wait_for_jetstream(cluster: NatsCluster, timeout_s: float = 60.0) -> None:
-    """Until the cluster has elected its JetStream meta leader (a stream can be created)."""
-
-    async def probe() -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                nc = await nats.connect(servers=cluster.urls, connect_timeout=1)
-                try:
-                    await nc.jetstream(timeout=2).account_info()
-                    return
-                finally:
-                    await nc.close()
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-
-    asyncio.run(probe())
-
-
 @pytest.fixture(scope="module")
 def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
     cluster = NatsCluster(tmp_path_factory.mktemp("nats"), size=3)
     try:
         cluster.start()
-        wait_for_jetstream(cluster)
+        cluster.wait_for_jetstream()
         yield cluster
     finally:
         cluster.stop()
