@@ -989,7 +989,7 @@ class TableStore:
 
     def _repair(self, entry: _Entry) -> None:
         """Undo the update a dead holder of the table's lock left unfinished; caller holds the lock."""
-        version, pending = entry.version, int(entry.counters[_PENDING])
+        version, pending = entry.version, entry.pending
         what = f"while applying update {pending}" if pending > 0 else "while it held the table's lock"
         rebuilt = self.journal.recover(entry.name, version)
         if rebuilt is None:
@@ -1009,7 +1009,7 @@ class TableStore:
                 what,
                 version,
             )
-        entry.counters[_PENDING] = 0
+        entry.set_pending(0)
 
     def _fault_point(self, table: Table, chunk_offsets: Tensor, grads: Tensor, lr: float) -> None:
         """Testing only: once for each time the fault file is created, apply the first half of the
@@ -1030,11 +1030,11 @@ class TableStore:
         Marked pending meanwhile, like an update: if this worker dies while it holds the lock (in the
         middle of a snapshot, say), the next holder repairs the table from the journal."""
         with self._locked(name) as entry:
-            entry.counters[_PENDING] = _EXCLUSIVE
+            entry.set_pending(_EXCLUSIVE)
             try:
                 yield entry.table, entry.version
             finally:
-                entry.counters[_PENDING] = 0
+                entry.set_pending(0)
 
     def snapshot(self, name: str) -> int:
         """Journal a snapshot of the table at its current version (no update in between); returns it."""

@@ -498,7 +498,6 @@ def test_a_writer_that_died_mid_update_is_repaired_by_the_next_one(tmp_path: Pat
     """Worker A dies holding the update lock: record 3 appended, half of it applied, counter still 2. The
     next writer (worker B) must put the table back at version 2 and cut record 3 before it appends its
     own version 3; the data directory then replays to exactly the acknowledged updates."""
-    from service.store import _PENDING
 
     settings = make_settings(tmp_path, default_table=False, data_dir=tmp_path / "data")
     journal_a, journal_b = WalJournal(settings.data_dir), WalJournal(settings.data_dir)
@@ -519,7 +518,7 @@ def test_a_writer_that_died_mid_update_is_repaired_by_the_next_one(tmp_path: Pat
         entry = worker_a._entry("t")
         dead_ids, dead_grads = torch.arange(10, 16), torch.full((6, 8), 100.0)
         with entry.lock.hold():  # what worker A did before it was killed; the kernel then drops the flock
-            entry.counters[_PENDING] = 3
+            entry.set_pending(3)
             journal_a.append(UpdateRecord("t", 3, dead_ids, dead_grads, 0.1))
             entry.table.apply_gradients(dead_ids[:3], dead_grads[:3])
         assert worker_b.version("t") == 2
@@ -548,7 +547,7 @@ def test_a_worker_that_died_in_the_middle_of_a_snapshot_loses_no_later_update(tm
     """Worker B dies after committing a snapshot's meta.json and before swapping the fresh log in. Worker A
     still holds the old log open: its next update must go to the committed generation's log, or the
     restart would discard it with the stale log."""
-    from service.store import _EXCLUSIVE, _PENDING
+    from service.store import _EXCLUSIVE
 
     settings = make_settings(tmp_path, default_table=False, data_dir=tmp_path / "data")
     journal_a, journal_b = WalJournal(settings.data_dir), WalJournal(settings.data_dir)
@@ -566,7 +565,7 @@ def test_a_worker_that_died_in_the_middle_of_a_snapshot_loses_no_later_update(tm
         entry = worker_b._entry("t")
         meta = journal_b._require_meta("t")
         with entry.lock.hold():  # worker B's snapshot, up to its commit; then it is killed
-            entry.counters[_PENDING] = _EXCLUSIVE
+            entry.set_pending(_EXCLUSIVE)
             journal_b._write_generation(tmp_path / "data" / "t", entry.table, 3, meta.generation + 1)
 
         ids, grads = torch.tensor([4, 5]), torch.randn(2, 8)
