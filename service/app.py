@@ -28,7 +28,8 @@ from .limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware
 from .metrics import Metrics, RequestMetricsMiddleware
 from .replication.replica import Replica, local_settings
 from .routes import checksum, durability, health, lookup, oip, tables, update
-from .store import SharedDirectory, TableStore
+from .shm import SharedDirectory
+from .store import TableStore
 from .wal import WalJournal
 
 logger = logging.getLogger("robez.app")

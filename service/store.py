@@ -1,21 +1,7 @@
 """Tables in shared memory, shared by every worker process of one server.
 
-Layout of one server's shared directory (``<shm_dir>/robez-<server id>/``, tmpfs by default)::
-
-    owner.pid              pid of the ``robez serve`` process that owns (and removes) the directory
-    registry.json          {"tables": {name: {uid, array, lock, config, optimizer}}, "arrays": {id: {...}}}
-    registry.lock          flock: create / delete / load / registry reads
-    generation             int64 (1,): bumped after every registry change, polled by every request
-    arrays/<id>.weight     float32 (m,)        one per array; tables created with share_array_with
-    arrays/<id>.state.<k>  optimizer state     point at the same array (and its optimizer state)
-    locks/<id>.lock        flock: the update lock of a table (shared by the tables sharing its array);
-                           it outlives the arrays a load switches the table between
-    tables/<uid>.counters  int64 (3,): [version, state, pending] (state: live, deleted, replaced by a
-                           load; pending: the version an update under way will produce, else 0)
-
-Every worker maps the same files (``torch.from_file(..., shared=True)``, MAP_SHARED), so a table's memory
-is held once whatever the worker count, and an update written through one worker's mapping is what every
-other worker reads next.
+The files, their layout and the per-table counters are in ``shm.py``; this module is what workers do
+with them.
 
 Consistency: updates of an array are serialised by its lock; lookups never take it. A lookup running
 while an update is applied may read a row with some values from before and some from after that update
@@ -46,24 +32,19 @@ Lock order, everywhere: a table's update lock, then ``registry.lock``, then a st
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import json
 import logging
 import os
 import re
 import secrets
-import shutil
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -82,20 +63,33 @@ from robez_core.table import Table
 
 from .config import Settings, TableSpec, demo_table_spec, load_tables_file
 from .journal import Journal, NullJournal, UpdateRecord
+from .shm import (
+    DELETED,
+    EXCLUSIVE,
+    NUM_COUNTERS,
+    REPLACED,
+    STATE,
+    VERSION,
+    FileLock,
+    Registry,
+    SharedArray,
+    SharedDirectory,
+    TableEntry,
+    array_layout,
+    dtype_from_name,
+    dtype_name,
+    layout_bytes,
+    shape_numel,
+)
 
 logger = logging.getLogger("robez.store")
 
 TABLE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 Pooling = Literal["none", "sum", "mean"]
 POOLINGS: tuple[str, ...] = ("none", "sum", "mean")
-_VERSION, _STATE, _PENDING = 0, 1, 2  # counters
-_NUM_COUNTERS = 3
-_EXCLUSIVE = -1  # counters[_PENDING] while a snapshot (or another exclusive holder) runs
-_LIVE, _DELETED, _REPLACED = 0, 1, 2  # counters[_STATE]
 # An update or snapshot that finds its table replaced by a load starts again; this many loads in a row
 # while it waits means something is wrong.
 _MAX_SWITCHES = 16
-_DIR_PREFIX = "robez-"
 
 
 def validate_table_name(name: str) -> str:
@@ -186,230 +180,6 @@ class UpdateResult:
     apply_seconds: float
 
 
-class _FileLock:
-    """Exclusive across processes (flock) and across this process's threads (flock alone would let two
-    threads sharing the descriptor both in)."""
-
-    def __init__(self, path: Path) -> None:
-        self._thread_lock = threading.Lock()
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-    @contextmanager
-    def hold(self, blocking: bool = True) -> Iterator[bool]:
-        """Holds the lock inside the block; with ``blocking=False`` yields False (not held) at once
-        when another thread or process has it."""
-        if not self._thread_lock.acquire(blocking):
-            yield False
-            return
-        try:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._thread_lock.release()
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self) -> None:
-        # Arrays dropped by a registry sync are closed here, once no in-flight update still holds them.
-        self.close()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptionError(f"unknown dtype {name!r} in the registry")
-    return dtype
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-@dataclass
-class _SharedArray:
-    """One array (weight + optimizer state) mapped from the shared directory."""
-
-    array_id: str
-    tensors: dict[str, Tensor]  # "weight", "state.<name>" as Table.tensors() names them
-
-    @property
-    def weight(self) -> Tensor:
-        return self.tensors["weight"]
-
-    @property
-    def state(self) -> dict[str, Tensor]:
-        return {key.removeprefix("state."): t for key, t in self.tensors.items() if key.startswith("state.")}
-
-
-@dataclass
-class _Entry:
-    """A table as one worker sees it: the core Table over shared tensors, plus its shared counters."""
-
-    name: str
-    uid: str
-    table: Table
-    array: _SharedArray
-    lock: _FileLock  # the table's update lock, the same object for every entry of this table
-    counters: Tensor  # int64 (3,) [version, state, pending], shared
-    # the same memory as numpy: reading one value this way costs ~0.1 us instead of ~2 us
-    _counters_np: np.ndarray = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._counters_np = self.counters.numpy()
-
-    @property
-    def version(self) -> int:
-        return int(self._counters_np[_VERSION])
-
-    def set_version(self, version: int) -> None:
-        self._counters_np[_VERSION] = version
-
-    @property
-    def pending(self) -> int:
-        """The version an update under way will produce (``_EXCLUSIVE``: a snapshot), else 0."""
-        return int(self._counters_np[_PENDING])
-
-    def set_pending(self, version: int) -> None:
-        self._counters_np[_PENDING] = version
-
-
-@dataclass
-class _Registry:
-    tables: dict[str, dict[str, Any]] = field(default_factory=dict)
-    arrays: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def array_tables(self, array_id: str) -> tuple[str, ...]:
-        return tuple(name for name, record in self.tables.items() if record["array"] == array_id)
-
-    def lock_in_use(self, lock_id: str) -> bool:
-        return any(record["lock"] == lock_id for record in self.tables.values())
-
-    def total_bytes(self) -> int:
-        return sum(int(record["nbytes"]) for record in self.arrays.values())
-
-
-def _array_layout(
-    config: TableConfig, optimizer: OptimizerConfig
-) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-        "weight": ((config.memory_size,), torch.float32)
-    }
-    for key, (shape, dtype) in Table.state_layout(optimizer, config.memory_size).items():
-        layout[f"state.{key}"] = (tuple(shape), dtype)
-    return layout
-
-
-def _layout_bytes(layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
-    return sum(
-        _numel(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout.values()
-    )
-
-
-class SharedDirectory:
-    """The files of one server's shared memory; see the module docstring for the layout."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.arrays_dir = path / "arrays"
-        self.tables_dir = path / "tables"
-        self.locks_dir = path / "locks"
-        self.registry_path = path / "registry.json"
-
-    @classmethod
-    def create(cls, shm_dir: Path) -> SharedDirectory:
-        """A new, empty directory owned by this process; stale ones of dead servers are removed first."""
-        shm_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_directories(shm_dir)
-        path = shm_dir / f"{_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        path.mkdir(mode=0o700)
-        directory = cls(path)
-        directory.arrays_dir.mkdir()
-        directory.tables_dir.mkdir()
-        directory.locks_dir.mkdir()
-        (path / "owner.pid").write_text(str(os.getpid()))
-        directory.allocate("generation", 1, torch.int64).zero_()
-        directory.write_registry(_Registry())
-        return directory
-
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
-    def allocate(self, relative: str, numel: int, dtype: torch.dtype) -> Tensor:
-        """A new zero-filled shared file of ``numel`` values; space is reserved now, so a full tmpfs is a
-        LimitExceededError here rather than a SIGBUS on first write."""
-        path = self.path / relative
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)
-        except OSError as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise LimitExceededError(
-                f"cannot reserve {nbytes} bytes of shared memory in {self.path}: {exc}"
-            ) from exc
-        os.close(fd)
-        return self.map(relative, numel, dtype)
-
-    def map(self, relative: str, numel: int, dtype: torch.dtype) -> Tensor:
-        path = self.path / relative
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError as exc:
-            raise CorruptionError(f"shared file {relative} is missing") from exc
-        if size != nbytes:  # torch.from_file would silently grow a short file
-            raise CorruptionError(f"shared file {relative} has {size} bytes, expected {nbytes}")
-        if numel == 0:
-            return torch.empty(0, dtype=dtype)
-        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
-
-    def read_registry(self) -> _Registry:
-        data = json.loads(self.registry_path.read_text())
-        return _Registry(tables=data["tables"], arrays=data["arrays"])
-
-    def write_registry(self, registry: _Registry) -> None:
-        tmp = self.registry_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"tables": registry.tables, "arrays": registry.arrays}))
-        os.replace(tmp, self.registry_path)
-
-
-def remove_stale_directories(shm_dir: Path) -> list[Path]:
-    """Remove shared directories whose owning server died without cleaning up (e.g. SIGKILL)."""
-    removed = []
-    for path in shm_dir.glob(f"{_DIR_PREFIX}*"):
-        try:
-            pid = int((path / "owner.pid").read_text())
-        except (OSError, ValueError):
-            continue  # not ours, or still being created
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        except PermissionError:
-            pass  # alive, another user's
-    return removed
-
-
 class TableStore:
     """The tables of one server as one worker sees them; every method is safe to call from many threads.
 
@@ -427,13 +197,13 @@ class TableStore:
         self._fault_file = settings.fault_die_after_append
         self._generation = directory.map("generation", 1, torch.int64)
         self._generation_np = self._generation.numpy()  # read on every request: numpy is cheaper
-        self._registry_lock = _FileLock(directory.path / "registry.lock")
+        self._registry_lock = FileLock(directory.path / "registry.lock")
         self._sync_lock = threading.Lock()
         self._seen_generation = -1
-        self._entries: dict[str, _Entry] = {}
-        self._arrays: dict[str, _SharedArray] = {}
-        self._locks: dict[str, _FileLock] = {}
-        self._registry = _Registry()
+        self._entries: dict[str, TableEntry] = {}
+        self._arrays: dict[str, SharedArray] = {}
+        self._locks: dict[str, FileLock] = {}
+        self._registry = Registry()
         self.refresh()
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -487,11 +257,11 @@ class TableStore:
         with self._registry_lock.hold(), self._sync_lock:
             self._sync(self.directory.read_registry(), int(self._generation[0]))
 
-    def _sync(self, registry: _Registry, generation: int) -> None:
+    def _sync(self, registry: Registry, generation: int) -> None:
         arrays = {aid: a for aid, a in self._arrays.items() if aid in registry.arrays}
         # Kept across a load's switch: the threads of this process must keep excluding each other.
         locks = {lid: lock for lid, lock in self._locks.items() if registry.lock_in_use(lid)}
-        entries: dict[str, _Entry] = {}
+        entries: dict[str, TableEntry] = {}
         for name, record in registry.tables.items():
             current = self._entries.get(name)
             if current is not None and current.uid == record["uid"]:
@@ -504,24 +274,24 @@ class TableStore:
             config = TableConfig.from_dict(record["config"])
             optimizer = OptimizerConfig.from_dict(record["optimizer"])
             table = Table(config, optimizer, weight=array.weight, state=array.state)
-            counters = self.directory.map(f"tables/{record['uid']}.counters", _NUM_COUNTERS, torch.int64)
+            counters = self.directory.map(f"tables/{record['uid']}.counters", NUM_COUNTERS, torch.int64)
             lock_id = record["lock"]
             if lock_id not in locks:
-                locks[lock_id] = _FileLock(self.directory.locks_dir / f"{lock_id}.lock")
-            entries[name] = _Entry(name, record["uid"], table, array, locks[lock_id], counters)
+                locks[lock_id] = FileLock(self.directory.locks_dir / f"{lock_id}.lock")
+            entries[name] = TableEntry(name, record["uid"], table, array, locks[lock_id], counters)
         self._arrays, self._entries, self._locks, self._registry = arrays, entries, locks, registry
         self._seen_generation = generation
 
-    def _map_array(self, array_id: str, record: dict[str, Any]) -> _SharedArray:
+    def _map_array(self, array_id: str, record: dict[str, Any]) -> SharedArray:
         tensors = {
             key: self.directory.map(
-                f"arrays/{array_id}.{key}", _numel(tuple(shape)), _dtype_from_name(dtype)
+                f"arrays/{array_id}.{key}", shape_numel(tuple(shape)), dtype_from_name(dtype)
             ).view(tuple(shape))
             for key, (shape, dtype) in record["layout"].items()
         }
-        return _SharedArray(array_id, tensors)
+        return SharedArray(array_id, tensors)
 
-    def _publish(self, registry: _Registry) -> None:
+    def _publish(self, registry: Registry) -> None:
         """Write the registry and bump the generation; caller holds the registry lock."""
         self.directory.write_registry(registry)
         generation = int(self._generation[0]) + 1
@@ -529,7 +299,7 @@ class TableStore:
         with self._sync_lock:
             self._sync(registry, generation)
 
-    def _entry(self, name: str) -> _Entry:
+    def _entry(self, name: str) -> TableEntry:
         self.refresh()
         entry = self._entries.get(name)
         if entry is None:
@@ -602,7 +372,7 @@ class TableStore:
                 f"max_memory_size={self.limits.max_memory_size}"
             )
 
-    def _check_memory(self, registry: _Registry, nbytes: int, what: str) -> None:
+    def _check_memory(self, registry: Registry, nbytes: int, what: str) -> None:
         total = registry.total_bytes() + nbytes
         if total > self.limits.max_total_memory_bytes:
             raise LimitExceededError(
@@ -610,7 +380,7 @@ class TableStore:
                 f"that is over the limit max_total_memory_bytes={self.limits.max_total_memory_bytes}"
             )
 
-    def _shared_array_source(self, registry: _Registry, spec: TableSpec) -> dict[str, Any]:
+    def _shared_array_source(self, registry: Registry, spec: TableSpec) -> dict[str, Any]:
         """The registry record of the table whose array (and update lock) ``spec`` asks to share."""
         source_name = spec.share_array_with
         source = registry.tables.get(source_name or "")
@@ -634,20 +404,20 @@ class TableStore:
         return source
 
     def _new_array(
-        self, registry: _Registry, config: TableConfig, optimizer: OptimizerConfig, source: Table | None
+        self, registry: Registry, config: TableConfig, optimizer: OptimizerConfig, source: Table | None
     ) -> tuple[str, Table]:
         """Allocate an array in shared memory, fill it from ``source`` (or a freshly initialised Table) and
         add it to ``registry`` (not yet published); returns its id and a Table over it. Caller holds the
         registry lock and removes the array with ``_remove_array`` if what follows fails."""
-        layout = _array_layout(config, optimizer)
-        nbytes = _layout_bytes(layout)
+        layout = array_layout(config, optimizer)
+        nbytes = layout_bytes(layout)
         array_id = secrets.token_hex(8)
         tensors: dict[str, Tensor] = {}
         try:
             for key, (shape, dtype) in layout.items():
-                tensors[key] = self.directory.allocate(f"arrays/{array_id}.{key}", _numel(shape), dtype).view(
-                    shape
-                )
+                tensors[key] = self.directory.allocate(
+                    f"arrays/{array_id}.{key}", shape_numel(shape), dtype
+                ).view(shape)
             # The core initialises a new array (seeded) or brings a loaded one; both are copied into shared
             # memory once, so the private copy lives only for this call.
             fresh = source if source is not None else Table(config, optimizer)
@@ -658,7 +428,7 @@ class TableStore:
             self._remove_array(array_id, layout)
             raise
         registry.arrays[array_id] = {
-            "layout": {key: [list(shape), _dtype_name(dtype)] for key, (shape, dtype) in layout.items()},
+            "layout": {key: [list(shape), dtype_name(dtype)] for key, (shape, dtype) in layout.items()},
             "nbytes": nbytes,
         }
         state = {key.removeprefix("state."): t for key, t in tensors.items() if key != "weight"}
@@ -675,7 +445,7 @@ class TableStore:
         ``journal.create`` it if asked (not for tables loaded from the journal), then publish it."""
         if spec.share_array_with is not None:
             raise ConfigError("a table with its own array cannot also share one")
-        nbytes = _layout_bytes(_array_layout(spec.config, spec.optimizer))
+        nbytes = layout_bytes(array_layout(spec.config, spec.optimizer))
         with self._registry_lock.hold():
             registry = self.directory.read_registry()
             if name in registry.tables:
@@ -709,7 +479,7 @@ class TableStore:
 
     def _register(
         self,
-        registry: _Registry,
+        registry: Registry,
         name: str,
         config: TableConfig,
         optimizer: OptimizerConfig,
@@ -720,8 +490,8 @@ class TableStore:
     ) -> None:
         """Add (or switch) ``name`` to ``array_id`` with new counters at ``version``, and publish."""
         uid = secrets.token_hex(8)
-        counters = self.directory.allocate(f"tables/{uid}.counters", _NUM_COUNTERS, torch.int64)
-        counters[_VERSION] = version
+        counters = self.directory.allocate(f"tables/{uid}.counters", NUM_COUNTERS, torch.int64)
+        counters[VERSION] = version
         registry.tables[name] = {
             "uid": uid,
             "array": array_id,
@@ -744,14 +514,14 @@ class TableStore:
             if record is None or record["uid"] != entry.uid:  # changes of a table hold its lock
                 raise CorruptionError(f"the registry changed table {name!r} behind its update lock")
             self.journal.drop(name)
-            entry.counters[_STATE] = _DELETED  # updates waiting on the lock see this and answer 404
+            entry.counters[STATE] = DELETED  # updates waiting on the lock see this and answer 404
             del registry.tables[name]
             if not registry.array_tables(record["array"]):
                 del registry.arrays[record["array"]]
             self._publish(registry)
             self._release(registry, [(record["uid"], record["array"], record["lock"])])
 
-    def _release(self, registry: _Registry, records: list[tuple[str, str, str]]) -> None:
+    def _release(self, registry: Registry, records: list[tuple[str, str, str]]) -> None:
         """Unlink the counters of replaced or deleted table records (uid, array, lock), and their arrays
         and locks once no table of the published ``registry`` uses them. Mappings held by in-flight
         requests stay valid: an unlinked file lives until its last mapping goes."""
@@ -959,7 +729,7 @@ class TableStore:
     # -- durability hooks for the snapshot / load endpoints -----------------------------------------
 
     @contextmanager
-    def _locked(self, name: str) -> Iterator[_Entry]:
+    def _locked(self, name: str) -> Iterator[TableEntry]:
         """The table's current entry, its update lock held: no update, snapshot, load or delete of it runs
         meanwhile. An entry a load replaced while this waited for the lock is looked up again; one whose
         last holder died in the middle of an update is repaired first."""
@@ -968,7 +738,7 @@ class TableStore:
             yield entry
 
     @contextmanager
-    def _try_locked(self, name: str, blocking: bool) -> Iterator[_Entry | None]:
+    def _try_locked(self, name: str, blocking: bool) -> Iterator[TableEntry | None]:
         """As ``_locked``; with ``blocking=False`` None at once when the lock is held elsewhere."""
         for _ in range(_MAX_SWITCHES):
             entry = self._entry(name)
@@ -976,10 +746,10 @@ class TableStore:
                 if not held:
                     yield None
                     return
-                state = int(entry.counters[_STATE])
-                if state == _REPLACED:
+                state = int(entry.counters[STATE])
+                if state == REPLACED:
                     continue
-                if state == _DELETED:
+                if state == DELETED:
                     raise NotFoundError(f"no table named {name!r}")
                 if entry.pending:
                     self._repair(entry)
@@ -987,7 +757,7 @@ class TableStore:
                 return
         raise BusyError(f"table {name!r} was replaced {_MAX_SWITCHES} times in a row; try again")
 
-    def _repair(self, entry: _Entry) -> None:
+    def _repair(self, entry: TableEntry) -> None:
         """Undo the update a dead holder of the table's lock left unfinished; caller holds the lock."""
         version, pending = entry.version, entry.pending
         what = f"while applying update {pending}" if pending > 0 else "while it held the table's lock"
@@ -1030,7 +800,7 @@ class TableStore:
         Marked pending meanwhile, like an update: if this worker dies while it holds the lock (in the
         middle of a snapshot, say), the next holder repairs the table from the journal."""
         with self._locked(name) as entry:
-            entry.set_pending(_EXCLUSIVE)
+            entry.set_pending(EXCLUSIVE)
             try:
                 yield entry.table, entry.version
             finally:
@@ -1076,14 +846,14 @@ class TableStore:
             self._release(registry, replaced)
 
     def _switch(
-        self, registry: _Registry, old_array: str, array_id: str, name: str, version: int
+        self, registry: Registry, old_array: str, array_id: str, name: str, version: int
     ) -> list[tuple[str, str, str]]:
         """Point every table reading ``old_array`` at ``array_id`` (``name`` at ``version``, the others at
         their own versions), publish, and mark their old counters replaced; returns the old records."""
         sharers = registry.array_tables(old_array)
         old_records = {table_name: dict(registry.tables[table_name]) for table_name in sharers}
         old_counters = {
-            table_name: self.directory.map(f"tables/{record['uid']}.counters", _NUM_COUNTERS, torch.int64)
+            table_name: self.directory.map(f"tables/{record['uid']}.counters", NUM_COUNTERS, torch.int64)
             for table_name, record in old_records.items()
         }
         old_array_record = registry.arrays[old_array]
@@ -1091,8 +861,8 @@ class TableStore:
         try:
             for table_name in sharers:
                 uid = new_uids[table_name] = secrets.token_hex(8)
-                counters = self.directory.allocate(f"tables/{uid}.counters", _NUM_COUNTERS, torch.int64)
-                counters[_VERSION] = version if table_name == name else old_counters[table_name][_VERSION]
+                counters = self.directory.allocate(f"tables/{uid}.counters", NUM_COUNTERS, torch.int64)
+                counters[VERSION] = version if table_name == name else old_counters[table_name][VERSION]
                 registry.tables[table_name] = {**old_records[table_name], "uid": uid, "array": array_id}
             del registry.arrays[old_array]
             self._publish(registry)
@@ -1104,7 +874,7 @@ class TableStore:
             raise
         # Published: updates still holding the old entries start again on the new ones.
         for counters in old_counters.values():
-            counters[_STATE] = _REPLACED
+            counters[STATE] = REPLACED
         return [(old["uid"], old["array"], old["lock"]) for old in old_records.values()]
 
     def _restore_journal(self, name: str, table: Table, version: int) -> None:

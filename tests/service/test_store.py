@@ -17,7 +17,8 @@ from robez_core.errors import ConflictError, InvalidInputError, NotFoundError
 from robez_core.table import Table
 from service.config import Settings, TableSpec
 from service.journal import NullJournal, UpdateRecord
-from service.store import LookupResult, SharedDirectory, TableStore, remove_stale_directories
+from service.shm import SharedDirectory, remove_stale_directories
+from service.store import LookupResult, TableStore
 from service.wal import WalJournal
 
 from .conftest import make_settings
@@ -547,7 +548,7 @@ def test_a_worker_that_died_in_the_middle_of_a_snapshot_loses_no_later_update(tm
     """Worker B dies after committing a snapshot's meta.json and before swapping the fresh log in. Worker A
     still holds the old log open: its next update must go to the committed generation's log, or the
     restart would discard it with the stale log."""
-    from service.store import _EXCLUSIVE
+    from service.shm import EXCLUSIVE as _EXCLUSIVE
 
     settings = make_settings(tmp_path, default_table=False, data_dir=tmp_path / "data")
     journal_a, journal_b = WalJournal(settings.data_dir), WalJournal(settings.data_dir)
