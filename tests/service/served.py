@@ -1,88 +1,11 @@
-"""A real ``robez serve`` subprocess on a free loopback port, for tests of what only a socket shows
-(stalled bodies, idle connections, clients that leave). Stopped by pid, always."""
+"""Raw sockets against a real ``robez serve`` (``subprocess_server.serve``), for tests of what only a
+socket shows: stalled bodies, idle connections, clients that leave."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
-
-import httpx
-
-START_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@dataclass
-class Served:
-    url: str
-    port: int
-    log_path: Path
-    process: subprocess.Popen[bytes]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def metric(self, name: str, **labels: str) -> float:
-        """The value of one sample of ``/metrics`` (0 when absent)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        want = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
-        for line in text.splitlines():
-            match = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
-            if match and match.group(1) == name and (match.group(2) or "") == want:
-                return float(match.group(3))
-        return 0.0
-
-
-@contextmanager
-def serve(tmp_path: Path, **settings: str) -> Iterator[Served]:
-    """``robez serve`` (one worker, the demo table) with ``ROBEZ_<NAME>`` = value for each setting."""
-    port = free_port()
-    env = {key: value for key, value in os.environ.items() if not key.startswith("ROBEZ_")}
-    env.update({"ROBEZ_SHM_DIR": str(tmp_path / "shm"), "ROBEZ_THREADS_PER_WORKER": "1"})
-    env.update({f"ROBEZ_{key.upper()}": value for key, value in settings.items()})
-    log_path = tmp_path / "server.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--port", str(port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    served = Served(f"http://127.0.0.1:{port}", port, log_path, process)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, served.log()
-            try:
-                if httpx.get(f"{served.url}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start:\n" + served.log()
-            time.sleep(0.2)
-        yield served
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=30)
 
 
 def raw_connection(port: int, data: bytes = b"") -> socket.socket:

@@ -1,20 +1,23 @@
-"""A real ``robez serve`` in a subprocess for fault tests: its own process group, a free port on
-127.0.0.1, its log in a file, and a bounded wait for readiness."""
+"""A real ``robez serve`` in a subprocess, for tests of what only a real server shows (kill -9, worker
+deaths, sockets, disks): its own process group, a free port on 127.0.0.1, its log in a file, a bounded
+wait for readiness, and stopped by its pid (group), always. The one helper every such test uses."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 180.0
 
 
 def free_port() -> int:
@@ -97,3 +100,27 @@ class RobezServer:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample of ``/metrics`` (0 when absent)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        want = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+        for line in text.splitlines():
+            match = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
+            if match and match.group(1) == name and (match.group(2) or "") == want:
+                return float(match.group(3))
+        return 0.0
+
+
+@contextlib.contextmanager
+def serve(tmp_path: Path, **settings: str) -> Iterator[RobezServer]:
+    """``robez serve`` (one worker, the demo table) with ``ROBEZ_<NAME>`` = value for each setting,
+    started, and stopped on leaving the block."""
+    env = {"ROBEZ_SHM_DIR": str(tmp_path / "shm")}
+    env.update({f"ROBEZ_{key.upper()}": value for key, value in settings.items()})
+    server = RobezServer(tmp_path / "server.log", [], env)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()

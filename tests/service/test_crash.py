@@ -8,17 +8,14 @@ Periodic snapshots every few updates make some kills land around a snapshot too.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,6 +27,8 @@ from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
 from service.journal import UpdateRecord
 from service.wal import LOG_FILE, WalJournal
+
+from .subprocess_server import RobezServer, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -45,83 +44,19 @@ STARTUP_SECONDS = 90.0
 ROBEZ = [sys.executable, "-m", "service.cli"]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@dataclass
-class _Server:
-    data_dir: Path
-    shm_dir: Path
-    workers: int
-    log_path: Path
-    port: int = field(default_factory=_free_port)
-    process: subprocess.Popen[bytes] | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        # The free port may be taken by another program before the server binds it: try a few.
-        for _ in range(3):
-            if self._start_once():
-                return
-        raise AssertionError(f"server could not bind a port:\n{self.log()}")
-
-    def _start_once(self) -> bool:
-        """Start and wait until ready: True; False if it lost its port; raises on any other failure."""
-        self.port = _free_port()
-        env = {
-            **os.environ,
-            "ROBEZ_SHM_DIR": str(self.shm_dir),
+def _server(tmp_path: Path, workers: int, **env: str) -> RobezServer:
+    """``robez serve --data-dir`` with ``workers`` workers, no default table, a snapshot every 7 updates."""
+    return RobezServer(
+        tmp_path / "server.log",
+        ["--data-dir", str(tmp_path / "data"), "--workers", str(workers)],
+        {
+            "ROBEZ_SHM_DIR": str(tmp_path / "shm"),
             "ROBEZ_DEFAULT_TABLE": "false",
             "ROBEZ_SNAPSHOT_EVERY_UPDATES": "7",
             "ROBEZ_LOG_LEVEL": "warning",
-            **self.extra_env,
-        }
-        command = [*ROBEZ, "serve", "--data-dir", str(self.data_dir), "--port", str(self.port)]
-        command += ["--workers", str(self.workers)]
-        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as log:
-            # Its own process group, so one killpg takes the supervisor and every worker at once.
-            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.kill()
-                if "address already in use" in self.log_path.read_text(errors="replace")[log_start:].lower():
-                    return False
-                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
-                    return True
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise AssertionError(f"server not ready after {STARTUP_SECONDS} s:\n{self.log()}")
-
-    def kill(self) -> None:
-        assert self.process is not None
-        with contextlib.suppress(ProcessLookupError):  # already gone
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        assert self.process is not None
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+            **env,
+        },
+    )
 
 
 @dataclass
@@ -204,8 +139,8 @@ def _collect(
 
 
 @pytest.fixture
-def server_factory(tmp_path: Path) -> Iterator[list[_Server]]:
-    servers: list[_Server] = []
+def server_factory(tmp_path: Path) -> Iterator[list[RobezServer]]:
+    servers: list[RobezServer] = []
     yield servers
     for server in servers:
         if server.process is not None and server.process.poll() is None:
@@ -214,11 +149,11 @@ def server_factory(tmp_path: Path) -> Iterator[list[_Server]]:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_acknowledged_updates_survive_kill_9(
-    workers: int, tmp_path: Path, server_factory: list[_Server]
+    workers: int, tmp_path: Path, server_factory: list[RobezServer]
 ) -> None:
     rng = random.Random(1234 + workers)
     generator = torch.Generator().manual_seed(99 + workers)
-    server = _Server(tmp_path / "data", tmp_path / "shm", workers, tmp_path / "server.log")
+    server = _server(tmp_path, workers)
     server_factory.append(server)
     server.start()
     response = httpx.post(f"{server.url}/v1/tables", json=TABLE, timeout=60.0)
@@ -278,7 +213,7 @@ def _push(url: str, update: _Update) -> int | None:
 
 
 def test_a_worker_killed_in_the_middle_of_an_update_loses_nothing(
-    tmp_path: Path, server_factory: list[_Server]
+    tmp_path: Path, server_factory: list[RobezServer]
 ) -> None:
     """One of two workers dies after appending an update and applying half of it (a test hook), twice.
     The other workers must repair the table before their next update: the live table, and the table
@@ -286,8 +221,7 @@ def test_a_worker_killed_in_the_middle_of_an_update_loses_nothing(
     updates. (Before the repair, the next writer appended the same version again: the data directory
     could no longer be recovered.)"""
     fault = tmp_path / "die-now"
-    server = _Server(tmp_path / "data", tmp_path / "shm", 2, tmp_path / "server.log")
-    server.extra_env = {"ROBEZ_FAULT_DIE_AFTER_APPEND": str(fault), "ROBEZ_SNAPSHOT_EVERY_UPDATES": "0"}
+    server = _server(tmp_path, 2, ROBEZ_FAULT_DIE_AFTER_APPEND=str(fault), ROBEZ_SNAPSHOT_EVERY_UPDATES="0")
     server_factory.append(server)
     server.start()
     response = httpx.post(f"{server.url}/v1/tables", json=TABLE, timeout=60.0)
@@ -347,11 +281,11 @@ def _data_dir_with_log(data_dir: Path, num_updates: int) -> tuple[Path, Table]:
     return data_dir / "t" / LOG_FILE, table
 
 
-def test_a_torn_tail_does_not_stop_the_server(tmp_path: Path, server_factory: list[_Server]) -> None:
+def test_a_torn_tail_does_not_stop_the_server(tmp_path: Path, server_factory: list[RobezServer]) -> None:
     log, table = _data_dir_with_log(tmp_path / "data", 3)
     with open(log, "ab") as handle:
         handle.write(b"RZUP\x01\x00")  # the first bytes of a record whose write was cut short
-    server = _Server(tmp_path / "data", tmp_path / "shm", 1, tmp_path / "server.log")
+    server = _server(tmp_path, 1)
     server_factory.append(server)
     server.start()
     recovered, version = _download(server.url, tmp_path)
@@ -366,7 +300,7 @@ def test_corruption_in_the_middle_refuses_to_start(tmp_path: Path) -> None:
     data[len(data) // 2] ^= 0x10  # inside a record that has good records after it
     log.write_bytes(bytes(data))
     env = {**os.environ, "ROBEZ_SHM_DIR": str(tmp_path / "shm"), "ROBEZ_DEFAULT_TABLE": "false"}
-    command = [*ROBEZ, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(_free_port())]
+    command = [*ROBEZ, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(free_port())]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=STARTUP_SECONDS)
     assert result.returncode != 0
     assert "CorruptionError" in result.stderr and "damaged in the middle" in result.stderr, result.stderr[
@@ -376,13 +310,13 @@ def test_corruption_in_the_middle_refuses_to_start(tmp_path: Path) -> None:
 
 
 def test_a_second_server_on_the_same_data_dir_fails_fast(
-    tmp_path: Path, server_factory: list[_Server]
+    tmp_path: Path, server_factory: list[RobezServer]
 ) -> None:
-    server = _Server(tmp_path / "data", tmp_path / "shm", 1, tmp_path / "server.log")
+    server = _server(tmp_path, 1)
     server_factory.append(server)
     server.start()
     env = {**os.environ, "ROBEZ_SHM_DIR": str(tmp_path / "shm"), "ROBEZ_DEFAULT_TABLE": "false"}
-    command = [*ROBEZ, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(_free_port())]
+    command = [*ROBEZ, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(free_port())]
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=STARTUP_SECONDS)
     assert second.returncode == 2, second.stderr[-2000:]
     assert server.process is not None

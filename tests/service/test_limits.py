@@ -25,7 +25,8 @@ from service.limits import (
 )
 from service.metrics import Metrics
 
-from .served import Served, raw_connection, read_until_closed, serve
+from .served import raw_connection, read_until_closed
+from .subprocess_server import RobezServer, serve
 
 OCTET = {"content-type": "application/octet-stream"}
 
@@ -269,7 +270,7 @@ def _sample(metrics: Metrics, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RobezServer]:
     """One real server for the socket-level tests below: a short body timeout, few in-flight slots."""
     with serve(
         tmp_path_factory.mktemp("served"), body_timeout_s="2", max_in_flight="8", log_level="info"
@@ -278,7 +279,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 @pytest.mark.slow
-def test_stalled_bodies_do_not_deny_service_and_are_closed(server: Served) -> None:
+def test_stalled_bodies_do_not_deny_service_and_are_closed(server: RobezServer) -> None:
     """40 clients send a lookup's headers and 9 of 1000 body bytes, then stall: more than max_in_flight.
     Normal lookups keep succeeding, and every stalled connection gets 408 and is closed."""
     stalled_count = 40
@@ -302,7 +303,7 @@ def test_stalled_bodies_do_not_deny_service_and_are_closed(server: Served) -> No
 
 
 @pytest.mark.slow
-def test_clients_leaving_mid_body_log_no_traceback_and_are_counted(server: Served) -> None:
+def test_clients_leaving_mid_body_log_no_traceback_and_are_counted(server: RobezServer) -> None:
     leaving = 10
     # Counted as "client closed request", not as server errors.
     labels = {"endpoint": "unmatched", "method": "POST", "table": "", "status": "499"}
