@@ -720,11 +720,18 @@ class TableStore:
             table.gather(table.hash(probe))
             config = table.config
             kinds.add((config.embedding_dim, config.chunk_size, config.hash, table.optimizer))
+        if not kinds:
+            # No table yet (tables come later through the API or the log): load the kernels of the
+            # default kind, so the first request after a table is created does not pay ~0.3 s for them.
+            demo = demo_table_spec()
+            kinds.add((demo.config.embedding_dim, demo.config.chunk_size, demo.config.hash, demo.optimizer))
         for embedding_dim, chunk_size, hash_name, optimizer in kinds:
             tiny = TableConfig(
                 1, embedding_dim, memory_size=2 * chunk_size, chunk_size=chunk_size, hash=hash_name
             )
-            Table(tiny, optimizer).apply_gradients(probe, torch.zeros(1, embedding_dim))
+            private = Table(tiny, optimizer)
+            private.gather(private.hash(probe))
+            private.apply_gradients(probe, torch.zeros(1, embedding_dim))
 
     # -- durability hooks for the snapshot / load endpoints -----------------------------------------
 
