@@ -1,5 +1,6 @@
 """robez_core: ROBE-Z compressed embedding tables with fused CPU kernels."""
 
+from .allocator import MallocTuning, tune_malloc
 from .config import OptimizerConfig, TableConfig
 from .errors import (
     BusyError,
@@ -23,6 +24,7 @@ __all__ = [
     "CorruptionError",
     "InvalidInputError",
     "LimitExceededError",
+    "MallocTuning",
     "NotFoundError",
     "OptimizerConfig",
     "RobezEmbedding",
@@ -32,4 +34,5 @@ __all__ = [
     "TableConfig",
     "import_paper_state_dict",
     "paper_random_numbers",
+    "tune_malloc",
 ]

@@ -72,6 +72,8 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     ):
         assert line in text
     assert "embedding's share of that step" in text and "model's own work in a step" in text
+    assert "torch.optim.Adam's step over the array took" in text
+    assert "| malloc | glibc defaults |" in text
     assert list(tmp_path.glob("*-quick.png"))
     profile = next(tmp_path.glob("*-quick-profile.md")).read_text()
     assert "| loss.backward() |" in profile and "_FusedLookup" in profile
