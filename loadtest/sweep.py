@@ -145,8 +145,15 @@ def machine_info() -> dict[str, str]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "torch": torch_version,
-        "load average (1, 5, 15 min) at start": ", ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "load average (1, 5, 15 min) at start": _load_average(),
     }
+
+
+LOAD_AT_END = "load average (1, 5, 15 min) at end"
+
+
+def _load_average() -> str:
+    return ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def _embedding_dim(target: Target, table: str, api_key: str | None) -> int:
@@ -236,6 +243,7 @@ class Sweep:
                         first=number == 0,
                     )
         self.result.finished = time.time()
+        self.result.machine[LOAD_AT_END] = _load_average()
         return self.result
 
     def _external_table_config(self) -> dict[str, Any]:
