@@ -23,7 +23,7 @@ import httpx
 
 from robez_core.config import TableConfig
 
-from .baseline import KernelResult, measure_kernel
+from .baseline import DEFAULT_MMAP_THRESHOLD, KernelResult, measure_kernel
 from .profile import Profiler, ProfileSummary
 from .runner import ClientFleet, RunResult, RunSpec
 from .scenarios import PEER_UPDATE, SCENARIOS, ScenarioContext, redis_key
@@ -145,8 +145,15 @@ def machine_info() -> dict[str, str]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "torch": torch_version,
-        "load average (1, 5, 15 min) at start": ", ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "load average (1, 5, 15 min) at start": _load_average(),
     }
+
+
+LOAD_AT_END = "load average (1, 5, 15 min) at end"
+
+
+def _load_average() -> str:
+    return ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def _embedding_dim(target: Target, table: str, api_key: str | None) -> int:
@@ -206,6 +213,9 @@ class Sweep:
             num_ids=config.num_ids,
             zipf_exponent=config.zipf_exponent,
             seed=config.seed,
+            mmap_threshold=int(
+                config.server_env.get("ROBEZ_MALLOC_MMAP_THRESHOLD_BYTES", DEFAULT_MMAP_THRESHOLD)
+            ),
         )
         for kernel in self.result.kernel:
             self.progress(
@@ -233,6 +243,7 @@ class Sweep:
                         first=number == 0,
                     )
         self.result.finished = time.time()
+        self.result.machine[LOAD_AT_END] = _load_average()
         return self.result
 
     def _external_table_config(self) -> dict[str, Any]:

@@ -80,6 +80,11 @@ class Settings(BaseSettings):
     threads_per_worker: int | None = Field(default=None, ge=1)
     # Requests computing at once in one worker (each uses threads_per_worker kernel threads).
     compute_slots: int = Field(default=2, ge=1, le=64)
+    # Fixed glibc malloc thresholds (service/malloc.py): responses up to this size reuse freed memory
+    # instead of page-faulting fresh mappings in on every large lookup; 0 keeps glibc's defaults.
+    malloc_mmap_threshold_bytes: int = Field(
+        default=32 * MiB, ge=0, le=32 * MiB, description="glibc M_MMAP_THRESHOLD per worker (0: default)"
+    )
 
     api_key: SecretStr | None = None
     read_api_key: SecretStr | None = None

@@ -18,6 +18,7 @@ from service.codec import (
     parse_shape,
     parse_tables_header,
     rows_bytes,
+    rows_view,
     split_ids,
 )
 
@@ -70,3 +71,14 @@ def test_headers() -> None:
             parse_tables_header(bad)
     with pytest.raises(InvalidInputError):
         split_ids(np.arange(3, dtype="<i8").tobytes(), [1, 1])
+
+
+@pytest.mark.parametrize("rows", [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.zeros(0, 4)])
+def test_rows_view_is_the_bytes_of_rows_without_a_copy(rows: torch.Tensor) -> None:
+    view = rows_view(rows)
+    assert bytes(view) == rows_bytes(rows)
+    if rows.numel():
+        rows[0, 0] = 99.0  # a view of the tensor's own memory, not a copy
+        assert bytes(view) == rows_bytes(rows)
+    # a non-contiguous tensor is copied into row-major order first
+    assert bytes(rows_view(rows.t())) == rows_bytes(rows.t())
