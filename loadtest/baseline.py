@@ -2,10 +2,11 @@
 
 Per batch size it times what a binary lookup must do at the very least: decode the request's int64
 bytes, hash + gather the rows with ``robez_core``'s fused ``Table.lookup``, and encode the float32
-rows to bytes, with the allocator set up as a server worker's (``service/malloc.py``). It also times
-``Table.hash`` and ``Table.gather`` apart, for the report's time split. Rounds alternate over the batch
-sizes and each figure is the median of its rounds. It runs in its own spawned process pinned to the
-given cores with the given kernel thread count, so it gets the same CPU a server worker would.
+rows to bytes, with the allocator set up as a server worker's
+(``robez_core.allocator.keep_freed_buffers``). It also times ``Table.hash`` and ``Table.gather``
+apart, for the report's time split. Rounds alternate over the batch sizes and each figure is the
+median of its rounds. It runs in its own spawned process pinned to the given cores with the given
+kernel thread count, so it gets the same CPU a server worker would.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from service.config import Settings
 
 from .stats import make_sampler, percentile, rate
 
-DEFAULT_MMAP_THRESHOLD: int = Settings.model_fields["malloc_mmap_threshold_bytes"].default
+DEFAULT_MMAP_THRESHOLD_MB: int = Settings.model_fields["malloc_mmap_threshold_mb"].default
 
 
 @dataclass(frozen=True)
@@ -71,19 +72,19 @@ def _measure(
     zipf_exponent: float,
     seed: int,
     rounds: int,
-    mmap_threshold: int,
+    mmap_threshold_mb: int,
 ) -> list[KernelResult]:
     if cores:
         os.sched_setaffinity(0, cores)
     import torch
 
+    from robez_core.allocator import keep_freed_buffers
     from robez_core.config import TableConfig
     from robez_core.table import Table
-    from service.malloc import keep_freed_memory
 
     # the allocator behaviour a server worker gets (service/app.py): without it, whether 1 MiB of rows
     # is page-faulted in afresh on every call depends on what this process freed before
-    keep_freed_memory(mmap_threshold)
+    keep_freed_buffers(mmap_threshold_mb)
     torch.set_num_threads(threads)
     table = Table(TableConfig(**table_config))  # type: ignore[arg-type]
     sampler = make_sampler(distribution, num_ids, zipf_exponent, seed)
@@ -164,11 +165,12 @@ def measure_kernel(
     zipf_exponent: float = 1.05,
     seed: int = 0,
     rounds: int = 5,
-    mmap_threshold: int = DEFAULT_MMAP_THRESHOLD,
+    mmap_threshold_mb: int = DEFAULT_MMAP_THRESHOLD_MB,
 ) -> list[KernelResult]:
     """Time decode + ``Table.lookup`` + encode per batch size in a fresh process pinned to ``cores``:
     ``rounds`` rounds over the batch sizes, ``seconds_per_size / rounds`` each, with glibc's malloc
-    thresholds set as a server worker sets them (``service/malloc.py``; 0: glibc's defaults)."""
+    thresholds set as a server worker sets them (``robez_core.allocator.keep_freed_buffers``; 0: glibc's
+    defaults)."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         future = pool.submit(
@@ -184,6 +186,6 @@ def measure_kernel(
             zipf_exponent,
             seed,
             max(1, rounds),
-            mmap_threshold,
+            mmap_threshold_mb,
         )
         return future.result(timeout=600)

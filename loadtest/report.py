@@ -675,9 +675,9 @@ def render_markdown(result: SweepResult, plots: tuple[Path, ...], csv_path: Path
         " the server's own `Server-Timing`; server CPU is the process tree's user+system time over the run.",
         "- in-process kernel baseline: decode int64 bytes + fused `Table.lookup` + float32 rows to bytes,"
         " pinned to core 0, 1 kernel thread (what one worker gets), glibc's malloc thresholds fixed as a"
-        " server worker fixes them (`service/malloc.py`: freed 1 MiB outputs are reused, not page-faulted"
-        " in again); rounds alternate over the batch sizes and ids/s is the median of the rounds. It does"
-        " not write the response to a socket, which the server must.",
+        " server worker fixes them (`robez_core.allocator.keep_freed_buffers`: freed 1 MiB outputs are"
+        " reused, not page-faulted in again); rounds alternate over the batch sizes and ids/s is the"
+        " median of the rounds. It does not write the response to a socket, which the server must.",
         "",
         "## Targets",
         "",

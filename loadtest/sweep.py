@@ -23,7 +23,7 @@ import httpx
 
 from robez_core.config import TableConfig
 
-from .baseline import DEFAULT_MMAP_THRESHOLD, KernelResult, measure_kernel
+from .baseline import DEFAULT_MMAP_THRESHOLD_MB, KernelResult, measure_kernel
 from .profile import Profiler, ProfileSummary
 from .runner import ClientFleet, RunResult, RunSpec
 from .scenarios import PEER_UPDATE, SCENARIOS, ScenarioContext, redis_key
@@ -213,8 +213,8 @@ class Sweep:
             num_ids=config.num_ids,
             zipf_exponent=config.zipf_exponent,
             seed=config.seed,
-            mmap_threshold=int(
-                config.server_env.get("ROBEZ_MALLOC_MMAP_THRESHOLD_BYTES", DEFAULT_MMAP_THRESHOLD)
+            mmap_threshold_mb=int(
+                config.server_env.get("ROBEZ_MALLOC_MMAP_THRESHOLD_MB", DEFAULT_MMAP_THRESHOLD_MB)
             ),
         )
         for kernel in self.result.kernel:

@@ -17,6 +17,8 @@ import torch
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from robez_core.allocator import keep_freed_buffers
+
 from . import codec
 from . import oip as oip_codec
 from .config import Settings
@@ -25,7 +27,6 @@ from .errors import install_error_handlers
 from .fastpath import FastPathMiddleware
 from .journal import Journal, NullJournal
 from .limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware
-from .malloc import keep_freed_memory
 from .metrics import Metrics, RequestMetricsMiddleware
 from .replication.replica import Replica, local_settings
 from .routes import checksum, durability, health, lookup, oip, tables, update
@@ -62,7 +63,7 @@ def shared_directory_for(settings: Settings) -> SharedDirectory | None:
 async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     settings: Settings = app.state.settings
     torch.set_num_threads(settings.kernel_threads())
-    keep_freed_memory(settings.malloc_mmap_threshold_bytes)
+    keep_freed_buffers(settings.malloc_mmap_threshold_mb)
     replicated = settings.nats_url is not None
     # A replica's journal is the replicated log (service/replication/), not a local one.
     journal = NullJournal() if replicated else open_journal(settings)

@@ -80,10 +80,10 @@ class Settings(BaseSettings):
     threads_per_worker: int | None = Field(default=None, ge=1)
     # Requests computing at once in one worker (each uses threads_per_worker kernel threads).
     compute_slots: int = Field(default=2, ge=1, le=64)
-    # Fixed glibc malloc thresholds (service/malloc.py): responses up to this size reuse freed memory
-    # instead of page-faulting fresh mappings in on every large lookup; 0 keeps glibc's defaults.
-    malloc_mmap_threshold_bytes: int = Field(
-        default=32 * MiB, ge=0, le=32 * MiB, description="glibc M_MMAP_THRESHOLD per worker (0: default)"
+    # Fixed glibc malloc thresholds (robez_core.allocator.keep_freed_buffers): responses up to this size
+    # reuse freed memory instead of page-faulting fresh mappings in on every large lookup; 0: glibc's own.
+    malloc_mmap_threshold_mb: int = Field(
+        default=32, ge=0, le=32, description="glibc M_MMAP_THRESHOLD per worker, MiB (0: glibc's default)"
     )
 
     api_key: SecretStr | None = None
