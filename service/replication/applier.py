@@ -3,7 +3,9 @@
 It follows the catalog (tables created and dropped through the log), creates each table from its newest
 snapshot in the log's snapshot store (or fresh, deterministically seeded), then reads the table's log
 from there on and applies every entry in order with ``TableStore.apply_logged``. It uploads a snapshot
-every ``replica_snapshot_every_updates`` updates and then trims the log below it, keeping
+every ``replica_snapshot_every_updates`` updates, and ``replica_snapshot_interval_s`` after the last upload
+when updates came since (a timer, so a burst followed by silence is uploaded too), and then trims the log
+below it, keeping
 ``replica_trim_keep`` entries; a replica whose position was trimmed away restores the snapshot. A worker
 that takes over from a dead applier rebuilds every table privately and switches it in (``restore``).
 
@@ -95,6 +97,12 @@ class Applier:
         if previous is not None and self._rebuild:
             logger.warning("taking over from applier %d: rebuilding %s", previous.applier_pid, self._rebuild)
         self._status_task: asyncio.Task[None] | None = None
+        self._upload_task: asyncio.Task[None] | None = None
+        # Updates applied since the last snapshot upload, when that upload was (monotonic), and one lock
+        # per table so the count trigger and the timer never upload the same table at once.
+        self._since_upload: dict[str, int] = {}
+        self._last_upload: dict[str, float] = {}
+        self._upload_locks: dict[str, asyncio.Lock] = {}
 
     async def wait_progress(self, timeout_s: float) -> None:
         async with self._progress:
@@ -111,14 +119,19 @@ class Applier:
         for _, task in self._tasks.values():
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._status_task is not None:
-            self._status_task.cancel()
+        for background in (self._status_task, self._upload_task):
+            if background is not None:
+                background.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await background
 
     # -- catalog ------------------------------------------------------------------------------------
 
     async def run(self) -> None:
         self._write_status()
         self._status_task = asyncio.create_task(self._status_loop())
+        if self.settings.replica_snapshot_interval_s > 0:
+            self._upload_task = asyncio.create_task(self._upload_timer(), name="robez-snapshot-timer")
         await self._create_configured_tables()
         seen: set[str] = set()
         async for event in self.log.watch_tables():
@@ -195,6 +208,8 @@ class Applier:
         self._caught_up.pop(name, None)
         self._incarnations.pop(name, None)
         self._lag.pop(name, None)
+        self._since_upload.pop(name, None)
+        self._last_upload.pop(name, None)
         with contextlib.suppress(NotFoundError):
             await anyio.to_thread.run_sync(self.store.delete, name)
             logger.info("dropped table %s", name)
@@ -234,7 +249,8 @@ class Applier:
         target = last
         self._caught_up[name] = position >= target
         self._write_status()
-        since_snapshot = 0
+        self._since_upload[name] = 0
+        self._last_upload[name] = time.monotonic()
         async for item in self.log.read(entry, position):
             if item.position != position + 1:
                 position = await self._restore_snapshot(entry, need=item.position - 1)
@@ -246,7 +262,7 @@ class Applier:
             now = time.time()
             if result is not None:
                 self.metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
-                since_snapshot += 1
+                self._since_upload[name] = self._since_upload.get(name, 0) + 1
             if item.timestamp:
                 self.metrics.replication_apply_delay_seconds.labels(name).observe(
                     max(0.0, now - item.timestamp)
@@ -258,8 +274,7 @@ class Applier:
                 self._write_status()
             await self._notify()
             every = self.settings.replica_snapshot_every_updates
-            if every and since_snapshot >= every:
-                since_snapshot = 0
+            if every and self._since_upload.get(name, 0) >= every:
                 await self._snapshot(entry)
 
     async def _bootstrap(self, entry: CatalogEntry) -> int:
@@ -330,16 +345,36 @@ class Applier:
 
     async def _snapshot(self, entry: CatalogEntry) -> None:
         """Upload the table's state (if newer than the stored snapshot), then trim the log below it."""
-        try:
-            data, version = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, entry.name)
-            stored = await self.log.snapshot_position(entry)
-            if version <= stored:
-                return
-            await self.log.put_snapshot(entry, Snapshot(version, data))
-            await self.log.trim(entry, version + 1 - self.settings.replica_trim_keep)
-            logger.info("table %s: snapshot at version %d uploaded, log trimmed", entry.name, version)
-        except RobezError as exc:
-            logger.warning("table %s: snapshot failed: %s", entry.name, exc)
+        name = entry.name
+        lock = self._upload_locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            # Counted before the copy: updates applied while it uploads count toward the next one.
+            applied = self._since_upload.get(name, 0)
+            try:
+                data, version = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, name)
+                stored = await self.log.snapshot_position(entry)
+                if version > stored:
+                    await self.log.put_snapshot(entry, Snapshot(version, data))
+                    await self.log.trim(entry, version + 1 - self.settings.replica_trim_keep)
+                    logger.info("table %s: snapshot at version %d uploaded, log trimmed", name, version)
+            except RobezError as exc:
+                # Retried after the next period (count or time), not after every update.
+                logger.warning("table %s: snapshot failed: %s", name, exc)
+            if name in self._since_upload:
+                self._since_upload[name] = max(0, self._since_upload[name] - applied)
+                self._last_upload[name] = time.monotonic()
+
+    async def _upload_timer(self) -> None:
+        """Upload every table with updates since its last upload once that upload is
+        ``replica_snapshot_interval_s`` old; runs on its own, so a burst followed by silence is uploaded."""
+        interval = self.settings.replica_snapshot_interval_s
+        while True:
+            await asyncio.sleep(min(interval, 1.0))
+            now = time.monotonic()
+            for name, (entry, task) in list(self._tasks.items()):
+                due = now - self._last_upload.get(name, now) >= interval
+                if due and self._since_upload.get(name, 0) > 0 and not task.done():
+                    await self._snapshot(entry)
 
     # -- status -------------------------------------------------------------------------------------
 
