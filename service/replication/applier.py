@@ -35,6 +35,7 @@ from robez_core.table import Table
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
 from ..metrics import Metrics
 from ..store import TableStore
+from .localsnap import LocalSnapshots
 from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog, Snapshot
 from .records import decode_update
 
@@ -103,6 +104,11 @@ class Applier:
         self._since_upload: dict[str, int] = {}
         self._last_upload: dict[str, float] = {}
         self._upload_locks: dict[str, asyncio.Lock] = {}
+        # With a data directory: the replica's own snapshots (localsnap.py), updates since the last one,
+        # and where each table was loaded from (``source`` in replication.json).
+        self.local = LocalSnapshots(settings.data_dir) if settings.data_dir is not None else None
+        self._since_local: dict[str, int] = {}
+        self._sources: dict[str, str] = {}
 
     async def wait_progress(self, timeout_s: float) -> None:
         async with self._progress:
@@ -119,6 +125,9 @@ class Applier:
         for _, task in self._tasks.values():
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        for entry, _ in self._tasks.values():
+            if self._since_local.get(entry.name, 0) > 0:
+                await self._local_snapshot(entry)
         for background in (self._status_task, self._upload_task):
             if background is not None:
                 background.cancel()
@@ -144,10 +153,12 @@ class Applier:
             seen.clear()
             self._catalog_loaded = True
             self._write_status()
+            self._prune_local()
             return
         if event.entry is None:
             seen.discard(event.name)
             await self._drop_local(event.name)
+            self._prune_local()
             return
         seen.add(event.name)
         current = self._tasks.get(event.name)
@@ -160,6 +171,15 @@ class Applier:
         self._caught_up[event.name] = False
         task = asyncio.create_task(self._follow(event.entry), name=f"robez-apply-{event.name}")
         self._tasks[event.name] = (event.entry, task)
+        self._prune_local()
+
+    def _prune_local(self) -> None:
+        if self.local is not None and self._catalog_loaded:
+            keep = {(entry.name, entry.incarnation) for entry, _ in self._tasks.values()}
+            try:
+                self.local.prune(keep)
+            except OSError as exc:
+                logger.warning("could not prune the local snapshots: %s", exc)
 
     async def _create_configured_tables(self) -> None:
         """Tables of the tables file (or ``demo`` when none is configured and the catalog is empty) are
@@ -210,6 +230,8 @@ class Applier:
         self._lag.pop(name, None)
         self._since_upload.pop(name, None)
         self._last_upload.pop(name, None)
+        self._since_local.pop(name, None)
+        self._sources.pop(name, None)
         with contextlib.suppress(NotFoundError):
             await anyio.to_thread.run_sync(self.store.delete, name)
             logger.info("dropped table %s", name)
@@ -250,6 +272,7 @@ class Applier:
         self._caught_up[name] = position >= target
         self._write_status()
         self._since_upload[name] = 0
+        self._since_local[name] = 0
         self._last_upload[name] = time.monotonic()
         async for item in self.log.read(entry, position):
             if item.position != position + 1:
@@ -263,6 +286,7 @@ class Applier:
             if result is not None:
                 self.metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
                 self._since_upload[name] = self._since_upload.get(name, 0) + 1
+                self._since_local[name] = self._since_local.get(name, 0) + 1
             if item.timestamp:
                 self.metrics.replication_apply_delay_seconds.labels(name).observe(
                     max(0.0, now - item.timestamp)
@@ -276,6 +300,9 @@ class Applier:
             every = self.settings.replica_snapshot_every_updates
             if every and self._since_upload.get(name, 0) >= every:
                 await self._snapshot(entry)
+            local_every = self.settings.replica_local_snapshot_every_updates
+            if self.local is not None and local_every and self._since_local.get(name, 0) >= local_every:
+                await self._local_snapshot(entry)
 
     async def _bootstrap(self, entry: CatalogEntry) -> int:
         """The local table of this incarnation at some version (kept, or created from the newest
@@ -288,14 +315,16 @@ class Applier:
                     self._rebuild.discard(name)
                 return self.store.version(name)
             await anyio.to_thread.run_sync(self.store.delete, name)
-        snapshot = await self.log.get_snapshot(entry)
+        best = await self._best_snapshot(entry)
         spec = TableSpec(TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
-        if snapshot is not None:
-            table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
-            await anyio.to_thread.run_sync(self.store.create_from, name, table, snapshot.position)
-            logger.info("table %s: bootstrapped from the snapshot at version %d", name, snapshot.position)
+        if best is not None:
+            table, position, source = best
+            await anyio.to_thread.run_sync(self.store.create_from, name, table, position)
+            logger.info("table %s: bootstrapped from the %s at version %d", name, source, position)
+            self._sources[name] = source
         else:
             await anyio.to_thread.run_sync(self.store.create, name, spec)
+            self._sources[name] = "fresh"
         self._incarnations[name] = entry.incarnation
         # Load the compiled kernels for this kind of table now, not in the first apply.
         await anyio.to_thread.run_sync(self.store.warm_up)
@@ -305,10 +334,10 @@ class Applier:
     async def _rebuild_table(self, entry: CatalogEntry) -> None:
         """Rebuild the table from the snapshot (or fresh) and the log up to its current end, in private,
         then switch the shared table to the result (``TableStore.restore``)."""
-        snapshot = await self.log.get_snapshot(entry)
-        if snapshot is not None:
-            table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
-            position = snapshot.position
+        best = await self._best_snapshot(entry)
+        if best is not None:
+            table, position, source = best
+            self._sources[entry.name] = source
         else:
             config = TableConfig.from_dict(entry.config)
             table = Table(config, OptimizerConfig.from_dict(entry.optimizer))
@@ -331,17 +360,58 @@ class Applier:
 
     async def _restore_snapshot(self, entry: CatalogEntry, need: int) -> int:
         """The log was trimmed past this replica's position: load the snapshot (at >= ``need``)."""
-        snapshot = await self.log.get_snapshot(entry)
-        if snapshot is None or snapshot.position < need:
+        best = await self._best_snapshot(entry, need)
+        if best is None or best[1] < need:
             raise CorruptionError(
                 f"table {entry.name!r}: the log was trimmed to {need + 1} and no snapshot reaches it"
             )
+        table, position, source = best
+        await anyio.to_thread.run_sync(self.store.restore, entry.name, table, position)
+        self._sources[entry.name] = source
+        logger.info("table %s: re-bootstrapped from the %s at version %d", entry.name, source, position)
+        return position
+
+    async def _best_snapshot(self, entry: CatalogEntry, need: int = 0) -> tuple[Table, int, str] | None:
+        """The newer of the local snapshot and the Object Store one, as (table, position, source): the
+        local one if it is at least as new, reaches ``need`` and the log still goes on from it (first
+        position <= its position + 1), and loads; else the Object Store's (None: neither exists)."""
+        local = self.local.newest(entry.name, entry.incarnation) if self.local is not None else None
+        if local is not None and self.local is not None:
+            stored = await self.log.snapshot_position(entry)
+            first, _ = await self.log.bounds(entry)
+            if local.position >= max(stored, need) and first <= local.position + 1:
+                try:
+                    table = await anyio.to_thread.run_sync(self.local.load, local)
+                    return table, local.position, "local snapshot"
+                except (RobezError, OSError) as exc:
+                    logger.warning(
+                        "table %s: the local snapshot %s is unusable (%s); using the Object Store "
+                        "snapshot and the log",
+                        entry.name,
+                        local.path,
+                        exc,
+                    )
+        snapshot = await self.log.get_snapshot(entry)
+        if snapshot is None:
+            return None
         table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
-        await anyio.to_thread.run_sync(self.store.restore, entry.name, table, snapshot.position)
-        logger.info(
-            "table %s: re-bootstrapped from the snapshot at version %d", entry.name, snapshot.position
-        )
-        return snapshot.position
+        return table, snapshot.position, "Object Store snapshot"
+
+    async def _local_snapshot(self, entry: CatalogEntry) -> None:
+        """Write the table's state to the data directory (localsnap.py); failures are logged only."""
+        local = self.local
+        name = entry.name
+        if local is None or name not in self.store.names():
+            return
+        applied = self._since_local.get(name, 0)
+        try:
+            data, version = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, name)
+            written = await anyio.to_thread.run_sync(local.write, name, entry.incarnation, version, data)
+            logger.info("table %s: local snapshot at version %d written to %s", name, version, written.path)
+        except (RobezError, OSError) as exc:
+            logger.warning("table %s: local snapshot failed: %s", name, exc)
+        if name in self._since_local:
+            self._since_local[name] = max(0, self._since_local[name] - applied)
 
     async def _snapshot(self, entry: CatalogEntry) -> None:
         """Upload the table's state (if newer than the stored snapshot), then trim the log below it."""
@@ -387,6 +457,7 @@ class Applier:
                 "version": self.store.version(name),
                 "lag": self._lag.get(name, 0),
                 "last_apply": self._last_apply.get(name, 0.0),
+                "source": self._sources.get(name, "kept"),
             }
             for name in names
         }
