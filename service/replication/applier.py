@@ -9,6 +9,9 @@ below it, keeping
 ``replica_trim_keep`` entries; a replica whose position was trimmed away restores the snapshot. A worker
 that takes over from a dead applier rebuilds every table privately and switches it in (``restore``).
 
+With a data directory it also keeps local snapshots (``localsnap.py``) and starts from whichever of the
+local and the Object Store snapshot is newer and still reaches the log.
+
 Readiness and lag go to ``replication.json`` in the shared directory (``ReplicaStatus``), so every worker
 of the replica can answer ``/readyz``.
 """
