@@ -243,7 +243,7 @@ def test_new_replica_bootstraps_from_snapshot_after_trim(nats_cluster: NatsClust
             assert time.monotonic() < deadline, "the log was never trimmed:\n" + first.log()
             time.sleep(0.1)
         late = ReplicaServer("s2", nats_cluster, tmp_path, "snap").start().wait_ready()
-        assert "bootstrapped from the snapshot" in late.log()
+        assert "bootstrapped from the Object Store snapshot" in late.log()
         assert push(late, table, 25).json()["version"] == 26
         assert_converged([first, late], table, 26, replay_checksum(list(range(26))))
     finally:
