@@ -238,11 +238,16 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if settings.nats_url is not None and settings.data_dir is not None:
-        raise ConfigError(
-            "--data-dir and --nats: a replica keeps its tables in the replicated log and its snapshots "
-            "in the log's Object Store, not in a data directory; drop one of the two"
-        )
+    if settings.data_dir is not None:
+        from .replication.localsnap import LocalSnapshots, is_replica_dir
+
+        if settings.nats_url is not None:
+            LocalSnapshots(settings.data_dir)  # refuses a single server's directory, marks it a replica's
+        elif is_replica_dir(settings.data_dir):
+            raise ConfigError(
+                f"the data directory {settings.data_dir} is a replica's (--nats): its local snapshots "
+                "are no single-server write-ahead log; give this server its own data directory"
+            )
     # Held until the workers are gone: a second server on the directory fails here, before it loads.
     server_lock = ServerLock(settings.data_dir) if settings.data_dir is not None else None
     try:

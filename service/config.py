@@ -141,6 +141,12 @@ class Settings(BaseSettings):
     replica_snapshot_every_updates: int = Field(
         default=10_000, ge=0, description="upload a snapshot to the Object Store after this many updates"
     )
+    replica_snapshot_interval_s: float = Field(
+        default=300.0, ge=0, description="... or when the last upload is this old and updated since (0: off)"
+    )
+    replica_local_snapshot_every_updates: int = Field(
+        default=1_000, ge=0, description="with --data-dir: write a local snapshot after this many updates"
+    )
     replica_trim_keep: int = Field(
         default=1_000, ge=0, description="log entries kept below the newest snapshot when trimming"
     )

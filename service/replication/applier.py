@@ -3,9 +3,14 @@
 It follows the catalog (tables created and dropped through the log), creates each table from its newest
 snapshot in the log's snapshot store (or fresh, deterministically seeded), then reads the table's log
 from there on and applies every entry in order with ``TableStore.apply_logged``. It uploads a snapshot
-every ``replica_snapshot_every_updates`` updates and then trims the log below it, keeping
+every ``replica_snapshot_every_updates`` updates, and ``replica_snapshot_interval_s`` after the last upload
+when updates came since (a timer, so a burst followed by silence is uploaded too), and then trims the log
+below it, keeping
 ``replica_trim_keep`` entries; a replica whose position was trimmed away restores the snapshot. A worker
 that takes over from a dead applier rebuilds every table privately and switches it in (``restore``).
+
+With a data directory it also keeps local snapshots (``localsnap.py``) and starts from whichever of the
+local and the Object Store snapshot is newer and still reaches the log.
 
 Readiness and lag go to ``replication.json`` in the shared directory (``ReplicaStatus``), so every worker
 of the replica can answer ``/readyz``.
@@ -33,6 +38,7 @@ from robez_core.table import Table
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
 from ..metrics import Metrics
 from ..store import TableStore
+from .localsnap import LocalSnapshots
 from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog, Snapshot
 from .records import decode_update
 
@@ -95,6 +101,17 @@ class Applier:
         if previous is not None and self._rebuild:
             logger.warning("taking over from applier %d: rebuilding %s", previous.applier_pid, self._rebuild)
         self._status_task: asyncio.Task[None] | None = None
+        self._upload_task: asyncio.Task[None] | None = None
+        # Updates applied since the last snapshot upload, when that upload was (monotonic), and one lock
+        # per table so the count trigger and the timer never upload the same table at once.
+        self._since_upload: dict[str, int] = {}
+        self._last_upload: dict[str, float] = {}
+        self._upload_locks: dict[str, asyncio.Lock] = {}
+        # With a data directory: the replica's own snapshots (localsnap.py), updates since the last one,
+        # and where each table was loaded from (``source`` in replication.json).
+        self.local = LocalSnapshots(settings.data_dir) if settings.data_dir is not None else None
+        self._since_local: dict[str, int] = {}
+        self._sources: dict[str, str] = {}
 
     async def wait_progress(self, timeout_s: float) -> None:
         async with self._progress:
@@ -111,14 +128,22 @@ class Applier:
         for _, task in self._tasks.values():
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._status_task is not None:
-            self._status_task.cancel()
+        for entry, _ in self._tasks.values():
+            if self._since_local.get(entry.name, 0) > 0:
+                await self._local_snapshot(entry)
+        for background in (self._status_task, self._upload_task):
+            if background is not None:
+                background.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await background
 
     # -- catalog ------------------------------------------------------------------------------------
 
     async def run(self) -> None:
         self._write_status()
         self._status_task = asyncio.create_task(self._status_loop())
+        if self.settings.replica_snapshot_interval_s > 0:
+            self._upload_task = asyncio.create_task(self._upload_timer(), name="robez-snapshot-timer")
         await self._create_configured_tables()
         seen: set[str] = set()
         async for event in self.log.watch_tables():
@@ -131,10 +156,12 @@ class Applier:
             seen.clear()
             self._catalog_loaded = True
             self._write_status()
+            self._prune_local()
             return
         if event.entry is None:
             seen.discard(event.name)
             await self._drop_local(event.name)
+            self._prune_local()
             return
         seen.add(event.name)
         current = self._tasks.get(event.name)
@@ -147,6 +174,15 @@ class Applier:
         self._caught_up[event.name] = False
         task = asyncio.create_task(self._follow(event.entry), name=f"robez-apply-{event.name}")
         self._tasks[event.name] = (event.entry, task)
+        self._prune_local()
+
+    def _prune_local(self) -> None:
+        if self.local is not None and self._catalog_loaded:
+            keep = {(entry.name, entry.incarnation) for entry, _ in self._tasks.values()}
+            try:
+                self.local.prune(keep)
+            except OSError as exc:
+                logger.warning("could not prune the local snapshots: %s", exc)
 
     async def _create_configured_tables(self) -> None:
         """Tables of the tables file (or ``demo`` when none is configured and the catalog is empty) are
@@ -195,6 +231,10 @@ class Applier:
         self._caught_up.pop(name, None)
         self._incarnations.pop(name, None)
         self._lag.pop(name, None)
+        self._since_upload.pop(name, None)
+        self._last_upload.pop(name, None)
+        self._since_local.pop(name, None)
+        self._sources.pop(name, None)
         with contextlib.suppress(NotFoundError):
             await anyio.to_thread.run_sync(self.store.delete, name)
             logger.info("dropped table %s", name)
@@ -234,7 +274,9 @@ class Applier:
         target = last
         self._caught_up[name] = position >= target
         self._write_status()
-        since_snapshot = 0
+        self._since_upload[name] = 0
+        self._since_local[name] = 0
+        self._last_upload[name] = time.monotonic()
         async for item in self.log.read(entry, position):
             if item.position != position + 1:
                 position = await self._restore_snapshot(entry, need=item.position - 1)
@@ -246,7 +288,8 @@ class Applier:
             now = time.time()
             if result is not None:
                 self.metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
-                since_snapshot += 1
+                self._since_upload[name] = self._since_upload.get(name, 0) + 1
+                self._since_local[name] = self._since_local.get(name, 0) + 1
             if item.timestamp:
                 self.metrics.replication_apply_delay_seconds.labels(name).observe(
                     max(0.0, now - item.timestamp)
@@ -258,9 +301,11 @@ class Applier:
                 self._write_status()
             await self._notify()
             every = self.settings.replica_snapshot_every_updates
-            if every and since_snapshot >= every:
-                since_snapshot = 0
+            if every and self._since_upload.get(name, 0) >= every:
                 await self._snapshot(entry)
+            local_every = self.settings.replica_local_snapshot_every_updates
+            if self.local is not None and local_every and self._since_local.get(name, 0) >= local_every:
+                await self._local_snapshot(entry)
 
     async def _bootstrap(self, entry: CatalogEntry) -> int:
         """The local table of this incarnation at some version (kept, or created from the newest
@@ -273,14 +318,16 @@ class Applier:
                     self._rebuild.discard(name)
                 return self.store.version(name)
             await anyio.to_thread.run_sync(self.store.delete, name)
-        snapshot = await self.log.get_snapshot(entry)
+        best = await self._best_snapshot(entry)
         spec = TableSpec(TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
-        if snapshot is not None:
-            table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
-            await anyio.to_thread.run_sync(self.store.create_from, name, table, snapshot.position)
-            logger.info("table %s: bootstrapped from the snapshot at version %d", name, snapshot.position)
+        if best is not None:
+            table, position, source = best
+            await anyio.to_thread.run_sync(self.store.create_from, name, table, position)
+            logger.info("table %s: bootstrapped from the %s at version %d", name, source, position)
+            self._sources[name] = source
         else:
             await anyio.to_thread.run_sync(self.store.create, name, spec)
+            self._sources[name] = "fresh"
         self._incarnations[name] = entry.incarnation
         # Load the compiled kernels for this kind of table now, not in the first apply.
         await anyio.to_thread.run_sync(self.store.warm_up)
@@ -290,10 +337,10 @@ class Applier:
     async def _rebuild_table(self, entry: CatalogEntry) -> None:
         """Rebuild the table from the snapshot (or fresh) and the log up to its current end, in private,
         then switch the shared table to the result (``TableStore.restore``)."""
-        snapshot = await self.log.get_snapshot(entry)
-        if snapshot is not None:
-            table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
-            position = snapshot.position
+        best = await self._best_snapshot(entry)
+        if best is not None:
+            table, position, source = best
+            self._sources[entry.name] = source
         else:
             config = TableConfig.from_dict(entry.config)
             table = Table(config, OptimizerConfig.from_dict(entry.optimizer))
@@ -316,30 +363,91 @@ class Applier:
 
     async def _restore_snapshot(self, entry: CatalogEntry, need: int) -> int:
         """The log was trimmed past this replica's position: load the snapshot (at >= ``need``)."""
-        snapshot = await self.log.get_snapshot(entry)
-        if snapshot is None or snapshot.position < need:
+        best = await self._best_snapshot(entry, need)
+        if best is None or best[1] < need:
             raise CorruptionError(
                 f"table {entry.name!r}: the log was trimmed to {need + 1} and no snapshot reaches it"
             )
+        table, position, source = best
+        await anyio.to_thread.run_sync(self.store.restore, entry.name, table, position)
+        self._sources[entry.name] = source
+        logger.info("table %s: re-bootstrapped from the %s at version %d", entry.name, source, position)
+        return position
+
+    async def _best_snapshot(self, entry: CatalogEntry, need: int = 0) -> tuple[Table, int, str] | None:
+        """The newer of the local snapshot and the Object Store one, as (table, position, source): the
+        local one if it is at least as new, reaches ``need`` and the log still goes on from it (first
+        position <= its position + 1), and loads; else the Object Store's (None: neither exists)."""
+        local = self.local.newest(entry.name, entry.incarnation) if self.local is not None else None
+        if local is not None and self.local is not None:
+            stored = await self.log.snapshot_position(entry)
+            first, _ = await self.log.bounds(entry)
+            if local.position >= max(stored, need) and first <= local.position + 1:
+                try:
+                    table = await anyio.to_thread.run_sync(self.local.load, local)
+                    return table, local.position, "local snapshot"
+                except (RobezError, OSError) as exc:
+                    logger.warning(
+                        "table %s: the local snapshot %s is unusable (%s); using the Object Store "
+                        "snapshot and the log",
+                        entry.name,
+                        local.path,
+                        exc,
+                    )
+        snapshot = await self.log.get_snapshot(entry)
+        if snapshot is None:
+            return None
         table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
-        await anyio.to_thread.run_sync(self.store.restore, entry.name, table, snapshot.position)
-        logger.info(
-            "table %s: re-bootstrapped from the snapshot at version %d", entry.name, snapshot.position
-        )
-        return snapshot.position
+        return table, snapshot.position, "Object Store snapshot"
+
+    async def _local_snapshot(self, entry: CatalogEntry) -> None:
+        """Write the table's state to the data directory (localsnap.py); failures are logged only."""
+        local = self.local
+        name = entry.name
+        if local is None or name not in self.store.names():
+            return
+        applied = self._since_local.get(name, 0)
+        try:
+            data, version = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, name)
+            written = await anyio.to_thread.run_sync(local.write, name, entry.incarnation, version, data)
+            logger.info("table %s: local snapshot at version %d written to %s", name, version, written.path)
+        except (RobezError, OSError) as exc:
+            logger.warning("table %s: local snapshot failed: %s", name, exc)
+        if name in self._since_local:
+            self._since_local[name] = max(0, self._since_local[name] - applied)
 
     async def _snapshot(self, entry: CatalogEntry) -> None:
         """Upload the table's state (if newer than the stored snapshot), then trim the log below it."""
-        try:
-            data, version = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, entry.name)
-            stored = await self.log.snapshot_position(entry)
-            if version <= stored:
-                return
-            await self.log.put_snapshot(entry, Snapshot(version, data))
-            await self.log.trim(entry, version + 1 - self.settings.replica_trim_keep)
-            logger.info("table %s: snapshot at version %d uploaded, log trimmed", entry.name, version)
-        except RobezError as exc:
-            logger.warning("table %s: snapshot failed: %s", entry.name, exc)
+        name = entry.name
+        lock = self._upload_locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            # Counted before the copy: updates applied while it uploads count toward the next one.
+            applied = self._since_upload.get(name, 0)
+            try:
+                data, version = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, name)
+                stored = await self.log.snapshot_position(entry)
+                if version > stored:
+                    await self.log.put_snapshot(entry, Snapshot(version, data))
+                    await self.log.trim(entry, version + 1 - self.settings.replica_trim_keep)
+                    logger.info("table %s: snapshot at version %d uploaded, log trimmed", name, version)
+            except RobezError as exc:
+                # Retried after the next period (count or time), not after every update.
+                logger.warning("table %s: snapshot failed: %s", name, exc)
+            if name in self._since_upload:
+                self._since_upload[name] = max(0, self._since_upload[name] - applied)
+                self._last_upload[name] = time.monotonic()
+
+    async def _upload_timer(self) -> None:
+        """Upload every table with updates since its last upload once that upload is
+        ``replica_snapshot_interval_s`` old; runs on its own, so a burst followed by silence is uploaded."""
+        interval = self.settings.replica_snapshot_interval_s
+        while True:
+            await asyncio.sleep(min(interval, 1.0))
+            now = time.monotonic()
+            for name, (entry, task) in list(self._tasks.items()):
+                due = now - self._last_upload.get(name, now) >= interval
+                if due and self._since_upload.get(name, 0) > 0 and not task.done():
+                    await self._snapshot(entry)
 
     # -- status -------------------------------------------------------------------------------------
 
@@ -352,6 +460,7 @@ class Applier:
                 "version": self.store.version(name),
                 "lag": self._lag.get(name, 0),
                 "last_apply": self._last_apply.get(name, 0.0),
+                "source": self._sources.get(name, "kept"),
             }
             for name in names
         }

@@ -50,8 +50,9 @@ def test_min_version_waits_bounded_then_503(client_factory) -> None:  # type: ig
     assert unnamed.status_code == 422
 
 
-def test_serve_refuses_a_data_dir_with_nats(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_serve_refuses_a_single_server_data_dir_with_nats(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     from service.cli import main
 
+    (tmp_path / "demo").mkdir()  # a single server's table directory
     assert main(["serve", "--nats", "nats://127.0.0.1:1", "--data-dir", str(tmp_path)]) == 2
-    assert "--data-dir and --nats" in capsys.readouterr().err
+    assert "holds a single server's tables" in capsys.readouterr().err

@@ -243,13 +243,41 @@ def test_new_replica_bootstraps_from_snapshot_after_trim(nats_cluster: NatsClust
             assert time.monotonic() < deadline, "the log was never trimmed:\n" + first.log()
             time.sleep(0.1)
         late = ReplicaServer("s2", nats_cluster, tmp_path, "snap").start().wait_ready()
-        assert "bootstrapped from the snapshot" in late.log()
+        assert "bootstrapped from the Object Store snapshot" in late.log()
         assert push(late, table, 25).json()["version"] == 26
         assert_converged([first, late], table, 26, replay_checksum(list(range(26))))
     finally:
         first.stop()
         if late is not None:
             late.stop()
+
+
+def test_snapshot_is_uploaded_by_time_after_pushes_stop(nats_cluster: NatsCluster, tmp_path: Path) -> None:
+    """No count trigger, a 1 s interval: a burst that then stops is still uploaded (and the log trimmed
+    below it) by the timer, again after a second burst; a quiet table is not uploaded again."""
+    settings = {
+        "ROBEZ_REPLICA_SNAPSHOT_EVERY_UPDATES": 0,
+        "ROBEZ_REPLICA_SNAPSHOT_INTERVAL_S": 1,
+        "ROBEZ_REPLICA_TRIM_KEEP": 0,
+    }
+    server = ReplicaServer("timed", nats_cluster, tmp_path, "timed", **settings).start()
+    try:
+        server.wait_ready()
+        table = "timed"
+        create_table(server, table)
+        for burst_end in (7, 10):
+            for seed in range(server.version(table), burst_end):
+                assert push(server, table, seed).status_code == 200
+            deadline = time.monotonic() + 20
+            # Trimmed below burst_end + 1 only after the snapshot at burst_end was stored.
+            while stream_bounds(nats_cluster, "timed", table)[0] != burst_end + 1:
+                assert time.monotonic() < deadline, "no timed upload:\n" + server.log()
+                time.sleep(0.1)
+            assert f"snapshot at version {burst_end} uploaded" in server.log_path.read_text()
+        time.sleep(2.5)  # quiet: more than two intervals, nothing new to upload
+        assert server.log_path.read_text().count("snapshot at version") == 2, server.log()
+    finally:
+        server.stop()
 
 
 def test_replica_without_nats_is_not_ready(tmp_path: Path, nats_cluster: NatsCluster) -> None:
