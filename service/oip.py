@@ -26,6 +26,7 @@ from torch import Tensor
 
 from robez_core.errors import InvalidInputError
 
+from .codec import rows_view
 from .errors import summarize_validation_errors
 from .store import LookupResult, Pooling
 
@@ -251,7 +252,7 @@ def encode_infer(name: str, inference: Inference, result: LookupResult) -> tuple
     if not inference.binary_output:
         output["data"] = rows.numpy().reshape(-1)
         return orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY), None
-    data = np.ascontiguousarray(rows.numpy(), dtype="<f4").tobytes()
-    output["parameters"] = {"binary_data_size": len(data)}
+    data = rows_view(rows)  # no copy of its own: the one copy is into the body, after the header
+    output["parameters"] = {"binary_data_size": data.nbytes}
     header = orjson.dumps(head)
     return header + data, len(header)
