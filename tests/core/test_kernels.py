@@ -238,11 +238,11 @@ def test_split32_blocks_with_keys_at_the_int64_limits(paper_hash: str) -> None:
     [INT64_MIN - min T, INT64_MAX - max T] (T = c * R[2] + R[1], the chunk terms, clamped at 0); a
     block holding a key outside, where K + T wraps for some chunks, must still be exact. With R[3] = 1
     the keys are the ids: one block per edge key (the last safe and the first wrapping key at each
-    limit) among ordinary ids, and a block of them all; chunk terms all positive, then all negative."""
-    num_chunks = 6
+    limit) among ordinary ids, and a block of them all; chunk terms all positive, then all negative;
+    4 chunks (the rows are stored four offsets at a time) and 6."""
     generator = torch.Generator().manual_seed(13)
     block = kernels._HASH_BLOCK
-    for sign in (1, -1):
+    for sign, num_chunks in ((1, 4), (1, 6), (-1, 4), (-1, 6)):  # 4: rows stored whole
         r1, r2 = sign * 5, sign * 1_000_003
         random_numbers = torch.tensor([PAPER_PRIME, r1, r2, 1, 11, 13, 17, 19, 23, 29, 31])
         terms = [c * r2 + r1 for c in range(num_chunks)]
