@@ -15,14 +15,17 @@ Why the kernels are fast (32768 ids, d = 100, Z = 32, 1 thread, on the 2-core de
   by chunk, and LLVM runs eight lanes per instruction (hashing 0.31 -> 0.14 ms). Any P outside
   [2**16, 2**52) (constants imported from elsewhere) takes a generic loop with integer divisions;
 - that "float64" formulation needs AVX-512 DQ (int64 <-> float64 conversions, 64-bit multiplies in
-  vector registers); without it (AVX2: Zen 2/3, older Xeons) LLVM ran it one lane at a time. There the
-  paper hash (2**16 <= P < 2**31) takes "split32": one reduction per id of ``key mod P`` from its two
-  32-bit halves (int32 -> float64 conversions, quotient rounded by a magic-number add, ``q * P`` as two
-  32 x 32 -> 64 multiplies), then per chunk only ``(key mod P) + (chunk term mod P)`` with a correction
-  by ``2**64 mod P`` where the int64 sum wrapped, and the second mod in float64 on 31-bit values. On an
-  AVX2 target (emulated, see below) 32768 ids x 4 chunks took 0.54-0.65 ms as float64 and 0.19 ms as
-  split32; on AVX-512 float64 stays ahead (0.136 vs 0.157 ms), so ``_PAPER_FORMULATION`` is picked at
-  import from the features numba compiles for. Both are bit-exact; the tests force each on any CPU;
+  vector registers); without it (AVX2: Zen 2/3, older Xeons) LLVM ran it one lane at a time. The
+  paper hash (2**16 <= P < 2**31) therefore takes "split32": one reduction per id of ``key mod P`` from
+  its two 32-bit halves (int32 -> float64 conversions, quotient rounded by a magic-number add, ``q * P``
+  as two 32 x 32 -> 64 multiplies), then per chunk only ``(key mod P) + (chunk term mod P)``. In a
+  block where no int64 key sum can wrap (every key at least max |chunk term| inside the int64 limits:
+  all but astronomically rare blocks) that sum and the second mod run in float64 (values below 2**32,
+  exact), and rows of 4 chunk offsets are stored whole; a block with a key near the limits takes a
+  loop that corrects by ``2**64 mod P`` where the sum wrapped. 32768 ids x 4 chunks, side by side
+  (2026-11-23): AVX2 (emulated, see below) 0.53 ms float64, 0.18 split32 before the float64 chunk
+  pass, 0.11 with it; AVX-512 0.10-0.12 float64, 0.08 split32, so split32 is used on both and float64
+  takes P in [2**31, 2**52). Both are bit-exact; the tests force each on any CPU;
 - tables bigger than the caches get the chunks of the row four ahead prefetched (m = 10**8:
   gather 4.7 -> 2.3 ms, dense backward 4.0 -> 2.4 ms);
 - outputs are allocated by numpy (huge pages) rather than ``torch.empty``, and the coalesce's dense
@@ -46,8 +49,9 @@ this file (its modification time and size) or of the CPU model, which then recom
 AVX2 on an AVX-512 machine: ``NUMBA_CPU_NAME=znver2`` with ``NUMBA_CPU_FEATURES`` set to the host's
 features minus every AVX-512 one makes numba compile for a Zen 2 (the generated code then has no zmm
 register: checked with ``inspect_asm``); ``python -m robez_core.bench --emulate-avx2`` sets that up and
-holds torch to its AVX2 kernels too. With ``split32`` the AVX2 build ran, side by side on the dev box
-(1 thread, p10 of 150 calls, 32768 ids, d = 100): hash 0.19 ms (AVX-512: 0.10), gather 0.43-0.46
+holds torch to its AVX2 kernels too. With ``split32`` (before its float64 chunk pass) the AVX2 build
+ran, side by side on the dev box (1 thread, p10 of 150 calls, 32768 ids, d = 100): hash 0.19 ms
+(AVX-512: 0.10), gather 0.43-0.46
 (0.41), lookup 0.61-0.65 (0.51-0.54), dense scatter 0.65-0.77 (0.58-0.61), coalesce 1.2-1.3 (1.1).
 
 Determinism: the coalesce runs serially in a fixed order and the optimizer steps touch each location
@@ -507,7 +511,7 @@ def _hash_block(
 ):
     """Chunk offsets of ``ids[begin:begin + count]`` into ``out[out_pos + j * num_chunks + c]``.
 
-    ``count <= _HASH_BLOCK``; ``scratch`` is uint64 (3, _HASH_BLOCK). Chunks are the outer loop and ids
+    ``count <= _HASH_BLOCK``; ``scratch`` is uint64 (4, _HASH_BLOCK). Chunks are the outer loop and ids
     the inner one, so each inner loop is a straight vectorisable pass over the block.
 
     The key arithmetic (``(x + val_offset) * R[3] + c * R[2] + R[1]``) runs on uint64: numba marks signed
@@ -1100,11 +1104,15 @@ def set_kernel_threads() -> int:
     return threads
 
 
-# The paper hash's mod P: "float64" where the target converts int64 <-> float64 and multiplies 64-bit
-# lanes in vector registers (AVX-512 DQ + VL), "split32" (32-bit halves, exact corrections) elsewhere.
-# Measured 32768 ids x 4 chunks, 1 thread: AVX-512 0.136 ms float64 vs 0.157 split32; AVX2 (emulated,
-# see the docstring) 0.54-0.65 float64 vs 0.19 split32. Tests set it to force either path on any CPU.
-_PAPER_FORMULATION = "float64" if {"avx512f", "avx512dq", "avx512vl"} <= _target_features() else "split32"
+# The paper hash's mod P for 2**16 <= P < 2**31: "split32" (32-bit halves, exact corrections, then the
+# per-chunk reduction in float64) or "float64" (int64 <-> float64 conversions and 64-bit multiplies,
+# which only AVX-512 DQ + VL has in vector registers). Since split32 reduces each chunk in float64 where
+# no key sum of the block wraps, it is ahead on both kinds of CPU: the "hashing alone" row of
+# ``python -m robez_core.bench --quick --no-report`` (1 thread, dev box, 2026-11-23, two runs each) went
+# from 0.111 / 0.108 ms (float64) to 0.079 / 0.085 ms (split32) on AVX-512, and with --emulate-avx2 from
+# 0.200 ms (split32 without the float64 chunk pass) to 0.120 ms. float64 still takes a P in
+# [2**31, 2**52). Tests set it to force either path on any CPU.
+_PAPER_FORMULATION = "split32"
 
 
 def _check_shape(memory_size: int, chunk_size: int, embedding_dim: int, hash: str) -> int:
