@@ -15,14 +15,17 @@ Why the kernels are fast (32768 ids, d = 100, Z = 32, 1 thread, on the 2-core de
   by chunk, and LLVM runs eight lanes per instruction (hashing 0.31 -> 0.14 ms). Any P outside
   [2**16, 2**52) (constants imported from elsewhere) takes a generic loop with integer divisions;
 - that "float64" formulation needs AVX-512 DQ (int64 <-> float64 conversions, 64-bit multiplies in
-  vector registers); without it (AVX2: Zen 2/3, older Xeons) LLVM ran it one lane at a time. There the
-  paper hash (2**16 <= P < 2**31) takes "split32": one reduction per id of ``key mod P`` from its two
-  32-bit halves (int32 -> float64 conversions, quotient rounded by a magic-number add, ``q * P`` as two
-  32 x 32 -> 64 multiplies), then per chunk only ``(key mod P) + (chunk term mod P)`` with a correction
-  by ``2**64 mod P`` where the int64 sum wrapped, and the second mod in float64 on 31-bit values. On an
-  AVX2 target (emulated, see below) 32768 ids x 4 chunks took 0.54-0.65 ms as float64 and 0.19 ms as
-  split32; on AVX-512 float64 stays ahead (0.136 vs 0.157 ms), so ``_PAPER_FORMULATION`` is picked at
-  import from the features numba compiles for. Both are bit-exact; the tests force each on any CPU;
+  vector registers); without it (AVX2: Zen 2/3, older Xeons) LLVM ran it one lane at a time. The
+  paper hash (2**16 <= P < 2**31) therefore takes "split32": one reduction per id of ``key mod P`` from
+  its two 32-bit halves (int32 -> float64 conversions, quotient rounded by a magic-number add, ``q * P``
+  as two 32 x 32 -> 64 multiplies), then per chunk only ``(key mod P) + (chunk term mod P)``. In a
+  block where no int64 key sum can wrap (every key at least max |chunk term| inside the int64 limits:
+  all but astronomically rare blocks) that sum and the second mod run in float64 (values below 2**32,
+  exact), and rows of 4 chunk offsets are stored whole; a block with a key near the limits takes a
+  loop that corrects by ``2**64 mod P`` where the sum wrapped. 32768 ids x 4 chunks, side by side
+  (2026-11-23): AVX2 (emulated, see below) 0.53 ms float64, 0.18 split32 before the float64 chunk
+  pass, 0.11 with it; AVX-512 0.10-0.12 float64, 0.08 split32, so split32 is used on both and float64
+  takes P in [2**31, 2**52). Both are bit-exact; the tests force each on any CPU;
 - tables bigger than the caches get the chunks of the row four ahead prefetched (m = 10**8:
   gather 4.7 -> 2.3 ms, dense backward 4.0 -> 2.4 ms);
 - outputs are allocated by numpy (huge pages) rather than ``torch.empty``, and the coalesce's dense
@@ -46,8 +49,9 @@ this file (its modification time and size) or of the CPU model, which then recom
 AVX2 on an AVX-512 machine: ``NUMBA_CPU_NAME=znver2`` with ``NUMBA_CPU_FEATURES`` set to the host's
 features minus every AVX-512 one makes numba compile for a Zen 2 (the generated code then has no zmm
 register: checked with ``inspect_asm``); ``python -m robez_core.bench --emulate-avx2`` sets that up and
-holds torch to its AVX2 kernels too. With ``split32`` the AVX2 build ran, side by side on the dev box
-(1 thread, p10 of 150 calls, 32768 ids, d = 100): hash 0.19 ms (AVX-512: 0.10), gather 0.43-0.46
+holds torch to its AVX2 kernels too. With ``split32`` (before its float64 chunk pass) the AVX2 build
+ran, side by side on the dev box (1 thread, p10 of 150 calls, 32768 ids, d = 100): hash 0.19 ms
+(AVX-512: 0.10), gather 0.43-0.46
 (0.41), lookup 0.61-0.65 (0.51-0.54), dense scatter 0.65-0.77 (0.58-0.61), coalesce 1.2-1.3 (1.1).
 
 Determinism: the coalesce runs serially in a fixed order and the optimizer steps touch each location
@@ -112,6 +116,8 @@ _SPLIT_PRIME_RANGE = (1 << 16, 1 << 31)
 _ROUND_MAGIC = 6755399441055744.0
 _ROUND_MAGIC_BITS = np.int64(0x4338000000000000)
 _LOW32 = np.uint64(0xFFFFFFFF)
+_INT64_MAX = np.int64(np.iinfo(np.int64).max)
+_INT64_MIN = np.int64(np.iinfo(np.int64).min)
 # Batches of rows at least this big are written with streaming (non-temporal) stores: bigger than L2,
 # and a large share of L3, so caching them would only evict the table.
 _STREAMING_MIN_BYTES = 4 << 20
@@ -127,6 +133,7 @@ _PREFETCH_ROWS = 4  # how far ahead the row loops prefetch the table (measured b
 _PREFETCH_READ_MIN_BYTES = 4 << 20
 _PREFETCH_WRITE_MIN_BYTES = 64 << 20
 _HASH_BLOCK = 128  # ids hashed together, chunk by chunk, so the inner loop vectorises
+_HASH_BLOCK_U = np.uint64(_HASH_BLOCK)
 _BAG_GROUP = 64
 # Below this many values touched a kernel runs in the calling thread. Measured at 2 threads on the dev VM
 # (service `demo` table, d=64): a 1-id hash + gather took 74 us parallel vs 40 us serial, 512 ids were
@@ -487,12 +494,24 @@ def _fast_offset(h, range_size_u):
 
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _store_columns4(columns4, n, out, out_pos):
+    """``out[out_pos + 4 j + c] = columns4[c * _HASH_BLOCK + j]`` for j < n, c < 4: with the stride a
+    constant LLVM stores the rows as vectors (a 4 x 4 transpose) instead of one element at a time."""
+    for j in range(n):
+        position = out_pos + np.uint64(j) * _U4
+        out[position] = np.int64(columns4[j])
+        out[position + _U1] = np.int64(columns4[_HASH_BLOCK_U + j])
+        out[position + np.uint64(2)] = np.int64(columns4[np.uint64(2) * _HASH_BLOCK_U + j])
+        out[position + np.uint64(3)] = np.int64(columns4[np.uint64(3) * _HASH_BLOCK_U + j])
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
 def _hash_block(
     ids, begin, count, val_offset, num_chunks, mode, random_numbers, range_size, scratch, out, out_pos
 ):
     """Chunk offsets of ``ids[begin:begin + count]`` into ``out[out_pos + j * num_chunks + c]``.
 
-    ``count <= _HASH_BLOCK``; ``scratch`` is uint64 (3, _HASH_BLOCK). Chunks are the outer loop and ids
+    ``count <= _HASH_BLOCK``; ``scratch`` is uint64 (4, _HASH_BLOCK). Chunks are the outer loop and ids
     the inner one, so each inner loop is a straight vectorisable pass over the block.
 
     The key arithmetic (``(x + val_offset) * R[3] + c * R[2] + R[1]``) runs on uint64: numba marks signed
@@ -518,14 +537,57 @@ def _hash_block(
         key_terms[j] = (np.uint64(ids[first + j]) + offset_u) * multiplier
     key_mods = scratch[2]
     wrap_mod = np.int64(0)  # 2**64 mod P
+    key_modf = scratch[3].view(np.float64)
+    columns4 = scratch[1:3].reshape(-1).view(np.int32)  # four int32 columns of _HASH_BLOCK
+    no_wrap = False
     if mode == _MODE_PAPER_SPLIT:
+        key_min = _INT64_MAX
+        key_max = _INT64_MIN
         for j in range(n):
-            key_mods[j] = np.uint64(_split_mod_prime(key_terms[j], prime, prime_low, inv_prime))
+            key_mod = _split_mod_prime(key_terms[j], prime, prime_low, inv_prime)
+            key_mods[j] = np.uint64(key_mod)
+            key_modf[j] = np.float64(np.int32(key_mod))
+            key_signed = np.int64(key_terms[j])
+            key_min = min(key_min, key_signed)
+            key_max = max(key_max, key_signed)
         prime_u = np.uint64(prime)
         wrap_mod = np.int64(((np.uint64(1) << np.uint64(63)) % prime_u * np.uint64(2)) % prime_u)
+        # No K + T of this block wraps when every K lies in [INT64_MIN - min T, INT64_MAX - max T]
+        # (T over the chunks, clamped at 0): true for any block but the rare one with a key within
+        # max |T| of the int64 limits, which takes the loop with per-id wrap corrections below.
+        term_min = np.int64(0)
+        term_max = np.int64(0)
+        for c in range(num_chunks):
+            term = np.int64(np.uint64(c) * r2 + r1)
+            term_min = min(term_min, term)
+            term_max = max(term_max, term)
+        no_wrap = bool(key_min >= _INT64_MIN - term_min and key_max <= _INT64_MAX - term_max)
+    prime_f = np.float64(prime)
     stride = np.uint64(num_chunks)
     for c in range(num_chunks):
         chunk_term = np.uint64(c) * r2 + r1
+        if mode == _MODE_PAPER_SPLIT and no_wrap:
+            # No wrap in this block: h mod P = ((K mod P) + (T mod P)) mod P, all in float64 (values
+            # below 2**32, exact), four lanes per AVX2 instruction and no 64-bit integer compare. The
+            # sum is below 2P: one subtraction of P. Then mod range_small: x * (1 / range) is within
+            # 2**-20 / range of x / range (x < 2**31), so its floor is the true quotient or, only where
+            # x / range is an integer, one less: one correction. (AVX2 emulated, 32768 ids x 4 chunks:
+            # 0.18 -> 0.13 ms side by side, 0.11 with rows of 4 chunks stored whole.)
+            chunk_mod_f = np.float64(np.int64(chunk_term) % prime)
+            for j in range(n):
+                xf = key_modf[j] + chunk_mod_f
+                xf = xf - prime_f if xf >= prime_f else xf
+                rf = xf - np.floor(xf * inv_range_small) * range_small
+                rf = rf - range_small if rf >= range_small else rf
+                columns4[np.uint64(c % 4) * _HASH_BLOCK_U + j] = np.int32(rf)
+            if c % 4 == 3 and num_chunks == 4:
+                _store_columns4(columns4, n, out, np.uint64(out_pos))
+            elif num_chunks != 4:
+                base = np.uint64(out_pos) + np.uint64(c)
+                first_column = np.uint64(c % 4) * _HASH_BLOCK_U
+                for j in range(n):
+                    out[base + j * stride] = np.int64(columns4[first_column + j])
+            continue
         if mode == _MODE_PAPER_FLOAT:
             for j in range(n):
                 column[j] = np.uint64(
@@ -577,7 +639,7 @@ def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, ran
     flat = out.reshape(-1)
     for block in prange((num_ids + _HASH_BLOCK - 1) // _HASH_BLOCK):
         begin = block * _HASH_BLOCK
-        scratch = np.empty((3, _HASH_BLOCK), dtype=np.uint64)
+        scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
         count = min(_HASH_BLOCK, num_ids - begin)
         _hash_block(
             ids,
@@ -625,7 +687,7 @@ def _lookup_kernel(
     for block in prange((num_ids + _HASH_BLOCK - 1) // _HASH_BLOCK):
         begin = block * _HASH_BLOCK
         count = min(_HASH_BLOCK, num_ids - begin)
-        scratch = np.empty((3, _HASH_BLOCK), dtype=np.uint64)
+        scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
         offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
         _hash_block(
             ids, begin, count, val_offset, num_chunks, mode, random_numbers, range_size, scratch, offsets, 0
@@ -667,7 +729,7 @@ def _lookup_bag_kernel(
     flat = out.reshape(-1)
     # Bags are taken a group at a time so the hashing scratch is allocated per group, not per bag.
     for group in prange((num_bags + _BAG_GROUP - 1) // _BAG_GROUP):
-        scratch = np.empty((3, _HASH_BLOCK), dtype=np.uint64)
+        scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
         offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
         for b in range(group * _BAG_GROUP, min(num_bags, (group + 1) * _BAG_GROUP)):
             begin = bag_offsets[b]
@@ -1042,11 +1104,15 @@ def set_kernel_threads() -> int:
     return threads
 
 
-# The paper hash's mod P: "float64" where the target converts int64 <-> float64 and multiplies 64-bit
-# lanes in vector registers (AVX-512 DQ + VL), "split32" (32-bit halves, exact corrections) elsewhere.
-# Measured 32768 ids x 4 chunks, 1 thread: AVX-512 0.136 ms float64 vs 0.157 split32; AVX2 (emulated,
-# see the docstring) 0.54-0.65 float64 vs 0.19 split32. Tests set it to force either path on any CPU.
-_PAPER_FORMULATION = "float64" if {"avx512f", "avx512dq", "avx512vl"} <= _target_features() else "split32"
+# The paper hash's mod P for 2**16 <= P < 2**31: "split32" (32-bit halves, exact corrections, then the
+# per-chunk reduction in float64) or "float64" (int64 <-> float64 conversions and 64-bit multiplies,
+# which only AVX-512 DQ + VL has in vector registers). Since split32 reduces each chunk in float64 where
+# no key sum of the block wraps, it is ahead on both kinds of CPU: the "hashing alone" row of
+# ``python -m robez_core.bench --quick --no-report`` (1 thread, dev box, 2026-11-23, two runs each) went
+# from 0.111 / 0.108 ms (float64) to 0.079 / 0.085 ms (split32) on AVX-512, and with --emulate-avx2 from
+# 0.200 ms (split32 without the float64 chunk pass) to 0.120 ms. float64 still takes a P in
+# [2**31, 2**52). Tests set it to force either path on any CPU.
+_PAPER_FORMULATION = "split32"
 
 
 def _check_shape(memory_size: int, chunk_size: int, embedding_dim: int, hash: str) -> int:

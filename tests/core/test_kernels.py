@@ -233,6 +233,33 @@ def test_float_reduction_at_the_edges_of_its_range(prime, memory_size, paper_has
             assert torch.equal(got, expected)
 
 
+def test_split32_blocks_with_keys_at_the_int64_limits(paper_hash: str) -> None:
+    """split32 skips the per-id wrap test in blocks whose keys K lie inside
+    [INT64_MIN - min T, INT64_MAX - max T] (T = c * R[2] + R[1], the chunk terms, clamped at 0); a
+    block holding a key outside, where K + T wraps for some chunks, must still be exact. With R[3] = 1
+    the keys are the ids: one block per edge key (the last safe and the first wrapping key at each
+    limit) among ordinary ids, and a block of them all; chunk terms all positive, then all negative;
+    4 chunks (the rows are stored four offsets at a time) and 6."""
+    generator = torch.Generator().manual_seed(13)
+    block = kernels._HASH_BLOCK
+    for sign, num_chunks in ((1, 4), (1, 6), (-1, 4), (-1, 6)):  # 4: rows stored whole
+        r1, r2 = sign * 5, sign * 1_000_003
+        random_numbers = torch.tensor([PAPER_PRIME, r1, r2, 1, 11, 13, 17, 19, 23, 29, 31])
+        terms = [c * r2 + r1 for c in range(num_chunks)]
+        term_min, term_max = min(0, *terms), max(0, *terms)
+        edge = [INT64_MAX - term_max, INT64_MAX - term_max + 1, INT64_MAX]
+        edge += [INT64_MIN - term_min, INT64_MIN - term_min - 1, INT64_MIN]
+        edge = [key for key in edge if INT64_MIN <= key <= INT64_MAX]  # no wrapping key at a limit T spares
+        blocks = [torch.randint(-(1 << 40), 1 << 40, (block,), generator=generator) for _ in edge]
+        for position, (ids_of_block, key) in enumerate(zip(blocks, edge, strict=True)):
+            ids_of_block[(position * 37) % block] = key
+        ids = torch.cat([*blocks, torch.tensor(edge)])
+        for memory_size in (40, 262_144, 1 << 40):
+            expected = reference_chunk_offsets(ids, num_chunks, 8, memory_size, random_numbers)
+            got = kernels.chunk_offsets(ids, num_chunks, 8, memory_size, random_numbers)
+            assert torch.equal(got, expected)
+
+
 @PROPERTY
 @given(
     ids=id_lists,
