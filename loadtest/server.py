@@ -296,18 +296,23 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def tree_rss_bytes(pid: int, max_processes: int = 1024) -> int:
-    """Resident memory of ``pid`` and its descendants, summed (pages shared between them count twice)."""
-    total = 0
+def tree_pids(pid: int, max_processes: int = 1024) -> list[int]:
+    """``pid`` and its live descendants (Linux /proc), at most ``max_processes`` of them."""
+    found: list[int] = []
     pending, seen = [pid], set[int]()
     while pending and len(seen) < max_processes:
         current = pending.pop()
         if current in seen:
             continue
         seen.add(current)
-        total += rss_bytes(current)
+        found.append(current)
         pending += _children(current)
-    return total
+    return found
+
+
+def tree_rss_bytes(pid: int, max_processes: int = 1024) -> int:
+    """Resident memory of ``pid`` and its descendants, summed (pages shared between them count twice)."""
+    return sum(rss_bytes(each) for each in tree_pids(pid, max_processes))
 
 
 def _children(pid: int) -> list[int]:
@@ -333,17 +338,7 @@ def _cpu_ticks(pid: int) -> int:
 
 def tree_cpu_seconds(pid: int, max_processes: int = 1024) -> float:
     """CPU seconds (user + system) used so far by ``pid`` and all its live descendants (Linux /proc)."""
-    ticks = 0
-    pending = [pid]
-    seen: set[int] = set()
-    while pending and len(seen) < max_processes:
-        current = pending.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        ticks += _cpu_ticks(current)
-        pending += _children(current)
-    return ticks / _CLK_TCK
+    return sum(_cpu_ticks(each) for each in tree_pids(pid, max_processes)) / _CLK_TCK
 
 
 def machine_busy_seconds() -> float:

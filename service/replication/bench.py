@@ -50,6 +50,7 @@ import httpx
 import numpy as np
 
 from loadtest.profile import Profiler
+from loadtest.server import tree_cpu_seconds, tree_pids
 
 from .natscluster import NatsCluster, free_ports
 
@@ -294,9 +295,9 @@ def _lookup_client(
         end = time.perf_counter() + seconds
         return sum(await asyncio.gather(*(one(index, end) for index in range(in_flight))))
 
-    cpu_before, began = _cpu_seconds(server_pid), time.perf_counter()
+    cpu_before, began = tree_cpu_seconds(server_pid), time.perf_counter()
     done = asyncio.run(run())
-    elapsed, cpu = time.perf_counter() - began, _cpu_seconds(server_pid) - cpu_before
+    elapsed, cpu = time.perf_counter() - began, tree_cpu_seconds(server_pid) - cpu_before
     answer.send({"done": done, "latencies": latencies, "elapsed": elapsed, "cpu_s": cpu})
 
 
@@ -316,35 +317,12 @@ def _pinned(cpus: set[int] | None, target: Any, *args: Any) -> None:
     target(*args)
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (from /proc)."""
-    pids, index = [pid], 0
-    while index < len(pids):
-        for task in Path(f"/proc/{pids[index]}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                pids += [int(child) for child in (task / "children").read_text().split()]
-        index += 1
-    return pids
-
-
 def _pin(pid: int, cpus: set[int], *, descendants: bool = True) -> None:
     """Every thread of ``pid`` (and of its descendants) onto ``cpus``."""
-    for each in _tree(pid) if descendants else [pid]:
+    for each in tree_pids(pid) if descendants else [pid]:
         for task in Path(f"/proc/{each}/task").glob("*"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(int(task.name), cpus)
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its descendants so far."""
-    total = 0
-    for each in _tree(pid):
-        try:
-            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _window(
@@ -374,9 +352,9 @@ def _window(
         done, latencies, wall, cpu = result["done"], result["latencies"], result["elapsed"], result["cpu_s"]
         client.join(30)
     else:
-        cpu_before = _cpu_seconds(pid)
+        cpu_before = tree_cpu_seconds(pid)
         time.sleep(seconds)
-        cpu = _cpu_seconds(pid) - cpu_before
+        cpu = tree_cpu_seconds(pid) - cpu_before
     pushes = 0.0
     if streamer is not None:
         result = streamer[1].recv()
