@@ -301,10 +301,14 @@ class Applier:
                 self._write_status()
             await self._notify()
             every = self.settings.replica_snapshot_every_updates
-            if every and self._since_upload.get(name, 0) >= every:
-                await self._snapshot(entry)
             local_every = self.settings.replica_local_snapshot_every_updates
-            if self.local is not None and local_every and self._since_local.get(name, 0) >= local_every:
+            upload_due = bool(every) and self._since_upload.get(name, 0) >= every
+            local_due = (
+                self.local is not None and bool(local_every) and self._since_local.get(name, 0) >= local_every
+            )
+            if upload_due:  # one copy of the table serves both when both are due
+                await self._snapshot(entry, also_local=local_due)
+            elif local_due:
                 await self._local_snapshot(entry)
 
     async def _bootstrap(self, entry: CatalogEntry) -> int:
@@ -402,29 +406,47 @@ class Applier:
 
     async def _local_snapshot(self, entry: CatalogEntry) -> None:
         """Write the table's state to the data directory (localsnap.py); failures are logged only."""
-        local = self.local
-        name = entry.name
-        if local is None or name not in self.store.names():
+        if self.local is None or entry.name not in self.store.names():
             return
-        applied = self._since_local.get(name, 0)
+        applied = self._since_local.get(entry.name, 0)
+        taken = None
         try:
-            data, version = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, name)
-            written = await anyio.to_thread.run_sync(local.write, name, entry.incarnation, version, data)
-            logger.info("table %s: local snapshot at version %d written to %s", name, version, written.path)
+            taken = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, entry.name)
         except (RobezError, OSError) as exc:
-            logger.warning("table %s: local snapshot failed: %s", name, exc)
+            logger.warning("table %s: local snapshot failed: %s", entry.name, exc)
+        await self._write_local(entry, taken, applied)
+
+    async def _write_local(self, entry: CatalogEntry, taken: tuple[bytes, int] | None, applied: int) -> None:
+        """Write a copy (data, version) taken when ``applied`` updates were pending since the last local
+        snapshot (None: taking it failed), then count those updates as written."""
+        name = entry.name
+        if self.local is not None and taken is not None:
+            data, version = taken
+            try:
+                written = await anyio.to_thread.run_sync(
+                    self.local.write, name, entry.incarnation, version, data
+                )
+                logger.info(
+                    "table %s: local snapshot at version %d written to %s", name, version, written.path
+                )
+            except (RobezError, OSError) as exc:
+                logger.warning("table %s: local snapshot failed: %s", name, exc)
         if name in self._since_local:
             self._since_local[name] = max(0, self._since_local[name] - applied)
 
-    async def _snapshot(self, entry: CatalogEntry) -> None:
-        """Upload the table's state (if newer than the stored snapshot), then trim the log below it."""
+    async def _snapshot(self, entry: CatalogEntry, also_local: bool = False) -> None:
+        """Upload the table's state (if newer than the stored snapshot), then trim the log below it;
+        ``also_local``: the same copy is written as the local snapshot too (both were due)."""
         name = entry.name
         lock = self._upload_locks.setdefault(name, asyncio.Lock())
+        taken: tuple[bytes, int] | None = None
         async with lock:
             # Counted before the copy: updates applied while it uploads count toward the next one.
             applied = self._since_upload.get(name, 0)
+            applied_local = self._since_local.get(name, 0)
             try:
-                data, version = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, name)
+                taken = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, name)
+                data, version = taken
                 stored = await self.log.snapshot_position(entry)
                 if version > stored:
                     await self.log.put_snapshot(entry, Snapshot(version, data))
@@ -436,6 +458,8 @@ class Applier:
             if name in self._since_upload:
                 self._since_upload[name] = max(0, self._since_upload[name] - applied)
                 self._last_upload[name] = time.monotonic()
+        if also_local:
+            await self._write_local(entry, taken, applied_local)
 
     async def _upload_timer(self) -> None:
         """Upload every table with updates since its last upload once that upload is
