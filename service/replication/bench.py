@@ -52,6 +52,7 @@ import numpy as np
 from loadtest.profile import Profiler
 from loadtest.server import tree_cpu_seconds, tree_pids
 
+from .devcluster import wait_ready
 from .natscluster import NatsCluster, free_ports
 
 if TYPE_CHECKING:
@@ -74,15 +75,8 @@ class _Server:
         self.process = subprocess.Popen(command, env=base, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server {self.url} not ready")
+        if not wait_ready(self.url, self.process, timeout_s):
+            raise RuntimeError(f"server {self.url} not ready")
 
     def stop(self) -> None:
         if self.process.poll() is None:

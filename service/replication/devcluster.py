@@ -24,7 +24,9 @@ import httpx
 from .natscluster import NatsCluster
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> bool:
+def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float, interval_s: float = 0.2) -> bool:
+    """Poll ``url``'s /readyz until it answers 200 (True), the process exits or ``timeout_s`` passes
+    (False). ``make cluster``, the replication benchmark and the replication tests wait with it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
         try:
@@ -32,7 +34,7 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float) ->
                 return True
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(interval_s)
     return False
 
 
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             replicas.append(subprocess.Popen(command, env=env))
             urls.append(f"http://127.0.0.1:{port}")
         for url, process in zip(urls, replicas, strict=True):
-            if not _wait_ready(url, process, 120.0):
+            if not wait_ready(url, process, 120.0):
                 print(f"replica at {url} did not become ready", file=sys.stderr)
                 return 1
         print("\nrobez replicas (same tables, writes at any of them):")

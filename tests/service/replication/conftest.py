@@ -21,6 +21,7 @@ import torch
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
+from service.replication.devcluster import wait_ready
 from service.replication.natscluster import NatsCluster, free_ports
 
 REPO = Path(__file__).resolve().parents[3]
@@ -78,16 +79,11 @@ class ReplicaServer:
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> ReplicaServer:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process is not None and self.process.poll() is None, self.log()
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"replica {self.name} not ready in {timeout_s} s:\n{self.log()}")
+        assert self.process is not None
+        if not wait_ready(self.url, self.process, timeout_s, interval_s=0.1):
+            assert self.process.poll() is None, self.log()
+            raise AssertionError(f"replica {self.name} not ready in {timeout_s} s:\n{self.log()}")
+        return self
 
     def kill(self) -> None:
         """kill -9, by pid."""
