@@ -197,6 +197,43 @@ def small_step(
         raise ConfigError(f"unknown optimizer {optimizer.name!r}")
 
 
+def small_nonfinite(
+    optimizer: OptimizerConfig,
+    weight: np.ndarray,
+    state_np: dict[str, np.ndarray],
+    locations: np.ndarray,
+    values: np.ndarray,
+    lr: float,
+) -> int:
+    """``count_nonfinite`` for a few locations (numpy views, ``lr`` already checked), as ``small_step`` is
+    ``apply_coalesced``: the same serial kernels, called directly. The same count."""
+    if optimizer.name == "sgd":
+        return int(kernels._sgd_nonfinite_kernel.serial(weight, locations, values, np.float32(lr)))
+    if optimizer.name == "adagrad":
+        return int(
+            kernels._adagrad_nonfinite_kernel.serial(
+                weight, state_np["sum"], locations, values, np.float32(lr), np.float32(optimizer.eps)
+            )
+        )
+    if optimizer.name == "adam":
+        beta1, beta2 = optimizer.betas
+        step_size = kernels.adam_step_size(lr, beta1, beta2, int(state_np["step"][0]) + 1)
+        return int(
+            kernels._adam_nonfinite_kernel.serial(
+                weight,
+                state_np["exp_avg"],
+                state_np["exp_avg_sq"],
+                locations,
+                values,
+                np.float32(beta1),
+                np.float32(beta2),
+                np.float32(optimizer.eps),
+                np.float32(step_size),
+            )
+        )
+    raise ConfigError(f"unknown optimizer {optimizer.name!r}")
+
+
 def fused_update(
     optimizer: OptimizerConfig,
     weight: Tensor,

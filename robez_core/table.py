@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ class PreparedStep:
     locations: Tensor
     values: Tensor
     lr: float
+    # Set when prepared on the small-batch path: ``check_step`` and ``apply_step`` then call the serial
+    # kernels directly too (the same arithmetic as the general path, bit for bit).
+    small: _SmallPath | None = None
 
 
 def _checksum(tensor: Tensor) -> str:
@@ -125,6 +129,11 @@ class _SmallPath:
 
     def apply(self, offsets_np: np.ndarray, grads_np: np.ndarray, lr: float) -> None:
         """``optim.fused_update`` for a small batch: the same coalescing, then ``optim.small_step``."""
+        locations, values = self.coalesce(offsets_np, grads_np)
+        optim.small_step(self.optimizer, self.weight_np, self.state_np, locations, values, lr)
+
+    def coalesce(self, offsets_np: np.ndarray, grads_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``kernels.coalesce_grad`` for a small batch: (distinct locations, summed gradients)."""
         if self.memory_size <= kernels._DENSE_COALESCE_FACTOR * grads_np.size:
             # the general path would coalesce through the dense scratch here: take it, same sums
             locations_t, values_t = kernels.coalesce_grad(
@@ -135,7 +144,7 @@ class _SmallPath:
             locations, values = kernels._coalesce_sorted_kernel(
                 grads_np, offsets_np, self.embedding_dim, self.chunk_size
             )
-        optim.small_step(self.optimizer, self.weight_np, self.state_np, locations, values, lr)
+        return locations, values
 
     def lookup(self, ids_np: np.ndarray) -> np.ndarray:
         out = np.empty((ids_np.shape[0], self.embedding_dim), dtype=np.float32)
@@ -363,6 +372,25 @@ class Table:
             c.hash,
         )
 
+    def lookup_timed(self, ids: Tensor) -> tuple[Tensor, float, float]:
+        """``lookup`` in two timed steps: (rows, seconds hashing, seconds gathering). The service reports
+        both stages (``Server-Timing``); the offsets come from this table's own hash, so unlike ``gather``
+        they are not checked again."""
+        ids_np = _small_ids(ids)
+        if ids_np is not None:
+            small = self._small_path()
+            start = time.perf_counter()
+            offsets_np = small.hash(ids_np)
+            hashed = time.perf_counter()
+            rows = torch.from_numpy(small.gather(offsets_np))
+        else:
+            start = time.perf_counter()
+            offsets = self.hash(ids)  # checks ids
+            hashed = time.perf_counter()
+            c = self.config
+            rows = kernels.gather(self.weight, offsets, c.embedding_dim, c.chunk_size)
+        return rows, hashed - start, time.perf_counter() - hashed
+
     def lookup_bag(
         self,
         ids: Tensor,
@@ -465,6 +493,11 @@ class Table:
             raise InvalidInputError(
                 f"lr {step_lr:g} is over this table's max_lr={self.optimizer.max_lr:g} (its optimizer config)"
             )
+        if offsets.shape[0] <= SMALL_BATCH_MAX_IDS:  # the same sums, without the general path's set-up
+            small = self._small_path()
+            grads_np = grads.detach().contiguous().numpy()
+            locations_np, values_np = small.coalesce(offsets.contiguous().numpy(), grads_np)
+            return PreparedStep(torch.from_numpy(locations_np), torch.from_numpy(values_np), step_lr, small)
         locations, values = kernels.coalesce_grad(
             grads.contiguous(), offsets.contiguous(), self.config.chunk_size, self.config.memory_size
         )
@@ -474,9 +507,20 @@ class Table:
         """Raise ``InvalidInputError`` if ``apply_step(step)``, now, would leave any array value or optimizer
         state non-finite (lr x gradient overflowing float32, say). Reads the K touched locations only; call
         it under the same lock as ``apply_step`` so that nothing changes in between."""
-        bad = optim.count_nonfinite(
-            self.optimizer, self.weight, self.state, step.locations, step.values, step.lr
-        )
+        small = self._small_step_path(step)
+        if small is not None:
+            bad = optim.small_nonfinite(
+                self.optimizer,
+                small.weight_np,
+                small.state_np,
+                step.locations.numpy(),
+                step.values.numpy(),
+                step.lr,
+            )
+        else:
+            bad = optim.count_nonfinite(
+                self.optimizer, self.weight, self.state, step.locations, step.values, step.lr
+            )
         if bad:
             raise InvalidInputError(
                 f"the update would make {bad} of the {step.locations.numel()} array locations it touches "
@@ -485,7 +529,25 @@ class Table:
 
     def apply_step(self, step: PreparedStep) -> None:
         """Apply a step from ``prepare_step`` of this table (its config), in place."""
+        small = self._small_step_path(step)
+        if small is not None:
+            optim.small_step(
+                self.optimizer,
+                small.weight_np,
+                small.state_np,
+                step.locations.numpy(),
+                step.values.numpy(),
+                step.lr,
+            )
+            return
         optim.apply_coalesced(self.optimizer, self.weight, self.state, step.locations, step.values, step.lr)
+
+    def _small_step_path(self, step: PreparedStep) -> _SmallPath | None:
+        """The small path a step was prepared on, if it is still this table's (same tensors)."""
+        small = step.small
+        if small is not None and small is self._small_path():
+            return small
+        return None
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -550,6 +550,10 @@ class TableStore:
         self.limits.check_request(
             int(ids.shape[0]) if ids.dim() == 1 else int(ids.numel()), table.config.embedding_dim
         )
+        if pooling == "none" and offsets is None and per_sample_weights is None:
+            version = entry.version
+            rows, hash_seconds, gather_seconds = table.lookup_timed(ids)  # checks ids
+            return LookupResult(rows, version, hash_seconds, gather_seconds)
         table.validate_ids(ids)
         bag_offsets, weights = _validate_pooling(ids, offsets, pooling, per_sample_weights)
         version = entry.version
@@ -609,11 +613,12 @@ class TableStore:
         entry = self._entry(name)
         table = entry.table
         self.limits.check_request(int(ids.numel()), table.config.embedding_dim)
-        table.validate_grads(ids, grads)
         applied_lr = table.optimizer.lr if lr is None else float(lr)
         if not (applied_lr > 0 and applied_lr != float("inf")):
             raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
         start = time.perf_counter()
+        # ``hash`` checks the ids and ``prepare_step`` the gradients (finite, one row of d per id), both
+        # before anything changes.
         # Hashing reads only the config, so it runs outside the lock; so does coalescing the step.
         chunk_offsets = table.hash(ids)
         hashed = time.perf_counter()

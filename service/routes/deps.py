@@ -63,14 +63,29 @@ async def read_body(request: Request) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def is_binary(request: Request) -> bool:
-    return request.headers.get("content-type", "").split(";")[0].strip().lower() == OCTET_STREAM
+_OCTET_STREAM_BYTES = OCTET_STREAM.encode()
 
 
-def wants_binary(request: Request) -> bool:
+def _media_type(value: bytes | None) -> bytes:
+    return value.split(b";", 1)[0].strip().lower() if value else b""
+
+
+def raw_headers(request: Request) -> dict[bytes, bytes]:
+    """The request's headers by lower-case name as the ASGI server gave them (the hot routes read a few
+    of them; Starlette's ``request.headers`` scans the whole list for each one)."""
+    return dict(request.scope["headers"])
+
+
+def is_binary(request: Request, headers: dict[bytes, bytes] | None = None) -> bool:
+    """The body is ``application/octet-stream`` (``headers``: ``raw_headers(request)`` if already read)."""
+    headers = raw_headers(request) if headers is None else headers
+    return _media_type(headers.get(b"content-type")) == _OCTET_STREAM_BYTES
+
+
+def wants_binary(request: Request, headers: dict[bytes, bytes] | None = None) -> bool:
     """Binary response when the request was binary or ``Accept`` asks only for octet-stream."""
-    accept = request.headers.get("accept", "").split(";")[0].strip().lower()
-    return is_binary(request) or accept == OCTET_STREAM
+    headers = raw_headers(request) if headers is None else headers
+    return is_binary(request, headers) or _media_type(headers.get(b"accept")) == _OCTET_STREAM_BYTES
 
 
 def body_doc(json_schema_ref: str, binary_description: str | None = None) -> dict[str, Any]:

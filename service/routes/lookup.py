@@ -17,9 +17,11 @@ from ..codec import (
     JSONBytesResponse,
     LookupResponse,
     MultiLookupResponse,
+    RawResponse,
     decode_ids,
     decode_lookup_json,
     decode_multi_lookup_json,
+    json_bytes,
     lookup_json,
     lookup_timing,
     parse_tables_header,
@@ -29,7 +31,7 @@ from ..codec import (
 )
 from ..consistency import MIN_VERSION_HEADER, parse_min_versions, wait_min_versions
 from ..fastpath import FastRoute
-from ..metrics import Metrics, server_timing
+from ..metrics import Metrics, lookup_server_timing, server_timing, set_table_label
 from ..store import LookupRequestItem, LookupResult, TableStore
 from .deps import (
     INLINE_MAX_BODY_BYTES,
@@ -37,6 +39,7 @@ from .deps import (
     body_doc,
     compute,
     is_binary,
+    raw_headers,
     read_body,
     wants_binary,
 )
@@ -52,6 +55,11 @@ _BINARY_MULTI = (
 # is a copy, and their hash + gather (~0.1 ms for 4096 ids) is cheaper than the hop to a worker thread
 # and back, which the profile of 4096-id lookups showed as the largest cost after the socket write.
 BINARY_INLINE_MAX_BODY_BYTES = 64 * 1024
+_OCTET_STREAM = OCTET_STREAM.encode()
+_JSON = b"application/json"
+_MIN_VERSION = MIN_VERSION_HEADER.lower().encode()
+_SHAPE = SHAPE_HEADER.lower().encode()
+_VERSION = VERSION_HEADER.lower().encode()
 _BINARY_RESPONSE = {"content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}
 
 
@@ -75,11 +83,14 @@ async def lookup(name: TableNameParam, request: Request, _: ReadAccess) -> Respo
 async def lookup_one(request: Request, name: str) -> Response:
     """``POST /v1/tables/{name}/lookup`` once access is granted (FastAPI's endpoint and the fast path)."""
     start = time.perf_counter()
-    store: TableStore = request.app.state.store
-    metrics: Metrics = request.app.state.metrics
-    await wait_min_versions(request, store, parse_min_versions(request.headers.get(MIN_VERSION_HEADER), name))
+    state = request.app.state
+    store: TableStore = state.store
+    headers = raw_headers(request)
+    min_version = headers.get(_MIN_VERSION)
+    if min_version is not None:
+        await wait_min_versions(request, store, parse_min_versions(min_version.decode("latin-1"), name))
     body = await read_body(request)
-    if is_binary(request):
+    if is_binary(request, headers):
         inline = len(body) <= BINARY_INLINE_MAX_BODY_BYTES
         result = await compute(request, lambda: store.lookup(name, decode_ids(body)), inline=inline)
     else:
@@ -89,18 +100,18 @@ async def lookup_one(request: Request, name: str) -> Response:
             return store.lookup(name, *parsed.tensors())
 
         result = await compute(request, work, inline=len(body) <= INLINE_MAX_BODY_BYTES)
-    request.state.table = name
-    _observe(metrics, name, result)
+    set_table_label(request, name)
+    _observe(state.metrics, name, result)
     total = time.perf_counter() - start
-    headers = {
-        "Server-Timing": server_timing(hash=result.hash_seconds, lookup=result.lookup_seconds, total=total),
-        VERSION_HEADER: str(result.version),
-    }
-    if wants_binary(request):
+    response_headers = [
+        (b"server-timing", lookup_server_timing(result.hash_seconds, result.lookup_seconds, total)),
+        (_VERSION, b"%d" % result.version),
+    ]
+    if wants_binary(request, headers):
         rows = result.rows
-        headers[SHAPE_HEADER] = f"{int(rows.shape[0])},{int(rows.shape[1])}"
-        return Response(rows_view(rows), media_type=OCTET_STREAM, headers=headers)
-    return JSONBytesResponse(lookup_json(name, result, total), headers=headers)
+        response_headers.append((_SHAPE, b"%d,%d" % (rows.shape[0], rows.shape[1])))
+        return RawResponse(rows_view(rows), _OCTET_STREAM, response_headers)
+    return RawResponse(json_bytes(lookup_json(name, result, total)), _JSON, response_headers)
 
 
 @router.post(

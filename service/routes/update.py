@@ -14,16 +14,25 @@ from ..auth import WriteAccess, require_write_key
 from ..codec import (
     SHAPE_HEADER,
     VERSION_HEADER,
-    JSONBytesResponse,
+    RawResponse,
     UpdateResponse,
     decode_update_binary,
     decode_update_json,
+    json_bytes,
     update_json,
 )
 from ..fastpath import FastRoute
-from ..metrics import Metrics, server_timing
+from ..metrics import Metrics, server_timing, set_table_label
 from ..store import TableStore, UpdateResult
-from .deps import INLINE_MAX_BODY_BYTES, TableNameParam, body_doc, compute, is_binary, read_body
+from .deps import (
+    INLINE_MAX_BODY_BYTES,
+    TableNameParam,
+    body_doc,
+    compute,
+    is_binary,
+    raw_headers,
+    read_body,
+)
 
 router = APIRouter(prefix="/v1", tags=["update"])
 
@@ -31,6 +40,12 @@ router = APIRouter(prefix="/v1", tags=["update"])
 # once and answered with the first attempt's version (docs/replication.md).
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 REPLICA_HEADER = "X-Robez-Replica"
+
+_SHAPE = SHAPE_HEADER.lower().encode()
+_VERSION = VERSION_HEADER.lower().encode()
+_IDEMPOTENCY = IDEMPOTENCY_HEADER.lower().encode()
+_REPLICA = REPLICA_HEADER.lower().encode()
+_JSON = b"application/json"
 
 _BINARY_UPDATE = (
     f"{SHAPE_HEADER}: n,d; body = n little-endian int64 ids then n*d little-endian float32 gradients"
@@ -55,11 +70,14 @@ async def update(
 async def apply_update(request: Request, name: str, lr: float | None = None) -> Response:
     """``POST /v1/tables/{name}/update`` once access is granted (FastAPI's endpoint and the fast path)."""
     start = time.perf_counter()
-    store: TableStore = request.app.state.store
-    metrics: Metrics = request.app.state.metrics
+    state = request.app.state
+    store: TableStore = state.store
+    metrics: Metrics = state.metrics
     body = await read_body(request)
-    binary = is_binary(request)
-    shape_header = request.headers.get(SHAPE_HEADER)
+    headers = raw_headers(request)
+    binary = is_binary(request, headers)
+    shape = headers.get(_SHAPE)
+    shape_header = shape.decode("latin-1") if shape is not None else None
 
     def decode() -> tuple[Tensor, Tensor, float | None]:
         if binary:
@@ -68,7 +86,7 @@ async def apply_update(request: Request, name: str, lr: float | None = None) -> 
         ids, grads, body_lr = decode_update_json(body, store.table(name).config.embedding_dim)
         return ids, grads, lr if lr is not None else body_lr
 
-    replica = request.app.state.replica
+    replica = state.replica
     if replica is not None:
         # Replicated: validate, append to the log, answer once this replica applied it.
         def validate() -> tuple[Tensor, Tensor, float]:
@@ -76,7 +94,8 @@ async def apply_update(request: Request, name: str, lr: float | None = None) -> 
             return ids, grads, store.validate_update(name, ids, grads, wanted_lr)
 
         ids, grads, applied_lr = await compute(request, validate)
-        key = request.headers.get(IDEMPOTENCY_HEADER)
+        idempotency_key = headers.get(_IDEMPOTENCY)
+        key = idempotency_key.decode("latin-1") if idempotency_key is not None else None
         logged = await replica.update(name, ids, grads, applied_lr, key)
         # The applier hashes and applies (and records those times); here: the log's ack, then the wait.
         result = UpdateResult(logged.version, 0.0, logged.apply_wait_seconds)
@@ -102,15 +121,15 @@ async def apply_update(request: Request, name: str, lr: float | None = None) -> 
         table_stages.hash_seconds.observe(result.hash_seconds)
         table_stages.update_apply_seconds.observe(result.apply_seconds)
         stages = {"hash": result.hash_seconds, "apply": result.apply_seconds}
-    request.state.table = name
+    set_table_label(request, name)
     total = time.perf_counter() - start
-    headers = {
-        "Server-Timing": server_timing(**stages, total=total),
-        VERSION_HEADER: str(result.version),
-    }
+    response_headers = [
+        (b"server-timing", server_timing(**stages, total=total).encode("latin-1")),
+        (_VERSION, b"%d" % result.version),
+    ]
     if replica is not None:  # tells clients that a resent Idempotency-Key is applied once here
-        headers[REPLICA_HEADER] = replica.name
-    return JSONBytesResponse(update_json(name, result, total), headers=headers)
+        response_headers.append((_REPLICA, replica.name.encode("latin-1")))
+    return RawResponse(json_bytes(update_json(name, result, total)), _JSON, response_headers)
 
 
 async def _update_fast(request: Request, name: str) -> Response:

@@ -9,12 +9,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConflictError, InvalidInputError, NotFoundError
-from robez_core.table import Table
+from robez_core.table import Table, _SmallPath
 from service.config import Settings, TableSpec
 from service.journal import NullJournal, UpdateRecord
 from service.shm import SharedDirectory, remove_stale_directories
@@ -290,15 +291,15 @@ def test_a_lookup_in_flight_during_a_load_finishes_on_the_old_array(
     old_rows = reader.lookup("t", ids).rows
     old_array = reader.info("t").array
     hashed, go = threading.Event(), threading.Event()
-    real_gather = Table.gather
+    real_gather = _SmallPath.gather  # 40 ids: Table.lookup_timed takes the small-batch path
 
-    def gather_after_the_load(table: Table, offsets: torch.Tensor) -> torch.Tensor:
+    def gather_after_the_load(small: _SmallPath, offsets: np.ndarray) -> np.ndarray:
         if not hashed.is_set():  # the first lookup stops between hash and gather, as if descheduled
             hashed.set()
             assert go.wait(timeout=30)
-        return real_gather(table, offsets)
+        return real_gather(small, offsets)
 
-    monkeypatch.setattr(Table, "gather", gather_after_the_load)
+    monkeypatch.setattr(_SmallPath, "gather", gather_after_the_load)
     in_flight: list[object] = []
     thread = threading.Thread(target=lambda: in_flight.append(reader.lookup("t", ids)))
     thread.start()
