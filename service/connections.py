@@ -1,8 +1,9 @@
 """Connection limits uvicorn lacks, as its HTTP protocol (httptools) with two additions:
 
 - a connection must send a request's headers within ``header_timeout_s`` of opening, or of the end of
-  its previous response, else it is closed. uvicorn arms its keep-alive timer only after a response and
-  drops it at the first byte, so a connection that sends nothing (or trickles headers) stays forever;
+  its previous response, else it is closed (checked by one sweep per worker, ``HeaderSweep``). uvicorn
+  arms its keep-alive timer only after a response and drops it at the first byte, so a connection that
+  sends nothing (or trickles headers) stays forever;
 - at most ``max_connections`` connections per worker: one more is closed as soon as it is accepted, so
   idle or slow clients cannot take every file descriptor of the process.
 
@@ -26,12 +27,49 @@ from .config import Settings
 
 # The key under which the app's lifespan state hands its ``Metrics`` to the connections.
 LIFESPAN_METRICS_KEY = "robez_metrics"
+# The ServerState attribute that holds a worker's HeaderSweep (one per uvicorn server, shared by its
+# connections).
+_SWEEP_ATTRIBUTE = "robez_header_sweep"
 
 
 @dataclass(frozen=True)
 class ConnectionLimits:
     header_timeout_s: float
     max_connections: int
+
+
+class HeaderSweep:
+    """Closes a worker's connections that have waited ``timeout_s`` for a request's headers. One callback
+    checks every ``check_s`` seconds while any connection waits, instead of a timer armed and cancelled
+    for each request (together ~2-3 us of the ~20 us uvicorn spends on a small request). A connection is
+    closed between ``timeout_s`` and ``timeout_s + check_s`` after it started waiting."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, connections: set[Any], timeout_s: float) -> None:
+        self.loop = loop
+        self.connections = connections  # uvicorn's: every open connection of this worker
+        self.timeout_s = timeout_s
+        self.check_s = min(1.0, timeout_s / 4)
+        self._check: asyncio.TimerHandle | None = None
+
+    def watch(self) -> None:
+        """A connection started waiting: make sure a check is due."""
+        if self._check is None:
+            self._check = self.loop.call_later(self.check_s, self._sweep)
+
+    def _sweep(self) -> None:
+        self._check = None
+        now = self.loop.time()
+        waiting = False
+        for connection in list(self.connections):
+            since = getattr(connection, "waiting_since", None)
+            if since is None:
+                continue
+            if now - since >= self.timeout_s:
+                connection.header_timeout()
+            else:
+                waiting = True
+        if waiting:
+            self.watch()
 
 
 class RobezHttpProtocol(HttpToolsProtocol):
@@ -48,7 +86,13 @@ class RobezHttpProtocol(HttpToolsProtocol):
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.limits = limits
-        self._header_timer: asyncio.TimerHandle | None = None
+        # loop.time() since when this connection waits for a request's headers; None while it does not.
+        self.waiting_since: float | None = None
+        sweep = getattr(server_state, _SWEEP_ATTRIBUTE, None)
+        if sweep is None or sweep.loop is not self.loop:
+            sweep = HeaderSweep(self.loop, server_state.connections, limits.header_timeout_s)
+            setattr(server_state, _SWEEP_ATTRIBUTE, sweep)
+        self._sweep: HeaderSweep = sweep
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -56,14 +100,14 @@ class RobezHttpProtocol(HttpToolsProtocol):
             self._count_closed("max_connections")
             transport.close()
             return
-        self._arm_header_timer()
+        self._wait_for_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_timer()
+        self.waiting_since = None
         super().connection_lost(exc)
 
     def on_headers_complete(self) -> None:
-        self._cancel_header_timer()
+        self.waiting_since = None
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
@@ -71,19 +115,15 @@ class RobezHttpProtocol(HttpToolsProtocol):
         # uvicorn armed its keep-alive timer: the connection now waits for its next request's headers.
         # (It did not when a pipelined request is already under way, or when the connection is closing.)
         if self.timeout_keep_alive_task is not None:
-            self._arm_header_timer()
+            self._wait_for_headers()
 
-    def _arm_header_timer(self) -> None:
-        self._cancel_header_timer()
-        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._header_timeout)
+    def _wait_for_headers(self) -> None:
+        self.waiting_since = self.loop.time()
+        self._sweep.watch()
 
-    def _cancel_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _header_timeout(self) -> None:
-        self._header_timer = None
+    def header_timeout(self) -> None:
+        """Called by the sweep: this connection sent no complete headers within ``header_timeout_s``."""
+        self.waiting_since = None
         if not self.transport.is_closing():
             self._count_closed("header_timeout")
             self.transport.close()
