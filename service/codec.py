@@ -344,7 +344,10 @@ def rows_view(rows: Tensor) -> memoryview:
     """float32 (n, d) -> its little-endian row-major bytes as a view, without copying them when ``rows``
     already is that (a response body: a 4096-id lookup's rows are 1 MiB). ``rows`` must not be written
     afterwards: the transport may still be sending from it after the handler returns."""
-    return np.ascontiguousarray(rows.numpy(), dtype=_ROWS_DTYPE).reshape(-1).data.cast("B")
+    array = rows.numpy()
+    if array.dtype == _ROWS_DTYPE and array.flags.c_contiguous and array.size:  # the usual case
+        return array.data.cast("B")
+    return np.ascontiguousarray(array, dtype=_ROWS_DTYPE).reshape(-1).data.cast("B")
 
 
 def update_json(table: str, result: UpdateResult, total_seconds: float) -> dict[str, Any]:
