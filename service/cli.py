@@ -160,6 +160,11 @@ def _durability_command(args: argparse.Namespace) -> int:
     from .wal import import_offline, snapshot_offline
 
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    _refuse_replica_dir(
+        args.data_dir,
+        "a replica's tables come from the replicated log and the Object Store, and the replicas take "
+        "their snapshots themselves (docs/replication.md)",
+    )
     if args.command == "snapshot":
         for name in args.table or []:
             validate_table_name(name)
@@ -230,6 +235,19 @@ def _environment_for_workers(settings: Settings, shm_path: Path) -> dict[str, st
     return env
 
 
+def _refuse_replica_dir(data_dir: Path, advice: str) -> None:
+    """``ConfigError`` if ``data_dir`` is a replica's (``robez serve --nats``): single-server commands
+    (``serve`` without --nats, ``import``, ``snapshot``) would take its local snapshots for a write-ahead
+    log's tables, or write a log beside them that no replica reads."""
+    from .replication.localsnap import is_replica_dir
+
+    if is_replica_dir(data_dir):
+        raise ConfigError(
+            f"the data directory {data_dir} is a replica's (--nats): its local snapshots are no "
+            f"single-server write-ahead log; {advice}"
+        )
+
+
 def serve(settings: Settings) -> int:
     """Take the data directory, prepare the shared tables, run uvicorn until it is stopped, clean up;
     returns an exit status. Raises ``ConflictError`` if another server holds the data directory."""
@@ -239,15 +257,12 @@ def serve(settings: Settings) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if settings.data_dir is not None:
-        from .replication.localsnap import LocalSnapshots, is_replica_dir
+        from .replication.localsnap import LocalSnapshots
 
         if settings.nats_url is not None:
             LocalSnapshots(settings.data_dir)  # refuses a single server's directory, marks it a replica's
-        elif is_replica_dir(settings.data_dir):
-            raise ConfigError(
-                f"the data directory {settings.data_dir} is a replica's (--nats): its local snapshots "
-                "are no single-server write-ahead log; give this server its own data directory"
-            )
+        else:
+            _refuse_replica_dir(settings.data_dir, "give this server its own data directory")
     # Held until the workers are gone: a second server on the directory fails here, before it loads.
     server_lock = ServerLock(settings.data_dir) if settings.data_dir is not None else None
     try:

@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from robez_core.config import TableConfig
+from robez_core.table import Table
+from service import cli
+from service.full_import import table_bytes
 from service.replication.localsnap import MARKER_FILE, SNAPSHOT_DIR
 from service.replication.natscluster import NatsCluster
 
@@ -106,4 +110,18 @@ def test_replica_and_single_server_data_dirs_refuse_each_other(tmp_path: Path) -
     result = run_serve(data_dir=replica)
     assert result.returncode != 0
     assert "is a replica's (--nats)" in result.stderr + result.stdout
+    assert sorted(path.name for path in replica.iterdir()) == sorted([MARKER_FILE, SNAPSHOT_DIR])
+
+
+@pytest.mark.parametrize("command", [["snapshot"], ["import", "CHECKPOINT", "--table", "t"]])
+def test_offline_commands_refuse_a_replica_data_dir(tmp_path: Path, command: list[str]) -> None:
+    """``robez snapshot`` / ``robez import`` are single-server tools: on a replica's directory they stop
+    with exit status 2 before reading or writing anything there."""
+    checkpoint = tmp_path / "table.safetensors"  # a valid checkpoint: only the directory is wrong
+    checkpoint.write_bytes(table_bytes(Table(TableConfig(100, 8, memory_size=64, chunk_size=4))))
+    command = [str(checkpoint) if part == "CHECKPOINT" else part for part in command]
+    replica = tmp_path / "replica"
+    (replica / SNAPSHOT_DIR).mkdir(parents=True)
+    (replica / MARKER_FILE).write_text("robez replica data directory\n")
+    assert cli.main([*command, "--data-dir", str(replica)]) == 2
     assert sorted(path.name for path in replica.iterdir()) == sorted([MARKER_FILE, SNAPSHOT_DIR])
