@@ -33,11 +33,22 @@ class RobezServer:
         log_path: stdout and stderr of every start, appended.
         args: extra ``robez serve`` arguments (``--port`` is added).
         env: extra environment (``ROBEZ_SHM_DIR`` should point into the test's temporary folder).
+        program: how robez is started (default ``python -m service``; e.g. the installed ``robez`` script).
+        cwd: the server's working directory (default: the test's).
     """
 
-    def __init__(self, log_path: Path, args: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        log_path: Path,
+        args: list[str],
+        env: dict[str, str],
+        program: list[str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.log_path = log_path
         self.args = args
+        self.program = program if program is not None else [sys.executable, "-m", "service"]
+        self.cwd = cwd
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
         self.env.update({"ROBEZ_THREADS_PER_WORKER": "1", **env})
         self.port = 0
@@ -59,8 +70,9 @@ class RobezServer:
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "service", "serve", "--port", str(self.port), *self.args],
+                [*self.program, "serve", "--port", str(self.port), *self.args],
                 env=self.env,
+                cwd=self.cwd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # one killpg reaches the supervisor and every worker
@@ -97,6 +109,13 @@ class RobezServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=60)
         self.kill()  # workers the supervisor left behind, if any
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM to the server's main process only (what ``docker stop`` sends to PID 1) and wait for it
+        to exit by itself; returns its exit status."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout_s)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

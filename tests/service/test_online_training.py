@@ -6,32 +6,22 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from service.client import RobezClient
 
+from .subprocess_server import RobezServer, free_port
 from .test_packaging import dockerfile_instruction_json
 
 REPO = Path(__file__).resolve().parents[2]
 # The installed console script, as a user runs it (``python -m service`` is the same entry point).
 ROBEZ_SCRIPT = Path(sys.executable).with_name("robez")
 ROBEZ = [str(ROBEZ_SCRIPT)] if ROBEZ_SCRIPT.exists() else [sys.executable, "-m", "service"]
-START_TIMEOUT_S = 90.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -41,38 +31,19 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture
 def server_url(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    env = clean_env(ROBEZ_SHM_DIR=str(tmp_path / "shm"), ROBEZ_THREADS_PER_WORKER="1")
     (tmp_path / "shm").mkdir()
-    log = (tmp_path / "server.log").open("wb")
-    command = [*ROBEZ, "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
+    server = RobezServer(
+        tmp_path / "server.log",
+        ["--host", "127.0.0.1", "--log-level", "warning"],
+        {"ROBEZ_SHM_DIR": str(tmp_path / "shm")},
+        program=ROBEZ,
+        cwd=tmp_path,
+    )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(
-                    f"robez serve exited with {process.returncode}:\n{(tmp_path / 'server.log').read_text()}"
-                )
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"robez serve not ready after {START_TIMEOUT_S}s")
-            time.sleep(0.2)
-        yield url
+        server.start()
+        yield server.url
     finally:
-        # Ctrl-C, the stop that lets `robez serve` remove its shared memory before exiting.
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        log.close()
+        server.stop()
 
 
 @pytest.mark.slow

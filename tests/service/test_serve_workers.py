@@ -3,12 +3,6 @@ the table's memory is one shared mapping, not one copy per worker."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,53 +10,22 @@ import httpx
 import numpy as np
 import pytest
 
+from .subprocess_server import RobezServer
+
 pytestmark = pytest.mark.slow
 
-START_TIMEOUT_S = 180.0
 MAX_FRESH_CONNECTIONS = 400
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
-    port = free_port()
-    shm_dir = tmp_path / "shm"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
-    env.update({"ROBEZ_SHM_DIR": str(shm_dir), "ROBEZ_THREADS_PER_WORKER": "1", "ROBEZ_LOG_LEVEL": "warning"})
-    log = (tmp_path / "server.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--port", str(port), "--workers", "2"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
+def server(tmp_path: Path) -> Iterator[RobezServer]:
+    env = {"ROBEZ_SHM_DIR": str(tmp_path / "shm"), "ROBEZ_LOG_LEVEL": "warning"}
+    server = RobezServer(tmp_path / "server.log", ["--workers", "2"], env)
     try:
-        while True:
-            assert process.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
-        yield url, shm_dir, process
+        server.start()
+        yield server
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=30)
-        log.close()
+        server.stop()
 
 
 def lookup_on_fresh_connection(url: str, ids: bytes) -> tuple[int, int, bytes]:
@@ -93,10 +56,8 @@ def mapping_of(pid: int, path: Path) -> dict[str, int]:
     return fields
 
 
-def test_two_workers_share_tables_and_see_each_others_updates(
-    server: tuple[str, Path, subprocess.Popen[bytes]],
-) -> None:
-    url, shm_dir, process = server
+def test_two_workers_share_tables_and_see_each_others_updates(server: RobezServer, tmp_path: Path) -> None:
+    url, shm_dir = server.url, tmp_path / "shm"
     ids = np.array([1, 2, 3, 10_000_000], dtype="<i8").tobytes()
     _, version_before, rows_before = lookup_on_fresh_connection(url, ids)
     assert version_before == 0
@@ -147,41 +108,21 @@ def test_two_workers_share_tables_and_see_each_others_updates(
         assert mapping["Anonymous"] == 0, f"worker {pid} holds a copy-on-write copy of table pages"
         assert mapping["Shared_Clean"] + mapping["Shared_Dirty"] > 0, f"worker {pid} shares no page"
 
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
+    assert server.terminate() == 0
     assert not directory.exists(), "shared memory left behind after shutdown"
 
 
-@pytest.mark.slow
-def test_one_worker_removes_shared_tables_on_sigterm(tmp_path: Path):
+def test_one_worker_removes_shared_tables_on_sigterm(tmp_path: Path) -> None:
     """With one worker uvicorn runs in the serve process and re-raises SIGTERM after its shutdown;
     the shared tables must still be removed (docker stop sends SIGTERM)."""
-    port = free_port()
     shm_dir = tmp_path / "shm"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
-    env.update({"ROBEZ_SHM_DIR": str(shm_dir), "ROBEZ_LOG_LEVEL": "warning"})
-    process = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    server = RobezServer(
+        tmp_path / "server.log", [], {"ROBEZ_SHM_DIR": str(shm_dir), "ROBEZ_LOG_LEVEL": "warning"}
     )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, "server exited during start-up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
+        server.start()
         (directory,) = shm_dir.glob("robez-*")
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
+        server.terminate()
         assert not directory.exists(), "shared memory left behind after SIGTERM"
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
+        server.stop()
