@@ -482,10 +482,14 @@ class Table:
     # before it is logged (the service): ``prepare_step`` reads only the config (no lock needed),
     # ``check_step`` reads the array, ``apply_step`` writes it. prepare + apply == apply_gradients_at.
 
-    def prepare_step(self, offsets: Tensor, grads: Tensor, lr: float | None = None) -> PreparedStep:
+    def prepare_step(
+        self, offsets: Tensor, grads: Tensor, lr: float | None = None, *, offsets_from_hash: bool = False
+    ) -> PreparedStep:
         """Validate and coalesce an update of chunk ``offsets`` (N, C) with ``grads`` (N, d); ``lr`` must
-        be at most ``optimizer.max_lr``. Changes nothing."""
-        self._validate_offsets(offsets)
+        be at most ``optimizer.max_lr``. Changes nothing. ``offsets_from_hash``: ``offsets`` are what this
+        table's own ``hash`` returned, so their bounds are not checked again."""
+        if not offsets_from_hash:
+            self._validate_offsets(offsets)
         self._validate_grad_rows(grads, offsets.shape[0])
         self._validate_lr(lr)
         step_lr = self.optimizer.lr if lr is None else float(lr)

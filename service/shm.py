@@ -144,6 +144,11 @@ class TableEntry:
         self._counters_np[VERSION] = version
 
     @property
+    def state(self) -> int:
+        """``LIVE``, ``DELETED`` or ``REPLACED``."""
+        return int(self._counters_np[STATE])
+
+    @property
     def pending(self) -> int:
         """The version an update under way will produce (``EXCLUSIVE``: a snapshot), else 0."""
         return int(self._counters_np[PENDING])

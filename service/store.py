@@ -622,7 +622,8 @@ class TableStore:
         # Hashing reads only the config, so it runs outside the lock; so does coalescing the step.
         chunk_offsets = table.hash(ids)
         hashed = time.perf_counter()
-        step = table.prepare_step(chunk_offsets, grads, applied_lr)  # also: lr <= the table's max_lr
+        # also: lr <= the table's max_lr
+        step = table.prepare_step(chunk_offsets, grads, applied_lr, offsets_from_hash=True)
         prepared = time.perf_counter()
         with self._try_locked(name, blocking) as locked:
             if locked is None:
@@ -631,7 +632,7 @@ class TableStore:
                 table = locked.table
                 table.validate_grads(ids, grads)
                 chunk_offsets = table.hash(ids)
-                step = table.prepare_step(chunk_offsets, grads, applied_lr)
+                step = table.prepare_step(chunk_offsets, grads, applied_lr, offsets_from_hash=True)
             version = locked.version + 1
             # Before the log: a step that would leave a non-finite value is refused, nothing changed.
             table.check_step(step)
@@ -758,7 +759,7 @@ class TableStore:
                 if not held:
                     yield None
                     return
-                state = int(entry.counters[STATE])
+                state = entry.state
                 if state == REPLACED:
                     continue
                 if state == DELETED:
