@@ -16,6 +16,7 @@ State layout (``state_layout``), the tensors a ``Table`` keeps beside its ``weig
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -160,6 +161,50 @@ def count_nonfinite(
     raise ConfigError(f"unknown optimizer {optimizer.name!r}")
 
 
+# (sgd, adagrad, adam) serial kernels of a step and of its dry run: the same arguments, in the same order.
+_STEP_KERNELS = (kernels._sgd_kernel, kernels._adagrad_kernel, kernels._adam_kernel)
+_NONFINITE_KERNELS = (
+    kernels._sgd_nonfinite_kernel,
+    kernels._adagrad_nonfinite_kernel,
+    kernels._adam_nonfinite_kernel,
+)
+
+
+def _small_call(
+    kernel_set: tuple[Any, Any, Any],
+    optimizer: OptimizerConfig,
+    weight: np.ndarray,
+    state_np: dict[str, np.ndarray],
+    locations: np.ndarray,
+    values: np.ndarray,
+    lr: float,
+) -> Any:
+    """Call ``optimizer``'s serial kernel of ``kernel_set`` directly, as step ``state["step"] + 1`` for
+    Adam (the caller advances the counter)."""
+    sgd, adagrad, adam = kernel_set
+    if optimizer.name == "sgd":
+        return sgd.serial(weight, locations, values, np.float32(lr))
+    if optimizer.name == "adagrad":
+        return adagrad.serial(
+            weight, state_np["sum"], locations, values, np.float32(lr), np.float32(optimizer.eps)
+        )
+    if optimizer.name == "adam":
+        step = int(state_np["step"][0]) + 1  # the numpy view: a torch scalar read costs ~2 us
+        beta1, beta2 = optimizer.betas
+        return adam.serial(
+            weight,
+            state_np["exp_avg"],
+            state_np["exp_avg_sq"],
+            locations,
+            values,
+            np.float32(beta1),
+            np.float32(beta2),
+            np.float32(optimizer.eps),
+            np.float32(kernels.adam_step_size(lr, beta1, beta2, step)),
+        )
+    raise ConfigError(f"unknown optimizer {optimizer.name!r}")
+
+
 def small_step(
     optimizer: OptimizerConfig,
     weight: np.ndarray,
@@ -171,30 +216,9 @@ def small_step(
     """``apply_coalesced`` for a few locations (numpy views, ``lr`` already checked): the same serial
     kernels, called directly, without the per-call checks and thread set-up that cost more than a few
     hundred values' arithmetic. Bit-identical to ``apply_coalesced`` (tests/core/test_table.py)."""
-    if optimizer.name == "sgd":
-        kernels._sgd_kernel.serial(weight, locations, values, np.float32(lr))
-    elif optimizer.name == "adagrad":
-        kernels._adagrad_kernel.serial(
-            weight, state_np["sum"], locations, values, np.float32(lr), np.float32(optimizer.eps)
-        )
-    elif optimizer.name == "adam":
-        step = int(state_np["step"][0]) + 1  # the numpy view: a torch scalar read costs ~2 us
-        beta1, beta2 = optimizer.betas
-        step_size = kernels.adam_step_size(lr, beta1, beta2, step)
-        kernels._adam_kernel.serial(
-            weight,
-            state_np["exp_avg"],
-            state_np["exp_avg_sq"],
-            locations,
-            values,
-            np.float32(beta1),
-            np.float32(beta2),
-            np.float32(optimizer.eps),
-            np.float32(step_size),
-        )
-        state_np["step"][0] = step
-    else:
-        raise ConfigError(f"unknown optimizer {optimizer.name!r}")
+    _small_call(_STEP_KERNELS, optimizer, weight, state_np, locations, values, lr)
+    if optimizer.name == "adam":
+        state_np["step"][0] += 1
 
 
 def small_nonfinite(
@@ -207,31 +231,7 @@ def small_nonfinite(
 ) -> int:
     """``count_nonfinite`` for a few locations (numpy views, ``lr`` already checked), as ``small_step`` is
     ``apply_coalesced``: the same serial kernels, called directly. The same count."""
-    if optimizer.name == "sgd":
-        return int(kernels._sgd_nonfinite_kernel.serial(weight, locations, values, np.float32(lr)))
-    if optimizer.name == "adagrad":
-        return int(
-            kernels._adagrad_nonfinite_kernel.serial(
-                weight, state_np["sum"], locations, values, np.float32(lr), np.float32(optimizer.eps)
-            )
-        )
-    if optimizer.name == "adam":
-        beta1, beta2 = optimizer.betas
-        step_size = kernels.adam_step_size(lr, beta1, beta2, int(state_np["step"][0]) + 1)
-        return int(
-            kernels._adam_nonfinite_kernel.serial(
-                weight,
-                state_np["exp_avg"],
-                state_np["exp_avg_sq"],
-                locations,
-                values,
-                np.float32(beta1),
-                np.float32(beta2),
-                np.float32(optimizer.eps),
-                np.float32(step_size),
-            )
-        )
-    raise ConfigError(f"unknown optimizer {optimizer.name!r}")
+    return int(_small_call(_NONFINITE_KERNELS, optimizer, weight, state_np, locations, values, lr))
 
 
 def fused_update(

@@ -132,6 +132,12 @@ class _SmallPath:
         locations, values = self.coalesce(offsets_np, grads_np)
         optim.small_step(self.optimizer, self.weight_np, self.state_np, locations, values, lr)
 
+    def step_arrays(
+        self, step: PreparedStep
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, np.ndarray, float]:
+        """What ``optim.small_step`` / ``small_nonfinite`` take after the optimizer, for ``step``."""
+        return self.weight_np, self.state_np, step.locations.numpy(), step.values.numpy(), step.lr
+
     def coalesce(self, offsets_np: np.ndarray, grads_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``kernels.coalesce_grad`` for a small batch: (distinct locations, summed gradients)."""
         if self.memory_size <= kernels._DENSE_COALESCE_FACTOR * grads_np.size:
@@ -513,14 +519,7 @@ class Table:
         it under the same lock as ``apply_step`` so that nothing changes in between."""
         small = self._small_step_path(step)
         if small is not None:
-            bad = optim.small_nonfinite(
-                self.optimizer,
-                small.weight_np,
-                small.state_np,
-                step.locations.numpy(),
-                step.values.numpy(),
-                step.lr,
-            )
+            bad = optim.small_nonfinite(self.optimizer, *small.step_arrays(step))
         else:
             bad = optim.count_nonfinite(
                 self.optimizer, self.weight, self.state, step.locations, step.values, step.lr
@@ -535,14 +534,7 @@ class Table:
         """Apply a step from ``prepare_step`` of this table (its config), in place."""
         small = self._small_step_path(step)
         if small is not None:
-            optim.small_step(
-                self.optimizer,
-                small.weight_np,
-                small.state_np,
-                step.locations.numpy(),
-                step.values.numpy(),
-                step.lr,
-            )
+            optim.small_step(self.optimizer, *small.step_arrays(step))
             return
         optim.apply_coalesced(self.optimizer, self.weight, self.state, step.locations, step.values, step.lr)
 

@@ -673,8 +673,12 @@ def test_small_batches_are_bit_identical_to_the_general_path(
         ids = torch.randint(-50, 50, (size,), generator=generator)  # duplicates included
         grads = torch.randn(size, 20, generator=generator)
         lr = None if step % 2 else 0.03
-        if step == 3:  # the service's path: ids hashed first, then applied at offsets
+        if step == 3:  # ids hashed first, then applied at offsets
             fast.apply_gradients_at(fast.hash(ids), grads, lr)
+        elif step == 1:  # the service's path: prepared, checked, applied (``TableStore.apply_update``)
+            prepared = fast.prepare_step(fast.hash(ids), grads, lr, offsets_from_hash=True)
+            fast.check_step(prepared)
+            fast.apply_step(prepared)
         else:
             fast.apply_gradients(ids, grads, lr)
         _general_path_update(general, ids, grads, lr)
@@ -685,6 +689,9 @@ def test_small_batches_are_bit_identical_to_the_general_path(
         )
         assert torch.equal(_bits(fast.lookup(ids)), _bits(rows))
         assert torch.equal(_bits(fast.gather(fast.hash(ids))), _bits(rows))
+        assert torch.equal(_bits(fast.lookup_timed(ids)[0]), _bits(rows))
+    many = torch.randint(-(2**62), 2**62, (SMALL_BATCH_MAX_IDS + 100,), generator=generator)
+    assert torch.equal(_bits(fast.lookup_timed(many)[0]), _bits(fast.lookup(many)))  # the general path
 
 
 def test_small_path_follows_a_replaced_weight() -> None:
