@@ -61,6 +61,7 @@ from robez_core.errors import (
 )
 from robez_core.table import Table
 
+from . import faults
 from .config import Settings, TableSpec, demo_table_spec, load_tables_file
 from .journal import Journal, NullJournal, UpdateRecord
 from .shm import (
@@ -514,11 +515,13 @@ class TableStore:
             if record is None or record["uid"] != entry.uid:  # changes of a table hold its lock
                 raise CorruptionError(f"the registry changed table {name!r} behind its update lock")
             self.journal.drop(name)
+            self._die_at("delete:dropped")
             entry.counters[STATE] = DELETED  # updates waiting on the lock see this and answer 404
             del registry.tables[name]
             if not registry.array_tables(record["array"]):
                 del registry.arrays[record["array"]]
             self._publish(registry)
+            self._die_at("delete:published")
             self._release(registry, [(record["uid"], record["array"], record["lock"])])
 
     def _release(self, registry: Registry, records: list[tuple[str, str, str]]) -> None:
@@ -794,16 +797,19 @@ class TableStore:
         entry.set_pending(0)
 
     def _fault_point(self, table: Table, chunk_offsets: Tensor, grads: Tensor, lr: float) -> None:
-        """Testing only: once for each time the fault file is created, apply the first half of the
-        update's rows (a half-applied update) and SIGKILL this process before the counter bump."""
-        assert self._fault_file is not None
-        try:
-            self._fault_file.unlink()
-        except FileNotFoundError:
+        """Testing only: once for each time the fault file is created (empty, or naming
+        ``update:appended``), apply the first half of the update's rows (a half-applied update) and
+        SIGKILL this process before the counter bump."""
+        if not faults.armed(self._fault_file, faults.UPDATE_APPENDED):
             return
         half = max(1, int(grads.shape[0]) // 2)
         table.apply_gradients_at(chunk_offsets[:half], grads[:half], lr)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _die_at(self, point: str) -> None:
+        """Testing only: SIGKILL this process here if the fault file names ``point`` (service/faults.py)."""
+        if self._fault_file is not None:
+            faults.die_at(self._fault_file, point)
 
     @contextmanager
     def exclusive(self, name: str) -> Iterator[tuple[Table, int]]:
@@ -844,17 +850,20 @@ class TableStore:
             old_array = record["array"]
             self._check_memory(registry, int(registry.arrays[old_array]["nbytes"]), "loading the table")
             array_id, shared = self._new_array(registry, table.config, table.optimizer, source)
+            self._die_at("load:filled")
             try:
                 self.journal.snapshot(name, shared, version)
             except BaseException:
                 self._remove_array(array_id, registry.arrays.pop(array_id)["layout"])
                 raise
+            self._die_at("load:durable")
             try:
                 replaced = self._switch(registry, old_array, array_id, name, version)
             except BaseException:
                 self._remove_array(array_id, registry.arrays.pop(array_id)["layout"])
                 self._restore_journal(name, table, entry.version)
                 raise
+            self._die_at("load:switched")
             self._release(registry, replaced)
 
     def _switch(
@@ -878,6 +887,7 @@ class TableStore:
                 registry.tables[table_name] = {**old_records[table_name], "uid": uid, "array": array_id}
             del registry.arrays[old_array]
             self._publish(registry)
+            self._die_at("load:published")
         except BaseException:
             registry.tables.update(old_records)
             registry.arrays[old_array] = old_array_record
