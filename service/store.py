@@ -98,7 +98,7 @@ from robez_core.table import Table
 
 from . import faults
 from .config import Settings, TableSpec, demo_table_spec, load_tables_file
-from .journal import Journal, NullJournal, StorageFullError, UpdateRecord
+from .journal import Journal, NullJournal, StorageFullError, UpdateRecord, is_storage_full
 from .shm import (
     DELETED,
     EXCLUSIVE,
@@ -569,6 +569,7 @@ class TableStore:
             self._publish(registry)
             self._die_at("delete:published")
             entry.counters[STATE] = DELETED  # updates waiting on the lock see this and answer 404
+            entry.set_pending(0)
             self._release(registry, [(record["uid"], record["array"], record["lock"])])
 
     def _release(self, registry: Registry, records: list[tuple[str, str, str]]) -> None:
@@ -808,7 +809,7 @@ class TableStore:
                 if not held:
                     yield None
                     return
-                if entry.pending and int(entry.counters[STATE]) != REPLACED:
+                if entry.pending and int(entry.counters[STATE]) == LIVE:
                     self._repair(entry)  # may find the dead holder's load or delete published
                 state = int(entry.counters[STATE])
                 if state == REPLACED:
@@ -971,7 +972,12 @@ class TableStore:
             ]
             for counters in sharers:
                 counters[PENDING] = LOADING
-            array_id, shared = self._new_array(registry, table.config, table.optimizer, source)
+            try:
+                array_id, shared = self._new_array(registry, table.config, table.optimizer, source)
+            except BaseException:  # nothing was written: no array, nothing on disk
+                for counters in sharers:
+                    counters[PENDING] = 0
+                raise
             self._die_at("load:filled")
             try:
                 self.journal.snapshot(name, shared, version)
@@ -979,7 +985,7 @@ class TableStore:
                 self._remove_array(array_id, registry.arrays.pop(array_id)["layout"])
                 # No space: nothing was committed. Any other failure may have come after the commit
                 # (meta.json), so the mark stays and the next holder writes the old table back.
-                if isinstance(error, StorageFullError):
+                if isinstance(error, StorageFullError) or is_storage_full(error):
                     for counters in sharers:
                         counters[PENDING] = 0
                 raise
