@@ -48,9 +48,11 @@ Each kill point (``service/faults.py``; tests/service/test_admin_crash.py), what
   the old table at version v while the log starts at the load's version, so the next update was refused
   (a version gap) or, when both were 0, logged onto the wrong table. Repair and restart as above.
 - ``load:published`` / ``load:switched`` (registry switched; the old counters not yet marked replaced,
-  or the old array not yet released): the new table everywhere and on disk; an update holding the old
-  entry would have been applied to the unserved old array. The next holder, through the old entry or
-  the new one, marks the old counters replaced and removes the old array. Whole-server kill: new table.
+  or the old array not yet released): the new table everywhere and on disk, the old array left in
+  shared memory; (``load:published``) an update holding the old entry found it live and went on (a
+  version gap refused it, or at equal versions it was applied to the old array, logged onto the new
+  table). The next holder, through the old entry or the new one, marks the old counters replaced and
+  removes the old array. Whole-server kill: the new table.
 - ``delete:dropped`` (the table's folder gone, registry unchanged): served, but updates failed (no log)
   and a restart would lose it. The next holder writes it back (a new folder). Whole-server kill: gone.
 - ``delete:published`` (registry without the table, counters not marked deleted): gone everywhere; a
