@@ -27,6 +27,43 @@ but stay mapped until the lookup drops them) and reports the old version; one th
 load's response sees only the new array. An update that was waiting for the lock finds its entry marked
 replaced and starts again on the new array.
 
+A worker killed in the middle of a load or a delete leaves the data directory and the shared memory
+disagreeing with what the workers serve. So a load marks ``pending = LOADING`` on the old counters (and
+on the new ones, from their creation until the old array is released) and a delete ``DELETING``; the
+next holder of the lock repairs (``_repair_load_or_delete``) by the registry, which says what every
+worker serves: if it still publishes the marked entry, that table (intact: neither writes the array
+lookups read) is written to the data directory again at its version; if not, the load or delete took
+effect, the data directory already agrees, and the entry is marked replaced or deleted. Shared files no
+published table uses are then removed. A load or delete is acknowledged only after it returns, so
+either outcome is right; what matters is that updates acknowledged afterwards go to the table served.
+Each kill point (``service/faults.py``; tests/service/test_admin_crash.py), what it leaves, and the repair:
+
+- ``load:filled`` (new array filled, nothing durable): an orphaned array; old table everywhere. The next
+  holder rewrites the old table (a snapshot) and removes the array. Whole-server kill: the old table.
+- ``snapshot:committed`` (the load's meta.json committed, the old log not yet replaced): the data
+  directory holds the new table, with the old log still in place and open in other workers, whose next
+  appends went into a log the next start discards as stale (acknowledged updates lost, before this
+  repair). The next holder writes the old table back. Whole-server kill: the loaded table (at 0).
+- ``load:durable`` (snapshot and empty log of the new table, registry not switched): the workers serve
+  the old table at version v while the log starts at the load's version, so the next update was refused
+  (a version gap) or, when both were 0, logged onto the wrong table. Repair and restart as above.
+- ``load:published`` / ``load:switched`` (registry switched; the old counters not yet marked replaced,
+  or the old array not yet released): the new table everywhere and on disk, the old array left in
+  shared memory; (``load:published``) an update holding the old entry found it live and went on (a
+  version gap refused it, or at equal versions it was applied to the old array, logged onto the new
+  table). The next holder, through the old entry or the new one, marks the old counters replaced and
+  removes the old array. Whole-server kill: the new table.
+- ``delete:dropped`` (the table's folder gone, registry unchanged): served, but updates failed (no log)
+  and a restart would lose it. The next holder writes it back (a new folder). Whole-server kill: gone.
+- ``delete:published`` (registry without the table, counters not marked deleted): gone everywhere; a
+  request holding the old entry finds the mark and answers 404; its files go at the next repair, load
+  or delete. Whole-server kill: gone.
+
+Until that next holder comes, a whole-server kill restarts from the data directory alone: the loaded
+table, or no table, from ``snapshot:committed`` / ``delete:dropped`` on, though the workers were still
+serving the old one. Nothing acknowledged is lost that way: no update was acknowledged since the kill,
+since every update takes the lock and repairs first.
+
 Lock order, everywhere: a table's update lock, then ``registry.lock``, then a store's ``_sync_lock``.
 """
 
@@ -61,12 +98,15 @@ from robez_core.errors import (
 )
 from robez_core.table import Table
 
+from . import faults
 from .config import Settings, TableSpec, demo_table_spec, load_tables_file
-from .journal import Journal, NullJournal, UpdateRecord
+from .journal import Journal, NullJournal, StorageFullError, UpdateRecord, is_storage_full
 from .shm import (
     DELETED,
     EXCLUSIVE,
+    LIVE,
     NUM_COUNTERS,
+    PENDING,
     REPLACED,
     STATE,
     VERSION,
@@ -90,6 +130,10 @@ POOLINGS: tuple[str, ...] = ("none", "sum", "mean")
 # An update or snapshot that finds its table replaced by a load starts again; this many loads in a row
 # while it waits means something is wrong.
 _MAX_SWITCHES = 16
+# counters[PENDING] while a load (``restore``) or a delete holds the table's lock, beside the update's
+# version and ``EXCLUSIVE`` (shm.py): what the next holder finds if that worker died.
+LOADING = -2
+DELETING = -3
 
 
 def validate_table_name(name: str) -> str:
@@ -507,18 +551,27 @@ class TableStore:
 
     def delete(self, name: str) -> None:
         """Remove a table; its array goes when no other table reads it. In-flight lookups in other
-        workers keep their mapping until they finish (unlinked files live while mapped)."""
+        workers keep their mapping until they finish (unlinked files live while mapped).
+
+        Marked ``DELETING`` first: a worker killed before the registry is published leaves the table
+        served but perhaps gone from the data directory; the next holder of the lock writes it back
+        (``_repair_load_or_delete``). On an error the mark stays for the same reason."""
         with self._locked(name) as entry, self._registry_lock.hold():
             registry = self.directory.read_registry()
             record = registry.tables.get(name)
             if record is None or record["uid"] != entry.uid:  # changes of a table hold its lock
                 raise CorruptionError(f"the registry changed table {name!r} behind its update lock")
+            self._remove_orphans(registry)
+            entry.set_pending(DELETING)
             self.journal.drop(name)
-            entry.counters[STATE] = DELETED  # updates waiting on the lock see this and answer 404
+            self._die_at("delete:dropped")
             del registry.tables[name]
             if not registry.array_tables(record["array"]):
                 del registry.arrays[record["array"]]
             self._publish(registry)
+            self._die_at("delete:published")
+            entry.counters[STATE] = DELETED  # updates waiting on the lock see this and answer 404
+            entry.set_pending(0)
             self._release(registry, [(record["uid"], record["array"], record["lock"])])
 
     def _release(self, registry: Registry, records: list[tuple[str, str, str]]) -> None:
@@ -759,20 +812,23 @@ class TableStore:
                 if not held:
                     yield None
                     return
+                if entry.pending and entry.state == LIVE:
+                    self._repair(entry)  # may find the dead holder's load or delete published
                 state = entry.state
                 if state == REPLACED:
                     continue
                 if state == DELETED:
                     raise NotFoundError(f"no table named {name!r}")
-                if entry.pending:
-                    self._repair(entry)
                 yield entry
                 return
         raise BusyError(f"table {name!r} was replaced {_MAX_SWITCHES} times in a row; try again")
 
     def _repair(self, entry: TableEntry) -> None:
-        """Undo the update a dead holder of the table's lock left unfinished; caller holds the lock."""
+        """Undo what a dead holder of the table's lock left unfinished; caller holds the lock."""
         version, pending = entry.version, entry.pending
+        if pending in (LOADING, DELETING):
+            self._repair_load_or_delete(entry)
+            return
         what = f"while applying update {pending}" if pending > 0 else "while it held the table's lock"
         rebuilt = self.journal.recover(entry.name, version)
         if rebuilt is None:
@@ -794,17 +850,79 @@ class TableStore:
             )
         entry.set_pending(0)
 
+    def _repair_load_or_delete(self, entry: TableEntry) -> None:
+        """A load or delete of this table died (or failed) under the lock: make the data directory and
+        the shared memory agree with what the registry publishes. Caller holds the table's lock.
+
+        Not published (the registry still has this entry): every worker serves this entry, intact (a
+        load or delete never writes the array lookups read), so it is the truth; the data directory may
+        hold the new table or none, so the table is written again from memory at its version. Published:
+        the load or delete took effect and the data directory already agrees; this entry is marked
+        replaced or deleted, so whoever holds it goes to the registry again. Either way the shared files
+        no published table uses are removed (the dead worker's new or old array, counters, lock)."""
+        name, what = entry.name, "loading" if entry.pending == LOADING else "deleting"
+        with self._registry_lock.hold():
+            registry = self.directory.read_registry()
+            record = registry.tables.get(name)
+            if record is not None and record["uid"] == entry.uid:
+                self._write_journal(name, entry.table, entry.version)
+                logger.warning(
+                    "table %r: a worker died (or failed) %s it; the table it left served, version %d, is "
+                    "written to the data directory again",
+                    name,
+                    what,
+                    entry.version,
+                )
+            else:
+                entry.counters[STATE] = DELETED if entry.pending == DELETING else REPLACED
+                logger.warning("table %r: a worker died %s it, after the registry published it", name, what)
+            self._remove_orphans(registry)
+            entry.set_pending(0)
+
+    def _write_journal(self, name: str, table: Table, version: int) -> None:
+        """Make the journal hold ``table`` at ``version`` as table ``name``, whatever it held before."""
+        if name in self.journal.names():
+            self.journal.snapshot(name, table, version)
+        else:
+            self.journal.create(name, table, version)
+
+    def _remove_orphans(self, registry: Registry) -> None:
+        """Remove the shared files no table of the published ``registry`` uses: what a worker killed in a
+        load or delete left (every array, counter and lock is created and released under the registry
+        lock, which the caller holds). Orphaned counters are marked replaced first, so a request holding
+        them looks the table up again."""
+        uids = {record["uid"] for record in registry.tables.values()}
+        for path in self.directory.tables_dir.glob("*.counters"):
+            if path.name.removesuffix(".counters") in uids:
+                continue
+            try:
+                counters = self.directory.map(f"tables/{path.name}", NUM_COUNTERS, torch.int64)
+                if int(counters[STATE]) == LIVE:
+                    counters[STATE] = REPLACED
+            except CorruptionError:
+                pass  # cut short while it was allocated: no one maps it
+            path.unlink(missing_ok=True)
+        for path in self.directory.arrays_dir.iterdir():
+            if path.name.split(".", 1)[0] not in registry.arrays:
+                path.unlink(missing_ok=True)
+        for path in self.directory.locks_dir.glob("*.lock"):
+            if not registry.lock_in_use(path.name.removesuffix(".lock")):
+                path.unlink(missing_ok=True)
+
     def _fault_point(self, table: Table, chunk_offsets: Tensor, grads: Tensor, lr: float) -> None:
-        """Testing only: once for each time the fault file is created, apply the first half of the
-        update's rows (a half-applied update) and SIGKILL this process before the counter bump."""
-        assert self._fault_file is not None
-        try:
-            self._fault_file.unlink()
-        except FileNotFoundError:
+        """Testing only: once for each time the fault file is created (empty, or naming
+        ``update:appended``), apply the first half of the update's rows (a half-applied update) and
+        SIGKILL this process before the counter bump."""
+        if not faults.armed(self._fault_file, faults.UPDATE_APPENDED):
             return
         half = max(1, int(grads.shape[0]) // 2)
         table.apply_gradients_at(chunk_offsets[:half], grads[:half], lr)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _die_at(self, point: str) -> None:
+        """Testing only: SIGKILL this process here if the fault file names ``point`` (service/faults.py)."""
+        if self._fault_file is not None:
+            faults.die_at(self._fault_file, point)
 
     @contextmanager
     def exclusive(self, name: str) -> Iterator[tuple[Table, int]]:
@@ -833,6 +951,10 @@ class TableStore:
         (``journal.snapshot``: snapshot + empty log), then the registry is switched to it. If any step
         fails the table is left as it was, in memory and on disk. Every table sharing the array switches
         with it. While both arrays exist they count against ``max_total_memory_bytes`` together.
+
+        The old and the new counters are marked ``LOADING`` until the old array is released: if this
+        worker dies meanwhile, the next holder of the lock puts the data directory and the shared
+        memory back in line with whichever table the registry publishes (``_repair_load_or_delete``).
         """
         with self._locked(name) as entry, self._registry_lock.hold():
             table = entry.table
@@ -843,20 +965,46 @@ class TableStore:
             if record is None or record["uid"] != entry.uid:  # changes of a table hold its lock
                 raise CorruptionError(f"the registry changed table {name!r} behind its update lock")
             old_array = record["array"]
+            self._remove_orphans(registry)
             self._check_memory(registry, int(registry.arrays[old_array]["nbytes"]), "loading the table")
-            array_id, shared = self._new_array(registry, table.config, table.optimizer, source)
+            sharers = [  # mapped here: this worker may not have synced a sharer created meanwhile
+                self.directory.map(
+                    f"tables/{registry.tables[sharer]['uid']}.counters", NUM_COUNTERS, torch.int64
+                )
+                for sharer in registry.array_tables(old_array)
+            ]
+            for counters in sharers:
+                counters[PENDING] = LOADING
+            try:
+                array_id, shared = self._new_array(registry, table.config, table.optimizer, source)
+            except BaseException:  # nothing was written: no array, nothing on disk
+                for counters in sharers:
+                    counters[PENDING] = 0
+                raise
+            self._die_at("load:filled")
             try:
                 self.journal.snapshot(name, shared, version)
-            except BaseException:
+            except BaseException as error:
                 self._remove_array(array_id, registry.arrays.pop(array_id)["layout"])
+                # No space: nothing was committed. Any other failure may have come after the commit
+                # (meta.json), so the mark stays and the next holder writes the old table back.
+                if isinstance(error, StorageFullError) or is_storage_full(error):
+                    for counters in sharers:
+                        counters[PENDING] = 0
                 raise
+            self._die_at("load:durable")
             try:
                 replaced = self._switch(registry, old_array, array_id, name, version)
             except BaseException:
                 self._remove_array(array_id, registry.arrays.pop(array_id)["layout"])
-                self._restore_journal(name, table, entry.version)
+                if self._restore_journal(name, table, entry.version):
+                    for counters in sharers:
+                        counters[PENDING] = 0
                 raise
+            self._die_at("load:switched")
             self._release(registry, replaced)
+            for sharer_name in registry.array_tables(array_id):
+                self._entries[sharer_name].set_pending(0)
 
     def _switch(
         self, registry: Registry, old_array: str, array_id: str, name: str, version: int
@@ -876,9 +1024,11 @@ class TableStore:
                 uid = new_uids[table_name] = secrets.token_hex(8)
                 counters = self.directory.allocate(f"tables/{uid}.counters", NUM_COUNTERS, torch.int64)
                 counters[VERSION] = version if table_name == name else old_counters[table_name][VERSION]
+                counters[PENDING] = LOADING  # until the old array is released (restore clears it)
                 registry.tables[table_name] = {**old_records[table_name], "uid": uid, "array": array_id}
             del registry.arrays[old_array]
             self._publish(registry)
+            self._die_at("load:published")
         except BaseException:
             registry.tables.update(old_records)
             registry.arrays[old_array] = old_array_record
@@ -890,16 +1040,19 @@ class TableStore:
             counters[STATE] = REPLACED
         return [(old["uid"], old["array"], old["lock"]) for old in old_records.values()]
 
-    def _restore_journal(self, name: str, table: Table, version: int) -> None:
-        """After a load was made durable but could not be switched to: put the old table back on disk."""
+    def _restore_journal(self, name: str, table: Table, version: int) -> bool:
+        """After a load was made durable but could not be switched to: put the old table back on disk.
+        Returns whether it did; if not, the caller leaves the table marked for the next holder to."""
         try:
-            self.journal.snapshot(name, table, version)
+            self._write_journal(name, table, version)
         except Exception:
             logger.exception(
                 "table %r: a load was written to the data directory but could not be served, and the old "
-                "table could not be written back; the next start will serve the loaded one",
+                "table could not be written back yet; the next holder of its lock tries again",
                 name,
             )
+            return False
+        return True
 
     def close(self) -> None:
         """Release this worker's locks and mappings (the shared directory stays; its owner removes it)."""

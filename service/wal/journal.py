@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
 from robez_core.table import fsync_dir
 
+from ..faults import die_at
 from ..journal import StorageFullError, UpdateRecord, is_storage_full
 
 if TYPE_CHECKING:
@@ -169,13 +170,15 @@ class WalJournal:
         # Bytes the last write refused for lack of space needed (None: no such refusal since the last
         # write that succeeded); ``write_problem`` reports it until that much space is free again.
         self._no_space_needed: int | None = None
+        # Testing only (service/faults.py): the file that, naming a point, kills this process there.
+        self.fault_file: Path | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WalJournal:
         """The journal a server with ``settings.data_dir`` uses (fsync and snapshot policy from settings)."""
         if settings.data_dir is None:
             raise ConfigError("WalJournal needs settings.data_dir")
-        return cls(
+        journal = cls(
             settings.data_dir,
             fsync=settings.wal_fsync,
             fsync_interval_ms=settings.wal_fsync_interval_ms,
@@ -184,6 +187,8 @@ class WalJournal:
             snapshot_log_ratio=settings.snapshot_log_ratio,
             snapshot_log_min_bytes=settings.snapshot_log_min_bytes,
         )
+        journal.fault_file = settings.fault_die_after_append
+        return journal
 
     # -- paths -------------------------------------------------------------------------------------------
 
@@ -331,6 +336,8 @@ class WalJournal:
                 raise self._storage_full(f"snapshot of table {name!r}", _table_bytes(table)) from error
             raise
         # meta.json now names the new generation; the old log is stale from here on.
+        if self.fault_file is not None:  # testing only: a crash between the two renames
+            die_at(self.fault_file, "snapshot:committed")
         os.replace(directory / f"{LOG_FILE}.new", directory / LOG_FILE)
         fsync_dir(directory)
         if old_snapshot != self._require_meta(name).snapshot:

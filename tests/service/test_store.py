@@ -583,3 +583,48 @@ def test_a_worker_that_died_in_the_middle_of_a_snapshot_loses_no_later_update(tm
         journal_a.close()
         journal_b.close()
         directory.remove()
+
+
+def test_a_load_that_failed_after_its_commit_is_written_back_by_the_next_holder(tmp_path: Path) -> None:
+    """The load's snapshot committed (meta.json) and then failed (EIO on the log's rename, say): the
+    workers still serve the old table, the data directory holds the new one. The load keeps its mark,
+    so the next update first writes the old table back; before, that update was refused (version gap)."""
+    import errno
+
+    class FailsAfterCommit(WalJournal):
+        fail = True
+
+        def snapshot(self, name: str, table: Table, version: int) -> None:
+            super().snapshot(name, table, version)
+            if self.fail:
+                self.fail = False
+                raise OSError(errno.EIO, "Input/output error")
+
+    settings = make_settings(tmp_path, default_table=False, data_dir=tmp_path / "data")
+    journal = FailsAfterCommit(tmp_path / "data")
+    directory = TableStore.prepare(settings, journal)
+    store = TableStore(directory, settings, journal)
+    try:
+        store.create("t", TableSpec(CONFIG, OptimizerConfig("adagrad", lr=0.1)))
+        oracle = Table(CONFIG, OptimizerConfig("adagrad", lr=0.1))
+        for ids in (torch.tensor([1, 2]), torch.tensor([3])):
+            grads = torch.ones(int(ids.shape[0]), 8)
+            store.update("t", ids, grads)
+            oracle.apply_gradients(ids, grads)
+        new_table = _loaded(CONFIG, OptimizerConfig("adagrad", lr=0.1), seed=4)
+        with pytest.raises(OSError, match="Input/output"):
+            store.restore("t", new_table, 0)
+        assert store.version("t") == 2 and torch.equal(store.table("t").weight, oracle.weight)  # served: old
+        on_disk = WalJournal(tmp_path / "data").load("t")
+        assert on_disk is not None and torch.equal(on_disk[0].weight, new_table.weight)  # on disk: new
+        ids, grads = torch.tensor([4, 5]), torch.ones(2, 8)
+        assert store.update("t", ids, grads).version == 3
+        oracle.apply_gradients(ids, grads)
+        loaded = WalJournal(tmp_path / "data").load("t")
+        assert loaded is not None and loaded[1] == 3
+        for key, tensor in oracle.tensors().items():
+            assert torch.equal(loaded[0].tensors()[key], tensor), key
+    finally:
+        store.close()
+        journal.close()
+        directory.remove()

@@ -1,0 +1,49 @@
+"""Testing only: SIGKILL this process at a named point, to test what a crash there leaves behind.
+
+Off unless ``Settings.fault_die_after_append`` (``ROBEZ_FAULT_DIE_AFTER_APPEND``) names a file; never set
+it in production. The file's text names the point ("" or ``update:appended``: the update fault of
+``TableStore._fault_point``); a process that reaches that point removes the file and, if it was the one
+to remove it, dies. So one file kills one process, once, whichever worker gets there first.
+
+The points (``TableStore.restore`` / ``delete``, ``WalJournal.snapshot``):
+
+- ``load:filled``: the load's new array is filled, nothing is durable yet;
+- ``snapshot:committed``: a snapshot's ``meta.json`` is committed, the fresh log not swapped in yet;
+- ``load:durable``: the loaded table is durable (snapshot + empty log), the registry not switched;
+- ``load:published``: the registry is switched, the old counters not yet marked replaced;
+- ``load:switched``: the old counters are marked replaced, the old array not yet released;
+- ``delete:dropped``: the table's folder is gone from the data directory, the registry still has it;
+- ``delete:published``: the registry no longer has the table, its counters are not marked deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+UPDATE_APPENDED = "update:appended"
+
+
+def armed(fault_file: Path | None, point: str) -> bool:
+    """Whether this process must die at ``point`` now: the fault file names it and this process removed
+    it (so no other process will)."""
+    if fault_file is None:
+        return False
+    try:
+        named = fault_file.read_text().strip() or UPDATE_APPENDED
+    except FileNotFoundError:
+        return False
+    if named != point:
+        return False
+    try:
+        fault_file.unlink()
+    except FileNotFoundError:
+        return False  # another process got there first
+    return True
+
+
+def die_at(fault_file: Path | None, point: str) -> None:
+    """SIGKILL this process if the fault file names ``point`` (see ``armed``)."""
+    if armed(fault_file, point):
+        os.kill(os.getpid(), signal.SIGKILL)

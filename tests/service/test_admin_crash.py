@@ -1,0 +1,343 @@
+"""kill -9 a worker in the middle of a load or a delete, at each point where it has changed something.
+
+The dying worker is a real process (``python -c``) attached to the test's shared directory and data
+directory, with the fault file naming the point (service/faults.py): it SIGKILLs itself there, holding
+the table's update lock and the registry lock, which the kernel releases. The test process is the
+surviving worker. Checked at each point:
+
+- what a restart of the whole server right after the kill serves (``WalJournal.load`` on a copy of the
+  data directory, as ``robez serve`` does at start-up): the load or delete happened or not (it was never
+  acknowledged, either is right), and nothing acknowledged before it is lost;
+- what the surviving worker serves: the table as the dead worker left it published (old before the
+  registry switch, new after), and its next updates are acknowledged on that table;
+- that the data directory then recovers to exactly what the workers serve (bitwise, same version), and
+  the shared-memory files the dead worker left behind are gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.errors import NotFoundError
+from robez_core.table import Table
+from service.config import Settings, TableSpec
+from service.shm import REPLACED, STATE, SharedDirectory
+from service.store import TableStore
+from service.wal import WalJournal
+
+from .conftest import make_settings
+from .subprocess_server import RobezServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CONFIG = TableConfig(num_embeddings=1000, embedding_dim=8, memory_size=1024, chunk_size=4)
+OPTIMIZER = OptimizerConfig("adam", lr=0.1)
+CHILD_SECONDS = 120.0
+
+# The dying worker: attach, then load ``argv[4]`` into table t (or delete t when it is "-").
+_WORKER = """
+import sys
+from pathlib import Path
+from robez_core.table import Table
+from service.config import Settings
+from service.shm import SharedDirectory
+from service.store import TableStore
+from service.wal import WalJournal
+
+shm_path, data_dir, fault, checkpoint = sys.argv[1:]
+settings = Settings(
+    _env_file=None, shm_dir=Path(shm_path).parent, shm_path=shm_path, data_dir=data_dir,
+    fault_die_after_append=fault, default_table=False, threads_per_worker=1,
+)
+store = TableStore(SharedDirectory(Path(shm_path)), settings, WalJournal.from_settings(settings))
+if checkpoint == "-":
+    store.delete("t")
+else:
+    store.restore("t", Table.load(checkpoint), 0)
+sys.exit(3)  # the fault did not fire
+"""
+
+
+@dataclass(frozen=True)
+class Point:
+    """A kill point, what the workers serve after it, and what a restart right after it serves."""
+
+    name: str
+    served: str  # "old", "new" or "none" (deleted)
+    restarted: str
+
+
+LOAD_POINTS = [
+    Point("load:filled", served="old", restarted="old"),
+    Point("snapshot:committed", served="old", restarted="new"),
+    Point("load:durable", served="old", restarted="new"),
+    Point("load:published", served="new", restarted="new"),
+    Point("load:switched", served="new", restarted="new"),
+]
+DELETE_POINTS = [
+    Point("delete:dropped", served="old", restarted="none"),
+    Point("delete:published", served="none", restarted="none"),
+]
+
+
+@dataclass
+class Worker:
+    settings: Settings
+    journal: WalJournal
+    directory: SharedDirectory
+    store: TableStore
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[Worker]:
+    """The surviving worker, over a data directory; snapshot policies off, so only the test snapshots."""
+    settings = make_settings(
+        tmp_path,
+        default_table=False,
+        data_dir=tmp_path / "data",
+        snapshot_every_updates=0,
+        snapshot_every_seconds=0,
+        snapshot_log_ratio=0,
+    )
+    assert settings.data_dir is not None
+    journal = WalJournal(settings.data_dir)
+    directory = TableStore.prepare(settings, journal)
+    store = TableStore(directory, settings, journal)
+    try:
+        yield Worker(settings, journal, directory, store)
+    finally:
+        store.close()
+        journal.close()
+        directory.remove()
+
+
+def _copy(table: Table) -> Table:
+    state = {key: tensor.clone() for key, tensor in table.state.items()}
+    return Table(table.config, table.optimizer, weight=table.weight.clone(), state=state)
+
+
+def _same(left: Table, right: Table) -> bool:
+    a, b = left.tensors(), right.tensors()
+    return a.keys() == b.keys() and all(
+        torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)) for key in a
+    )
+
+
+def _updates(seed: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, 1000, (5,), generator=generator), torch.randn(5, 8, generator=generator))
+        for _ in range(count)
+    ]
+
+
+def _restarted(data_dir: Path, tmp_path: Path) -> tuple[Table, int] | None:
+    """Table t as a restart would serve it from ``data_dir`` (loaded from a copy: loading cleans up)."""
+    copy = tmp_path / f"restart-{len(list(tmp_path.glob('restart-*')))}"
+    shutil.copytree(data_dir, copy, ignore=shutil.ignore_patterns(".robez*.lock"))
+    journal = WalJournal(copy, exclusive=True)
+    try:
+        return journal.load("t") if "t" in journal.names() else None
+    finally:
+        journal.close()
+
+
+def _kill_worker_at(point: str, worker: Worker, tmp_path: Path, checkpoint: str) -> None:
+    fault = tmp_path / "fault"
+    fault.write_text(point)
+    command = [sys.executable, "-c", _WORKER, str(worker.directory.path), str(worker.settings.data_dir)]
+    dead = subprocess.run(
+        [*command, str(fault), checkpoint], capture_output=True, text=True, timeout=CHILD_SECONDS
+    )
+    assert dead.returncode == -signal.SIGKILL, dead.stderr[-3000:]
+    assert not fault.exists()
+
+
+def _shared_files_match_the_registry(directory: SharedDirectory) -> None:
+    registry = directory.read_registry()
+    arrays = {path.name.split(".", 1)[0] for path in directory.arrays_dir.iterdir()}
+    counters = {path.name.split(".", 1)[0] for path in directory.tables_dir.iterdir()}
+    locks = {path.name.split(".", 1)[0] for path in directory.locks_dir.iterdir()}
+    assert arrays == set(registry.arrays), "a dead worker's arrays were left in shared memory"
+    assert counters == {record["uid"] for record in registry.tables.values()}
+    assert locks <= {record["lock"] for record in registry.tables.values()}
+
+
+def _start(worker: Worker) -> tuple[Table, int]:
+    """Table t with three acknowledged updates: the oracle and its version."""
+    worker.store.create("t", TableSpec(CONFIG, OPTIMIZER))
+    oracle = Table(CONFIG, OPTIMIZER)
+    for ids, grads in _updates(1, 3):
+        worker.store.update("t", ids, grads)
+        oracle.apply_gradients(ids, grads)
+    assert _same(worker.store.table("t"), oracle)
+    return oracle, 3
+
+
+@pytest.mark.parametrize("point", LOAD_POINTS, ids=lambda point: point.name)
+def test_a_worker_killed_in_the_middle_of_a_load(point: Point, worker: Worker, tmp_path: Path) -> None:
+    old, old_version = _start(worker)
+    loaded = Table(CONFIG, OPTIMIZER)
+    generator = torch.Generator().manual_seed(2)
+    for tensor in loaded.tensors().values():
+        tensor.copy_(torch.rand(tensor.shape, generator=generator) + 10.0)
+    checkpoint = tmp_path / "loaded.safetensors"
+    loaded.save(checkpoint)
+    stale = worker.store._entry("t")  # what an update that resolved t before the kill holds
+
+    _kill_worker_at(point.name, worker, tmp_path, str(checkpoint))
+
+    tables = {"old": (old, old_version), "new": (loaded, 0)}
+    restarted = _restarted(worker.journal.data_dir, tmp_path)
+    assert restarted is not None
+    expected, version = tables[point.restarted]
+    assert restarted[1] == version and _same(restarted[0], expected), "a restart now serves another table"
+
+    expected, version = tables[point.served]
+    assert worker.store.version("t") == version and _same(worker.store.table("t"), expected)
+    expected = _copy(expected)
+    for ids, grads in _updates(3, 2):  # the first one takes the lock and finds what the dead worker left
+        assert worker.store.update("t", ids, grads).version == version + 1
+        expected.apply_gradients(ids, grads)
+        version += 1
+    assert _same(worker.store.table("t"), expected)
+    restarted = _restarted(worker.journal.data_dir, tmp_path)
+    assert restarted is not None and restarted[1] == version, "the data directory lost acknowledged updates"
+    assert _same(restarted[0], expected), "the data directory holds another table than the workers serve"
+    if point.served == "new":
+        assert int(stale.counters[STATE]) == REPLACED  # an update holding it would start again on the new
+    _shared_files_match_the_registry(worker.directory)
+
+
+@pytest.mark.parametrize("point", DELETE_POINTS, ids=lambda point: point.name)
+def test_a_worker_killed_in_the_middle_of_a_delete(point: Point, worker: Worker, tmp_path: Path) -> None:
+    old, version = _start(worker)
+
+    _kill_worker_at(point.name, worker, tmp_path, "-")
+
+    assert _restarted(worker.journal.data_dir, tmp_path) is None  # a restart serves no table t
+    if point.served == "none":
+        assert worker.store.names() == []
+        with pytest.raises(NotFoundError):
+            worker.store.update("t", torch.tensor([1]), torch.ones(1, 8))
+        # The name is free again; the next delete also removes what the dead one left in shared memory.
+        worker.store.create("t", TableSpec(CONFIG, OPTIMIZER))
+        worker.store.delete("t")
+        assert worker.journal.names() == [] and worker.store.names() == []
+        _shared_files_match_the_registry(worker.directory)
+        return
+
+    assert worker.store.version("t") == version and _same(worker.store.table("t"), old)
+    expected = _copy(old)
+    for ids, grads in _updates(3, 2):
+        assert worker.store.update("t", ids, grads).version == version + 1
+        expected.apply_gradients(ids, grads)
+        version += 1
+    restarted = _restarted(worker.journal.data_dir, tmp_path)
+    assert restarted is not None, "the table is served but a restart would lose it"
+    assert restarted[1] == version and _same(restarted[0], expected)
+    worker.store.delete("t")  # and it can still be deleted, for good
+    assert _restarted(worker.journal.data_dir, tmp_path) is None and worker.store.names() == []
+    _shared_files_match_the_registry(worker.directory)
+
+
+def _digest(table: Table) -> str:
+    """What ``GET /v1/tables/{name}/checksum`` answers for a table holding these tensors."""
+    digest = hashlib.sha256()
+    for key, tensor in sorted(table.tensors().items()):
+        digest.update(key.encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _post_update(url: str, ids: torch.Tensor, grads: torch.Tensor) -> httpx.Response:
+    body = ids.numpy().astype("<i8").tobytes() + grads.numpy().astype("<f4").tobytes()
+    headers = {
+        "Content-Type": "application/octet-stream",
+        "X-Robez-Shape": f"{ids.shape[0]},{grads.shape[1]}",
+        "Connection": "close",  # a fresh connection each: either worker may take it
+    }
+    return httpx.post(f"{url}/v1/tables/t/update", content=body, headers=headers, timeout=60.0)
+
+
+@pytest.mark.parametrize("point", ["load:durable", "delete:dropped"])
+def test_a_server_whose_worker_died_in_a_load_or_delete_serves_and_recovers_the_acknowledged_table(
+    point: str, tmp_path: Path
+) -> None:
+    """The same through ``robez serve`` with two workers: the worker that takes the load (delete) dies at
+    ``point``; the updates acknowledged after it are on the old table, live and after kill -9 of the
+    whole server and a restart (equal checksums)."""
+    fault = tmp_path / "fault"
+    server = RobezServer(
+        tmp_path / "server.log",
+        ["--data-dir", str(tmp_path / "data"), "--workers", "2"],
+        {
+            "ROBEZ_SHM_DIR": str(tmp_path / "shm"),
+            "ROBEZ_DEFAULT_TABLE": "false",
+            "ROBEZ_SNAPSHOT_EVERY_UPDATES": "0",
+            "ROBEZ_SNAPSHOT_EVERY_SECONDS": "0",
+            "ROBEZ_SNAPSHOT_LOG_RATIO": "0",
+            "ROBEZ_FAULT_DIE_AFTER_APPEND": str(fault),
+            "ROBEZ_LOG_LEVEL": "warning",
+        },
+    )
+    try:
+        server.start()
+        table = {"name": "t", "config": CONFIG.to_dict(), "optimizer": OPTIMIZER.to_dict()}
+        response = httpx.post(f"{server.url}/v1/tables", json=table, timeout=60.0)
+        assert response.status_code == 201, response.text
+        expected = Table(CONFIG, OPTIMIZER)
+        version = 0
+        updates = _updates(4, 6)
+        for ids, grads in updates[:3]:
+            response = _post_update(server.url, ids, grads)
+            assert response.status_code == 200 and response.json()["version"] == version + 1, response.text
+            expected.apply_gradients(ids, grads)
+            version += 1
+
+        fault.write_text(point)
+        loaded = Table(CONFIG, OPTIMIZER)
+        loaded.weight.add_(5.0)
+        checkpoint = tmp_path / "loaded.safetensors"
+        loaded.save(checkpoint)
+        try:
+            if point.startswith("load"):
+                response = httpx.post(
+                    f"{server.url}/v1/tables/t/load", content=checkpoint.read_bytes(), timeout=60.0
+                )
+            else:
+                response = httpx.delete(f"{server.url}/v1/tables/t", timeout=60.0)
+            assert response.status_code >= 500, response.text
+        except httpx.TransportError:
+            pass  # the worker died with the connection
+        assert not fault.exists(), server.log()[-3000:]
+
+        for ids, grads in updates[3:]:  # the first one repairs: before, it was refused (500)
+            response = _post_update(server.url, ids, grads)
+            assert response.status_code == 200 and response.json()["version"] == version + 1, response.text
+            expected.apply_gradients(ids, grads)
+            version += 1
+        live = httpx.get(f"{server.url}/v1/tables/t/checksum", timeout=60.0).json()
+        assert (live["version"], live["sha256"]) == (version, _digest(expected))
+        assert "is written to the data directory again" in server.log()
+
+        server.kill()
+        server.start()
+        restarted = httpx.get(f"{server.url}/v1/tables/t/checksum", timeout=60.0)
+        assert restarted.status_code == 200, "a restart lost the table the workers served"
+        assert restarted.json() == live
+        server.stop()
+    finally:
+        server.kill()
