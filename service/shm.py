@@ -43,7 +43,11 @@ from robez_core.table import Table
 
 VERSION, STATE, PENDING = 0, 1, 2  # indices of a table's counters
 NUM_COUNTERS = 3
-EXCLUSIVE = -1  # counters[PENDING] while a snapshot (or another exclusive holder) runs
+# counters[PENDING]: 0, or what the holder of the table's lock is doing, which the next holder finds if
+# that worker died (store.py's module docstring): the version an update will produce, or one of these.
+EXCLUSIVE = -1  # a snapshot (or another exclusive holder) runs
+LOADING = -2  # a load (``TableStore.restore``)
+DELETING = -3  # a delete
 LIVE, DELETED, REPLACED = 0, 1, 2  # counters[STATE]
 DIR_PREFIX = "robez-"
 
@@ -150,7 +154,7 @@ class TableEntry:
 
     @property
     def pending(self) -> int:
-        """The version an update under way will produce (``EXCLUSIVE``: a snapshot), else 0."""
+        """The version an update under way will produce, or EXCLUSIVE, LOADING, DELETING; else 0."""
         return int(self._counters_np[PENDING])
 
     def set_pending(self, version: int) -> None:

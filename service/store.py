@@ -103,8 +103,10 @@ from .config import Settings, TableSpec, demo_table_spec, load_tables_file
 from .journal import Journal, NullJournal, StorageFullError, UpdateRecord, is_storage_full
 from .shm import (
     DELETED,
+    DELETING,
     EXCLUSIVE,
     LIVE,
+    LOADING,
     NUM_COUNTERS,
     PENDING,
     REPLACED,
@@ -130,10 +132,6 @@ POOLINGS: tuple[str, ...] = ("none", "sum", "mean")
 # An update or snapshot that finds its table replaced by a load starts again; this many loads in a row
 # while it waits means something is wrong.
 _MAX_SWITCHES = 16
-# counters[PENDING] while a load (``restore``) or a delete holds the table's lock, beside the update's
-# version and ``EXCLUSIVE`` (shm.py): what the next holder finds if that worker died.
-LOADING = -2
-DELETING = -3
 
 
 def validate_table_name(name: str) -> str:
