@@ -365,8 +365,9 @@ def _large_response_reading(found: list[Composite]) -> list[str]:
             + (f" by {abs(c.ratio - COMPOSITE_TARGET):.2f}" if c.ratio != COMPOSITE_TARGET else "")
             + f"; robez spends {_fmt(extra, 3)} ms per request beyond kernel + floor"
             f" ({extra / c.server_ms:.0%} of its CPU per request); the bare framework's own cost of"
-            f" the answer is {share:.0%} of robez's and {c.floor_ms / c.kernel_ms:.1f}x the kernel's."
+            f" the answer is {share:.0%} of robez's and {c.floor_ms / c.kernel_ms:.1f}x the kernel's"
             + _busy_warning(c)
+            + "."
         )
     return lines
 
