@@ -343,6 +343,45 @@ def _large_response_section(result: SweepResult) -> list[str]:
             f" | {_pct(c.server_busy)} / {_pct(c.floor_busy)} |"
         )
     lines += ["", *_large_response_reading(found), ""]
+    lines += _busy_section(result)
+    return lines
+
+
+def _busy_section(result: SweepResult) -> list[str]:
+    """Server CPU per REFERENCE_BATCH request against how busy the server was (closed + open loop)."""
+    one = _one_worker(result)
+    runs = [
+        run
+        for run in result.runs
+        if run.spec.scenario == "binary"
+        and run.spec.batch_size == REFERENCE_BATCH
+        and run.server_cores == one
+        and math.isfinite(_busy(run))
+        and math.isfinite(_cpu_ms_per_request(run))
+    ]
+    if len(runs) < 2:
+        return []
+    runs.sort(key=_busy)
+    lines = [
+        f"Server CPU per {REFERENCE_BATCH}-id request against how busy the server core was in this run's"
+        " closed-loop and open-loop runs (CPU ratios compare like with like only at similar load):",
+        "",
+        "| run | req/s | server core busy | server CPU ms/request |",
+        "|---|---|---|---|",
+    ]
+    for run in runs:
+        lines.append(
+            f"| {run.spec.label} | {_fmt(run.requests_per_s, 0)} | {_pct(_busy(run))}"
+            f" | {_fmt(_cpu_ms_per_request(run), 3)} |"
+        )
+    idle, busy = runs[0], runs[-1]
+    factor = _cpu_ms_per_request(idle) / _cpu_ms_per_request(busy)
+    lines += [
+        "",
+        f"At {_pct(_busy(idle))} busy the server spent {factor:.2f}x the CPU per request it spent at"
+        f" {_pct(_busy(busy))} busy.",
+        "",
+    ]
     return lines
 
 

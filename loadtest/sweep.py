@@ -4,7 +4,10 @@ For each core count k the sweep starts ``robez serve --workers k`` pinned to cor
 puts the client processes on the cores left over (or on all cores when none are left, which the
 report flags). Against each server it runs the HTTP floor (/healthz), single-id JSON lookups and
 binary lookups at every batch size; against the first it also runs the remaining scenarios, the
-open-loop steps and the httpx cross-check. The in-process kernel baseline runs pinned to one core.
+open-loop steps and the httpx cross-check. The framework floor (``loadtest/floor.py``) runs beside
+each server on the same cores, idle while robez is measured: its trivial route first, and at 1 worker
+its ``/rows`` route right before the binary lookups of ``ROWS_FLOOR_BATCHES`` ids. The in-process
+kernel baseline runs pinned to one core.
 """
 
 from __future__ import annotations

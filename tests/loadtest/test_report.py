@@ -245,6 +245,14 @@ def test_composite_target_row_and_section(tmp_path: Path) -> None:
     assert "| 4096 | 1,048,576 | 4.000 | 2.000 | 6.000 | 9.000 | 0.67 | 100 |" in text
     assert "- batch 4096: 0.67 misses the proposed 0.90 by 0.23" in text
     assert "busy only" not in text
+    assert "Server CPU per 4096-id request against how busy" not in text  # one binary run: no table
+
+    quiet = _run("binary", 4096, 1, ok=20, mode="open", rate=20.0)
+    quiet.server_cpu_cores = quiet.server_cpu_s = 0.3  # 15 ms a request at 30% busy
+    result.runs.append(quiet)
+    text = write_report(result, tmp_path, update_latest=False).markdown.read_text()
+    assert "| binary run | 20 | 30% | 15.000 |" in text
+    assert "At 30% busy the server spent 1.67x the CPU per request it spent at 90% busy." in text
 
 
 def test_composite_flags_a_server_that_was_not_busy() -> None:
