@@ -334,6 +334,9 @@ class Sweep:
             if floor is not None:
                 spec = replace(base, label="framework floor (bare Starlette, same uvicorn)", scenario="floor")
                 self._measure_floor(fleet, spec, context, floor, server_cores, shared)
+                if not first:  # the /rows floor runs at 1 worker only
+                    floor_running.close()
+                    floor = None
             if "healthz" in wanted:
                 measure(replace(base, label="HTTP floor", scenario="healthz"))
             if "json" in wanted:
