@@ -225,8 +225,13 @@ def _composite_runs(floor_cpu_cores: float = 0.9) -> list[RunResult]:
     return [floor, _run("binary", 4096, 1, ok=100)]  # 9 ms a request, 100 req/s
 
 
+def _kernel_of(batch: int, calls: int, call_ms: float) -> KernelResult:
+    return KernelResult(batch, 1, (0,), calls, 1.0, call_ms, 0.1, 0.2, 0.3, 0.05)
+
+
 def test_composite_target_row_and_section(tmp_path: Path) -> None:
-    result = _sweep(2, _composite_runs(), [_kernel(4096, 250)])  # kernel: 4 ms a call
+    # kernel: 4 ms a call (its median), 250 calls/s
+    result = _sweep(2, _composite_runs(), [_kernel_of(4096, 250, 4.0)])
     found = composite(result, 4096)
     assert found is not None
     assert (found.kernel_ms, found.floor_ms, found.server_ms) == pytest.approx((4.0, 2.0, 9.0))
@@ -256,6 +261,6 @@ def test_composite_target_row_and_section(tmp_path: Path) -> None:
 
 
 def test_composite_flags_a_server_that_was_not_busy() -> None:
-    result = _sweep(2, _composite_runs(floor_cpu_cores=0.5), [_kernel(4096, 250)])
+    result = _sweep(2, _composite_runs(floor_cpu_cores=0.5), [_kernel_of(4096, 250, 4.0)])
     proposed = floor_checks(result)[-1]
     assert "server core busy only floor 50%" in proposed.detail
