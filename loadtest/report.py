@@ -307,8 +307,9 @@ def _busy_warning(found: Composite) -> str:
     if not idle:
         return ""
     return (
-        f"; server core busy only {', '.join(idle)}: CPU per request is higher when the server waits"
-        " between requests, so this CPU ratio is less certain"
+        f"; server core busy only {', '.join(idle)} (waiting for requests, or other processes took the"
+        " core: see 'other load' under Runs): CPU per request is higher then, so this CPU ratio is less"
+        " certain"
     )
 
 
