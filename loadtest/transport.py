@@ -273,7 +273,7 @@ class _HttpReplyProtocol(asyncio.BufferedProtocol):
             self._finish(body_bytes)
             return
         # a run's answers on one connection have one size: reuse the buffer (a fresh 1 MiB bytearray
-        # is an mmap, zero-filled and page-faulted in again for every response)
+        # per answer is zero-filled, and with glibc's defaults often mmap'ed and page-faulted anew)
         buffer = self._spare if self._spare is not None and len(self._spare) == length else bytearray(length)
         self._spare = buffer
         buffer[:available] = self._head[start : self._filled]
