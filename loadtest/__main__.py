@@ -217,14 +217,14 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 
 
 def _run(config: SweepConfig, args: argparse.Namespace, started: float, argv: list[str]) -> int:
-    from .report import target_checks, write_report  # matplotlib only once the arguments are good
+    from .report import floor_checks, target_checks, write_report  # matplotlib once the arguments are good
 
     def progress(line: str) -> None:
         print(f"[{time.monotonic() - started:6.1f}s] {line}", flush=True)
 
     result = Sweep(config, python_command(argv), progress).run()
     files = write_report(result, args.out, update_latest=not (args.no_latest or config.quick))
-    for check in target_checks(result):
+    for check in [*target_checks(result), *floor_checks(result)]:
         progress(f"target: {check.name}: {check.status} ({check.detail})")
     progress(f"report: {files.markdown}  csv: {files.csv}  plots: {', '.join(str(p) for p in files.plots)}")
     failed = result.failed_runs

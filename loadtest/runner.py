@@ -293,7 +293,7 @@ class _Recorder:
         result.rows += template.rows
         result.response_bytes += len(response.body)
         result.latency_ms.append((finished - started) * 1e3)
-        if template.kind not in ("healthz", "peer"):
+        if template.kind not in ("healthz", "peer", "floor"):
             timing = parse_server_timing(response.headers.get("server-timing"))
             result.hash_ms.append(timing.get("hash", math.nan))
             result.lookup_ms.append(timing.get("lookup", timing.get("apply", math.nan)))

@@ -15,7 +15,10 @@ Scenarios (``SCENARIOS``):
 - ``mix``      95% binary lookups, 5% binary updates of the same batch size (exactly 1 in 20).
 - ``oip``      POST /v2/models/{t}/infer (Open Inference Protocol v2), binary tensor data both ways.
 - ``floor``    GET / on a bare Starlette app (one route returning "ok") under the same uvicorn: the
-               framework floor the small-request scenarios are compared with.
+               framework floor the small-request scenarios are compared with. With it the sweep also
+               runs ``floor_rows``: the binary lookup's request sent to the same app's
+               ``POST /rows/{n}/{d}``, which answers n x d precomputed float32 bytes with the lookup's
+               headers (the framework's cost of a large answer, without the kernel).
 - ``redis``    the peer: a Redis server holding one full row per id (float32 bytes); GET for one id,
                MGET for a batch (``redis_set``: SET / MSET of new rows, the update counterpart).
 """
@@ -44,6 +47,8 @@ SCENARIOS: tuple[str, ...] = (
 )
 # Built for the Redis peer's update runs (chosen with "redis"), not named on the command line.
 PEER_UPDATE = "redis_set"
+# The framework floor answering a binary lookup's bytes (run with "floor"), not named on the command line.
+FLOOR_ROWS = "floor_rows"
 REDIS_KEY_PREFIX = b"robez:"
 OCTET_STREAM = "application/octet-stream"
 SHAPE_HEADER = "X-Robez-Shape"
@@ -85,7 +90,7 @@ class RequestTemplate:
     """
 
     request: PreparedRequest
-    kind: str  # "lookup" | "update" | "healthz" | "peer" (Redis: no Server-Timing)
+    kind: str  # "lookup" | "update" | "healthz" | "peer" (Redis) | "floor" (/rows): no Server-Timing read
     ids: int
     rows: int
     response: str  # "binary" | "json" | "multi" | "status" | "oip" | "rows" (bytes of rows, no header)
@@ -99,7 +104,7 @@ def build_requests(
     Raises:
         ValueError: unknown scenario, or a batch size outside ``[1, MAX_BATCH_SIZE]``.
     """
-    if scenario not in SCENARIOS and scenario != PEER_UPDATE:
+    if scenario not in SCENARIOS and scenario not in (PEER_UPDATE, FLOOR_ROWS):
         raise ValueError(f"unknown scenario {scenario!r}; expected one of {SCENARIOS}")
     if not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise ValueError(f"batch size must be in [1, {MAX_BATCH_SIZE}], got {batch_size}")
@@ -118,6 +123,8 @@ def build_requests(
         ids = sampler.sample(batch_size)
         if scenario == "binary" or (scenario == "mix" and index != 0):
             templates.append(_binary_lookup(context, ids))
+        elif scenario == FLOOR_ROWS:
+            templates.append(_floor_rows(context, ids))
         elif scenario == "json":
             templates.append(_json_lookup(context, ids))
         elif scenario == "pooled":
@@ -152,6 +159,16 @@ def _binary_lookup(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate
     body = ids.astype("<i8").tobytes()
     request = prepare_request(context.target, "POST", _table_path(context.table, "lookup"), body, headers)
     return RequestTemplate(request, "lookup", ids.size, ids.size, "binary")
+
+
+def _floor_rows(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate:
+    """The binary lookup's request and expected answer, sent to the framework floor's ``/rows`` route."""
+    headers = {"Content-Type": OCTET_STREAM, "Accept": OCTET_STREAM, **_auth(context)}
+    body = ids.astype("<i8").tobytes()
+    path = f"/rows/{ids.size}/{context.embedding_dim}"
+    return RequestTemplate(
+        prepare_request(context.target, "POST", path, body, headers), "floor", ids.size, ids.size, "binary"
+    )
 
 
 def _json_lookup(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate:

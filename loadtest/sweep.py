@@ -4,11 +4,15 @@ For each core count k the sweep starts ``robez serve --workers k`` pinned to cor
 puts the client processes on the cores left over (or on all cores when none are left, which the
 report flags). Against each server it runs the HTTP floor (/healthz), single-id JSON lookups and
 binary lookups at every batch size; against the first it also runs the remaining scenarios, the
-open-loop steps and the httpx cross-check. The in-process kernel baseline runs pinned to one core.
+open-loop steps and the httpx cross-check. The framework floor (``loadtest/floor.py``) runs beside
+each server on the same cores, idle while robez is measured: its trivial route first, and at 1 worker
+its ``/rows`` route right before the binary lookups of ``ROWS_FLOOR_BATCHES`` ids. The in-process
+kernel baseline runs pinned to one core.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -26,11 +30,12 @@ from robez_core.config import TableConfig
 from .baseline import DEFAULT_MMAP_THRESHOLD_MB, KernelResult, measure_kernel
 from .profile import Profiler, ProfileSummary
 from .runner import ClientFleet, RunResult, RunSpec
-from .scenarios import PEER_UPDATE, SCENARIOS, ScenarioContext, redis_key
+from .scenarios import FLOOR_ROWS, PEER_UPDATE, SCENARIOS, ScenarioContext, redis_key
 from .server import (
     MAIN_TABLE,
     MULTI_TABLES,
     TABLE_CONFIG,
+    BaselineProcess,
     machine_busy_seconds,
     redis_server_path,
     rss_bytes,
@@ -43,6 +48,8 @@ from .server import (
 from .transport import RESP, Target, resp_command
 
 REFERENCE_BATCH = 4096  # the issue's binary-lookup target batch
+# Binary batches the framework floor also answers with the lookup's bytes (1 worker, next to the lookup).
+ROWS_FLOOR_BATCHES: tuple[int, ...] = (512, REFERENCE_BATCH)
 FEATURE_SCENARIOS: tuple[str, ...] = ("pooled", "multi", "update", "mix")
 SMALL_UPDATE_BATCH = 8  # a gradient push of one user's handful of rows
 PEER_MAX_BATCH = 4096  # MGET batches measured against Redis (its replies grow 256 bytes per row)
@@ -317,14 +324,19 @@ class Sweep:
             transport=config.transport,
             seed=config.seed,
         )
-        with ClientFleet(processes, client_cores) as fleet:
+        with ClientFleet(processes, client_cores) as fleet, contextlib.ExitStack() as floor_running:
 
             def measure(spec: RunSpec) -> RunResult:
                 return self._measure(fleet, spec, context, server_cores, server_pid, shared)
 
             wanted = set(config.scenarios)
-            if "floor" in wanted:
-                self._floor(fleet, base, context, server_cores, shared)
+            floor = self._start_floor(floor_running, server_cores) if "floor" in wanted else None
+            if floor is not None:
+                spec = replace(base, label="framework floor (bare Starlette, same uvicorn)", scenario="floor")
+                self._measure_floor(fleet, spec, context, floor, server_cores, shared)
+                if not first:  # the /rows floor runs at 1 worker only
+                    floor_running.close()
+                    floor = None
             if "healthz" in wanted:
                 measure(replace(base, label="HTTP floor", scenario="healthz"))
             if "json" in wanted:
@@ -332,9 +344,15 @@ class Sweep:
             reference: RunResult | None = None
             if "binary" in wanted:
                 for batch in config.batch_sizes:
+                    if floor is not None and first and batch in ROWS_FLOOR_BATCHES:
+                        # the same request answered with the same bytes by the bare app, right before
+                        label = "framework floor sending the lookup's bytes"
+                        spec = replace(base, label=label, scenario=FLOOR_ROWS, batch_size=batch)
+                        self._measure_floor(fleet, spec, context, floor, server_cores, shared)
                     run = measure(replace(base, label="binary lookup", scenario="binary", batch_size=batch))
                     if batch == _open_loop_batch(config.batch_sizes):
                         reference = run
+            floor_running.close()  # idle from here on: stop it before the feature and peer runs
             if not first:
                 return
             if "update" in wanted:
@@ -388,27 +406,31 @@ class Sweep:
                         spec = replace(base, label=f"{what}, 1 worker", scenario=scenario, batch_size=batch)
                         self._profile(fleet, spec, context, server_pid, client_cores)
 
-    def _floor(
-        self,
-        fleet: ClientFleet,
-        base: RunSpec,
-        context: ScenarioContext,
-        server_cores: tuple[int, ...] | None,
-        shared: bool,
-    ) -> None:
-        """The bare Starlette app on the same uvicorn, workers and cores: the small-request baseline."""
+    def _start_floor(
+        self, stack: contextlib.ExitStack, server_cores: tuple[int, ...] | None
+    ) -> BaselineProcess | None:
+        """The bare Starlette app on the same uvicorn, workers and cores as the server, kept running
+        (idle while robez is measured) until ``stack`` closes."""
         if server_cores is None:
             self.result.notes.append(
                 "framework floor not measured: it needs a server the load test starts itself (not --url)"
             )
-            return
+            return None
         workers = len(server_cores)
         self.progress(f"  starting the framework floor (bare Starlette) with {workers} worker(s)")
-        with running_floor(workers, server_cores) as floor:
-            spec = replace(base, label="framework floor (bare Starlette, same uvicorn)", scenario="floor")
-            self._measure(
-                fleet, spec, replace(context, target=floor.target), server_cores, floor.process.pid, shared
-            )
+        return stack.enter_context(running_floor(workers, server_cores))
+
+    def _measure_floor(
+        self,
+        fleet: ClientFleet,
+        spec: RunSpec,
+        context: ScenarioContext,
+        floor: BaselineProcess,
+        server_cores: tuple[int, ...] | None,
+        shared: bool,
+    ) -> RunResult:
+        floor_context = replace(context, target=floor.target)
+        return self._measure(fleet, spec, floor_context, server_cores, floor.process.pid, shared)
 
     def _redis_peer(
         self,

@@ -2,8 +2,9 @@
 
 Two interchangeable clients send the same pre-built requests:
 
-- ``raw``: a minimal keep-alive HTTP/1.1 client over asyncio streams. The request bytes are built once
-  per distinct body, so a request costs the client one write and a header parse. On this project's
+- ``raw``: a minimal keep-alive HTTP/1.1 client (an ``asyncio.BufferedProtocol`` that reads a body
+  straight into a reused buffer of its size). The request bytes are built once per distinct body, so a
+  request costs the client one write, a header parse and the socket reads. On this project's
   2-core machine httpx's AsyncClient spent ~1 ms of client CPU per request (about 900 req/s from one
   saturated process against a trivial endpoint) while this client sent 5 600 req/s at 27% CPU; with
   httpx the client, not the server, would be what a run measures.
@@ -20,7 +21,7 @@ import contextlib
 import ipaddress
 import re
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 TRANSPORTS: tuple[str, ...] = ("raw", "httpx")
@@ -112,11 +113,15 @@ def prepare_request(
 
 @dataclass(frozen=True)
 class Response:
-    """Status, lower-cased headers and body of one response."""
+    """Status, lower-cased headers and body of one response.
+
+    ``raw`` hands a body that did not fit its head buffer out as the connection's reusable body
+    buffer: it is valid until the next request on that connection (the runner checks it at once).
+    """
 
     status: int
     headers: dict[str, str]
-    body: bytes
+    body: bytes | bytearray
 
 
 class Connection(Protocol):
@@ -127,8 +132,9 @@ class Connection(Protocol):
     async def close(self) -> None: ...
 
 
-class RawConnection:
-    """One keep-alive HTTP/1.1 connection; reconnects lazily after an error or ``Connection: close``."""
+class _StreamConnection:
+    """One keep-alive connection over asyncio streams; reconnects lazily after an error or
+    ``Connection: close``. Subclasses parse the answer (``_read``)."""
 
     def __init__(self, target: Target) -> None:
         self._target = target
@@ -151,45 +157,10 @@ class RawConnection:
             # a request abandoned mid-response leaves the stream out of step: never reuse it
             self._abort()
             raise
-        if response.headers.get("connection", "").lower() == "close":
-            await self.close()
         return response
 
     async def _read(self, reader: asyncio.StreamReader) -> Response:
-        """One answer off the stream: an HTTP/1.1 response here (``RespConnection``: a RESP reply)."""
-        return await self._read_response(reader)
-
-    @staticmethod
-    async def _read_response(reader: asyncio.StreamReader) -> Response:
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head[:-4].decode("latin-1").split("\r\n")
-        status_parts = lines[0].split(" ", 2)
-        if len(status_parts) < 2 or not status_parts[0].startswith("HTTP/1."):
-            raise ValueError(f"bad status line {lines[0]!r}")
-        status = int(status_parts[1])
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            body = await RawConnection._read_chunked(reader)
-        else:
-            body = await reader.readexactly(int(headers.get("content-length", "0")))
-        return Response(status, headers, body)
-
-    @staticmethod
-    async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-        pieces: list[bytes] = []
-        while True:
-            size_line = await reader.readuntil(b"\r\n")
-            size = int(size_line.split(b";", 1)[0].strip(), 16)
-            if size == 0:
-                # optional trailers, then the blank line that ends the message
-                while await reader.readuntil(b"\r\n") != b"\r\n":
-                    pass
-                return b"".join(pieces)
-            pieces.append(await reader.readexactly(size))
-            await reader.readexactly(2)
+        raise NotImplementedError
 
     def _abort(self) -> None:
         writer, self._reader, self._writer = self._writer, None, None
@@ -204,6 +175,213 @@ class RawConnection:
                 await writer.wait_closed()
 
 
+# Free space offered to the socket while reading a response head; bodies get a buffer of their own size.
+_HEAD_READ_BYTES = 1 << 16
+_MAX_HEAD_BYTES = 1 << 20
+
+
+class _HttpReplyProtocol(asyncio.BufferedProtocol):
+    """Reads HTTP/1.1 responses straight into their final buffers (``asyncio.BufferedProtocol``).
+
+    Once a response's Content-Length is known the socket is read directly into a body buffer of that
+    size, reused while the size stays the same, so a 1 MiB body costs one copy out of the kernel. With
+    ``asyncio.StreamReader`` every read was copied into the reader's buffer and out of it again into a
+    fresh 1 MiB object: at 4096-id lookups the client needed about 2x the CPU per request, could not
+    keep one server core busy, and an under-used server spends more CPU per request (see "Server CPU
+    per request" in docs/loadtest/README.md).
+    """
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._head = bytearray(_HEAD_READ_BYTES)
+        self._filled = 0
+        self._body: bytearray | None = None
+        self._spare: bytearray | None = None
+        self._body_filled = 0
+        self._status = 0
+        self._headers: dict[str, str] = {}
+        self._waiter: asyncio.Future[Response] | None = None
+        self._lost: BaseException | None = None
+
+    # -- asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._body is not None:
+            return memoryview(self._body)[self._body_filled :]
+        if len(self._head) - self._filled < _HEAD_READ_BYTES:
+            self._head.extend(bytes(_HEAD_READ_BYTES))
+        return memoryview(self._head)[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._body is not None:
+                self._body_filled += nbytes
+                if self._body_filled == len(self._body):
+                    body, self._body = self._body, None
+                    self._finish(body)
+            else:
+                self._filled += nbytes
+                self._parse()
+        except ValueError as exc:
+            self._fail(exc)
+            if self.transport is not None:
+                self.transport.close()
+
+    def eof_received(self) -> bool:
+        self._fail(EOFError("the server closed the connection"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or EOFError("the connection was closed"))
+
+    # -- request side
+    def expect(self) -> asyncio.Future[Response]:
+        """A future for the next response; call after writing the request."""
+        if self._lost is not None:
+            raise EOFError(str(self._lost))
+        if self._filled:
+            raise ValueError(f"{self._filled} unexpected bytes before the response")
+        self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
+
+    # -- parsing
+    def _parse(self) -> None:
+        head_end = self._head.find(b"\r\n\r\n", 0, self._filled)
+        if head_end < 0:
+            if self._filled > _MAX_HEAD_BYTES:
+                raise ValueError("response head over 1 MiB")
+            return
+        if not self._headers and self._status == 0:
+            self._status, self._headers = _parse_head(bytes(self._head[:head_end]))
+        start = head_end + 4
+        if "chunked" in self._headers.get("transfer-encoding", "").lower():
+            parsed = _parse_chunked(self._head, start, self._filled)
+            if parsed is not None:
+                body, end = parsed
+                self._consume(end)
+                self._finish(body)
+            elif self._filled > _MAX_HEAD_BYTES + (64 << 20):
+                raise ValueError("chunked response over 64 MiB")
+            return
+        length = int(self._headers.get("content-length", "0"))
+        available = self._filled - start
+        if available >= length:
+            body_bytes = bytes(self._head[start : start + length])
+            self._consume(start + length)
+            self._finish(body_bytes)
+            return
+        # a run's answers on one connection have one size: reuse the buffer (a fresh 1 MiB bytearray
+        # per answer is zero-filled, and with glibc's defaults often mmap'ed and page-faulted anew)
+        buffer = self._spare if self._spare is not None and len(self._spare) == length else bytearray(length)
+        self._spare = buffer
+        buffer[:available] = self._head[start : self._filled]
+        self._body, self._body_filled = buffer, available
+        self._filled = 0
+
+    def _consume(self, end: int) -> None:
+        rest = self._filled - end
+        if rest:
+            self._head[:rest] = self._head[end : self._filled]
+        self._filled = rest
+
+    def _finish(self, body: bytes | bytearray) -> None:
+        response = Response(self._status, self._headers, body)
+        self._status, self._headers = 0, {}
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)
+        elif self._filled or body:
+            raise ValueError("a response nobody asked for")
+
+    def _fail(self, exc: BaseException) -> None:
+        self._lost = self._lost or exc
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+
+def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    status_parts = lines[0].split(" ", 2)
+    if len(status_parts) < 2 or not status_parts[0].startswith("HTTP/1."):
+        raise ValueError(f"bad status line {lines[0]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(status_parts[1]), headers
+
+
+def _parse_chunked(buffer: bytearray, start: int, stop: int) -> tuple[bytes, int] | None:
+    """A chunked body in ``buffer[start:stop]``: (the body, where it ends), or None while incomplete."""
+    pieces: list[bytes] = []
+    position = start
+    while True:
+        line_end = buffer.find(b"\r\n", position, stop)
+        if line_end < 0:
+            return None
+        size = int(bytes(buffer[position:line_end]).split(b";", 1)[0].strip(), 16)
+        position = line_end + 2
+        if size == 0:
+            # optional trailers, then the blank line that ends the message
+            while True:
+                line_end = buffer.find(b"\r\n", position, stop)
+                if line_end < 0:
+                    return None
+                blank = line_end == position
+                position = line_end + 2
+                if blank:
+                    return b"".join(pieces), position
+        if position + size + 2 > stop:
+            return None
+        pieces.append(bytes(buffer[position : position + size]))
+        position += size + 2
+
+
+class RawConnection:
+    """One keep-alive HTTP/1.1 connection; reconnects lazily after an error or ``Connection: close``."""
+
+    def __init__(self, target: Target) -> None:
+        self._target = target
+        self._protocol: _HttpReplyProtocol | None = None
+
+    async def send(self, request: PreparedRequest) -> Response:
+        try:
+            protocol = self._protocol
+            if protocol is None or protocol.transport is None or protocol.transport.is_closing():
+                loop = asyncio.get_running_loop()
+                _, protocol = await loop.create_connection(
+                    _HttpReplyProtocol, self._target.host, self._target.port
+                )
+                self._protocol = protocol
+            assert protocol.transport is not None
+            waiter = protocol.expect()
+            protocol.transport.write(request.wire)
+            response = await waiter
+        except (OSError, EOFError, ValueError) as exc:
+            await self.close()
+            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+        except asyncio.CancelledError:
+            # a request abandoned mid-response leaves the stream out of step: never reuse it
+            self._abort()
+            raise
+        if response.headers.get("connection", "").lower() == "close":
+            await self.close()
+        return response
+
+    def _abort(self) -> None:
+        protocol, self._protocol = self._protocol, None
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.abort()
+
+    async def close(self) -> None:
+        protocol, self._protocol = self._protocol, None
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.close()
+
+
 def resp_command(*parts: bytes) -> bytes:
     """One Redis command in RESP2 (an array of bulk strings)."""
     pieces = [b"*%d\r\n" % len(parts)]
@@ -212,9 +390,9 @@ def resp_command(*parts: bytes) -> bytes:
     return b"".join(pieces)
 
 
-class RespConnection(RawConnection):
+class RespConnection(_StreamConnection):
     """One connection to a Redis server speaking RESP2, behind the same ``Connection`` interface
-    (``RawConnection``'s connection handling, another reply parser).
+    (the stream connection handling, a RESP reply parser).
 
     ``request.wire`` is the encoded command. The answer maps to a ``Response``: status 200 with the
     reply's payload as body (a bulk string's bytes; an array of bulk strings concatenated; a status

@@ -10,8 +10,17 @@ import pytest
 
 from loadtest.baseline import KernelResult
 from loadtest.profile import summarise
-from loadtest.report import find_run, floor_checks, target_checks, write_report
+from loadtest.report import (
+    composite,
+    composite_ceiling_rate,
+    composite_ratio,
+    find_run,
+    floor_checks,
+    target_checks,
+    write_report,
+)
 from loadtest.runner import RunResult, RunSpec
+from loadtest.scenarios import FLOOR_ROWS
 from loadtest.stats import Summary
 from loadtest.sweep import PeerMemory, SweepConfig, SweepResult
 
@@ -167,7 +176,9 @@ def test_floor_targets_are_ratios_to_the_framework_floor() -> None:
     assert by_name["single-id binary lookups"].status == "missed"
     assert by_name["single-id JSON lookups"].status == "met"
     assert by_name["gradient pushes of 8 ids (binary"].status == "not measurable"
-    assert checks[-1].ratio == pytest.approx(0.96) and checks[-1].status == "met"
+    regress = next(check for check in checks if "do not regress" in check.name)
+    assert regress.ratio == pytest.approx(0.96) and regress.status == "met"
+    assert checks[-1].name.startswith("proposed reading") and checks[-1].status == "not measurable"
     no_floor = floor_checks(_sweep(2, runs[1:], []))
     assert all(check.status == "not measurable" for check in no_floor)
 
@@ -195,3 +206,61 @@ def test_report_says_when_the_peer_was_skipped(tmp_path: Path) -> None:
     result.notes.append("the Redis peer was skipped: no redis-server (or valkey-server) on PATH.")
     text = write_report(result, tmp_path, update_latest=False).markdown.read_text()
     assert "## Peer: Redis\n\nthe Redis peer was skipped" in text
+
+
+def test_composite_ceiling_adds_per_request_times() -> None:
+    # 250 kernel calls/s (4 ms) then 450 floor answers/s (2.22 ms): 6.22 ms a request
+    assert composite_ceiling_rate(250.0, 450.0) == pytest.approx(1 / (1 / 250 + 1 / 450))
+    assert composite_ratio(9.0, 4.0, 2.0) == pytest.approx(6 / 9)
+    assert composite_ratio(6.0, 4.0, 2.0) == pytest.approx(1.0)
+    for bad in ((0.0, 4.0, 2.0), (9.0, float("nan"), 2.0), (9.0, 4.0, -1.0)):
+        assert composite_ratio(*bad) != composite_ratio(*bad)  # NaN
+    assert composite_ceiling_rate(0.0, 450.0) != composite_ceiling_rate(0.0, 450.0)
+
+
+def _composite_runs(floor_cpu_cores: float = 0.9) -> list[RunResult]:
+    floor = _run(FLOOR_ROWS, 4096, 1, ok=450)  # 0.9 CPU-s / 450 = 2 ms a request, 450 req/s
+    floor.server_cpu_cores, floor.server_cpu_s = floor_cpu_cores, floor_cpu_cores
+    floor.ok = int(450 * floor_cpu_cores / 0.9)
+    return [floor, _run("binary", 4096, 1, ok=100)]  # 9 ms a request, 100 req/s
+
+
+def _kernel_of(batch: int, calls: int, call_ms: float) -> KernelResult:
+    return KernelResult(batch, 1, (0,), calls, 1.0, call_ms, 0.1, 0.2, 0.3, 0.05)
+
+
+def test_composite_target_row_and_section(tmp_path: Path) -> None:
+    # kernel: 4 ms a call (its median), 250 calls/s
+    result = _sweep(2, _composite_runs(), [_kernel_of(4096, 250, 4.0)])
+    found = composite(result, 4096)
+    assert found is not None
+    assert (found.kernel_ms, found.floor_ms, found.server_ms) == pytest.approx((4.0, 2.0, 9.0))
+    assert found.ratio == pytest.approx(6 / 9)
+    assert found.rate_ratio == pytest.approx(100 / composite_ceiling_rate(250, 450))
+    checks = floor_checks(result)
+    kernel_row = next(check for check in checks if "do not regress" in check.name)
+    proposed = checks[-1]
+    # the row stays as it is; the proposed one comes beside it with the same threshold
+    assert kernel_row.threshold == proposed.threshold == 0.9
+    assert proposed.name.startswith("proposed reading") and proposed.status == "missed"
+    assert proposed.ratio == pytest.approx(6 / 9) and "missed by 0.23" in proposed.shortfall
+    assert "kernel 4.000 + floor 2.000 = 6.000 ms vs server 9.000 ms" in proposed.detail
+    text = write_report(result, tmp_path, update_latest=False).markdown.read_text()
+    assert "## Large responses against the framework floor" in text
+    assert "| 4096 | 1,048,576 | 4.000 | 2.000 | 6.000 | 9.000 | 0.67 | 100 |" in text
+    assert "- batch 4096: 0.67 misses the proposed 0.90 by 0.23" in text
+    assert "busy only" not in text
+    assert "Server CPU per 4096-id request against how busy" not in text  # one binary run: no table
+
+    quiet = _run("binary", 4096, 1, ok=20, mode="open", rate=20.0)
+    quiet.server_cpu_cores = quiet.server_cpu_s = 0.3  # 15 ms a request at 30% busy
+    result.runs.append(quiet)
+    text = write_report(result, tmp_path, update_latest=False).markdown.read_text()
+    assert "| binary run | 20 | 30% | 15.000 |" in text
+    assert "At 30% busy the server spent 1.67x the CPU per request it spent at 90% busy." in text
+
+
+def test_composite_flags_a_server_that_was_not_busy() -> None:
+    result = _sweep(2, _composite_runs(floor_cpu_cores=0.5), [_kernel_of(4096, 250, 4.0)])
+    proposed = floor_checks(result)[-1]
+    assert "server core busy only floor 50%" in proposed.detail

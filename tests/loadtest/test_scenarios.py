@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from loadtest.scenarios import (
+    FLOOR_ROWS,
     PEER_UPDATE,
     SCENARIOS,
     RequestTemplate,
@@ -167,3 +168,14 @@ def test_redis_commands_hold_the_ids_and_rows() -> None:
 def test_floor_is_a_get_of_the_root() -> None:
     (template,) = build_requests("floor", 1, CONTEXT, seed=0)
     assert template.request.wire.startswith(b"GET / HTTP/1.1\r\n") and template.kind == "healthz"
+
+
+def test_floor_rows_sends_the_binary_lookup_to_the_floor() -> None:
+    floor = build_requests(FLOOR_ROWS, 5, CONTEXT, seed=3)
+    lookup = build_requests("binary", 5, CONTEXT, seed=3)
+    assert [t.request.body for t in floor] == [t.request.body for t in lookup]  # the same ids
+    template = floor[0]
+    assert template.request.wire.startswith(f"POST /rows/5/{DIM} HTTP/1.1\r\n".encode())
+    assert (template.kind, template.ids, template.rows, template.response) == ("floor", 5, 5, "binary")
+    answer = Response(200, {"x-robez-shape": f"5,{DIM}"}, bytes(5 * DIM * 4))
+    assert check_response(template, answer, DIM) is None

@@ -84,7 +84,8 @@ def test_non_loopback_url_is_refused(capsys: pytest.CaptureFixture[str]) -> None
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_run_with_the_floor_and_the_peer(tmp_path: Path) -> None:
-    argv = ["--quick", "--cpus", "1", "--scenarios", "floor,healthz,binary,oip,redis", "--batch-sizes", "1"]
+    argv = ["--quick", "--cpus", "1", "--scenarios", "floor,healthz,binary,oip,redis"]
+    argv += ["--batch-sizes", "1,512"]
     argv += ["--duration", "1", "--max-requests", "200", "--num-ids", "3000", "--clients", "1"]
     argv += ["--feature-batch", "16", "--out", str(tmp_path)]
     assert main(argv) == 0
@@ -95,7 +96,9 @@ def test_quick_run_with_the_floor_and_the_peer(tmp_path: Path) -> None:
     assert "No unexpected errors" in text
     with report.with_suffix(".csv").open() as file:
         scenarios = {row["scenario"] for row in csv.DictReader(file) if row["kind"] == "http"}
-    assert {"floor", "healthz", "binary", "oip"} <= scenarios
+    assert {"floor", "healthz", "binary", "oip", "floor_rows"} <= scenarios
+    # the floor answered the 512-id lookup's bytes, so the composite reading is in the report
+    assert "## Large responses against the framework floor" in text and "| 512 | 131,072 |" in text
     if redis_server_path() is None:
         assert "the Redis peer was skipped" in text
     else:

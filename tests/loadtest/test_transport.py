@@ -137,6 +137,24 @@ def test_raw_connection_content_length_chunked_and_keepalive() -> None:
     _run(scenario())
 
 
+def test_raw_connection_large_bodies_across_many_reads() -> None:
+    """Bodies far larger than one socket read, of changing sizes, with headers and the body split
+    anywhere: each answer is complete and exact (the socket is read straight into a body buffer)."""
+    big = bytes(range(256)) * 4096  # 1 MiB, like a 4096-id lookup
+    bodies = [big, big[::-1], big[: 3 * 65536 + 7], b"", big]
+    replies = [b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body for body in bodies]
+
+    async def scenario() -> None:
+        async with _ScriptedServer(replies) as target:
+            connection = RawConnection(target)
+            request = prepare_request(target, "GET", "/")
+            answers = [bytes((await connection.send(request)).body) for _ in bodies]
+            await connection.close()
+        assert answers == bodies
+
+    _run(scenario())
+
+
 def test_raw_connection_reconnects_after_connection_close() -> None:
     replies = [
         b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: close\r\n\r\na",
