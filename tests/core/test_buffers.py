@@ -134,3 +134,26 @@ def test_reused_buffers_give_exact_lookups_and_gathers() -> None:
         offsets = kernels.chunk_offsets(ids, 4, 16, 50_000, rn)
         assert torch.equal(kernels.gather(weight, offsets, 64, 16), expected), round_
     assert buffers.pooled_bytes() > 0
+
+
+def test_pooled_dense_gradients_start_from_zero_every_step() -> None:
+    """The dense (m,) gradient comes from the pool; a recycled one must hold this step's sum only."""
+    from robez_core.modules import RobezEmbedding
+
+    memory_size = buffers.MIN_POOLED_BYTES // 4 + 1000
+    tables = {
+        backend: RobezEmbedding(1000, 40, memory_size=memory_size, chunk_size=16, backend=backend)
+        for backend in ("fused", "reference")
+    }
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        pairs = torch.randint(0, 1000, (300, 2), generator=generator)
+        output_grads = torch.randn(2, 300, 40, generator=generator)
+        grads = {}
+        for backend, table in tables.items():
+            table.weight.grad = None
+            rows = (table(pairs[:, 0]), table(pairs[:, 1]))
+            torch.autograd.backward(rows, list(output_grads))
+            grads[backend] = table.weight.grad
+        torch.testing.assert_close(grads["fused"], grads["reference"], rtol=1e-5, atol=1e-5, msg=str(step))
+    assert buffers.pooled_bytes() >= memory_size * 4
