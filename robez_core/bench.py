@@ -32,6 +32,7 @@ import itertools
 import math
 import os
 import platform
+import resource
 import shutil
 import socket
 import statistics
@@ -371,15 +372,33 @@ def _target_memory_size(settings: BenchSettings) -> int:
     return TARGET_MEMORY_SIZE if TARGET_MEMORY_SIZE in settings.memory_sizes else settings.memory_sizes[0]
 
 
-SHARE_ROUNDS = 3
+# Alternating rounds of the reference's and the fused share. The reference allocates (N, d) index and
+# gradient tensors every step and page-faults on some steps and not others (glibc's thresholds move with
+# every large free), so its steps split into a fast and a slow group; 3 rounds (21 steps) let the median
+# land anywhere between them from one run to the next, 8 rounds make it steadier, and the report prints
+# the spread and the faults so that what remains is visible.
+SHARE_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class ShareStep:
+    """One timed embedding share: whole share and its ``optimizer.step()`` in seconds, minor faults."""
+
+    total: float
+    step: float
+    faults: int
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _embedding_share_runner(
     settings: BenchSettings, memory_size: int, model: str
-) -> Callable[[], list[tuple[float, float]]]:
-    """A function that times the embedding's own part of a dense-Adam pair step over every batch: (whole
-    share, its ``optimizer.step()``) in seconds. The share is both lookups, their backward (fed fixed output
-    gradients, so none of the model's ops run) and ``optimizer.step()`` over the array."""
+) -> Callable[[], list[ShareStep]]:
+    """A function that times the embedding's own part of a dense-Adam pair step over every batch. The
+    share is both lookups, their backward (fed fixed output gradients, so none of the model's ops run)
+    and ``optimizer.step()`` over the array."""
     config = RunConfig(model, False, "adam", memory_size)
     embedding = _make_embedding(config, settings)
     optimizer = _make_optimizer(config, list(embedding.parameters()), settings.lr)
@@ -388,39 +407,75 @@ def _embedding_share_runner(
     output_grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
     batches = _batches(settings)
 
-    def run() -> list[tuple[float, float]]:
+    def run() -> list[ShareStep]:
         timings = []
         for pairs, _ in batches:
             optimizer.zero_grad(set_to_none=True)
+            faults = _minor_faults()
             start = time.perf_counter()
             rows = (embedding(pairs[:, 0]), embedding(pairs[:, 1]))
             torch.autograd.backward(rows, output_grads)
             stepping = time.perf_counter()
             optimizer.step()
             end = time.perf_counter()
-            timings.append((end - start, end - stepping))
+            timings.append(ShareStep(end - start, end - stepping, _minor_faults() - faults))
         return timings[1:]  # the first of a round finds the other model's data in the caches
 
     return run
 
 
+@dataclass(frozen=True)
+class ShareTimings:
+    """Milliseconds of the embedding shares over all kept steps (median, p10, p90), faults per step."""
+
+    reference: tuple[float, float, float]
+    fused: tuple[float, float, float]
+    adam_ms: float
+    reference_faults: float
+    fused_faults: float
+    steps: int
+
+    def reading(self) -> str:
+        ref_median, ref_p10, ref_p90 = self.reference
+        fused_median, fused_p10, fused_p90 = self.fused
+        return (
+            f"Embedding share over {self.steps} steps each ({SHARE_ROUNDS} alternating rounds): reference "
+            f"median {ref_median:.2f} ms (p10 {ref_p10:.2f}, p90 {ref_p90:.2f}), "
+            f"{self.reference_faults:.0f} minor page faults per step; fused median {fused_median:.2f} ms "
+            f"(p10 {fused_p10:.2f}, p90 {fused_p90:.2f}), {self.fused_faults:.1f} faults per step. The "
+            f"target compares medians ({ref_median / fused_median:.1f}x); against the reference's fast "
+            f"steps (its p10, fewest faults) the fused median is {ref_p10 / fused_median:.1f}x faster, "
+            f"against its slow ones (p90) {ref_p90 / fused_median:.1f}x."
+        )
+
+
+def _spread_ms(values: Sequence[float]) -> tuple[float, float, float]:
+    p50, p10, p90 = np.percentile(np.asarray(values), [50, 10, 90])
+    return 1e3 * float(p50), 1e3 * float(p10), 1e3 * float(p90)
+
+
 def _time_embedding_shares(
     settings: BenchSettings, memory_size: int, rounds: int = SHARE_ROUNDS
-) -> tuple[float, float, float]:
-    """Median ms of the reference's and the fused embedding share, timed in alternating rounds so that
-    a change of machine load hits both alike, and of the fused share's ``optimizer.step()`` (torch's
-    dense Adam over the array: the same op whatever the embedding)."""
+) -> ShareTimings:
+    """The reference's and the fused embedding share, timed in alternating rounds so that a change of
+    machine load hits both alike, and the fused share's ``optimizer.step()`` (torch's dense Adam over
+    the array: the same op whatever the embedding)."""
     runners = {
         model: _embedding_share_runner(settings, memory_size, model) for model in ("reference", "fused")
     }
-    timings: dict[str, list[tuple[float, float]]] = {model: [] for model in runners}
+    timings: dict[str, list[ShareStep]] = {model: [] for model in runners}
     for _ in range(rounds):
         for model, run in runners.items():
             timings[model] += run()
-    reference = statistics.median(total for total, _ in timings["reference"])
-    fused = statistics.median(total for total, _ in timings["fused"])
-    adam = statistics.median(step for _, step in timings["fused"])
-    return 1e3 * reference, 1e3 * fused, 1e3 * adam
+    reference, fused = timings["reference"], timings["fused"]
+    return ShareTimings(
+        reference=_spread_ms([step.total for step in reference]),
+        fused=_spread_ms([step.total for step in fused]),
+        adam_ms=1e3 * statistics.median(step.step for step in fused),
+        reference_faults=statistics.mean(step.faults for step in reference),
+        fused_faults=statistics.mean(step.faults for step in fused),
+        steps=len(fused),
+    )
 
 
 def _time_model_own_work(settings: BenchSettings) -> float:
@@ -484,7 +539,8 @@ def measure_targets(
         reference_step = step_ms("reference", False)
         if not math.isnan(reference_step):
             with _torch_threads(1):
-                reference_share, fused_share, adam_ms = _time_embedding_shares(settings, memory_size)
+                shares = _time_embedding_shares(settings, memory_size)
+                reference_share, fused_share, adam_ms = shares.reference[0], shares.fused[0], shares.adam_ms
                 model_ms = _time_model_own_work(settings)
             targets.append(
                 TargetResult(
@@ -512,6 +568,7 @@ def measure_targets(
                     f"the share could be at most {reference_share / adam_ms:.1f}x faster than the "
                     f"reference's {reference_share:.2f} ms."
                 )
+                notes.append(shares.reading())
         full_step = step_ms("full", True)
         if not math.isnan(full_step):
             targets.append(

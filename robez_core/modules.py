@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, Self
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from . import kernels, reference
+from . import buffers, kernels, reference
 from .config import DEFAULT_INIT_SCALE, TableConfig
 from .errors import ConfigError, InvalidInputError
 from .hashing import DEFAULT_SEED, HashName, paper_random_numbers, validate_random_numbers
@@ -82,7 +83,7 @@ def _weight_grad(
     if sparse:
         locations, values = kernels.coalesce_grad(grad_rows, offsets, chunk_size, memory_size)
         return _sparse_from_coalesced(locations, values, memory_size)
-    grad = torch.zeros(memory_size, dtype=torch.float32)
+    grad = torch.from_numpy(buffers.zeros((memory_size,), np.float32))  # reused once .grad lets go
     kernels.scatter_grad(grad_rows, offsets, chunk_size, grad)
     return grad
 

@@ -53,6 +53,21 @@ def test_avx2_emulation_env_switches_off_every_avx512_feature():
         assert "+fma" in features  # an AVX2 host keeps what a Zen 2 has
 
 
+def test_share_reading_prints_the_spread_and_ratios_from_its_data():
+    timings = bench.ShareTimings(
+        reference=(40.0, 30.0, 60.0),
+        fused=(4.0, 3.5, 5.0),
+        adam_ms=0.5,
+        reference_faults=1234.4,
+        fused_faults=0.0,
+        steps=56,
+    )
+    text = timings.reading()
+    assert "over 56 steps" in text and f"({bench.SHARE_ROUNDS} alternating rounds)" in text
+    assert "median 40.00 ms (p10 30.00, p90 60.00), 1234 minor page faults per step" in text
+    assert "medians (10.0x)" in text and "is 7.5x faster" in text and "(p90) 15.0x" in text
+
+
 @pytest.mark.slow
 def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     previous_threads = torch.get_num_threads()
@@ -73,6 +88,7 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
         assert line in text
     assert "embedding's share of that step" in text and "model's own work in a step" in text
     assert "torch.optim.Adam's step over the array took" in text
+    assert "Embedding share over" in text and "minor page faults per step" in text
     assert "| malloc | glibc defaults |" in text
     assert list(tmp_path.glob("*-quick.png"))
     profile = next(tmp_path.glob("*-quick-profile.md")).read_text()
