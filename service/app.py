@@ -17,6 +17,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from robez_core import buffers
 from robez_core.allocator import keep_freed_buffers
 
 from . import codec
@@ -64,6 +65,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     settings: Settings = app.state.settings
     torch.set_num_threads(settings.kernel_threads())
     keep_freed_buffers(settings.malloc_mmap_threshold_mb)
+    buffers.set_max_bytes(settings.output_pool_mb << 20)
     replicated = settings.nats_url is not None
     # A replica's journal is the replicated log (service/replication/), not a local one.
     journal = NullJournal() if replicated else open_journal(settings)

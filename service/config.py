@@ -85,6 +85,12 @@ class Settings(BaseSettings):
     malloc_mmap_threshold_mb: int = Field(
         default=32, ge=0, le=32, description="glibc M_MMAP_THRESHOLD per worker, MiB (0: glibc's default)"
     )
+    # robez_core.buffers keeps large kernel outputs for reuse (a training process's 13 MB batches). A
+    # worker's freed outputs are reused by the fixed malloc thresholds above already; a pool would only
+    # keep up to this much more memory resident per worker. 0: off.
+    output_pool_mb: int = Field(
+        default=0, ge=0, le=4096, description="robez_core.buffers pool per worker, MiB (0: off)"
+    )
 
     api_key: SecretStr | None = None
     read_api_key: SecretStr | None = None
