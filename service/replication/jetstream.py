@@ -19,7 +19,9 @@ need).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import json
 import logging
 import secrets
@@ -35,15 +37,16 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     KeyValueConfig,
+    ObjectInfo,
     ObjectMeta,
     ObjectStoreConfig,
     StorageType,
     StreamConfig,
 )
 from nats.js.kv import KeyValue
-from nats.js.object_store import ObjectStore
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore
 
-from robez_core.errors import BusyError, ConflictError, NotFoundError
+from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError
 
 from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, Snapshot
 
@@ -54,6 +57,10 @@ _MSG_ID = "Nats-Msg-Id"
 # consumer may have lived on a node that died) and starts a new consumer if so.
 _READ_IDLE_S = 1.0
 _WATCH_RESYNC_S = 5.0
+# A snapshot download that has waited this long for its next chunk checks whether the object was replaced
+# meanwhile (then it reads the new one, at most this many times in a row).
+_SNAPSHOT_CHUNK_IDLE_S = 1.0
+_SNAPSHOT_READ_ATTEMPTS = 5
 
 
 def _unavailable(what: str, exc: BaseException) -> BusyError:
@@ -371,7 +378,7 @@ class JetStreamLog:
 
     async def put_snapshot(self, entry: CatalogEntry, snapshot: Snapshot) -> None:
         meta = ObjectMeta(
-            name=f"{entry.name}.{entry.incarnation}",
+            name=self._snapshot_object(entry),
             description=json.dumps({"position": snapshot.position}),
         )
         try:
@@ -380,27 +387,83 @@ class JetStreamLog:
             raise _unavailable("upload snapshot", exc) from exc
 
     async def get_snapshot(self, entry: CatalogEntry) -> Snapshot | None:
+        """The stored snapshot (None: there is none). Another replica may replace it while it is read:
+        its upload publishes the new chunks and meta, then purges the old chunks. A read that finds
+        them gone starts again from the new meta (nats-py's ``ObjectStore.get`` would wait forever)."""
+        name = self._snapshot_object(entry)
+        for _ in range(_SNAPSHOT_READ_ATTEMPTS):
+            info = await self._snapshot_info(name)
+            if info is None:
+                return None
+            position = int(json.loads(info.description or "{}").get("position", -1))
+            if position < 0:
+                return None
+            data = await self._read_chunks(name, info)
+            if data is not None:
+                return Snapshot(position, data)
+            logger.info("snapshot %s was replaced while it was read; reading the new one", name)
+        raise BusyError(f"snapshot {name} was replaced {_SNAPSHOT_READ_ATTEMPTS} times while read; try again")
+
+    def _snapshot_object(self, entry: CatalogEntry) -> str:
+        return f"{entry.name}.{entry.incarnation}"
+
+    async def _snapshot_info(self, name: str) -> ObjectInfo | None:
+        """The object's meta as stored now; None if there is none (never uploaded, or deleted)."""
         try:
-            result = await self.obs.get(f"{entry.name}.{entry.incarnation}")
-        except nats.js.errors.NotFoundError:
+            info = await self.obs.get_info(name)
+        except nats.js.errors.NotFoundError:  # ObjectNotFoundError too: never uploaded, or deleted
             return None
         except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("snapshot info", exc) from exc
+        return None if info.deleted else info
+
+    async def _read_chunks(self, name: str, info: ObjectInfo) -> bytes | None:
+        """The object's bytes as the meta ``info`` describes them, checked against its size and SHA-256;
+        None if the object was replaced or deleted meanwhile (its chunks may be gone)."""
+        if not info.size:
+            return b""
+        bucket = f"{self.prefix}_snapshots"
+        try:
+            sub = await self.js.subscribe(
+                OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid),
+                stream=OBJ_STREAM_TEMPLATE.format(bucket=bucket),
+                ordered_consumer=True,
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
             raise _unavailable("download snapshot", exc) from exc
-        if result.info.deleted or result.data is None:
-            return None
-        position = int(json.loads(result.info.description or "{}").get("position", -1))
-        if position < 0:
-            return None
-        return Snapshot(position, bytes(result.data))
+        parts: list[bytes] = []
+        idle = 0.0
+        try:
+            while len(parts) < (info.chunks or 0):
+                try:
+                    msg = await sub.next_msg(timeout=_SNAPSHOT_CHUNK_IDLE_S)
+                except nats.errors.TimeoutError:
+                    current = await self._snapshot_info(name)
+                    if current is None or current.nuid != info.nuid:
+                        return None
+                    idle += _SNAPSHOT_CHUNK_IDLE_S
+                    if idle >= self.timeout_s:
+                        raise BusyError(f"snapshot {name}: no chunk for {idle:.0f} s; try again") from None
+                    continue
+                except nats.errors.Error as exc:
+                    raise _unavailable("download snapshot", exc) from exc
+                idle = 0.0
+                parts.append(msg.data)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        data = b"".join(parts)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+        if len(data) != info.size or (info.digest or "").split("=", 1)[-1].rstrip("=") != digest.rstrip("="):
+            current = await self._snapshot_info(name)
+            if current is None or current.nuid != info.nuid:
+                return None
+            raise CorruptionError(f"snapshot {name}: its chunks do not match its size and SHA-256")
+        return data
 
     async def snapshot_position(self, entry: CatalogEntry) -> int:
         """Position of the stored snapshot without downloading it; 0 if there is none."""
-        try:
-            info = await self.obs.get_info(f"{entry.name}.{entry.incarnation}")
-        except nats.js.errors.NotFoundError:
-            return 0
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise _unavailable("snapshot info", exc) from exc
-        if info.deleted:
+        info = await self._snapshot_info(self._snapshot_object(entry))
+        if info is None:
             return 0
         return int(json.loads(info.description or "{}").get("position", 0))
