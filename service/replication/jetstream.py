@@ -211,12 +211,24 @@ class JetStreamLog:
         return self._decode_entry(name, found.value)
 
     async def table_names(self) -> list[str]:
+        # Not ``kv.keys()``: it ends at the same early marker as the watch (see ``watch_tables``) and
+        # could answer [] for a catalog that has tables (a replica would then add the demo table).
+        names: set[str] = set()
+        watch = self.watch_tables()
         try:
-            return sorted(await self.kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
-        except (TimeoutError, nats.errors.Error) as exc:
+            async with asyncio.timeout(self.timeout_s):
+                async for event in watch:
+                    if event.initial_done:
+                        return sorted(names)
+                    if event.entry is None:
+                        names.discard(event.name)
+                    else:
+                        names.add(event.name)
+        except TimeoutError as exc:
             raise _unavailable("list catalog", exc) from exc
+        finally:
+            await watch.aclose()
+        raise BusyError("the catalog watch ended; try again")
 
     async def drop_table(self, name: str) -> None:
         try:

@@ -6,7 +6,7 @@
 - nats-py's catalog watcher may announce the end of the initial values (its ``None`` update) before the
   existing entries arrive. ``watch_tables`` must still replay every table before its ``initial_done``:
   a replica that believed the catalog empty was ready with no tables, and dropped its tables when the
-  watch restarted.
+  watch restarted. ``table_names`` ends at the same place.
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ def test_catalog_replay_ends_after_the_existing_tables_even_if_the_marker_comes_
         await log.connect()
         try:
             empty = await asyncio.wait_for(_replay(log), 10)
+            assert await asyncio.wait_for(log.table_names(), 10) == []
             for name in ("t1", "t2", "t3"):
                 await log.create_table(name, {"n": 1}, {"name": "adam"})
             await log.drop_table("t2")
@@ -146,6 +147,8 @@ def test_catalog_replay_ends_after_the_existing_tables_even_if_the_marker_comes_
 
             log.kv.watchall = marker_first  # type: ignore[method-assign]
             early = await asyncio.wait_for(_replay(log), 10)
+            # table_names ends where the replay ends (kv.keys() stops at the marker: [] here).
+            assert await asyncio.wait_for(log.table_names(), 10) == ["t1", "t3"]
             return empty, plain, early
         finally:
             await log.close()
