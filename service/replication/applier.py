@@ -357,6 +357,10 @@ class Applier:
         if last > position:
             async with contextlib.aclosing(self.log.read(entry, position)) as entries:
                 async for item in entries:
+                    if item.position != position + 1:
+                        # Trimmed past the snapshot since it was read (another replica uploaded a newer
+                        # one): applying this entry would skip updates. Start over from the new one.
+                        raise LogTrimmedError(entry.name, position, item.position)
                     record = decode_update(entry.name, item.position, item.payload, item.headers)
                     await anyio.to_thread.run_sync(table.apply_gradients, record.ids, record.grads, record.lr)
                     position = item.position

@@ -19,11 +19,13 @@ need).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import nats
@@ -35,15 +37,16 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     KeyValueConfig,
+    ObjectInfo,
     ObjectMeta,
     ObjectStoreConfig,
     StorageType,
     StreamConfig,
 )
 from nats.js.kv import KeyValue
-from nats.js.object_store import ObjectStore
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore
 
-from robez_core.errors import BusyError, ConflictError, NotFoundError
+from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError
 
 from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, Snapshot
 
@@ -54,6 +57,10 @@ _MSG_ID = "Nats-Msg-Id"
 # consumer may have lived on a node that died) and starts a new consumer if so.
 _READ_IDLE_S = 1.0
 _WATCH_RESYNC_S = 5.0
+# A snapshot download that has waited this long for its next chunk checks whether the object was replaced
+# meanwhile (then it reads the new one, at most this many times in a row).
+_SNAPSHOT_CHUNK_IDLE_S = 1.0
+_SNAPSHOT_READ_ATTEMPTS = 5
 
 
 def _unavailable(what: str, exc: BaseException) -> BusyError:
@@ -204,12 +211,24 @@ class JetStreamLog:
         return self._decode_entry(name, found.value)
 
     async def table_names(self) -> list[str]:
+        # Not ``kv.keys()``: it ends at the same early marker as the watch (see ``watch_tables``) and
+        # could answer [] for a catalog that has tables (a replica would then add the demo table).
+        names: set[str] = set()
+        watch = self.watch_tables()
         try:
-            return sorted(await self.kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
-        except (TimeoutError, nats.errors.Error) as exc:
+            async with asyncio.timeout(self.timeout_s):
+                async for event in watch:
+                    if event.initial_done:
+                        return sorted(names)
+                    if event.entry is None:
+                        names.discard(event.name)
+                    else:
+                        names.add(event.name)
+        except TimeoutError as exc:
             raise _unavailable("list catalog", exc) from exc
+        finally:
+            await watch.aclose()
+        raise BusyError("the catalog watch ended; try again")
 
     async def drop_table(self, name: str) -> None:
         try:
@@ -235,35 +254,57 @@ class JetStreamLog:
         except (TimeoutError, nats.errors.Error):
             logger.warning("could not delete stream %s", self.stream_name(entry), exc_info=True)
 
-    async def watch_tables(self) -> AsyncIterator[CatalogEvent]:
+    async def watch_tables(self) -> AsyncGenerator[CatalogEvent, None]:
         # The watch is restarted every few seconds of silence: its consumer may have lived on a node that
         # died. Each restart replays the whole catalog (last value per key, deletes included), which the
         # caller applies idempotently.
+        #
+        # The end of the replay is not nats-py's marker (the ``None`` update): the watcher sends it when
+        # the consumer reports nothing pending and nothing was received yet, which is also the case while
+        # the existing entries are still on their way (measured: 4 watches in 200 on a loaded 3-node
+        # cluster got the marker first). A replica then counted the catalog as empty: it was ready with
+        # no tables, and on a restarted watch it dropped every table it served. Instead, the catalog's
+        # last sequence is read before the watch; the replay is done once an update at or past it came.
         while True:
             try:
+                replay_end = await self._catalog_end()
                 watcher = await self.kv.watchall()
-            except (TimeoutError, nats.errors.Error) as exc:
+            except (TimeoutError, nats.errors.Error, BusyError) as exc:
                 logger.warning("catalog watch failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
                 continue
             try:
+                if replay_end == 0:
+                    yield CatalogEvent("", None, initial_done=True)
                 while True:
                     try:
                         update = await watcher.updates(timeout=_WATCH_RESYNC_S)
                     except nats.errors.TimeoutError:
                         break
                     if update is None:
-                        yield CatalogEvent("", None, initial_done=True)
-                        continue
+                        continue  # nats-py's end-of-replay marker: not trusted (see above)
                     if update.operation in ("DEL", "PURGE") or not update.value:
                         yield CatalogEvent(update.key, None)
                     else:
                         yield CatalogEvent(update.key, self._decode_entry(update.key, update.value))
+                    if replay_end and int(update.revision or 0) >= replay_end:
+                        replay_end = 0
+                        yield CatalogEvent("", None, initial_done=True)
             finally:
                 try:
                     await watcher.stop()
                 except Exception:
                     logger.debug("stopping the catalog watch failed", exc_info=True)
+
+    async def _catalog_end(self) -> int:
+        """The catalog stream's last sequence now (0: it holds nothing). A watch started after this
+        replays the last message of each key, and the one at this sequence is one of them (or a later
+        update of its key is)."""
+        try:
+            info = await self.js.stream_info(f"KV_{self.prefix}_tables")
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("catalog info", exc) from exc
+        return int(info.state.last_seq or 0) if info.state.messages else 0
 
     # -- updates ------------------------------------------------------------------------------------
 
@@ -371,7 +412,7 @@ class JetStreamLog:
 
     async def put_snapshot(self, entry: CatalogEntry, snapshot: Snapshot) -> None:
         meta = ObjectMeta(
-            name=f"{entry.name}.{entry.incarnation}",
+            name=self._snapshot_object(entry),
             description=json.dumps({"position": snapshot.position}),
         )
         try:
@@ -380,27 +421,83 @@ class JetStreamLog:
             raise _unavailable("upload snapshot", exc) from exc
 
     async def get_snapshot(self, entry: CatalogEntry) -> Snapshot | None:
+        """The stored snapshot (None: there is none). Another replica may replace it while it is read:
+        its upload publishes the new chunks and meta, then purges the old chunks. A read that finds
+        them gone starts again from the new meta (nats-py's ``ObjectStore.get`` would wait forever)."""
+        name = self._snapshot_object(entry)
+        for _ in range(_SNAPSHOT_READ_ATTEMPTS):
+            info = await self._snapshot_info(name)
+            if info is None:
+                return None
+            position = int(json.loads(info.description or "{}").get("position", -1))
+            if position < 0:
+                return None
+            data = await self._read_chunks(name, info)
+            if data is not None:
+                return Snapshot(position, data)
+            logger.info("snapshot %s was replaced while it was read; reading the new one", name)
+        raise BusyError(f"snapshot {name} was replaced {_SNAPSHOT_READ_ATTEMPTS} times while read; try again")
+
+    def _snapshot_object(self, entry: CatalogEntry) -> str:
+        return f"{entry.name}.{entry.incarnation}"
+
+    async def _snapshot_info(self, name: str) -> ObjectInfo | None:
+        """The object's meta as stored now; None if there is none (never uploaded, or deleted)."""
         try:
-            result = await self.obs.get(f"{entry.name}.{entry.incarnation}")
-        except nats.js.errors.NotFoundError:
+            info = await self.obs.get_info(name)
+        except nats.js.errors.NotFoundError:  # ObjectNotFoundError too: never uploaded, or deleted
             return None
         except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("snapshot info", exc) from exc
+        return None if info.deleted else info
+
+    async def _read_chunks(self, name: str, info: ObjectInfo) -> bytes | None:
+        """The object's bytes as the meta ``info`` describes them, checked against its size and SHA-256;
+        None if the object was replaced or deleted meanwhile (its chunks may be gone)."""
+        if not info.size:
+            return b""
+        bucket = f"{self.prefix}_snapshots"
+        try:
+            sub = await self.js.subscribe(
+                OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid),
+                stream=OBJ_STREAM_TEMPLATE.format(bucket=bucket),
+                ordered_consumer=True,
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
             raise _unavailable("download snapshot", exc) from exc
-        if result.info.deleted or result.data is None:
-            return None
-        position = int(json.loads(result.info.description or "{}").get("position", -1))
-        if position < 0:
-            return None
-        return Snapshot(position, bytes(result.data))
+        parts: list[bytes] = []
+        idle = 0.0
+        try:
+            while len(parts) < (info.chunks or 0):
+                try:
+                    msg = await sub.next_msg(timeout=_SNAPSHOT_CHUNK_IDLE_S)
+                except nats.errors.TimeoutError:
+                    current = await self._snapshot_info(name)
+                    if current is None or current.nuid != info.nuid:
+                        return None
+                    idle += _SNAPSHOT_CHUNK_IDLE_S
+                    if idle >= self.timeout_s:
+                        raise BusyError(f"snapshot {name}: no chunk for {idle:.0f} s; try again") from None
+                    continue
+                except nats.errors.Error as exc:
+                    raise _unavailable("download snapshot", exc) from exc
+                idle = 0.0
+                parts.append(msg.data)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        data = b"".join(parts)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+        if len(data) != info.size or (info.digest or "").split("=", 1)[-1].rstrip("=") != digest.rstrip("="):
+            current = await self._snapshot_info(name)
+            if current is None or current.nuid != info.nuid:
+                return None
+            raise CorruptionError(f"snapshot {name}: its chunks do not match its size and SHA-256")
+        return data
 
     async def snapshot_position(self, entry: CatalogEntry) -> int:
         """Position of the stored snapshot without downloading it; 0 if there is none."""
-        try:
-            info = await self.obs.get_info(f"{entry.name}.{entry.incarnation}")
-        except nats.js.errors.NotFoundError:
-            return 0
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise _unavailable("snapshot info", exc) from exc
-        if info.deleted:
+        info = await self._snapshot_info(self._snapshot_object(entry))
+        if info is None:
             return 0
         return int(json.loads(info.description or "{}").get("position", 0))

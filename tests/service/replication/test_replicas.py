@@ -243,6 +243,10 @@ def test_new_replica_bootstraps_from_snapshot_after_trim(nats_cluster: NatsClust
             assert time.monotonic() < deadline, "the log was never trimmed:\n" + first.log()
             time.sleep(0.1)
         late = ReplicaServer("s2", nats_cluster, tmp_path, "snap").start().wait_ready()
+        # Ready means the table is loaded and its log applied as far as it went when the reader started
+        # (docs/replication.md, Operating): no waiting here. Position 1 is trimmed away and the late
+        # replica has no data directory, so the Object Store snapshot is its only way there.
+        assert late.version(table) == 25, late.log()
         assert "bootstrapped from the Object Store snapshot" in late.log()
         assert push(late, table, 25).json()["version"] == 26
         assert_converged([first, late], table, 26, replay_checksum(list(range(26))))
