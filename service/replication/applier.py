@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -244,6 +245,7 @@ class Applier:
 
     async def _follow(self, entry: CatalogEntry) -> None:
         """Bring the local table to the log's current position, then apply every new entry, forever."""
+        last_trimmed = -math.inf
         while True:
             try:
                 await self._follow_once(entry)
@@ -254,7 +256,12 @@ class Applier:
                 return  # dropped: the catalog watch removes it
             except LogTrimmedError as exc:
                 logger.info("%s; restoring the snapshot", exc)
-                continue  # _follow_once sees the log start past its version and restores the snapshot
+                now = time.monotonic()
+                again, last_trimmed = now - last_trimmed <= _CONNECT_RETRY_S, now
+                if not again:
+                    # _follow_once sees the log start past its version and restores the snapshot at once;
+                    # a second trim right after (the snapshots still behind the log) waits like any failure
+                    continue
             except RobezError:
                 logger.exception(
                     "table %s: applying the log failed; restarting from the local version", entry.name
