@@ -9,7 +9,7 @@ import orjson
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
-from ..codec import JSONBytesResponse
+from ..codec import JSONBytesResponse, RawResponse
 from ..fastpath import FastRoute
 from .deps import MetricsDep
 
@@ -44,7 +44,7 @@ _liveness_body = _LivenessBody()
 
 async def _healthz_fast(request: Request, _: str) -> Response:
     # FastAPI renders the dict above as compact JSON: the same bytes and headers.
-    return Response(_liveness_body.get(), media_type="application/json")
+    return RawResponse(_liveness_body.get(), b"application/json", [])
 
 
 @router.get(
