@@ -4,6 +4,7 @@ as real ``python -m service serve --nats ...`` processes. Everything is stopped 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import signal
@@ -30,15 +31,22 @@ ADAM = {"name": "adam", "lr": 0.01}
 START_TIMEOUT_S = 90.0
 
 
-@pytest.fixture(scope="module")
-def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats"), size=3)
+@contextlib.contextmanager
+def running_cluster(directory: Path, size: int) -> Iterator[NatsCluster]:
+    """A ``size``-node JetStream cluster with its stores under ``directory``, stopped on leaving."""
+    cluster = NatsCluster(directory, size=size)
     try:
         cluster.start()
         cluster.wait_for_jetstream()
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    with running_cluster(tmp_path_factory.mktemp("nats"), 3) as cluster:
+        yield cluster
 
 
 class ReplicaServer:

@@ -22,6 +22,8 @@ from service.replication.jetstream import JetStreamLog
 from service.replication.log import CatalogEntry, CatalogEvent, Snapshot
 from service.replication.natscluster import NatsCluster
 
+from .conftest import running_cluster
+
 pytestmark = pytest.mark.slow
 
 ENTRY = CatalogEntry("race", {}, {}, "inc1")
@@ -29,13 +31,8 @@ ENTRY = CatalogEntry("race", {}, {}, "inc1")
 
 @pytest.fixture(scope="module")
 def single_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats1"), size=1)
-    try:
-        cluster.start()
-        cluster.wait_for_jetstream()
+    with running_cluster(tmp_path_factory.mktemp("nats1"), 1) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _run(coro: Any) -> Any:
