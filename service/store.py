@@ -601,23 +601,19 @@ class TableStore:
         self.limits.check_request(
             int(ids.shape[0]) if ids.dim() == 1 else int(ids.numel()), table.config.embedding_dim
         )
-        if pooling == "none" and offsets is None and per_sample_weights is None:
-            version = entry.version
-            rows, hash_seconds, gather_seconds = table.lookup_timed(ids)  # checks ids
-            return LookupResult(rows, version, hash_seconds, gather_seconds)
-        table.validate_ids(ids)
-        bag_offsets, weights = _validate_pooling(ids, offsets, pooling, per_sample_weights)
+        bag_offsets = weights = None
+        if pooling != "none" or offsets is not None or per_sample_weights is not None:
+            table.validate_ids(ids)
+            bag_offsets, weights = _validate_pooling(ids, offsets, pooling, per_sample_weights)
         version = entry.version
-        start = time.perf_counter()
-        chunk_offsets = table.hash(ids)
-        hashed = time.perf_counter()
-        rows = table.gather(chunk_offsets)
+        rows, hash_seconds, lookup_seconds = table.lookup_timed(ids)  # checks ids
         if pooling != "none":
             assert bag_offsets is not None
+            start = time.perf_counter()
             positions = torch.arange(rows.shape[0], dtype=torch.int64)
             rows = F.embedding_bag(positions, rows, bag_offsets, mode=pooling, per_sample_weights=weights)
-        done = time.perf_counter()
-        return LookupResult(rows, version, hashed - start, done - hashed)
+            lookup_seconds += time.perf_counter() - start
+        return LookupResult(rows, version, hash_seconds, lookup_seconds)
 
     def lookup_many(self, items: list[LookupRequestItem]) -> list[LookupResult]:
         """Several lookups in one request; the request limits apply to their sum. All tables are
