@@ -24,10 +24,11 @@ from . import codec
 from . import oip as oip_codec
 from .config import Settings
 from .connections import LIFESPAN_METRICS_KEY
+from .direct import LIFESPAN_DIRECT_KEY, DirectAnswers
 from .errors import install_error_handlers
-from .fastpath import FastPathMiddleware
+from .fastpath import FastPathMiddleware, FastRoutes
 from .journal import Journal, NullJournal
-from .limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware
+from .limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware, WorkerLoad
 from .metrics import Metrics, RequestMetricsMiddleware
 from .replication.replica import Replica, local_settings
 from .routes import checksum, durability, health, lookup, oip, tables, update
@@ -84,8 +85,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             await app.state.replica.start()
         logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())
         try:
-            # uvicorn hands the lifespan state to each connection (service/connections.py counts there).
-            yield {LIFESPAN_METRICS_KEY: app.state.metrics}
+            # uvicorn hands the lifespan state to each connection (service/connections.py counts there and
+            # answers hot routes directly).
+            state: dict[str, Any] = {LIFESPAN_METRICS_KEY: app.state.metrics}
+            if settings.direct_answers:
+                state[LIFESPAN_DIRECT_KEY] = app.state.direct
+            yield state
         finally:
             if app.state.replica is not None:
                 await app.state.replica.stop()
@@ -139,18 +144,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Added innermost first: metrics see every answer, including the 503s, 413s and 408s below them; a
     # request takes an in-flight slot only once its whole body has arrived; the fast path (the hot routes
     # without FastAPI's per-request machinery) sits under all of them.
-    app.add_middleware(
-        FastPathMiddleware,
-        routes=[*health.fast_routes, *lookup.fast_routes, *update.fast_routes, *oip.fast_routes],
+    fast_routes = FastRoutes(
+        [*health.fast_routes, *lookup.fast_routes, *update.fast_routes, *oip.fast_routes]
     )
+    load = WorkerLoad()  # in-flight requests and held body bytes, for the limits and the direct answers
+    body_limits = BodyLimits.from_settings(settings)
+    app.add_middleware(FastPathMiddleware, routes=fast_routes)
     app.add_middleware(
         InFlightLimitMiddleware,
         max_in_flight=settings.max_in_flight,
         retry_after_s=settings.retry_after_s,
         metrics=metrics,
+        load=load,
     )
-    app.add_middleware(RequestBodyMiddleware, limits=BodyLimits.from_settings(settings), metrics=metrics)
+    app.add_middleware(RequestBodyMiddleware, limits=body_limits, metrics=metrics, load=load)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    # The same hot routes, limits and metrics for the requests connections answer themselves.
+    app.state.direct = DirectAnswers(app, fast_routes, metrics, load, body_limits, settings.max_in_flight)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

@@ -118,6 +118,11 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         default=1000, ge=1, description="open connections per worker; more are closed on accept"
     )
+    direct_answers: bool = Field(
+        default=True,
+        description="small hot-route requests are answered by the connection itself, without an ASGI task "
+        "and the middleware stack (same answers, metrics and limits; service/direct.py)",
+    )
     max_ids_per_request: int = Field(default=1 << 18, ge=1)
     # Bounds the (n, d) rows a request may ask for or push, whatever d is.
     max_values_per_request: int = Field(default=1 << 25, ge=1)

@@ -1,29 +1,36 @@
-"""Connection limits uvicorn lacks, as its HTTP protocol (httptools) with two additions:
+"""Connection limits uvicorn lacks, and direct answers, as its HTTP protocol (httptools) with additions:
 
 - a connection must send a request's headers within ``header_timeout_s`` of opening, or of the end of
   its previous response, else it is closed (checked by one sweep per worker, ``HeaderSweep``). uvicorn
   arms its keep-alive timer only after a response and drops it at the first byte, so a connection that
   sends nothing (or trickles headers) stays forever;
 - at most ``max_connections`` connections per worker: one more is closed as soon as it is accepted, so
-  idle or slow clients cannot take every file descriptor of the process.
+  idle or slow clients cannot take every file descriptor of the process;
+- small hot-route requests that arrive whole are answered in the protocol's own callback, without an
+  ASGI task (``service/direct.py`` says when and how; the hooks are ``_start_asgi_task``,
+  ``on_message_complete`` and ``data_received``).
 
 A stalled request *body* is the business of ``limits.RequestBodyMiddleware`` (``body_timeout_s``); an
 idle keep-alive connection's is uvicorn's ``timeout_keep_alive``. ``uvicorn_options(settings)`` gives
-``uvicorn.run`` all three.
+``uvicorn.run`` all of this.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.logging import TRACE_LOG_LEVEL
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from .config import Settings
+from .direct import LIFESPAN_DIRECT_KEY, DirectAnswers, resume
+from .fastpath import FastRoute
 
 # The key under which the app's lifespan state hands its ``Metrics`` to the connections.
 LIFESPAN_METRICS_KEY = "robez_metrics"
@@ -93,6 +100,12 @@ class RobezHttpProtocol(HttpToolsProtocol):
             sweep = HeaderSweep(self.loop, server_state.connections, limits.header_timeout_s)
             setattr(server_state, _SWEEP_ATTRIBUTE, sweep)
         self._sweep: HeaderSweep = sweep
+        # Direct answers (service/direct.py): the app's, unless uvicorn wraps the app in a logger.
+        direct = app_state.get(LIFESPAN_DIRECT_KEY)
+        self._direct: DirectAnswers | None = direct if self.logger.level > TRACE_LOG_LEVEL else None
+        self._at_headers = False  # inside on_headers_complete
+        # The request held for a direct answer until its body is complete: its cycle and route.
+        self._held: tuple[RequestResponseCycle, FastRoute, str] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -104,11 +117,54 @@ class RobezHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.waiting_since = None
+        self._held = None
         super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._held is not None:  # its body is still on its way: the stack reads it (and times it)
+            cycle = self._held[0]
+            self._held = None
+            if not self.transport.is_closing():
+                super()._start_asgi_task(cycle, self.app)
 
     def on_headers_complete(self) -> None:
         self.waiting_since = None
-        super().on_headers_complete()
+        self._at_headers = True
+        try:
+            super().on_headers_complete()
+        finally:
+            self._at_headers = False
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # Called by on_headers_complete for a request that may start now (not queued behind another).
+        if self._at_headers and self._direct is not None and app is self.app:
+            route = self._direct.take(cycle.scope)  # type: ignore[arg-type]
+            if route is not None:
+                self._held = (cycle, *route)
+                return
+        super()._start_asgi_task(cycle, app)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        held = self._held
+        if held is None or held[0] is not self.cycle:
+            return
+        self._held = None
+        cycle, route, parameter = held
+        assert self._direct is not None
+        serve = functools.partial(self._direct.serve, route=route, parameter=parameter)
+        # uvicorn's own cycle around the direct answer: the response writer, access log, keep-alive and
+        # error handling a task would have, run here; it continues in a task only if it has to wait.
+        context = contextvars.copy_context()
+        coroutine = cycle.run_asgi(serve)
+        try:
+            pending = context.run(coroutine.send, None)
+        except StopIteration:
+            return
+        task = self.loop.create_task(resume(coroutine, pending), context=context)
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

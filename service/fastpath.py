@@ -6,7 +6,9 @@ that small online requests hit are therefore also registered here, as plain ASGI
 code as their FastAPI endpoints (each route module's ``fast_routes``):
 
 - ``FastPathMiddleware`` sits innermost among the app's middlewares, so metrics, the in-flight limit and
-  the body size limit see these requests exactly as any other.
+  the body size limit see these requests exactly as any other. Small ones that arrive whole are
+  answered before the stack, by the connection itself (``service/direct.py``), with the same
+  ``FastRoutes`` and ``serve``.
 - A request is taken here only when its method and path match a hot route exactly (and, for routes
   with query parameters, it has no query string); anything else (405s, trailing slashes, query
   parameters to validate) goes on to FastAPI, which answers as before.
@@ -62,11 +64,10 @@ class FastRoute:
         return self.path.rsplit("}", 1)[1] if "}" in self.path else ""
 
 
-class FastPathMiddleware:
-    """Answers requests to ``routes`` directly; passes everything else to ``app`` (pure ASGI)."""
+class FastRoutes:
+    """Matches requests to the hot routes (method and path exactly; a query string only where allowed)."""
 
-    def __init__(self, app: ASGIApp, routes: Sequence[FastRoute]) -> None:
-        self.app = app
+    def __init__(self, routes: Sequence[FastRoute]) -> None:
         self._exact: dict[tuple[str, str], FastRoute] = {}
         self._templated: list[FastRoute] = []
         for route in routes:
@@ -75,9 +76,18 @@ class FastPathMiddleware:
             else:
                 self._exact[(route.method, route.path)] = route
 
-    def _match(self, scope: Scope) -> tuple[FastRoute, str] | None:
+    def match(self, scope: Scope) -> tuple[FastRoute, str] | None:
+        """The route of an HTTP ``scope`` and its path parameter (or ""), or None: FastAPI answers it."""
+        if scope.get("root_path"):
+            return None
         method: str = scope["method"]
         path: str = scope["path"]
+        matched = self._match(method, path)
+        if matched is None or (scope["query_string"] and not matched[0].query):
+            return None
+        return matched
+
+    def _match(self, method: str, path: str) -> tuple[FastRoute, str] | None:
         route = self._exact.get((method, path))
         if route is not None:
             return route, ""
@@ -91,25 +101,34 @@ class FastPathMiddleware:
                     return route, parameter
         return None
 
+
+class FastPathMiddleware:
+    """Answers requests to ``routes`` directly; passes everything else to ``app`` (pure ASGI)."""
+
+    def __init__(self, app: ASGIApp, routes: FastRoutes) -> None:
+        self.app = app
+        self.routes = routes
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("root_path"):
+        matched = self.routes.match(scope) if scope["type"] == "http" else None
+        if matched is None:
             await self.app(scope, receive, send)
             return
-        matched = self._match(scope)
-        if matched is None or (scope["query_string"] and not matched[0].query):
-            await self.app(scope, receive, send)
-            return
-        route, parameter = matched
-        scope["route"] = route.route
-        request = Request(scope, receive)
-        try:
-            response = await route.handler(request, parameter)
-        except Exception as exc:
-            response = await _handled(request, exc)
-        await response(scope, receive, send)
+        await serve(scope, receive, send, *matched)
 
 
-async def _handled(request: Request, exc: Exception) -> Response:
+async def serve(scope: Scope, receive: Receive, send: Send, route: FastRoute, parameter: str) -> None:
+    """Answer a request ``FastRoutes.match`` gave to ``route`` (here and in ``service/direct.py``)."""
+    scope["route"] = route.route
+    request = Request(scope, receive)
+    try:
+        response = await route.handler(request, parameter)
+    except Exception as exc:
+        response = await handled(request, exc)
+    await response(scope, receive, send)
+
+
+async def handled(request: Request, exc: Exception) -> Response:
     """The response the app's exception handlers give ``exc``; re-raises what only ServerErrorMiddleware
     handles (as Starlette's ExceptionMiddleware does)."""
     handlers = request.app.exception_handlers

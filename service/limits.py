@@ -57,6 +57,16 @@ class BodyLimits:
         return self.max_body_bytes, "max_body_bytes"
 
 
+@dataclass
+class WorkerLoad:
+    """What one worker holds at once, shared by the limit middlewares and the direct answers
+    (``service/direct.py``): requests admitted and not yet answered, and bytes of request bodies held.
+    One event loop per worker: no lock needed."""
+
+    in_flight: int = 0
+    held_bytes: int = 0
+
+
 class BodyTooLarge(Exception):
     """The body is over its limit (413)."""
 
@@ -172,11 +182,13 @@ class RequestBodyMiddleware:
     a request counts against ``max_in_flight`` only once its body is here.
     """
 
-    def __init__(self, app: ASGIApp, limits: BodyLimits, metrics: Metrics) -> None:
+    def __init__(
+        self, app: ASGIApp, limits: BodyLimits, metrics: Metrics, load: WorkerLoad | None = None
+    ) -> None:
         self.app = app
         self.limits = limits
         self.metrics = metrics
-        self.held_bytes = 0  # one event loop per worker: no lock needed
+        self.load = load if load is not None else WorkerLoad()
         self.deadlines = BodyDeadlines(check_s=min(1.0, limits.timeout_s / 4))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -199,16 +211,17 @@ class RequestBodyMiddleware:
         if declared > max_bytes:
             await _too_large(setting, max_bytes)(scope, receive, send)
             return
-        if self.held_bytes + declared > self.limits.max_held_bytes:
+        load = self.load
+        if load.held_bytes + declared > self.limits.max_held_bytes:
             await self._worker_full(scope, receive, send, close=False)
             return
         held = 0
 
         def hold(size: int) -> None:
             nonlocal held
-            if self.held_bytes + size > self.limits.max_held_bytes:
+            if load.held_bytes + size > self.limits.max_held_bytes:
                 raise WorkerFull()
-            self.held_bytes += size
+            load.held_bytes += size
             held += size
 
         try:
@@ -230,7 +243,7 @@ class RequestBodyMiddleware:
         except ClientGone:
             self.metrics.client_disconnects_total.inc()
         finally:
-            self.held_bytes -= held
+            load.held_bytes -= held
 
     async def _worker_full(self, scope: Scope, receive: Receive, send: Send, *, close: bool) -> None:
         self.metrics.rejected_total.labels("bodies_held").inc()
@@ -238,7 +251,7 @@ class RequestBodyMiddleware:
         if close:  # part of the body is unread and will not be
             headers["Connection"] = "close"
         message = (
-            f"server busy: this worker holds {self.held_bytes} bytes of request bodies "
+            f"server busy: this worker holds {self.load.held_bytes} bytes of request bodies "
             f"(max_body_bytes_held={self.limits.max_held_bytes})"
         )
         await error_response(503, message, "BusyError", headers)(scope, receive, send)
@@ -265,29 +278,37 @@ class InFlightLimitMiddleware:
     unbounded queue would grow every request's latency and memory.
     """
 
-    def __init__(self, app: ASGIApp, max_in_flight: int, retry_after_s: int, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_in_flight: int,
+        retry_after_s: int,
+        metrics: Metrics,
+        load: WorkerLoad | None = None,
+    ) -> None:
         self.app = app
         self.max_in_flight = max_in_flight
         self.retry_after_s = retry_after_s
         self.metrics = metrics
-        self.in_flight = 0  # one event loop per worker: no lock needed
+        self.load = load if load is not None else WorkerLoad()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in UNLIMITED_PATHS:
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.max_in_flight:
+        load = self.load
+        if load.in_flight >= self.max_in_flight:
             self.metrics.rejected_total.labels("saturated").inc()
             response = error_response(
                 503,
-                f"server saturated: {self.in_flight} requests in flight (max_in_flight={self.max_in_flight})",
+                f"server saturated: {load.in_flight} requests in flight (max_in_flight={self.max_in_flight})",
                 "BusyError",
                 {"Retry-After": str(self.retry_after_s)},
             )
             await response(scope, receive, send)
             return
-        self.in_flight += 1
+        load.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            load.in_flight -= 1

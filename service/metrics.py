@@ -120,6 +120,8 @@ class Metrics:
             registry=self.registry,
         )
         self._stages: dict[str, TableStages] = {}
+        # labels -> (histogram child, counter child) of the request metrics (``observe_request``)
+        self._request_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
         self.rejected_total = Counter(
             "robez_rejected", "Requests refused before reaching a route", ["reason"], registry=self.registry
         )
@@ -177,6 +179,18 @@ class Metrics:
             )
         return stages
 
+    def observe_request(self, endpoint: str, method: str, table: str, status: int, seconds: float) -> None:
+        """Count and time one answered request (``labels()`` costs a lock and checks: children are kept)."""
+        labels = (endpoint, method, table, str(status))
+        children = self._request_children.get(labels)
+        if children is None:
+            children = self._request_children[labels] = (
+                self.request_duration_seconds.labels(*labels),
+                self.requests_total.labels(*labels),
+            )
+        children[0].observe(seconds)
+        children[1].inc()
+
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition of every worker's samples, and its content type."""
         if self.multiprocess_dir is None:
@@ -222,8 +236,6 @@ class RequestMetricsMiddleware:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
-        # labels -> (histogram child, counter child): ``labels()`` takes a lock and validates every call
-        self._children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -248,12 +260,6 @@ class RequestMetricsMiddleware:
             route: Any = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
             table = str(scope.get("state", {}).get("table", ""))
-            labels = (endpoint, scope["method"], table, str(status))
-            children = self._children.get(labels)
-            if children is None:
-                children = self._children[labels] = (
-                    self.metrics.request_duration_seconds.labels(*labels),
-                    self.metrics.requests_total.labels(*labels),
-                )
-            children[0].observe(time.perf_counter() - start)
-            children[1].inc()
+            self.metrics.observe_request(
+                endpoint, scope["method"], table, status, time.perf_counter() - start
+            )

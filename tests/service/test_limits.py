@@ -257,7 +257,7 @@ def test_a_worker_holds_at_most_max_body_bytes_held_of_bodies() -> None:
         assert b"max_body_bytes_held=100" in refused[1]["body"]
     assert (b"connection", b"close") in sent["streamed"][0]["headers"]
     assert _status(sent["after"]) == 200
-    assert app.held_bytes == 0  # everything given back
+    assert app.load.held_bytes == 0  # everything given back
     assert _sample(metrics, "robez_rejected_total", reason="bodies_held") == 2.0
 
 

@@ -1,0 +1,182 @@
+"""Direct answers: hot-route requests that arrive whole are answered in the connection's own callback.
+
+uvicorn gives every request an asyncio task and passes it through the app's whole middleware stack. For
+the hot routes (``service/fastpath.py``) that machinery costs more than the work: on this project's
+machine a one-id lookup's hash and gather take ~3 us, the task, FastAPI's outer layers and robez's three
+limit and metrics middlewares ~25 us (docs/loadtest/). So ``connections.RobezHttpProtocol`` asks
+``DirectAnswers`` when a request's headers are in whether it may answer the request itself:
+
+- yes when its method and path match a hot route (``FastRoutes``), its body has a ``Content-Length``
+  within the body limit of its media type, the worker has room for it under ``max_in_flight`` and
+  ``max_body_bytes_held``, and nothing about it needs uvicorn's proxy-header rewriting;
+- the protocol then holds the request until its body is complete. If the body is not complete by the
+  end of the bytes the connection just read, the request goes the usual way (a task and the whole stack,
+  with its body timeout), so a stalled body never waits here.
+- A complete request runs in the callback: uvicorn's own request cycle (``run_asgi``: its response
+  writer, access log, keep-alive and error handling) around ``DirectAnswers.serve``, which does what the
+  middleware stack does for a hot route: counts and times the request in the same metrics, holds its
+  in-flight slot and body bytes, answers with the fast route's handler and the app's exception handlers,
+  and answers an unexpected error as ``ServerErrorMiddleware`` would.
+- A handler that has to wait (a lookup that waits for a version, work sent to a thread, a write that
+  waits for the disk) continues in a task of its own from where it stopped (``resume``), so no request
+  runs twice and every path answers exactly as the stack would. Small requests on a table whose journal
+  writes nothing never wait.
+
+``ROBEZ_DIRECT_ANSWERS=false`` turns this off: every request then goes through the stack.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Coroutine, Generator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from .fastpath import FastRoute, FastRoutes, serve
+from .limits import UNLIMITED_PATHS, BodyLimits, WorkerLoad
+from .metrics import CLIENT_CLOSED_REQUEST, Metrics
+
+logger = logging.getLogger("robez.direct")
+
+# The lifespan state key under which the app hands its DirectAnswers to the connections.
+LIFESPAN_DIRECT_KEY = "robez_direct"
+# Bodies up to this size may be answered directly: a small request's, read in one go.
+MAX_DIRECT_BODY_BYTES = 64 * 1024
+# Headers that make uvicorn's proxy-header middleware rewrite the scope: such requests take the stack.
+_PROXY_HEADERS = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"forwarded"})
+
+
+class DirectAnswers:
+    """Which requests a connection may answer itself (``take``) and how (``serve``): module docstring."""
+
+    def __init__(
+        self,
+        app: Starlette,
+        routes: FastRoutes,
+        metrics: Metrics,
+        load: WorkerLoad,
+        body_limits: BodyLimits,
+        max_in_flight: int,
+    ) -> None:
+        self.app = app
+        self.routes = routes
+        self.metrics = metrics
+        self.load = load
+        self.body_limits = body_limits
+        self.max_in_flight = max_in_flight
+
+    def take(self, scope: Scope) -> tuple[FastRoute, str] | None:
+        """The hot route to answer the request of ``scope`` (headers complete) with, or None."""
+        matched = self.routes.match(scope)
+        if matched is None:
+            return None
+        length = content_type = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"transfer-encoding" or name in _PROXY_HEADERS:
+                return None
+        load = self.load
+        if scope["path"] not in UNLIMITED_PATHS and load.in_flight >= self.max_in_flight:
+            return None  # the stack answers 503
+        if length is not None:
+            if not length.isdigit():
+                return None
+            size = int(length)
+            media = content_type.decode("latin-1") if content_type is not None else ""
+            max_bytes, _ = self.body_limits.max_bytes_for(media)
+            if size > min(max_bytes, MAX_DIRECT_BODY_BYTES):
+                return None  # large (or over the limit: the stack answers 413)
+            if load.held_bytes + size > self.body_limits.max_held_bytes:
+                return None  # the stack answers 503
+        return matched
+
+    async def serve(
+        self, scope: Scope, receive: Receive, send: Send, route: FastRoute, parameter: str
+    ) -> None:
+        """Answer a request ``take`` gave to ``route``, whose body has arrived, as the middleware stack
+        would: metrics (``RequestMetricsMiddleware``), held body bytes (``RequestBodyMiddleware``), an
+        in-flight slot (``InFlightLimitMiddleware``), the handler (``fastpath.serve``), unexpected errors
+        (``ServerErrorMiddleware``)."""
+        start = time.perf_counter()
+        scope["app"] = self.app
+        status: int | None = None
+
+        async def send_with_status(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        load = self.load
+        limited = scope["path"] not in UNLIMITED_PATHS
+        held = 0
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                held = int(value)
+                break
+        load.held_bytes += held
+        if limited:
+            load.in_flight += 1
+        try:
+            try:
+                await serve(scope, receive, send_with_status, route, parameter)
+            except Exception as exc:
+                # What ServerErrorMiddleware does with an error no handler took: the app's handler for
+                # Exception answers (unless an answer has started), and the error goes on up (logged).
+                handler = self.app.exception_handlers.get(Exception)
+                if handler is not None:
+                    response = await handler(Request(scope), exc)
+                    if status is None:
+                        await response(scope, receive, send_with_status)
+                raise
+            finally:
+                if limited:
+                    load.in_flight -= 1
+                load.held_bytes -= held
+            if status is None:  # returned without answering: its client went away
+                status = CLIENT_CLOSED_REQUEST
+        finally:
+            if status is None:
+                status = 500
+            table = str(scope["state"].get("table", ""))
+            self.metrics.observe_request(
+                route.path, scope["method"], table, status, time.perf_counter() - start
+            )
+
+
+class _Resume:
+    """Awaits the rest of a coroutine that was started by hand and stopped at ``pending`` (what it
+    yielded to the event loop): the task running this waits for ``pending`` as the coroutine would have,
+    then sends the coroutine on (values and exceptions alike), until it returns."""
+
+    def __init__(self, coroutine: Coroutine[Any, Any, Any], pending: Any) -> None:
+        self.coroutine = coroutine
+        self.pending = pending
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        pending = self.pending
+        while True:
+            try:
+                value = yield pending
+            except BaseException as exc:  # thrown into the task (cancellation): the coroutine's to handle
+                try:
+                    pending = self.coroutine.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    pending = self.coroutine.send(value)
+                except StopIteration as stop:
+                    return stop.value
+
+
+async def resume(coroutine: Coroutine[Any, Any, Any], pending: Any) -> Any:
+    """The coroutine that finishes ``coroutine`` (started by hand, stopped at ``pending``) in a task."""
+    return await _Resume(coroutine, pending)
