@@ -23,15 +23,27 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.responses import Response
 from uvicorn.config import Config
 from uvicorn.logging import TRACE_LOG_LEVEL
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 from uvicorn.server import ServerState
 
+from .codec import RawResponse
 from .config import Settings
 from .direct import LIFESPAN_DIRECT_KEY, DirectAnswers, resume
 from .fastpath import FastRoute
 
+# Direct answers with bodies up to this size go out in one write with their headers (one send); larger
+# bodies are written on their own rather than copied.
+_JOIN_MAX_BODY_BYTES = 16 * 1024
 # The key under which the app's lifespan state hands its ``Metrics`` to the connections.
 LIFESPAN_METRICS_KEY = "robez_metrics"
 # The ServerState attribute that holds a worker's HeaderSweep (one per uvicorn server, shared by its
@@ -105,7 +117,9 @@ class RobezHttpProtocol(HttpToolsProtocol):
         self._direct: DirectAnswers | None = direct if self.logger.level > TRACE_LOG_LEVEL else None
         self._at_headers = False  # inside on_headers_complete
         # The request held for a direct answer until its body is complete: its cycle and route.
-        self._held: tuple[RequestResponseCycle, FastRoute, str] | None = None
+        self._held: tuple[RequestResponseCycle, FastRoute, str, int] | None = None
+        # uvicorn's default headers (date, server), encoded: (the list they were encoded from, bytes).
+        self._default_headers: tuple[list[tuple[bytes, bytes]] | None, bytes] = (None, b"")
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -151,9 +165,12 @@ class RobezHttpProtocol(HttpToolsProtocol):
         if held is None or held[0] is not self.cycle:
             return
         self._held = None
-        cycle, route, parameter = held
+        cycle, route, parameter, size = held
         assert self._direct is not None
-        serve = functools.partial(self._direct.serve, route=route, parameter=parameter)
+        write = functools.partial(self._write_raw, cycle)
+        serve = functools.partial(
+            self._direct.serve, route=route, parameter=parameter, size=size, write=write
+        )
         # uvicorn's own cycle around the direct answer: the response writer, access log, keep-alive and
         # error handling a task would have, run here; it continues in a task only if it has to wait.
         context = contextvars.copy_context()
@@ -172,6 +189,65 @@ class RobezHttpProtocol(HttpToolsProtocol):
         # (It did not when a pipelined request is already under way, or when the connection is closing.)
         if self.timeout_keep_alive_task is not None:
             self._wait_for_headers()
+
+    def _write_raw(self, cycle: RequestResponseCycle, response: Response) -> bool:
+        """What uvicorn's ``cycle.send`` does with a ``RawResponse``'s two messages (its headers, then its
+        whole body), written at once: the same bytes (header checks, default headers, ``connection:
+        close``, access log, keep-alive), one write and no two awaits. False, having done nothing, for
+        anything else: ``send`` then answers as usual."""
+        if (
+            type(response) is not RawResponse
+            or cycle.response_started
+            or cycle.disconnected
+            or self.flow.write_paused
+            or cycle.scope["method"] == "HEAD"
+        ):
+            return False
+        headers = response.raw_headers
+        names = b"".join([name for name, _ in headers])
+        if HEADER_RE.search(names) or HEADER_VALUE_RE.search(b"".join([value for _, value in headers])):
+            return False  # send raises for it
+        if b"connection" in names.lower() or b"transfer-encoding" in names:
+            return False
+        defaults, encoded = self._default_headers
+        if defaults is not cycle.default_headers:  # the date changed (once a second)
+            defaults = cycle.default_headers
+            if any(HEADER_RE.search(n) or HEADER_VALUE_RE.search(v) for n, v in defaults):
+                return False
+            encoded = b"".join([b"%s: %s\r\n" % (name.lower(), value) for name, value in defaults])
+            self._default_headers = (defaults, encoded)
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        status = response.status_code
+        scope = cycle.scope
+        if cycle.access_log:
+            cycle.access_logger.info(
+                '%s - "%s %s HTTP/%s" %d',
+                get_client_addr(scope),
+                scope["method"],
+                get_path_with_query_string(scope),
+                scope["http_version"],
+                status,
+            )
+        content = [STATUS_LINE[status], encoded]
+        for name, value in headers:
+            content += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            content.append(b"connection: close\r\n")
+        content.append(b"\r\n")
+        body: Any = response.body  # bytes or a memoryview
+        if len(body) <= _JOIN_MAX_BODY_BYTES:
+            content.append(body)
+            self.transport.write(b"".join(content))
+        else:
+            self.transport.write(b"".join(content))
+            self.transport.write(body)
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
+        return True
 
     def _wait_for_headers(self) -> None:
         self.waiting_since = self.loop.time()

@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .fastpath import FastRoute, FastRoutes, serve
+from .fastpath import FastRoute, FastRoutes, respond
 from .limits import UNLIMITED_PATHS, BodyLimits, WorkerLoad
 from .metrics import CLIENT_CLOSED_REQUEST, Metrics
 
@@ -69,8 +70,9 @@ class DirectAnswers:
         self.body_limits = body_limits
         self.max_in_flight = max_in_flight
 
-    def take(self, scope: Scope) -> tuple[FastRoute, str] | None:
-        """The hot route to answer the request of ``scope`` (headers complete) with, or None."""
+    def take(self, scope: Scope) -> tuple[FastRoute, str, int] | None:
+        """The hot route to answer the request of ``scope`` (headers complete) with, its path parameter and
+        the body's size; None: the stack answers it."""
         matched = self.routes.match(scope)
         if matched is None:
             return None
@@ -85,6 +87,7 @@ class DirectAnswers:
         load = self.load
         if scope["path"] not in UNLIMITED_PATHS and load.in_flight >= self.max_in_flight:
             return None  # the stack answers 503
+        size = 0
         if length is not None:
             if not length.isdigit():
                 return None
@@ -95,15 +98,24 @@ class DirectAnswers:
                 return None  # large (or over the limit: the stack answers 413)
             if load.held_bytes + size > self.body_limits.max_held_bytes:
                 return None  # the stack answers 503
-        return matched
+        return matched[0], matched[1], size
 
     async def serve(
-        self, scope: Scope, receive: Receive, send: Send, route: FastRoute, parameter: str
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        *,
+        route: FastRoute,
+        parameter: str,
+        size: int,
+        write: Callable[[Response], bool],
     ) -> None:
-        """Answer a request ``take`` gave to ``route``, whose body has arrived, as the middleware stack
-        would: metrics (``RequestMetricsMiddleware``), held body bytes (``RequestBodyMiddleware``), an
-        in-flight slot (``InFlightLimitMiddleware``), the handler (``fastpath.serve``), unexpected errors
-        (``ServerErrorMiddleware``)."""
+        """Answer a request ``take`` gave to ``route``, whose body (``size`` bytes) has arrived, as the
+        middleware stack would: metrics (``RequestMetricsMiddleware``), held body bytes
+        (``RequestBodyMiddleware``), an in-flight slot (``InFlightLimitMiddleware``), the handler and the
+        app's exception handlers (``fastpath.respond``), unexpected errors (``ServerErrorMiddleware``).
+        ``write(response)`` may write a response itself, as ``send`` would (True), or leave it to ``send``."""
         start = time.perf_counter()
         scope["app"] = self.app
         status: int | None = None
@@ -116,17 +128,16 @@ class DirectAnswers:
 
         load = self.load
         limited = scope["path"] not in UNLIMITED_PATHS
-        held = 0
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                held = int(value)
-                break
-        load.held_bytes += held
+        load.held_bytes += size
         if limited:
             load.in_flight += 1
         try:
             try:
-                await serve(scope, receive, send_with_status, route, parameter)
+                response = await respond(scope, receive, route, parameter)
+                if write(response):
+                    status = response.status_code
+                else:
+                    await response(scope, receive, send_with_status)
             except Exception as exc:
                 # What ServerErrorMiddleware does with an error no handler took: the app's handler for
                 # Exception answers (unless an answer has started), and the error goes on up (logged).
@@ -139,7 +150,7 @@ class DirectAnswers:
             finally:
                 if limited:
                     load.in_flight -= 1
-                load.held_bytes -= held
+                load.held_bytes -= size
             if status is None:  # returned without answering: its client went away
                 status = CLIENT_CLOSED_REQUEST
         finally:

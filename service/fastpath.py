@@ -118,14 +118,20 @@ class FastPathMiddleware:
 
 
 async def serve(scope: Scope, receive: Receive, send: Send, route: FastRoute, parameter: str) -> None:
-    """Answer a request ``FastRoutes.match`` gave to ``route`` (here and in ``service/direct.py``)."""
+    """Answer a request ``FastRoutes.match`` gave to ``route``."""
+    response = await respond(scope, receive, route, parameter)
+    await response(scope, receive, send)
+
+
+async def respond(scope: Scope, receive: Receive, route: FastRoute, parameter: str) -> Response:
+    """The response to a request ``FastRoutes.match`` gave to ``route`` (here and in
+    ``service/direct.py``): its handler's, or the app's exception handlers' for what the handler raised."""
     scope["route"] = route.route
     request = Request(scope, receive)
     try:
-        response = await route.handler(request, parameter)
+        return await route.handler(request, parameter)
     except Exception as exc:
-        response = await handled(request, exc)
-    await response(scope, receive, send)
+        return await handled(request, exc)
 
 
 async def handled(request: Request, exc: Exception) -> Response:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
@@ -491,3 +492,41 @@ def test_connection_close_is_honoured(run: Run, tmp_path: Path) -> None:
             assert ("connection", "close") in results[0][0][1]
 
     run(scenario())
+
+
+def test_http_1_0_and_the_access_log_are_the_stacks(run: Run, tmp_path: Path) -> None:
+    """uvicorn's access log (when its logger has a handler) and an HTTP/1.0 client's close: direct answers
+    write the same lines and bytes as uvicorn's own response writer."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    access = logging.getLogger("uvicorn.access")
+    handler = Collect()
+
+    async def scenario() -> None:
+        async with both(tmp_path) as (direct, stack):
+            access.addHandler(handler)  # after uvicorn's Config set its loggers up (a connection checks)
+            access.setLevel(logging.INFO)
+            for served in (direct, stack):
+                lookup = request("POST", "/v1/tables/demo/lookup?x=1", _ids(1), BINARY)
+                old = request("POST", "/v1/tables/demo/lookup", _ids(2), BINARY).replace(
+                    b"HTTP/1.1", b"HTTP/1.0"
+                )
+                answers = []
+                for data in (lookup, request("GET", "/healthz"), old):
+                    connection = served.connect()
+                    (answer,), _ = await connection.exchange(data)
+                    answers.append((normalized(answer), connection.transport.closed))
+                served.answers = answers  # type: ignore[attr-defined]
+            assert direct.answers == stack.answers  # type: ignore[attr-defined]
+            assert direct.answers[2][1] and ("connection", "close") in direct.answers[2][0][1]  # type: ignore[attr-defined]
+
+    try:
+        run(scenario())
+    finally:
+        access.removeHandler(handler)
+    assert len(records) == 6 and records[:3] == records[3:], records
+    assert '"POST /v1/tables/demo/lookup?x=1 HTTP/1.1" 200' in records[0]
