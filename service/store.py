@@ -53,14 +53,16 @@ Each kill point (``service/faults.py``; tests/service/test_admin_crash.py), what
   version gap refused it, or at equal versions it was applied to the old array, logged onto the new
   table). The next holder, through the old entry or the new one, marks the old counters replaced and
   removes the old array. Whole-server kill: the new table.
-- ``delete:dropped`` (the table's folder gone, registry unchanged): served, but updates failed (no log)
-  and a restart would lose it. The next holder writes it back (a new folder). Whole-server kill: gone.
+- ``drop:renamed`` / ``delete:dropped`` (the table's folder renamed aside or gone, registry unchanged):
+  served, but updates failed (no log) and a restart would lose it. The next holder writes it back (a new
+  folder); the folder renamed aside (``.dropped-*``) goes then too, or at the next start. Whole-server
+  kill: gone.
 - ``delete:published`` (registry without the table, counters not marked deleted): gone everywhere; a
   request holding the old entry finds the mark and answers 404; its files go at the next repair, load
   or delete. Whole-server kill: gone.
 
 Until that next holder comes, a whole-server kill restarts from the data directory alone: the loaded
-table, or no table, from ``snapshot:committed`` / ``delete:dropped`` on, though the workers were still
+table, or no table, from ``snapshot:committed`` / ``drop:renamed`` on, though the workers were still
 serving the old one. Nothing acknowledged is lost that way: no update was acknowledged since the kill,
 since every update takes the lock and repairs first.
 
