@@ -43,7 +43,8 @@ Each kill point (``service/faults.py``; tests/service/test_admin_crash.py), what
 - ``snapshot:committed`` (the load's meta.json committed, the old log not yet replaced): the data
   directory holds the new table, with the old log still in place and open in other workers, whose next
   appends went into a log the next start discards as stale (acknowledged updates lost, before this
-  repair). The next holder writes the old table back. Whole-server kill: the loaded table (at 0).
+  repair). The next holder writes the old table back (a new snapshot; every older one is removed then).
+  Whole-server kill: the loaded table (at 0).
 - ``load:durable`` (snapshot and empty log of the new table, registry not switched): the workers serve
   the old table at version v while the log starts at the load's version, so the next update was refused
   (a version gap) or, when both were 0, logged onto the wrong table. Repair and restart as above.

@@ -334,7 +334,6 @@ class WalJournal:
         meta = self._read_meta(name)
         if meta is None:
             raise CorruptionError(f"table {name!r} has no committed snapshot in {directory}; cannot snapshot")
-        old_snapshot = meta.snapshot
         try:
             self._write_generation(directory, table, version, generation=meta.generation + 1)
         except Exception as error:  # nothing committed: the old snapshot and log stand
@@ -346,8 +345,9 @@ class WalJournal:
             die_at(self.fault_file, "snapshot:committed")
         os.replace(directory / f"{LOG_FILE}.new", directory / LOG_FILE)
         fsync_dir(directory)
-        if old_snapshot != self._require_meta(name).snapshot:
-            (directory / old_snapshot).unlink(missing_ok=True)
+        # Every older snapshot goes, not only the one this replaced: one an interrupted snapshot left
+        # (the repair after ``snapshot:committed`` in a load is a snapshot of the table served).
+        self._remove_stale_files(directory, self._require_meta(name))
         self._forget_log(name)
 
     def load(self, name: str, *, salvage: bool = False) -> tuple[Table, int] | None:
@@ -734,8 +734,21 @@ class WalJournal:
             meta.generation,
         )
         _write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
+        self._remove_stale_files(path.parent, meta)
         self._forget_log(name)
         return True
+
+    def _remove_stale_files(self, directory: Path, meta: _Meta) -> None:
+        """Remove every snapshot file of the table but the one ``meta`` (committed) names, and a fresh log
+        an interrupted snapshot left (``updates.wal.new``). Only once the log of that generation is in
+        place: from then on recovery reads that snapshot and that log alone, so no other file can be
+        needed (a reader that opened an old snapshot keeps it while open). Caller holds the table's update
+        lock, so no snapshot is being written meanwhile."""
+        (directory / f"{LOG_FILE}.new").unlink(missing_ok=True)
+        for entry in directory.glob("snapshot-*.safetensors"):
+            if entry.name != meta.snapshot:
+                logger.debug("removing %s, replaced by %s", entry, meta.snapshot)
+                entry.unlink(missing_ok=True)
 
     def _remove_dropped(self, name: str | None = None) -> None:
         """Remove the folders of drops that were committed (renamed aside) but whose process was killed

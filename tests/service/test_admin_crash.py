@@ -235,6 +235,7 @@ def test_a_worker_killed_in_the_middle_of_a_load(point: Point, worker: Worker, t
     restarted = _restarted(worker.journal.data_dir, tmp_path)
     assert restarted is not None and restarted[1] == version, "the data directory lost acknowledged updates"
     assert _same(restarted[0], expected), "the data directory holds another table than the workers serve"
+    _holds_nothing_stale(worker.journal.data_dir)
     if point.served == "new":
         assert int(stale.counters[STATE]) == REPLACED  # an update holding it would start again on the new
     _shared_files_match_the_registry(worker.directory)
