@@ -5,13 +5,14 @@ it in production. The file's text names the point ("" or ``update:appended``: th
 ``TableStore._fault_point``); a process that reaches that point removes the file and, if it was the one
 to remove it, dies. So one file kills one process, once, whichever worker gets there first.
 
-The points (``TableStore.restore`` / ``delete``, ``WalJournal.snapshot``):
+The points (``TableStore.restore`` / ``delete``, ``WalJournal.snapshot`` / ``drop``):
 
 - ``load:filled``: the load's new array is filled, nothing is durable yet;
 - ``snapshot:committed``: a snapshot's ``meta.json`` is committed, the fresh log not swapped in yet;
 - ``load:durable``: the loaded table is durable (snapshot + empty log), the registry not switched;
 - ``load:published``: the registry is switched, the old counters not yet marked replaced;
 - ``load:switched``: the old counters are marked replaced, the old array not yet released;
+- ``drop:renamed``: the table's folder is renamed aside (``.dropped-*``), not yet removed;
 - ``delete:dropped``: the table's folder is gone from the data directory, the registry still has it;
 - ``delete:published``: the registry no longer has the table, its counters are not marked deleted.
 """

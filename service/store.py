@@ -43,7 +43,8 @@ Each kill point (``service/faults.py``; tests/service/test_admin_crash.py), what
 - ``snapshot:committed`` (the load's meta.json committed, the old log not yet replaced): the data
   directory holds the new table, with the old log still in place and open in other workers, whose next
   appends went into a log the next start discards as stale (acknowledged updates lost, before this
-  repair). The next holder writes the old table back. Whole-server kill: the loaded table (at 0).
+  repair). The next holder writes the old table back (a new snapshot; every older one is removed then).
+  Whole-server kill: the loaded table (at 0).
 - ``load:durable`` (snapshot and empty log of the new table, registry not switched): the workers serve
   the old table at version v while the log starts at the load's version, so the next update was refused
   (a version gap) or, when both were 0, logged onto the wrong table. Repair and restart as above.
@@ -53,14 +54,16 @@ Each kill point (``service/faults.py``; tests/service/test_admin_crash.py), what
   version gap refused it, or at equal versions it was applied to the old array, logged onto the new
   table). The next holder, through the old entry or the new one, marks the old counters replaced and
   removes the old array. Whole-server kill: the new table.
-- ``delete:dropped`` (the table's folder gone, registry unchanged): served, but updates failed (no log)
-  and a restart would lose it. The next holder writes it back (a new folder). Whole-server kill: gone.
+- ``drop:renamed`` / ``delete:dropped`` (the table's folder renamed aside or gone, registry unchanged):
+  served, but updates failed (no log) and a restart would lose it. The next holder writes it back (a new
+  folder); the folder renamed aside (``.dropped-*``) goes then too, or at the next start. Whole-server
+  kill: gone.
 - ``delete:published`` (registry without the table, counters not marked deleted): gone everywhere; a
   request holding the old entry finds the mark and answers 404; its files go at the next repair, load
   or delete. Whole-server kill: gone.
 
 Until that next holder comes, a whole-server kill restarts from the data directory alone: the loaded
-table, or no table, from ``snapshot:committed`` / ``delete:dropped`` on, though the workers were still
+table, or no table, from ``snapshot:committed`` / ``drop:renamed`` on, though the workers were still
 serving the old one. Nothing acknowledged is lost that way: no update was acknowledged since the kill,
 since every update takes the lock and repairs first.
 

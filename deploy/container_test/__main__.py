@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import __doc__ as package_doc
-from .cluster import CLUSTER_FILE, CLUSTER_PORT, CLUSTER_PROJECT, check_cluster_stack, ensure_cluster_standins
+from .cluster import (
+    CLUSTER_FILE,
+    CLUSTER_PORT_VARIABLE,
+    CLUSTER_PROJECT,
+    check_cluster_stack,
+    ensure_cluster_standins,
+)
 from .common import REPO, Deadline, Failure, log, run
 from .engine import Compose, Engine, remove_projects
 from .images import IMAGE, STANDIN_IMAGE, build_image, ensure_apt_packages, ensure_compose
@@ -32,6 +38,11 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def cluster_compose(binary: Path, engine: Engine) -> Compose:
+    """The cluster file under its own project, its load balancer published on a host port free now."""
+    return Compose(binary, engine, CLUSTER_FILE, CLUSTER_PROJECT, free_port(), CLUSTER_PORT_VARIABLE)
 
 
 def machine() -> str:
@@ -120,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster: Compose | None = None
         cluster_note = "--no-cluster" if args.no_cluster else f"{CLUSTER_FILE} absent"
         if (REPO / CLUSTER_FILE).exists() and not args.no_cluster:
-            cluster = Compose(binary, engine, CLUSTER_FILE, CLUSTER_PROJECT, CLUSTER_PORT, None)
+            cluster = cluster_compose(binary, engine)
             standins = ensure_cluster_standins(engine, cluster, deadline) if args.base == "standin" else {}
         engine.start_service(deadline)
         compose = Compose(binary, engine, "docker-compose.yml", PROJECT, free_port(), "ROBEZ_HOST_PORT")
@@ -146,9 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"cluster: skipped ({cluster_note})")
             lines.append(f"cluster: skipped ({cluster_note})")
         else:
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", CLUSTER_PORT)) == 0:
-                    raise Failure(f"127.0.0.1:{CLUSTER_PORT}, the cluster's load balancer port, is in use")
+            # A port free now, just before its `up` (the one above only served `config --images`).
+            cluster = cluster_compose(binary, engine)
             composes.append(cluster)
             found = check_cluster_stack(cluster, deadline, args.cluster_step)
             lines += [

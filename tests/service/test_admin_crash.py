@@ -11,12 +11,15 @@ surviving worker. Checked at each point:
 - what the surviving worker serves: the table as the dead worker left it published (old before the
   registry switch, new after), and its next updates are acknowledged on that table;
 - that the data directory then recovers to exactly what the workers serve (bitwise, same version), and
-  the shared-memory files the dead worker left behind are gone.
+  the shared-memory files the dead worker left behind are gone;
+- that the data directory holds nothing stale after the repair, nor after a start-up: no older snapshot,
+  no table folder a drop renamed aside.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import signal
 import subprocess
@@ -35,7 +38,7 @@ from robez_core.table import Table
 from service.config import Settings, TableSpec
 from service.shm import REPLACED, STATE, SharedDirectory
 from service.store import TableStore
-from service.wal import WalJournal
+from service.wal import LOG_FILE, META_FILE, WalJournal
 
 from .conftest import make_settings
 from .subprocess_server import RobezServer
@@ -87,6 +90,7 @@ LOAD_POINTS = [
     Point("load:switched", served="new", restarted="new"),
 ]
 DELETE_POINTS = [
+    Point("drop:renamed", served="old", restarted="none"),
     Point("delete:dropped", served="old", restarted="none"),
     Point("delete:published", served="none", restarted="none"),
 ]
@@ -144,14 +148,29 @@ def _updates(seed: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _restarted(data_dir: Path, tmp_path: Path) -> tuple[Table, int] | None:
-    """Table t as a restart would serve it from ``data_dir`` (loaded from a copy: loading cleans up)."""
+    """Table t as a restart would serve it from ``data_dir``: loaded from a copy (loading cleans up) with
+    the journal ``robez serve`` opens (shared); the copy is then left with nothing stale."""
     copy = tmp_path / f"restart-{len(list(tmp_path.glob('restart-*')))}"
     shutil.copytree(data_dir, copy, ignore=shutil.ignore_patterns(".robez*.lock"))
-    journal = WalJournal(copy, exclusive=True)
+    journal = WalJournal(copy)
     try:
-        return journal.load("t") if "t" in journal.names() else None
+        restarted = journal.load("t") if "t" in journal.names() else None
     finally:
         journal.close()
+    _holds_nothing_stale(copy)
+    return restarted
+
+
+def _holds_nothing_stale(data_dir: Path) -> None:
+    """The data directory holds its locks and, per table, meta.json, the snapshot it names and the log:
+    no older snapshot, no folder a drop renamed aside (``.dropped-*``), no temporary file."""
+    for entry in data_dir.iterdir():
+        if entry.name.startswith(".robez"):  # the data directory's locks
+            continue
+        assert not entry.name.startswith("."), f"{entry.name} was left in the data directory"
+        snapshot = json.loads((entry / META_FILE).read_text())["snapshot"]
+        files = sorted(path.name for path in entry.iterdir())
+        assert files == sorted([META_FILE, snapshot, LOG_FILE]), f"{entry.name}: {files}"
 
 
 def _kill_worker_at(point: str, worker: Worker, tmp_path: Path, checkpoint: str) -> None:
@@ -216,6 +235,7 @@ def test_a_worker_killed_in_the_middle_of_a_load(point: Point, worker: Worker, t
     restarted = _restarted(worker.journal.data_dir, tmp_path)
     assert restarted is not None and restarted[1] == version, "the data directory lost acknowledged updates"
     assert _same(restarted[0], expected), "the data directory holds another table than the workers serve"
+    _holds_nothing_stale(worker.journal.data_dir)
     if point.served == "new":
         assert int(stale.counters[STATE]) == REPLACED  # an update holding it would start again on the new
     _shared_files_match_the_registry(worker.directory)
@@ -227,6 +247,9 @@ def test_a_worker_killed_in_the_middle_of_a_delete(point: Point, worker: Worker,
 
     _kill_worker_at(point.name, worker, tmp_path, "-")
 
+    # Killed after the drop's rename, the folder renamed aside is left; a start-up removes it (_restarted).
+    dropped = list(worker.journal.data_dir.glob(".dropped-*"))
+    assert len(dropped) == (point.name == "drop:renamed"), dropped
     assert _restarted(worker.journal.data_dir, tmp_path) is None  # a restart serves no table t
     if point.served == "none":
         assert worker.store.names() == []
@@ -248,6 +271,7 @@ def test_a_worker_killed_in_the_middle_of_a_delete(point: Point, worker: Worker,
     restarted = _restarted(worker.journal.data_dir, tmp_path)
     assert restarted is not None, "the table is served but a restart would lose it"
     assert restarted[1] == version and _same(restarted[0], expected)
+    _holds_nothing_stale(worker.journal.data_dir)  # the repair removed what the drop renamed aside
     worker.store.delete("t")  # and it can still be deleted, for good
     assert _restarted(worker.journal.data_dir, tmp_path) is None and worker.store.names() == []
     _shared_files_match_the_registry(worker.directory)

@@ -20,7 +20,7 @@ from service.config import Settings, TableSpec
 from service.journal import NullJournal, UpdateRecord
 from service.shm import SharedDirectory, remove_stale_directories
 from service.store import LookupResult, TableStore
-from service.wal import WalJournal
+from service.wal import LOG_FILE, META_FILE, WalJournal
 
 from .conftest import make_settings
 
@@ -573,6 +573,10 @@ def test_a_worker_that_died_in_the_middle_of_a_snapshot_loses_no_later_update(tm
         ids, grads = torch.tensor([4, 5]), torch.randn(2, 8)
         assert worker_a.update("t", ids, grads).version == 4
         oracle.apply_gradients(ids, grads)
+        # The repair swapped the committed generation's log in; the snapshot it replaced is not needed.
+        committed = journal_a._require_meta("t").snapshot
+        files = sorted(path.name for path in (tmp_path / "data" / "t").iterdir())
+        assert files == sorted([META_FILE, committed, LOG_FILE])
         loaded = WalJournal(settings.data_dir).load("t")
         assert loaded is not None and loaded[1] == 4
         for key, tensor in oracle.tensors().items():

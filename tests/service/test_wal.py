@@ -643,6 +643,27 @@ def test_offline_tools_and_servers_exclude_each_other(tmp_path: Path) -> None:
     tool.close()
 
 
+def test_folders_of_killed_drops_go_at_the_next_create_of_the_name_and_at_every_open(tmp_path: Path) -> None:
+    """What a drop killed between its rename and its removal leaves (``.dropped-<name>-<8 hex>``): the
+    next create of that name removes its own (how the store's repair writes the table back), opening
+    the directory removes them all, shared (a server's workers) or not; a create in progress elsewhere
+    (``.creating-*``) is left to a server-free open."""
+    wal = WalJournal(tmp_path)
+    try:
+        for leftover in (".dropped-t-0123abcd", ".dropped-t-x-4567cdef", ".creating-u-89abcdef"):
+            (tmp_path / leftover).mkdir()
+            (tmp_path / leftover / "snapshot-1.safetensors").write_bytes(b"x")
+        wal.create("t", _table(), 0)
+        assert sorted(path.name for path in tmp_path.glob(".[cd]*")) == [
+            ".creating-u-89abcdef",
+            ".dropped-t-x-4567cdef",  # table "t-x", not "t"
+        ]
+        WalJournal(tmp_path).close()  # a worker starting beside this one
+        assert [path.name for path in tmp_path.glob(".[cd]*")] == [".creating-u-89abcdef"]
+    finally:
+        wal.close()
+
+
 def test_one_server_per_data_directory(tmp_path: Path) -> None:
     first = ServerLock(tmp_path)
     with pytest.raises(ConflictError, match=f"another robez serve \\(pid {os.getpid()}\\)"):

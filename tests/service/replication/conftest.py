@@ -181,7 +181,8 @@ def stream_leader(cluster: NatsCluster, prefix: str, table: str) -> str:
         try:
             js = nc.jetstream(timeout=5)
             for info in await js.streams_info():
-                if info.config.name.startswith(f"{prefix}_{table}_") and info.cluster is not None:
+                name = info.config.name
+                if name is not None and name.startswith(f"{prefix}_{table}_") and info.cluster is not None:
                     return str(info.cluster.leader)
         finally:
             await nc.close()
@@ -196,7 +197,8 @@ def stream_bounds(cluster: NatsCluster, prefix: str, table: str) -> tuple[int, i
         try:
             js = nc.jetstream(timeout=5)
             for info in await js.streams_info():
-                if info.config.name.startswith(f"{prefix}_{table}_"):
+                name = info.config.name
+                if name is not None and name.startswith(f"{prefix}_{table}_"):
                     return int(info.state.first_seq), int(info.state.last_seq)
         finally:
             await nc.close()

@@ -1,5 +1,6 @@
 """deploy/cluster: read the compose file (no Docker engine in CI) and check the NATS config with the
-real nats-server's config test."""
+real nats-server's config test; the container test (deploy/container_test) publishes the stack where the
+file lets it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from service.config import Settings
@@ -50,3 +52,20 @@ def test_nats_config_is_valid_and_fsyncs_every_message() -> None:
         timeout=30,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_load_balancer_host_port_is_a_variable_the_container_test_sets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loopback only, port 8080 unless Compose's variable says otherwise; `make container-test` sets that
+    variable to a free port, so a server on 8080 does not stop it."""
+    (mapping,) = _compose()["services"]["lb"]["ports"]
+    published = re.fullmatch(r"127\.0\.0\.1:\$\{(ROBEZ_\w+):-8080\}:8080", mapping)
+    assert published is not None, mapping
+    monkeypatch.syspath_prepend(str(CLUSTER.parents[0]))  # deploy/, as `make container-test` runs it
+    from container_test.__main__ import cluster_compose
+    from container_test.engine import Engine
+
+    compose = cluster_compose(Path("docker-compose"), Engine(tmp_path))
+    assert compose.file == "deploy/cluster/docker-compose.yml"
+    assert compose.env[published[1]] == str(compose.port)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
 from fastapi.testclient import TestClient
 
@@ -27,7 +30,7 @@ def test_checksum_is_over_the_bytes_at_a_version(client: TestClient) -> None:
     assert client.get("/v1/tables/nope/checksum").status_code == 404
 
 
-def test_min_version_waits_bounded_then_503(client_factory) -> None:  # type: ignore[no-untyped-def]
+def test_min_version_waits_bounded_then_503(client_factory: Callable[..., TestClient]) -> None:
     client = client_factory(min_version_wait_ms=200)
     create_table(client, "m")
     assert client.post("/v1/tables/m/update", json={"ids": [1], "grads": [[1.0] * 8]}).status_code == 200
@@ -50,7 +53,9 @@ def test_min_version_waits_bounded_then_503(client_factory) -> None:  # type: ig
     assert unnamed.status_code == 422
 
 
-def test_serve_refuses_a_single_server_data_dir_with_nats(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_serve_refuses_a_single_server_data_dir_with_nats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from service.cli import main
 
     (tmp_path / "demo").mkdir()  # a single server's table directory
