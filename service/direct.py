@@ -80,7 +80,7 @@ class DirectAnswers:
         for name, value in scope["headers"]:
             if name == b"content-length":
                 length = value
-            elif name == b"content-type":
+            elif name == b"content-type" and content_type is None:  # the first, as request.headers
                 content_type = value
             elif name == b"transfer-encoding" or name in _PROXY_HEADERS:
                 return None

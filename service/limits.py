@@ -201,7 +201,7 @@ class RequestBodyMiddleware:
                 length = value
             elif name == b"transfer-encoding":
                 chunked = value
-            elif name == b"content-type":
+            elif name == b"content-type" and content_type is None:  # the first, as request.headers
                 content_type = value
         if length is None and chunked is None:
             await self.app(scope, receive, send)  # no body (RFC 9112 6.3): nothing to wait for

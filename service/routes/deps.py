@@ -72,8 +72,9 @@ def _media_type(value: bytes | None) -> bytes:
 
 def raw_headers(request: Request) -> dict[bytes, bytes]:
     """The request's headers by lower-case name as the ASGI server gave them (the hot routes read a few
-    of them; Starlette's ``request.headers`` scans the whole list for each one)."""
-    return dict(request.scope["headers"])
+    of them; Starlette's ``request.headers`` scans the whole list for each one). A repeated header gives
+    its first value, as ``request.headers.get`` does (and the body limits read)."""
+    return dict(reversed(request.scope["headers"]))
 
 
 def is_binary(request: Request, headers: dict[bytes, bytes] | None = None) -> bool:

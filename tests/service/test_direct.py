@@ -530,3 +530,26 @@ def test_http_1_0_and_the_access_log_are_the_stacks(run: Run, tmp_path: Path) ->
         access.removeHandler(handler)
     assert len(records) == 6 and records[:3] == records[3:], records
     assert '"POST /v1/tables/demo/lookup?x=1 HTTP/1.1" 200' in records[0]
+
+
+def test_a_repeated_content_type_is_read_as_its_first_everywhere(run: Run, tmp_path: Path) -> None:
+    """Routes, body limits and direct answers all take the first of two Content-Type headers (as
+    Starlette's ``request.headers`` does): ids sent as binary first are binary ids, within the binary
+    body limit, whichever path answers."""
+
+    async def scenario() -> None:
+        async with both(tmp_path, max_json_body_bytes=8) as (direct, stack):
+            ids = _ids(*range(4))  # 32 bytes: over the JSON limit, within the binary one
+            twice = request(
+                "POST", "/v1/tables/demo/lookup", ids, [*BINARY, ("content-type", "application/json")]
+            )
+            once = request("POST", "/v1/tables/demo/lookup", ids, BINARY)
+            answers = []
+            for served in (direct, stack):
+                (first,), _ = await served.connect().exchange(twice)
+                (plain,), _ = await served.connect().exchange(once)
+                assert first.status == 200 and first.body == plain.body
+                answers.append(normalized(first))
+            assert answers[0] == answers[1]
+
+    run(scenario())
