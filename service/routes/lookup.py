@@ -14,7 +14,6 @@ from ..codec import (
     SHAPES_HEADER,
     TABLES_HEADER,
     VERSION_HEADER,
-    JSONBytesResponse,
     LookupResponse,
     MultiLookupResponse,
     RawResponse,
@@ -31,7 +30,7 @@ from ..codec import (
 )
 from ..consistency import MIN_VERSION_HEADER, parse_min_versions, wait_min_versions
 from ..fastpath import FastRoute
-from ..metrics import Metrics, lookup_server_timing, server_timing, set_table_label
+from ..metrics import Metrics, lookup_server_timing, set_table_label
 from ..store import LookupRequestItem, LookupResult, TableStore
 from .deps import (
     INLINE_MAX_BODY_BYTES,
@@ -59,6 +58,7 @@ _OCTET_STREAM = OCTET_STREAM.encode()
 _JSON = b"application/json"
 _MIN_VERSION = MIN_VERSION_HEADER.lower().encode()
 _SHAPE = SHAPE_HEADER.lower().encode()
+_SHAPES = SHAPES_HEADER.lower().encode()
 _VERSION = VERSION_HEADER.lower().encode()
 _BINARY_RESPONSE = {"content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}
 
@@ -158,13 +158,16 @@ async def lookup_several(request: Request, _: str = "") -> Response:
     total = time.perf_counter() - start
     hash_seconds = sum(result.hash_seconds for result in results)
     lookup_seconds = sum(result.lookup_seconds for result in results)
-    headers = {"Server-Timing": server_timing(hash=hash_seconds, lookup=lookup_seconds, total=total)}
+    response_headers = [
+        (b"server-timing", lookup_server_timing(hash_seconds, lookup_seconds, total)),
+    ]
     if wants_binary(request):
-        headers[SHAPES_HEADER] = ";".join(f"{int(r.rows.shape[0])},{int(r.rows.shape[1])}" for r in results)
-        headers[VERSION_HEADER] = ",".join(str(result.version) for result in results)
-        return Response(
-            b"".join(rows_bytes(r.rows) for r in results), media_type=OCTET_STREAM, headers=headers
-        )
+        shapes = ";".join(f"{int(r.rows.shape[0])},{int(r.rows.shape[1])}" for r in results)
+        versions = ",".join(str(result.version) for result in results)
+        response_headers.append((_SHAPES, shapes.encode("latin-1")))
+        response_headers.append((_VERSION, versions.encode("latin-1")))
+        rows = b"".join(rows_bytes(r.rows) for r in results)
+        return RawResponse(rows, _OCTET_STREAM, response_headers)
     payload = {
         "results": [
             lookup_json(name, result, result.hash_seconds + result.lookup_seconds)
@@ -172,7 +175,7 @@ async def lookup_several(request: Request, _: str = "") -> Response:
         ],
         "timing": lookup_timing(hash_seconds, lookup_seconds, total),
     }
-    return JSONBytesResponse(payload, headers=headers)
+    return RawResponse(json_bytes(payload), _JSON, response_headers)
 
 
 async def _lookup_fast(request: Request, name: str) -> Response:
