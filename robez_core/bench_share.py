@@ -172,8 +172,9 @@ def prefetch_comparison(
     kernels' prefetch thresholds, stepped in turn so that load changes hit all alike: per variant the
     median ms and the median of its step / the default's step of the same batch (paired ratio).
 
-    Variants: the thresholds as they are, no write (dense backward) prefetch at any size, read (gather)
-    prefetch at any size, write prefetch at any size. Prefetching changes no value, so the tables stay
+    Variants: the thresholds as they are, no sequential pass over a small table before a gather
+    (``_WARM_TABLE_RATIO``), no write (dense backward) prefetch at any size, read (gather) prefetch at any
+    size. Neither prefetching nor the pass changes a value, so the tables stay
     bit-identical whatever ran them, and each round hands the variants the next table in turn: where an
     array or its pooled buffers happen to sit in memory does not follow one variant.
     """
@@ -186,10 +187,14 @@ def prefetch_comparison(
     shape = (batch_size, embedding_dim)
     grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
     batches = [torch.randint(0, num_embeddings, (batch_size, 2), generator=generator) for _ in range(8)]
-    read, write = kernels._PREFETCH_READ_MIN_BYTES, kernels._PREFETCH_WRITE_MIN_BYTES
     never = 1 << 62
-    variants = {"thresholds as set": (read, write), "write never": (read, never)}
-    variants |= {"read always": (0, write), "write always": (read, 0)}
+    variants: dict[str, dict[str, int]] = {
+        "thresholds as set": {},
+        "no table pass": {"_WARM_TABLE_RATIO": never},
+        "write never": {"_PREFETCH_WRITE_MIN_BYTES": never},
+        "read always": {"_PREFETCH_READ_MIN_BYTES": 0},
+    }
+    as_set = {name: getattr(kernels, name) for settings in variants.values() for name in settings}
     tables = []
     for _ in variants:
         table = RobezEmbedding(num_embeddings, embedding_dim, memory_size=memory_size, chunk_size=chunk_size)
@@ -201,8 +206,9 @@ def prefetch_comparison(
     try:
         for round_index in range(rounds):
             for pairs in batches:
-                for index, (name, thresholds) in enumerate(variants.items()):
-                    kernels._PREFETCH_READ_MIN_BYTES, kernels._PREFETCH_WRITE_MIN_BYTES = thresholds
+                for index, (name, settings) in enumerate(variants.items()):
+                    for attribute, value in (as_set | settings).items():
+                        setattr(kernels, attribute, value)
                     table, optimizer = tables[(index + round_index) % len(tables)]
                     optimizer.zero_grad(set_to_none=True)
                     start = time.perf_counter()
@@ -214,7 +220,8 @@ def prefetch_comparison(
                     if round_index:  # the first round warms up (compilation, pool, caches)
                         timings[name].append(elapsed)
     finally:
-        kernels._PREFETCH_READ_MIN_BYTES, kernels._PREFETCH_WRITE_MIN_BYTES = read, write
+        for attribute, value in as_set.items():
+            setattr(kernels, attribute, value)
         torch.set_num_threads(previous_threads)
     reference = tables[0][0].weight
     if not all(torch.equal(table.weight, reference) for table, _ in tables):
@@ -232,7 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
     parser = argparse.ArgumentParser(prog="python -m robez_core.bench_share", description=__doc__)
-    parser.add_argument("--prefetch", action="store_true", help="compare the prefetch thresholds")
+    parser.add_argument(
+        "--prefetch", action="store_true", help="compare the prefetch thresholds and the table pass"
+    )
     parser.add_argument("--memory-sizes", type=int, nargs="+", default=[262_144])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--emulate-avx2", action="store_true", help="as python -m robez_core.bench")

@@ -63,11 +63,12 @@ def test_floor_reading_prints_ratios_and_reach_from_its_data():
 def test_prefetch_comparison_steps_every_variant_and_keeps_the_thresholds():
     from robez_core import kernels
 
-    before = (kernels._PREFETCH_READ_MIN_BYTES, kernels._PREFETCH_WRITE_MIN_BYTES)
+    names = ("_PREFETCH_READ_MIN_BYTES", "_PREFETCH_WRITE_MIN_BYTES", "_WARM_TABLE_RATIO")
+    before = [getattr(kernels, name) for name in names]
     result = bench_share.prefetch_comparison(
         512, batch_size=64, embedding_dim=16, chunk_size=4, num_embeddings=1000, rounds=2
     )
-    assert set(result) == {"thresholds as set", "write never", "read always", "write always"}
+    assert set(result) == {"thresholds as set", "no table pass", "write never", "read always"}
     assert result["thresholds as set"][1] == 1.0
     assert all(median > 0 for median, _ in result.values())
-    assert before == (kernels._PREFETCH_READ_MIN_BYTES, kernels._PREFETCH_WRITE_MIN_BYTES)
+    assert before == [getattr(kernels, name) for name in names]
