@@ -139,7 +139,7 @@ class FloorReading:
     def reading(self, batch_size: int, embedding_dim: int, memory_size: int) -> str:
         rows_mb = batch_size * embedding_dim * 4 / 1e6
         best = self.reference_ms / (self.rows_floor_ms + self.adam_ms)
-        reach = "within" if best >= self.goal else "out of"
+        reach = "within reach at that floor" if best >= self.goal else "out of reach even at that floor"
         return (
             f"Memory floor of the share: copying its minimum traffic once (numpy.copyto, in the same "
             f"alternating rounds) took {self.floor_ms:.2f} ms: two {batch_size} x {embedding_dim} float32 "
@@ -149,8 +149,7 @@ class FloorReading:
             f"{self.fused_ms / self.floor_ms:.2f}x the floor. Best ratio any kernel could reach against the "
             f"reference's {self.reference_ms:.2f} ms: {self.reference_ms / self.floor_ms:.1f}x if the whole "
             f"share ran at the floor, {best:.1f}x with lookups and backward at the rows' floor and torch's "
-            f"Adam step as measured ({self.adam_ms:.2f} ms), so the {self.goal:.0f}x goal is {reach} reach "
-            f"of any kernel here."
+            f"Adam step as measured ({self.adam_ms:.2f} ms), so the {self.goal:.0f}x goal is {reach}."
         )
 
 

@@ -55,9 +55,9 @@ def test_floor_reading_prints_ratios_and_reach_from_its_data():
     assert "took 2.00 ms" in text and "(13.1 MB each" in text and "1.50 ms" in text and "0.50 ms" in text
     assert "2.00x the floor" in text
     assert "20.0x if the whole share ran at the floor, 20.0x with lookups" in text
-    assert "goal is within reach" in text
+    assert "goal is within reach at that floor." in text
     slower = FloorReading(2.0, 1.5, 20.0, 4.0, 0.5, 15.0).reading(32768, 100, 262144)
-    assert "10.0x with lookups" in slower and "goal is out of reach" in slower
+    assert "10.0x with lookups" in slower and "goal is out of reach even at that floor." in slower
 
 
 def test_prefetch_comparison_steps_every_variant_and_keeps_the_thresholds():
