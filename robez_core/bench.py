@@ -48,8 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import kernels
+from . import buffers, kernels
 from .allocator import malloc_setting, tune_malloc
+from .bench_share import FloorReading, PieceTimings, memory_floor_runner, timed_calls
 from .hashing import reference_indices
 from .modules import RobezEmbedding
 
@@ -378,6 +379,7 @@ def _target_memory_size(settings: BenchSettings) -> int:
 # land anywhere between them from one run to the next, 8 rounds make it steadier, and the report prints
 # the spread and the faults so that what remains is visible.
 SHARE_ROUNDS = 8
+SHARE_GOAL = 15.0  # the issue's goal for the embedding share, fused vs reference
 
 
 @dataclass(frozen=True)
@@ -426,7 +428,8 @@ def _embedding_share_runner(
 
 @dataclass(frozen=True)
 class ShareTimings:
-    """Milliseconds of the embedding shares over all kept steps (median, p10, p90), faults per step."""
+    """Milliseconds of the embedding shares over all kept steps (median, p10, p90), faults per step, and
+    the yardsticks timed in the same rounds: the memory floor and the fused share's pieces."""
 
     reference: tuple[float, float, float]
     fused: tuple[float, float, float]
@@ -434,6 +437,9 @@ class ShareTimings:
     reference_faults: float
     fused_faults: float
     steps: int
+    floor_ms: float = math.nan  # median of copying the share's minimum traffic (``bench_share``)
+    rows_floor_ms: float = math.nan  # of which the two row-sized copies
+    pieces: PieceTimings | None = None
 
     def reading(self) -> str:
         ref_median, ref_p10, ref_p90 = self.reference
@@ -448,10 +454,24 @@ class ShareTimings:
             f"against its slow ones (p90) {ref_p90 / fused_median:.1f}x."
         )
 
+    def floor(self, goal: float) -> FloorReading:
+        return FloorReading(
+            self.floor_ms, self.rows_floor_ms, self.reference[0], self.fused[0], self.adam_ms, goal
+        )
+
 
 def _spread_ms(values: Sequence[float]) -> tuple[float, float, float]:
     p50, p10, p90 = np.percentile(np.asarray(values), [50, 10, 90])
     return 1e3 * float(p50), 1e3 * float(p10), 1e3 * float(p90)
+
+
+# The calls of the fused path that the instrumented round times one by one (the rest is autograd).
+FUSED_SHARE_PIECES: dict[str, tuple[object, str]] = {
+    "hash": (kernels, "chunk_offsets"),
+    "gather": (kernels, "gather"),
+    "dense gradient zeroed": (buffers, "zeros"),
+    "scatter": (kernels, "scatter_grad"),
+}
 
 
 def _time_embedding_shares(
@@ -459,22 +479,40 @@ def _time_embedding_shares(
 ) -> ShareTimings:
     """The reference's and the fused embedding share, timed in alternating rounds so that a change of
     machine load hits both alike, and the fused share's ``optimizer.step()`` (torch's dense Adam over
-    the array: the same op whatever the embedding)."""
+    the array: the same op whatever the embedding). Each round also times the memory floor
+    (``bench_share.memory_floor_runner``) and one more fused round with its kernel calls timed one by
+    one, kept apart from the share's own figures."""
     runners = {
         model: _embedding_share_runner(settings, memory_size, model) for model in ("reference", "fused")
     }
+    generator = torch.Generator().manual_seed(settings.seed + 2)
+    shape = (settings.batch_size, settings.embedding_dim)
+    floor_grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    floor_run = memory_floor_runner(floor_grads, memory_size, settings.iterations)
     timings: dict[str, list[ShareStep]] = {model: [] for model in runners}
+    floors: list[tuple[float, float]] = []
+    durations: dict[str, list[float]] = {name: [] for name in FUSED_SHARE_PIECES}
     for _ in range(rounds):
         for model, run in runners.items():
             timings[model] += run()
+        floors += floor_run()
+        with timed_calls(FUSED_SHARE_PIECES) as calls:
+            runners["fused"]()
+        for name, values in calls.items():
+            per_step = len(values) // settings.iterations
+            durations[name] += values[per_step:]  # the round's first step is dropped, as the share's
     reference, fused = timings["reference"], timings["fused"]
+    adam_ms = 1e3 * statistics.median(step.step for step in fused)
     return ShareTimings(
         reference=_spread_ms([step.total for step in reference]),
         fused=_spread_ms([step.total for step in fused]),
-        adam_ms=1e3 * statistics.median(step.step for step in fused),
+        adam_ms=adam_ms,
         reference_faults=statistics.mean(step.faults for step in reference),
         fused_faults=statistics.mean(step.faults for step in fused),
         steps=len(fused),
+        floor_ms=1e3 * statistics.median(total for _, total in floors),
+        rows_floor_ms=1e3 * statistics.median(rows for rows, _ in floors),
+        pieces=PieceTimings.from_durations(durations, len(fused), adam_ms),
     )
 
 
@@ -548,7 +586,7 @@ def measure_targets(
                     f"array), m={memory_size}: fused vs reference",
                     reference_share,
                     fused_share,
-                    15.0,
+                    SHARE_GOAL,
                 )
             )
             targets.append(TargetResult(f"{name} reference (dense Adam)", reference_step, fused_step, 10.0))
@@ -569,6 +607,11 @@ def measure_targets(
                     f"reference's {reference_share:.2f} ms."
                 )
                 notes.append(shares.reading())
+                if shares.pieces is not None:
+                    notes.append(shares.pieces.reading(fused_share))
+                notes.append(
+                    shares.floor(SHARE_GOAL).reading(settings.batch_size, settings.embedding_dim, memory_size)
+                )
         full_step = step_ms("full", True)
         if not math.isnan(full_step):
             targets.append(

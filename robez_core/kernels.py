@@ -27,7 +27,10 @@ Why the kernels are fast (32768 ids, d = 100, Z = 32, 1 thread, on the 2-core de
   pass, 0.11 with it; AVX-512 0.10-0.12 float64, 0.08 split32, so split32 is used on both and float64
   takes P in [2**31, 2**52). Both are bit-exact; the tests force each on any CPU;
 - tables bigger than the caches get the chunks of the row four ahead prefetched (m = 10**8:
-  gather 4.7 -> 2.3 ms, dense backward 4.0 -> 2.4 ms);
+  gather 4.7 -> 2.3 ms, dense backward 4.0 -> 2.4 ms), and the dense backward does so from an array
+  the size of a core's L2, which training has evicted by then (see ``_PREFETCH_WRITE_MIN_BYTES``);
+  a gather from a smaller table that reads many times its size first reads the table once in order,
+  so that its random chunk reads find it in cache (see ``_WARM_TABLE_RATIO``);
 - outputs are allocated by numpy (huge pages) rather than ``torch.empty``, large ones (rows, the dense
   backward's (m,) gradient) from the pool of ``buffers.py``, which hands a batch nobody holds any more
   to the next call, and the coalesce's dense scratch is reused per thread, because fresh multi-megabyte
@@ -133,10 +136,30 @@ _PRIVATE_SCATTER_MAX_FLOATS = 16 << 20
 _SCRATCH_MAX_BYTES = 64 << 20
 _thread_scratch = threading.local()
 _PREFETCH_ROWS = 4  # how far ahead the row loops prefetch the table (measured best of 4 and 16)
-# Prefetching pays once the table misses the caches: reads past L2, the backward's writes past L3.
-# Below that it cost 5-15% (m = 262144: lookup 0.73 -> 0.83 ms; 2621440: scatter 1.16 -> 1.26 ms).
+# Prefetching pays once the table misses the caches. Reads: past L2 (below that it cost 5-15% on a
+# lookup repeated over a hot table, m = 262144: 0.73 -> 0.83 ms). The dense backward's writes: from
+# the size of a core's L2 (1 MB on Zen 4/5; Zen 2/3 have 512 KB), because in training the array is not
+# in cache when the backward runs: the forward's rows and the backward's output gradients (13 MB each
+# for 32768 x 100) have streamed through since. In the training loop (2 lookups, backward, torch Adam;
+# ``python -m robez_core.bench_share --prefetch [--emulate-avx2]``, 2026-11-23, 1 thread, 88 paired
+# steps, dev VM under load), no write prefetch was 2.8% (AVX-512) / 3.6% (emulated AVX2) slower than
+# prefetch from 1 MB at m = 262144 and 23% / 17% slower at m = 2621440; a scatter alone on a hot
+# 1 MB array was no slower with it. At m = 65536 (256 KB) it gained 1% in the loop but cost 13% alone
+# (0.45 -> 0.51 ms), at m = 8192 25%. The old 64 MB threshold was set from the scatter alone.
+# Read prefetch at any size gained another 2-3% in that loop at m = 262144 but made a lookup repeated
+# over a hot table up to 9% slower (emulated AVX2), so reads keep their threshold.
 _PREFETCH_READ_MIN_BYTES = 4 << 20
-_PREFETCH_WRITE_MIN_BYTES = 64 << 20
+_PREFETCH_WRITE_MIN_BYTES = 1 << 20
+# Below the read-prefetch size, a gather that reads at least this many times the table's bytes first
+# reads the whole table once in order (``_warm_kernel``): in training the table is out of the caches
+# when the forward runs (the backward and the optimizer streamed megabytes through since), and the
+# gather's random chunk reads then wait on one miss after another, while a sequential pass is streamed
+# by the hardware prefetcher. Stepped in turn in the training loop (2 lookups, backward, torch Adam, m =
+# 262144, 1 thread, 2026-11-23, dev VM; ``python -m robez_core.bench_share --prefetch [--emulate-avx2]``),
+# the share was 9.1% (AVX-512) / 5.3% (emulated AVX2) slower without the pass, and 8.3% / 3.5% slower with
+# read prefetch in its place; a lookup repeated over a hot table was 3.3-3.5% slower with it (0.51 ->
+# 0.53 ms). At m = 2621440 (10 MB, prefetched instead) a pass gained 1-3% in the loop and cost 19% hot.
+_WARM_TABLE_RATIO = 8
 # The backward streams through the (N, d) output gradients while it adds them at random places of the
 # array; the hardware prefetcher alone left that read and the adds one after the other (read 0.34 ms +
 # adds 0.38 ms = scatter 0.70 ms for 32768 x 100, m = 262144). Prefetching the gradient stream this far
@@ -798,6 +821,26 @@ def _lookup_bag_kernel(
                     flat[base + j] *= inv_count
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _warm_kernel(weight):
+    """Read one float of every cache line of ``weight`` in order; returns their sum so that the loads
+    are not optimised away (the caller drops it)."""
+    total = np.float32(0.0)
+    position = np.uint64(0)
+    size = np.uint64(weight.shape[0])
+    while position < size:
+        total += weight[position]
+        position += _U16
+    return total
+
+
+def _warm_table(weight_np: np.ndarray, gathered_bytes: int) -> None:
+    """Stream a table below the read-prefetch size through the caches before a gather that reads at
+    least ``_WARM_TABLE_RATIO`` times its bytes (see ``_WARM_TABLE_RATIO``)."""
+    if weight_np.nbytes < _PREFETCH_READ_MIN_BYTES and weight_np.nbytes * _WARM_TABLE_RATIO <= gathered_bytes:
+        _warm_kernel(weight_np)
+
+
 # --------------------------------------------------------------------------------------------------
 # backward
 
@@ -1300,6 +1343,7 @@ def gather(
     result = _out_rows(out, offsets.shape[0], embedding_dim)
     if offsets.shape[0]:
         set_kernel_threads()
+        _warm_table(weight_np, result.numel() * 4)
         _gather_kernel(
             weight_np,
             offsets.contiguous().numpy(),
@@ -1330,6 +1374,7 @@ def lookup(
     result = _out_rows(out, ids_np.shape[0], embedding_dim)
     if ids_np.shape[0]:
         set_kernel_threads()
+        _warm_table(weight_np, result.numel() * 4)
         _lookup_kernel(
             weight_np,
             ids_np,

@@ -89,6 +89,8 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     assert "embedding's share of that step" in text and "model's own work in a step" in text
     assert "torch.optim.Adam's step over the array took" in text
     assert "Embedding share over" in text and "minor page faults per step" in text
+    assert "Where the fused share's" in text and "scatter x2" in text and "gather x2" in text
+    assert "Memory floor of the share" in text and "Best ratio any kernel could reach" in text
     assert "| malloc | glibc defaults |" in text
     assert list(tmp_path.glob("*-quick.png"))
     profile = next(tmp_path.glob("*-quick-profile.md")).read_text()

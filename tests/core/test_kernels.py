@@ -762,6 +762,34 @@ def test_prefetching_paths_agree(threads, monkeypatch: pytest.MonkeyPatch):
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-4)
 
 
+def test_a_small_table_is_read_in_order_before_a_gather_many_times_its_size(monkeypatch: pytest.MonkeyPatch):
+    """The sequential pass runs for a table below the read-prefetch size when the gather reads at least
+    ``_WARM_TABLE_RATIO`` times its bytes (lookup and gather alike), not otherwise; rows are unchanged."""
+    passes: list[int] = []
+    warm = kernels._warm_kernel
+
+    def recording(weight_np):
+        passes.append(weight_np.shape[0])
+        return warm(weight_np)
+
+    monkeypatch.setattr(kernels, "_warm_kernel", recording)
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(1_000, generator=generator)  # 4 kB; 300 rows of 100 floats are 120 kB
+    ids = torch.randint(INT64_MIN, INT64_MAX, (300,), generator=generator)
+    expected = weight[reference_indices(ids, 100, 32, 1_000, RANDOM_NUMBERS)]
+    offsets = kernels.chunk_offsets(ids, 4, 32, 1_000, RANDOM_NUMBERS)
+    assert torch.equal(kernels.gather(weight, offsets, 100, 32), expected)
+    assert torch.equal(kernels.lookup(weight, ids, 100, 32, RANDOM_NUMBERS), expected)
+    assert passes == [1_000, 1_000]
+    monkeypatch.setattr(kernels, "_WARM_TABLE_RATIO", 100)  # 120 kB < 100 x 4 kB: no pass
+    assert torch.equal(kernels.gather(weight, offsets, 100, 32), expected)
+    monkeypatch.setattr(kernels, "_WARM_TABLE_RATIO", 1)
+    monkeypatch.setattr(kernels, "_PREFETCH_READ_MIN_BYTES", 4_000)  # a table this big is prefetched
+    assert torch.equal(kernels.gather(weight, offsets, 100, 32), expected)
+    assert passes == [1_000, 1_000]
+    assert warm(weight.numpy()) == pytest.approx(float(weight[::16].sum()), rel=1e-5, abs=1e-5)
+
+
 def test_small_batches_run_serially_at_several_threads():
     """Below the work cut-off no OpenMP team is woken: the serial compilation runs, with the same rows."""
     weight, constants = torch.randn(1000), paper_random_numbers()

@@ -1,0 +1,280 @@
+"""The embedding share's yardsticks, timed beside the share itself in ``bench``'s alternating rounds.
+
+- :func:`memory_floor_runner`: the time a plain memory copy (``numpy.copyto``: glibc's ``memcpy``) takes to
+  move the bytes the fused share has to move at least once per step: both lookups' (N, d) float32 rows
+  written and their (N, d) output gradients read (two copies of N x d floats), and the array's (m,)
+  float32 gradient, the array and Adam's two moment arrays each read and written (four copies of m
+  floats). No kernel that writes the rows and reads their gradients can beat it by much, so fused share
+  / floor says how far the kernels are from the memory system's limit, and reference share / floor is
+  the best ratio any kernel could reach against the reference on that machine.
+- :func:`timed_calls`: wraps named functions (the kernels and buffer calls the fused path makes) for one
+  instrumented round, so the share is split into hash, gather, dense-gradient zeroing and scatter on the
+  real code path, whatever calls it makes; the rest of the share (autograd, its sum of the two dense
+  gradients, Python) is the share's median minus the pieces'.
+- :func:`prefetch_comparison` (``python -m robez_core.bench_share --prefetch [--emulate-avx2]``): the
+  share stepped under several settings of the kernels' prefetch thresholds in turn, the evidence for the
+  thresholds in ``kernels.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+__all__ = ["FloorReading", "PieceTimings", "memory_floor_runner", "timed_calls"]
+
+
+def memory_floor_runner(
+    output_grads: Sequence[Tensor], memory_size: int, steps: int
+) -> Callable[[], list[tuple[float, float]]]:
+    """A function that returns ``steps - 1`` timings (s) of copying the share's minimum traffic once:
+    (the two row-sized copies, all of it).
+
+    Sources are the share's own output gradients (read) into buffers shaped like its rows (written),
+    then four (m,) float32 arrays into four others; the first step of a round is dropped, as the share's.
+    """
+    sources = [grad.detach().contiguous().numpy() for grad in output_grads]
+    rows = [np.empty_like(source) for source in sources]
+    rng = np.random.default_rng(0)
+    arrays = [
+        (np.empty(memory_size, np.float32), rng.random(memory_size, dtype=np.float32)) for _ in range(4)
+    ]
+    for destination, source in zip(rows, sources, strict=True):
+        np.copyto(destination, source)  # touch every page once: the share's buffers are mapped too
+    for destination, source in arrays:
+        np.copyto(destination, source)
+
+    def run() -> list[tuple[float, float]]:
+        timings = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            for destination, source in zip(rows, sources, strict=True):
+                np.copyto(destination, source)
+            rows_done = time.perf_counter()
+            for destination, source in arrays:
+                np.copyto(destination, source)
+            timings.append((rows_done - start, time.perf_counter() - start))
+        return timings[1:]
+
+    return run
+
+
+@contextlib.contextmanager
+def timed_calls(targets: dict[str, tuple[Any, str]]) -> Iterator[dict[str, list[float]]]:
+    """Within the block, every call of ``getattr(owner, attribute)`` for each ``name: (owner, attribute)``
+    appends its duration (s) to ``durations[name]``; the originals are put back on exit."""
+    durations: dict[str, list[float]] = {name: [] for name in targets}
+    originals = {name: getattr(owner, attribute) for name, (owner, attribute) in targets.items()}
+
+    def timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        record = durations[name].append
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                record(time.perf_counter() - start)
+
+        return wrapper
+
+    try:
+        for name, (owner, attribute) in targets.items():
+            setattr(owner, attribute, timed(name, originals[name]))
+        yield durations
+    finally:
+        for name, (owner, attribute) in targets.items():
+            setattr(owner, attribute, originals[name])
+
+
+@dataclass(frozen=True)
+class PieceTimings:
+    """Median ms per step of each piece of the fused share (summed over the calls of a step)."""
+
+    pieces: dict[str, float]
+    adam_ms: float
+
+    @classmethod
+    def from_durations(cls, durations: dict[str, list[float]], steps: int, adam_ms: float) -> PieceTimings:
+        """Per-call durations -> median per step: the calls of a step are consecutive in each list."""
+        pieces = {}
+        for name, values in durations.items():
+            if not values or len(values) % steps:
+                continue  # a piece this path does not call (or calls unevenly) is left out
+            per_step = len(values) // steps
+            sums = [sum(values[i * per_step : (i + 1) * per_step]) for i in range(steps)]
+            pieces[f"{name} x{per_step}" if per_step > 1 else name] = 1e3 * statistics.median(sums)
+        return cls(pieces, adam_ms)
+
+    def reading(self, share_ms: float) -> str:
+        listed = ", ".join(f"{name} {ms:.2f}" for name, ms in self.pieces.items())
+        rest = share_ms - sum(self.pieces.values()) - self.adam_ms
+        return (
+            f"Where the fused share's {share_ms:.2f} ms go (median ms per step, one instrumented round per "
+            f"alternating round): {listed}, torch.optim.Adam's step {self.adam_ms:.2f}; the rest "
+            f"(autograd, its sum of the two dense gradients, Python) {rest:.2f}."
+        )
+
+
+@dataclass(frozen=True)
+class FloorReading:
+    """The share against the memory floor measured in the same rounds."""
+
+    floor_ms: float
+    rows_floor_ms: float  # the part of the floor that copies the rows / output gradients
+    reference_ms: float
+    fused_ms: float
+    adam_ms: float
+    goal: float
+
+    def reading(self, batch_size: int, embedding_dim: int, memory_size: int) -> str:
+        rows_mb = batch_size * embedding_dim * 4 / 1e6
+        best = self.reference_ms / (self.rows_floor_ms + self.adam_ms)
+        reach = "within reach at that floor" if best >= self.goal else "out of reach even at that floor"
+        return (
+            f"Memory floor of the share: copying its minimum traffic once (numpy.copyto, in the same "
+            f"alternating rounds) took {self.floor_ms:.2f} ms: two {batch_size} x {embedding_dim} float32 "
+            f"copies ({rows_mb:.1f} MB each: the rows written, their gradients read) "
+            f"{self.rows_floor_ms:.2f} ms, four of {memory_size} floats (dense gradient, array, Adam's two "
+            f"moments) {self.floor_ms - self.rows_floor_ms:.2f} ms. The fused share took "
+            f"{self.fused_ms / self.floor_ms:.2f}x the floor. Best ratio any kernel could reach against the "
+            f"reference's {self.reference_ms:.2f} ms: {self.reference_ms / self.floor_ms:.1f}x if the whole "
+            f"share ran at the floor, {best:.1f}x with lookups and backward at the rows' floor and torch's "
+            f"Adam step as measured ({self.adam_ms:.2f} ms), so the {self.goal:.0f}x goal is {reach}."
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# prefetch thresholds, judged in the training loop
+
+
+def prefetch_comparison(
+    memory_size: int,
+    *,
+    batch_size: int = 32_768,
+    embedding_dim: int = 100,
+    chunk_size: int = 32,
+    num_embeddings: int = 1_000_000,
+    rounds: int = 15,
+    seed: int = 0,
+) -> dict[str, tuple[float, float]]:
+    """The embedding share (two lookups, their backward, torch Adam) of one table per variant of the
+    kernels' prefetch thresholds, stepped in turn so that load changes hit all alike: per variant the
+    median ms and the median of its step / the default's step of the same batch (paired ratio).
+
+    Variants: the thresholds as they are, no sequential pass over a small table before a gather
+    (``_WARM_TABLE_RATIO``), no write (dense backward) prefetch at any size, read (gather) prefetch at any
+    size. Neither prefetching nor the pass changes a value, so the tables stay
+    bit-identical whatever ran them, and each round hands the variants the next table in turn: where an
+    array or its pooled buffers happen to sit in memory does not follow one variant.
+    """
+    import torch
+
+    from . import kernels
+    from .modules import RobezEmbedding
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch_size, embedding_dim)
+    grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    batches = [torch.randint(0, num_embeddings, (batch_size, 2), generator=generator) for _ in range(8)]
+    never = 1 << 62
+    variants: dict[str, dict[str, int]] = {
+        "thresholds as set": {},
+        "no table pass": {"_WARM_TABLE_RATIO": never},
+        "write never": {"_PREFETCH_WRITE_MIN_BYTES": never},
+        "read always": {"_PREFETCH_READ_MIN_BYTES": 0},
+    }
+    as_set = {name: getattr(kernels, name) for settings in variants.values() for name in settings}
+    tables = []
+    for _ in variants:
+        table = RobezEmbedding(num_embeddings, embedding_dim, memory_size=memory_size, chunk_size=chunk_size)
+        tables.append((table, torch.optim.Adam(table.parameters(), lr=1e-3)))
+    timings: dict[str, list[float]] = {name: [] for name in variants}
+    kept = {}
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for round_index in range(rounds):
+            for pairs in batches:
+                for index, (name, settings) in enumerate(variants.items()):
+                    for attribute, value in (as_set | settings).items():
+                        setattr(kernels, attribute, value)
+                    table, optimizer = tables[(index + round_index) % len(tables)]
+                    optimizer.zero_grad(set_to_none=True)
+                    start = time.perf_counter()
+                    rows = (table(pairs[:, 0]), table(pairs[:, 1]))
+                    torch.autograd.backward(rows, grads)
+                    optimizer.step()
+                    elapsed = time.perf_counter() - start
+                    kept[name] = rows  # the next step allocates while these are alive, as in training
+                    if round_index:  # the first round warms up (compilation, pool, caches)
+                        timings[name].append(elapsed)
+    finally:
+        for attribute, value in as_set.items():
+            setattr(kernels, attribute, value)
+        torch.set_num_threads(previous_threads)
+    reference = tables[0][0].weight
+    if not all(torch.equal(table.weight, reference) for table, _ in tables):
+        raise AssertionError("prefetching changed the trained array")
+    base = np.asarray(timings["thresholds as set"])
+    return {
+        name: (1e3 * float(np.median(values)), float(np.median(np.asarray(values) / base)))
+        for name, values in timings.items()
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    import os
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m robez_core.bench_share", description=__doc__)
+    parser.add_argument(
+        "--prefetch", action="store_true", help="compare the prefetch thresholds and the table pass"
+    )
+    parser.add_argument("--memory-sizes", type=int, nargs="+", default=[262_144])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--emulate-avx2", action="store_true", help="as python -m robez_core.bench")
+    args = parser.parse_args(argv)
+    if not args.prefetch:
+        parser.error("nothing to do: pass --prefetch")
+    from .bench import _EMULATION_MARK, avx2_emulation_env, machine_info
+
+    given = list(sys.argv[1:] if argv is None else argv)
+    if args.emulate_avx2 and os.environ.get(_EMULATION_MARK) != "avx2":
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "robez_core.bench_share", *given],
+            {**os.environ, **avx2_emulation_env()},
+        )
+    load_before = os.getloadavg()
+    print(f"python -m robez_core.bench_share {' '.join(given)}")
+    for key, value in machine_info().items():
+        print(f"{key}: {value}")
+    for memory_size in args.memory_sizes:
+        print(f"\nm = {memory_size}: embedding share per step, 1 thread, {args.rounds - 1} x 8 paired steps")
+        for name, (median_ms, ratio) in prefetch_comparison(memory_size, rounds=args.rounds).items():
+            print(
+                f"  {name:18s} median {median_ms:7.3f} ms   paired ratio to the thresholds as set {ratio:.3f}"
+            )
+    load_after = os.getloadavg()
+    print(
+        "\nload average (1/5/15 min): before "
+        + " ".join(f"{x:.2f}" for x in load_before)
+        + ", after "
+        + " ".join(f"{x:.2f}" for x in load_after)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

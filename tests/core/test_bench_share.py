@@ -1,0 +1,74 @@
+"""The share's yardsticks: the memory floor, the timed pieces and the prefetch comparison, on toy sizes."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from robez_core import bench_share
+from robez_core.bench_share import FloorReading, PieceTimings
+
+
+def test_memory_floor_runner_times_each_step_after_the_first():
+    grads = (torch.randn(64, 8), torch.randn(64, 8))
+    run = bench_share.memory_floor_runner(grads, memory_size=256, steps=5)
+    timings = run()
+    assert len(timings) == 4
+    assert all(0 < rows <= total for rows, total in timings)
+
+
+def test_timed_calls_records_every_call_and_puts_the_original_back():
+    owner = types.SimpleNamespace(double=lambda x: 2 * x)
+    original = owner.double
+    with bench_share.timed_calls({"double": (owner, "double")}) as durations:
+        assert owner.double(3) == 6 and owner.double(4) == 8
+        assert owner.double is not original
+    assert owner.double is original
+    assert len(durations["double"]) == 2 and all(d >= 0 for d in durations["double"])
+
+
+def test_timed_calls_restores_the_originals_when_the_block_raises():
+    owner = types.SimpleNamespace(f=lambda: 1)
+    original = owner.f
+    with pytest.raises(RuntimeError), bench_share.timed_calls({"f": (owner, "f")}):
+        raise RuntimeError("boom")
+    assert owner.f is original
+
+
+def test_pieces_are_summed_per_step_and_the_rest_is_what_they_leave():
+    # two steps; "hash" is called twice a step, "scatter" once; uneven pieces are left out
+    durations = {"hash": [0.001, 0.002, 0.003, 0.004], "scatter": [0.010, 0.030], "odd": [0.1, 0.2, 0.3]}
+    pieces = PieceTimings.from_durations(durations, steps=2, adam_ms=0.5)
+    assert pieces.pieces == pytest.approx({"hash x2": 5.0, "scatter": 20.0})
+    text = pieces.reading(share_ms=30.0)
+    assert "fused share's 30.00 ms" in text and "hash x2 5.00, scatter 20.00" in text
+    assert "Adam's step 0.50" in text and "Python) 4.50." in text
+
+
+def test_floor_reading_prints_ratios_and_reach_from_its_data():
+    reading = FloorReading(
+        floor_ms=2.0, rows_floor_ms=1.5, reference_ms=40.0, fused_ms=4.0, adam_ms=0.5, goal=15.0
+    )
+    text = reading.reading(batch_size=32768, embedding_dim=100, memory_size=262144)
+    assert "took 2.00 ms" in text and "(13.1 MB each" in text and "1.50 ms" in text and "0.50 ms" in text
+    assert "2.00x the floor" in text
+    assert "20.0x if the whole share ran at the floor, 20.0x with lookups" in text
+    assert "goal is within reach at that floor." in text
+    slower = FloorReading(2.0, 1.5, 20.0, 4.0, 0.5, 15.0).reading(32768, 100, 262144)
+    assert "10.0x with lookups" in slower and "goal is out of reach even at that floor." in slower
+
+
+def test_prefetch_comparison_steps_every_variant_and_keeps_the_thresholds():
+    from robez_core import kernels
+
+    names = ("_PREFETCH_READ_MIN_BYTES", "_PREFETCH_WRITE_MIN_BYTES", "_WARM_TABLE_RATIO")
+    before = [getattr(kernels, name) for name in names]
+    result = bench_share.prefetch_comparison(
+        512, batch_size=64, embedding_dim=16, chunk_size=4, num_embeddings=1000, rounds=2
+    )
+    assert set(result) == {"thresholds as set", "no table pass", "write never", "read always"}
+    assert result["thresholds as set"][1] == 1.0
+    assert all(median > 0 for median, _ in result.values())
+    assert before == [getattr(kernels, name) for name in names]
