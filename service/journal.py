@@ -1,6 +1,6 @@
 """The durability hook between the table store and a write-ahead log.
 
-``TableStore`` (``service/store.py``) calls a ``Journal`` at fixed points, per docs/architecture.md
+``TableStore`` (``service/store/``) calls a ``Journal`` at fixed points, per docs/architecture.md
 "Journal hook": ``append`` under the table's cross-worker update lock, before the update is applied;
 ``wait_durable`` with the ticket ``append`` returned, after the lock is released and before the response
 is sent (group commit: the writers that come next append meanwhile and share one flush); ``create`` /

@@ -44,7 +44,7 @@ from robez_core.table import Table
 VERSION, STATE, PENDING = 0, 1, 2  # indices of a table's counters
 NUM_COUNTERS = 3
 # counters[PENDING]: 0, or what the holder of the table's lock is doing, which the next holder finds if
-# that worker died (store.py's module docstring): the version an update will produce, or one of these.
+# that worker died (service/store/repair.py's docstring): the version an update will produce, or one of these.
 EXCLUSIVE = -1  # a snapshot (or another exclusive holder) runs
 LOADING = -2  # a load (``TableStore.restore``)
 DELETING = -3  # a delete

@@ -1,0 +1,109 @@
+"""The names, limits and results of ``TableStore``'s API: what the routes and the codecs import."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import Tensor
+
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.errors import (
+    InvalidInputError,
+    LimitExceededError,
+)
+
+from ..config import Settings
+
+TABLE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+Pooling = Literal["none", "sum", "mean"]
+POOLINGS: tuple[str, ...] = ("none", "sum", "mean")
+
+
+def validate_table_name(name: str) -> str:
+    """Table names become registry keys and WAL file names: letters, digits, '_' and '-', at most 64."""
+    if not isinstance(name, str) or not TABLE_NAME_PATTERN.fullmatch(name):
+        raise InvalidInputError(
+            f"invalid table name {name!r}: use 1-64 letters, digits, '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request and capacity limits (see ``Settings``); exceeding one raises ``LimitExceededError``."""
+
+    max_ids_per_request: int
+    max_values_per_request: int
+    max_tables: int
+    max_embedding_dim: int
+    max_memory_size: int
+    max_total_memory_bytes: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        return cls(
+            max_ids_per_request=settings.max_ids_per_request,
+            max_values_per_request=settings.max_values_per_request,
+            max_tables=settings.max_tables,
+            max_embedding_dim=settings.max_embedding_dim,
+            max_memory_size=settings.max_memory_size,
+            max_total_memory_bytes=settings.max_total_memory_bytes,
+        )
+
+    def check_request(self, num_ids: int, embedding_dim: int) -> None:
+        """A lookup or update of ``num_ids`` rows of ``embedding_dim`` values."""
+        if num_ids > self.max_ids_per_request:
+            raise LimitExceededError(
+                f"{num_ids} ids in one request; the limit is max_ids_per_request={self.max_ids_per_request}"
+            )
+        if num_ids * embedding_dim > self.max_values_per_request:
+            raise LimitExceededError(
+                f"{num_ids} rows x {embedding_dim} values = {num_ids * embedding_dim} values in one request; "
+                f"the limit is max_values_per_request={self.max_values_per_request}"
+            )
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """What ``GET /v1/tables/{name}`` reports about a table."""
+
+    name: str
+    config: TableConfig
+    optimizer: OptimizerConfig
+    version: int
+    array: str
+    array_tables: tuple[str, ...]  # every table reading this array (itself included)
+    memory_bytes: int  # the array and its optimizer state
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Rows (n, d) float32 (or pooled bags (B, d)), the version read before gathering, stage times (s)."""
+
+    rows: Tensor
+    version: int
+    hash_seconds: float
+    lookup_seconds: float
+
+
+@dataclass(frozen=True)
+class LookupRequestItem:
+    """One table's part of a multi-table lookup (arguments as ``TableStore.lookup``)."""
+
+    table: str
+    ids: Tensor
+    offsets: Tensor | None = None
+    pooling: Pooling = "none"
+    per_sample_weights: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """The version the update produced and its stage times in seconds."""
+
+    version: int
+    hash_seconds: float
+    apply_seconds: float

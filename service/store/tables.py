@@ -1,0 +1,555 @@
+"""``TableStore``: the tables of one server as one worker sees them.
+
+The files, their layout and the per-table counters are in ``shm.py``; this package is what workers do
+with them. This module holds the registry view, the data path (lookups, updates, the replicated apply) and
+the table's update lock that every change takes; creating, loading and deleting tables is ``admin.py``,
+and repairing what a worker killed under a table's lock left is ``repair.py``.
+
+Consistency: updates of an array are serialised by its lock; lookups never take it. A lookup running
+while an update is applied may read a row with some values from before and some from after that update
+(values are float32 stores, never torn); every lookup that starts after an update's response was sent
+sees the whole update, since the update finished writing before it responded. A lookup reports the table
+version read before it gathered: its rows include at least that many updates.
+
+An update marks ``pending`` before it appends to the journal and clears it after the version counter is
+bumped; whoever takes the lock next and finds the mark set repairs the table first (``repair.py``).
+
+Lock order, everywhere: a table's update lock, then ``registry.lock``, then a store's ``_sync_lock``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.errors import (
+    BusyError,
+    ConfigError,
+    CorruptionError,
+    InvalidInputError,
+    LimitExceededError,
+    NotFoundError,
+)
+from robez_core.table import Table
+
+from .. import faults
+from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
+from ..journal import Journal, NullJournal, UpdateRecord
+from ..shm import (
+    DELETED,
+    EXCLUSIVE,
+    LIVE,
+    NUM_COUNTERS,
+    REPLACED,
+    FileLock,
+    Registry,
+    SharedArray,
+    SharedDirectory,
+    TableEntry,
+    dtype_from_name,
+    shape_numel,
+)
+from .admin import TableAdmin
+from .api import (
+    POOLINGS,
+    Limits,
+    LookupRequestItem,
+    LookupResult,
+    Pooling,
+    TableInfo,
+    UpdateResult,
+    validate_table_name,
+)
+from .repair import repair
+
+logger = logging.getLogger("robez.store")
+
+# An update or snapshot that finds its table replaced by a load starts again; this many loads in a row
+# while it waits means something is wrong.
+_MAX_SWITCHES = 16
+
+
+class TableStore:
+    """The tables of one server as one worker sees them; every method is safe to call from many threads.
+
+    Args:
+        directory: the prepared shared directory (``TableStore.prepare`` or ``SharedDirectory.create``).
+        settings: limits and journal settings.
+        journal: where updates and table lifecycle events are made durable (``NullJournal``: nowhere).
+    """
+
+    def __init__(self, directory: SharedDirectory, settings: Settings, journal: Journal) -> None:
+        self.directory = directory
+        self.limits = Limits.from_settings(settings)
+        self.journal = journal
+        # Testing only (ROBEZ_FAULT_DIE_AFTER_APPEND): die half-way through an update; see _fault_point.
+        self._fault_file = settings.fault_die_after_append
+        self._generation = directory.map("generation", 1, torch.int64)
+        self._generation_np = self._generation.numpy()  # read on every request: numpy is cheaper
+        self._registry_lock = FileLock(directory.path / "registry.lock")
+        self._sync_lock = threading.Lock()
+        self._seen_generation = -1
+        self._entries: dict[str, TableEntry] = {}
+        self._arrays: dict[str, SharedArray] = {}
+        self._locks: dict[str, FileLock] = {}
+        self._registry = Registry()
+        self._admin = TableAdmin(self)  # create, load, delete: admin.py
+        self.refresh()
+
+    # -- start-up ---------------------------------------------------------------------------------
+
+    @classmethod
+    def prepare(cls, settings: Settings, journal: Journal) -> SharedDirectory:
+        """Create the shared directory and fill it: tables from the data directory, then the tables file,
+        then (if neither named any and ``default_table``) the ``demo`` table. Called once, by the process
+        that starts the workers; the workers attach with ``TableStore(directory, ...)``."""
+        directory = SharedDirectory.create(settings.shm_dir)
+        try:
+            store = cls(directory, settings, journal)
+            try:
+                store._load_initial_tables(settings)
+            finally:
+                store.close()
+        except BaseException:
+            directory.remove()
+            raise
+        return directory
+
+    def _load_initial_tables(self, settings: Settings) -> None:
+        specs = load_tables_file(settings.config) if settings.config is not None else {}
+        for name in self.journal.names():
+            loaded = self.journal.load(validate_table_name(name))
+            if loaded is None:
+                continue
+            table, version = loaded
+            spec = specs.get(name)
+            if spec is not None and (spec.config, spec.optimizer) != (table.config, table.optimizer):
+                raise ConfigError(
+                    f"table {name!r} in the data directory has a different config than the tables file; "
+                    "delete the table (DELETE /v1/tables/{name}) or change the file"
+                )
+            spec = TableSpec(table.config, table.optimizer)
+            self._admin.install(name, spec, source=table, version=version, journal_create=False)
+            logger.info("loaded table %s at version %d from the data directory", name, version)
+        for name, spec in specs.items():
+            if name not in self._registry.tables:
+                self.create(name, spec)
+        if not self._registry.tables and settings.config is None and settings.default_table:
+            self.create("demo", demo_table_spec())
+
+    # -- registry ---------------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Map tables created and drop tables deleted by any worker since this worker last looked."""
+        generation = int(self._generation_np[0])
+        if generation == self._seen_generation:
+            return
+        with self._registry_lock.hold(), self._sync_lock:
+            self._sync(self.directory.read_registry(), int(self._generation[0]))
+
+    def _sync(self, registry: Registry, generation: int) -> None:
+        arrays = {aid: a for aid, a in self._arrays.items() if aid in registry.arrays}
+        # Kept across a load's switch: the threads of this process must keep excluding each other.
+        locks = {lid: lock for lid, lock in self._locks.items() if registry.lock_in_use(lid)}
+        entries: dict[str, TableEntry] = {}
+        for name, record in registry.tables.items():
+            current = self._entries.get(name)
+            if current is not None and current.uid == record["uid"]:
+                entries[name] = current
+                continue
+            array_id = record["array"]
+            if array_id not in arrays:
+                arrays[array_id] = self._map_array(array_id, registry.arrays[array_id])
+            array = arrays[array_id]
+            config = TableConfig.from_dict(record["config"])
+            optimizer = OptimizerConfig.from_dict(record["optimizer"])
+            table = Table(config, optimizer, weight=array.weight, state=array.state)
+            counters = self.directory.map(f"tables/{record['uid']}.counters", NUM_COUNTERS, torch.int64)
+            lock_id = record["lock"]
+            if lock_id not in locks:
+                locks[lock_id] = FileLock(self.directory.locks_dir / f"{lock_id}.lock")
+            entries[name] = TableEntry(name, record["uid"], table, array, locks[lock_id], counters)
+        self._arrays, self._entries, self._locks, self._registry = arrays, entries, locks, registry
+        self._seen_generation = generation
+
+    def _map_array(self, array_id: str, record: dict[str, Any]) -> SharedArray:
+        tensors = {
+            key: self.directory.map(
+                f"arrays/{array_id}.{key}", shape_numel(tuple(shape)), dtype_from_name(dtype)
+            ).view(tuple(shape))
+            for key, (shape, dtype) in record["layout"].items()
+        }
+        return SharedArray(array_id, tensors)
+
+    def _publish(self, registry: Registry) -> None:
+        """Write the registry and bump the generation; caller holds the registry lock."""
+        self.directory.write_registry(registry)
+        generation = int(self._generation[0]) + 1
+        self._generation[0] = generation
+        with self._sync_lock:
+            self._sync(registry, generation)
+
+    def _entry(self, name: str) -> TableEntry:
+        self.refresh()
+        entry = self._entries.get(name)
+        if entry is None:
+            raise NotFoundError(f"no table named {name!r}")
+        return entry
+
+    # -- tables -----------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        self.refresh()
+        return sorted(self._entries)
+
+    def table(self, name: str) -> Table:
+        """The core Table (over shared memory) named ``name``."""
+        return self._entry(name).table
+
+    def version(self, name: str) -> int:
+        return self._entry(name).version
+
+    def info(self, name: str) -> TableInfo:
+        entry = self._entry(name)
+        registry = self._registry
+        array_record = registry.arrays.get(entry.array.array_id, {})
+        return TableInfo(
+            name=name,
+            config=entry.table.config,
+            optimizer=entry.table.optimizer,
+            version=entry.version,
+            array=entry.array.array_id,
+            array_tables=registry.array_tables(entry.array.array_id),
+            memory_bytes=int(array_record.get("nbytes", 0)),
+        )
+
+    # -- administration (admin.py) ----------------------------------------------------------------
+
+    def create(self, name: str, spec: TableSpec) -> TableInfo:
+        """Create a table (new zero-version array, or sharing ``spec.share_array_with``'s array)."""
+        return self._admin.create(name, spec)
+
+    def create_from(self, name: str, table: Table, version: int = 0) -> TableInfo:
+        """Create table ``name`` holding a copy of ``table``'s array and optimizer state (an import) at
+        ``version``; journalled like ``create``."""
+        return self._admin.create_from(name, table, version)
+
+    def delete(self, name: str) -> None:
+        """Remove a table; its array goes when no other table reads it (``TableAdmin.delete``)."""
+        self._admin.delete(name)
+
+    def snapshot(self, name: str) -> int:
+        """Journal a snapshot of the table at its current version (no update in between); returns it."""
+        return self._admin.snapshot(name)
+
+    def restore(self, name: str, source: Table, version: int) -> None:
+        """Replace the table's array and optimizer state by a copy of ``source`` (same config and
+        optimizer) at ``version``, atomically for lookups (``TableAdmin.restore``)."""
+        self._admin.restore(name, source, version)
+
+    # -- data path --------------------------------------------------------------------------------
+
+    def lookup(
+        self,
+        name: str,
+        ids: Tensor,
+        offsets: Tensor | None = None,
+        pooling: Pooling = "none",
+        per_sample_weights: Tensor | None = None,
+    ) -> LookupResult:
+        """Rows of ``ids`` (int64 (n,)) -> float32 (n, d); with ``pooling`` sum/mean, bags delimited by
+        ``offsets`` (int64 (B,), nn.EmbeddingBag style; None = one bag) -> (B, d). Never takes a lock."""
+        entry = self._entry(name)
+        table = entry.table
+        self.limits.check_request(
+            int(ids.shape[0]) if ids.dim() == 1 else int(ids.numel()), table.config.embedding_dim
+        )
+        bag_offsets = weights = None
+        if pooling != "none" or offsets is not None or per_sample_weights is not None:
+            table.validate_ids(ids)
+            bag_offsets, weights = _validate_pooling(ids, offsets, pooling, per_sample_weights)
+        version = entry.version
+        rows, hash_seconds, lookup_seconds = table.lookup_timed(ids)  # checks ids
+        if pooling != "none":
+            assert bag_offsets is not None
+            start = time.perf_counter()
+            positions = torch.arange(rows.shape[0], dtype=torch.int64)
+            rows = F.embedding_bag(positions, rows, bag_offsets, mode=pooling, per_sample_weights=weights)
+            lookup_seconds += time.perf_counter() - start
+        return LookupResult(rows, version, hash_seconds, lookup_seconds)
+
+    def lookup_many(self, items: list[LookupRequestItem]) -> list[LookupResult]:
+        """Several lookups in one request; the request limits apply to their sum. All tables are
+        resolved and the limits checked before any lookup runs."""
+        total_ids = total_values = 0
+        for item in items:
+            num_ids = max(1, int(item.ids.numel()))  # an empty lookup still costs a table resolution
+            total_ids += num_ids
+            total_values += num_ids * self._entry(item.table).table.config.embedding_dim
+        self.limits.check_request(total_ids, 0)
+        if total_values > self.limits.max_values_per_request:
+            raise LimitExceededError(
+                f"{total_values} values in one request; the limit is "
+                f"max_values_per_request={self.limits.max_values_per_request}"
+            )
+        return [
+            self.lookup(item.table, item.ids, item.offsets, item.pooling, item.per_sample_weights)
+            for item in items
+        ]
+
+    def update(self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None) -> UpdateResult:
+        """Apply the table's optimizer to the gradients ``grads`` (float32 (n, d)) of the rows of ``ids``
+        (int64 (n,)); duplicates are summed. Journalled before it is applied; nothing changes on error.
+        Returns once the update is as durable as the journal's fsync policy promises."""
+        done = self.apply_update(name, ids, grads, lr)
+        assert done is not None  # blocking
+        result, ticket = done
+        self.journal.wait_durable(ticket)
+        return result
+
+    def journal_is_memory_only(self) -> bool:
+        """True when updates are journalled nowhere (no data directory): applying one does no I/O."""
+        return isinstance(self.journal, NullJournal)
+
+    def apply_update(
+        self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None, *, blocking: bool = True
+    ) -> tuple[UpdateResult, int] | None:
+        """``update`` without the final wait: returns the journal ticket to pass to
+        ``journal.wait_durable`` before acknowledging. The HTTP route waits outside its compute slot, so
+        updates waiting for one group-commit flush do not hold back others from joining it.
+
+        ``blocking=False``: returns None, having changed nothing, when the table's update lock is held
+        elsewhere (the caller, on the event loop, then retries from a worker thread)."""
+        entry = self._entry(name)
+        table = entry.table
+        self.limits.check_request(int(ids.numel()), table.config.embedding_dim)
+        applied_lr = table.optimizer.lr if lr is None else float(lr)
+        if not (applied_lr > 0 and applied_lr != float("inf")):
+            raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
+        start = time.perf_counter()
+        # ``hash`` checks the ids and ``prepare_step`` the gradients (finite, one row of d per id), both
+        # before anything changes.
+        # Hashing reads only the config, so it runs outside the lock; so does coalescing the step.
+        chunk_offsets = table.hash(ids)
+        hashed = time.perf_counter()
+        # also: lr <= the table's max_lr
+        step = table.prepare_step(chunk_offsets, grads, applied_lr, offsets_from_hash=True)
+        prepared = time.perf_counter()
+        with self._try_locked(name, blocking) as locked:
+            if locked is None:
+                return None
+            if locked is not entry:  # a load switched the table meanwhile (same config: checked again)
+                table = locked.table
+                table.validate_grads(ids, grads)
+                chunk_offsets = table.hash(ids)
+                step = table.prepare_step(chunk_offsets, grads, applied_lr, offsets_from_hash=True)
+            version = locked.version + 1
+            # Before the log: a step that would leave a non-finite value is refused, nothing changed.
+            table.check_step(step)
+            # Marked before the append, cleared after the bump: a worker that dies in between leaves the
+            # mark for the next holder of the lock to repair (see repair.py).
+            locked.set_pending(version)
+            try:
+                ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
+            except BaseException:
+                locked.set_pending(0)  # a failed append leaves the log as it was
+                raise
+            if self._fault_file is not None:
+                self._fault_point(table, chunk_offsets, grads, applied_lr)
+            apply_start = time.perf_counter()
+            table.apply_step(step)  # if it raises, the mark stays
+            applied = time.perf_counter()
+            locked.set_version(version)
+            locked.set_pending(0)
+        # The caller waits for durability outside the lock (group commit): the next updates append
+        # while this one waits for its flush.
+        apply_seconds = (prepared - hashed) + (applied - apply_start)
+        return UpdateResult(version, hashed - start, apply_seconds), ticket
+
+    # -- replicated mode: the log decides the order and the versions (service/replication/) ----------
+
+    def validate_update(self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None) -> float:
+        """Every check ``apply_update`` makes before it changes anything; returns the lr to apply. A
+        replica runs it before publishing, so a bad push is a 4xx and never reaches the log."""
+        table = self._entry(name).table
+        self.limits.check_request(int(ids.numel()), table.config.embedding_dim)
+        table.validate_grads(ids, grads)
+        applied_lr = table.optimizer.lr if lr is None else float(lr)
+        if not (applied_lr > 0 and applied_lr != float("inf")):
+            raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
+        # lr <= the table's max_lr, and a step that would leave a non-finite value on the table as this
+        # replica has it now is refused before it is published (apply_logged checks again, at its version).
+        table.check_step(table.prepare_step(table.hash(ids), grads, applied_lr))
+        return applied_lr
+
+    def apply_logged(self, record: UpdateRecord) -> UpdateResult | None:
+        """Apply the update at log position ``record.version``: the table goes from ``version - 1`` to
+        ``version``. None if the table already has it (a replay). A gap is a ``CorruptionError``: the
+        caller reads the log from the wrong place. The journal is not called: the log is the journal."""
+        entry = self._entry(record.table)
+        start = time.perf_counter()
+        chunk_offsets = entry.table.hash(record.ids)
+        hashed = time.perf_counter()
+        with self._locked(record.table) as locked:
+            if locked.version >= record.version:
+                return None
+            if locked.version != record.version - 1:
+                raise CorruptionError(
+                    f"table {record.table!r} is at version {locked.version}; "
+                    f"log position {record.version} cannot follow it"
+                )
+            if locked is not entry:
+                chunk_offsets = locked.table.hash(record.ids)
+            apply_start = time.perf_counter()
+            step = locked.table.prepare_step(chunk_offsets, record.grads, record.lr)
+            try:
+                locked.table.check_step(step)
+            except InvalidInputError as error:
+                # Published after a check against an earlier version, but at this version the step would
+                # leave a non-finite value: every replica is at these same bytes, so every replica skips
+                # it alike; the version still advances (an empty update), keeping versions equal.
+                logger.warning("table %r: log entry %d skipped: %s", record.table, record.version, error)
+            else:
+                locked.table.apply_step(step)
+            applied = time.perf_counter()
+            locked.set_version(record.version)
+        return UpdateResult(record.version, hashed - start, applied - apply_start)
+
+    def checksum(self, name: str) -> tuple[int, str]:
+        """(version, sha256 hex) over the array and optimizer state, taken under the update lock, so the
+        digest is of exactly that version. Replicas at the same version have the same digest."""
+        with self.exclusive(name) as (table, version):
+            digest = hashlib.sha256()
+            for key, tensor in sorted(table.tensors().items()):
+                digest.update(key.encode())
+                digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
+            return version, digest.hexdigest()
+
+    def warm_up(self) -> None:
+        """Load the compiled kernels now (numba's on-disk cache), so a worker's first lookup or update is
+        not the one that pays for it. Lookups read the real tables; updates run on a tiny private table
+        of the same kind (same hash, chunk size and optimizer), so nothing shared changes."""
+        probe = torch.zeros(1, dtype=torch.int64)
+        kinds = set()
+        for entry in list(self._entries.values()):
+            table = entry.table
+            table.gather(table.hash(probe))
+            config = table.config
+            kinds.add((config.embedding_dim, config.chunk_size, config.hash, table.optimizer))
+        if not kinds:
+            # No table yet (tables come later through the API or the log): load the kernels of the
+            # default kind, so the first request after a table is created does not pay ~0.3 s for them.
+            demo = demo_table_spec()
+            kinds.add((demo.config.embedding_dim, demo.config.chunk_size, demo.config.hash, demo.optimizer))
+        for embedding_dim, chunk_size, hash_name, optimizer in kinds:
+            tiny = TableConfig(
+                1, embedding_dim, memory_size=2 * chunk_size, chunk_size=chunk_size, hash=hash_name
+            )
+            private = Table(tiny, optimizer)
+            private.gather(private.hash(probe))
+            private.apply_gradients(probe, torch.zeros(1, embedding_dim))
+
+    # -- the table's update lock, held by every change of a table ---------------------------------
+
+    @contextmanager
+    def _locked(self, name: str) -> Iterator[TableEntry]:
+        """The table's current entry, its update lock held: no update, snapshot, load or delete of it runs
+        meanwhile. An entry a load replaced while this waited for the lock is looked up again; one whose
+        last holder died in the middle of an update is repaired first."""
+        with self._try_locked(name, blocking=True) as entry:
+            assert entry is not None
+            yield entry
+
+    @contextmanager
+    def _try_locked(self, name: str, blocking: bool) -> Iterator[TableEntry | None]:
+        """As ``_locked``; with ``blocking=False`` None at once when the lock is held elsewhere."""
+        for _ in range(_MAX_SWITCHES):
+            entry = self._entry(name)
+            with entry.lock.hold(blocking) as held:
+                if not held:
+                    yield None
+                    return
+                if entry.pending and entry.state == LIVE:
+                    repair(self, entry)  # may find the dead holder's load or delete published
+                state = entry.state
+                if state == REPLACED:
+                    continue
+                if state == DELETED:
+                    raise NotFoundError(f"no table named {name!r}")
+                yield entry
+                return
+        raise BusyError(f"table {name!r} was replaced {_MAX_SWITCHES} times in a row; try again")
+
+    def _fault_point(self, table: Table, chunk_offsets: Tensor, grads: Tensor, lr: float) -> None:
+        """Testing only: once for each time the fault file is created (empty, or naming
+        ``update:appended``), apply the first half of the update's rows (a half-applied update) and
+        SIGKILL this process before the counter bump."""
+        if not faults.armed(self._fault_file, faults.UPDATE_APPENDED):
+            return
+        half = max(1, int(grads.shape[0]) // 2)
+        table.apply_gradients_at(chunk_offsets[:half], grads[:half], lr)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    @contextmanager
+    def exclusive(self, name: str) -> Iterator[tuple[Table, int]]:
+        """Hold the table's update lock: yields (table, version) with no update running or starting.
+
+        Marked pending meanwhile, like an update: if this worker dies while it holds the lock (in the
+        middle of a snapshot, say), the next holder repairs the table from the journal."""
+        with self._locked(name) as entry:
+            entry.set_pending(EXCLUSIVE)
+            try:
+                yield entry.table, entry.version
+            finally:
+                entry.set_pending(0)
+
+    def close(self) -> None:
+        """Release this worker's locks and mappings (the shared directory stays; its owner removes it)."""
+        with self._sync_lock:
+            for lock in self._locks.values():
+                lock.close()
+            self._arrays, self._entries, self._locks = {}, {}, {}
+        self._registry_lock.close()
+
+
+def _validate_pooling(
+    ids: Tensor, offsets: Tensor | None, pooling: str, per_sample_weights: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """Checks nn.EmbeddingBag-style bags; returns (offsets, per_sample_weights) ready for pooling."""
+    if pooling not in POOLINGS:
+        raise InvalidInputError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    num_ids = int(ids.shape[0])
+    if pooling == "none":
+        if offsets is not None or per_sample_weights is not None:
+            raise InvalidInputError("offsets and per_sample_weights need pooling 'sum' or 'mean'")
+        return None, None
+    if offsets is None:
+        offsets = torch.zeros(1, dtype=torch.int64)
+    if offsets.dtype != torch.int64 or offsets.dim() != 1:
+        raise InvalidInputError("offsets must be a 1-D list of int64 bag starts")
+    if offsets.numel() > 0:
+        if int(offsets[0]) != 0:
+            raise InvalidInputError(f"offsets[0] must be 0, got {int(offsets[0])}")
+        if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > num_ids:
+            raise InvalidInputError(f"offsets must be non-decreasing and at most len(ids) = {num_ids}")
+    if per_sample_weights is not None:
+        if pooling != "sum":
+            raise InvalidInputError("per_sample_weights need pooling 'sum' (as in nn.EmbeddingBag)")
+        if per_sample_weights.dim() != 1 or int(per_sample_weights.shape[0]) != num_ids:
+            raise InvalidInputError(f"per_sample_weights must have one weight per id ({num_ids})")
+        per_sample_weights = per_sample_weights.to(torch.float32)
+        if not bool(torch.isfinite(per_sample_weights).all()):
+            raise InvalidInputError("per_sample_weights must be finite (no NaN or Inf)")
+    return offsets, per_sample_weights
