@@ -6,7 +6,7 @@
 - the embedding's share of that step (two lookups, their backward, dense Adam), fused and reference;
 - one fused forward lookup of 32768 ids (13 MB of rows);
 - the service's lookup path for 4096 ids on its demo table (d = 64): ``Table.hash``, ``Table.gather``
-  and the little-endian bytes of the rows, as ``service/store.py`` and ``service/codec.py`` do them
+  and the little-endian bytes of the rows, as ``service/store/`` and ``service/codec.py`` do them
   (1 MB of rows and 1 MB of bytes);
 
 each in a fresh process with glibc's defaults and with ``allocator.tune_malloc()``, for the host CPU and
