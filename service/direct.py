@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from .fastpath import FastRoute, FastRoutes, respond
 from .limits import UNLIMITED_PATHS, BodyLimits, WorkerLoad
-from .metrics import CLIENT_CLOSED_REQUEST, Metrics
+from .metrics import AnswerStatus, Metrics, table_label
 
 logger = logging.getLogger("robez.direct")
 
@@ -118,14 +118,8 @@ class DirectAnswers:
         ``write(response)`` may write a response itself, as ``send`` would (True), or leave it to ``send``."""
         start = time.perf_counter()
         scope["app"] = self.app
-        status: int | None = None
-
-        async def send_with_status(message: Any) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
+        answer = AnswerStatus(send)
+        raised = True
         load = self.load
         limited = scope["path"] not in UNLIMITED_PATHS
         load.held_bytes += size
@@ -135,30 +129,30 @@ class DirectAnswers:
             try:
                 response = await respond(scope, receive, route, parameter)
                 if write(response):
-                    status = response.status_code
+                    answer.status = response.status_code
                 else:
-                    await response(scope, receive, send_with_status)
+                    await response(scope, receive, answer.send)
             except Exception as exc:
                 # What ServerErrorMiddleware does with an error no handler took: the app's handler for
                 # Exception answers (unless an answer has started), and the error goes on up (logged).
                 handler = self.app.exception_handlers.get(Exception)
                 if handler is not None:
                     response = await handler(Request(scope), exc)
-                    if status is None:
-                        await response(scope, receive, send_with_status)
+                    if answer.status is None:
+                        await response(scope, receive, answer.send)
                 raise
             finally:
                 if limited:
                     load.in_flight -= 1
                 load.held_bytes -= size
-            if status is None:  # returned without answering: its client went away
-                status = CLIENT_CLOSED_REQUEST
+            raised = False
         finally:
-            if status is None:
-                status = 500
-            table = str(scope["state"].get("table", ""))
             self.metrics.observe_request(
-                route.path, scope["method"], table, status, time.perf_counter() - start
+                route.path,
+                scope["method"],
+                table_label(scope),
+                answer.final(raised),
+                time.perf_counter() - start,
             )
 
 

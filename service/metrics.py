@@ -221,8 +221,34 @@ def set_table_label(request: Request, table: str) -> None:
     state["table"] = table
 
 
+def table_label(scope: Scope) -> str:
+    """The table label ``set_table_label`` gave this request ("" if none)."""
+    return str(scope.get("state", {}).get("table", ""))
+
+
 # nginx's status for "the client closed the connection before the server answered"; never sent.
 CLIENT_CLOSED_REQUEST = 499
+
+
+class AnswerStatus:
+    """The status a request is counted under (``RequestMetricsMiddleware`` and ``service/direct.py``):
+    ``send`` records the one its response starts with (or set ``status`` when a response is written
+    another way); ``final`` gives it, or, with no response started, 499 when the app returned (its client
+    went away) and 500 when it raised (the server error handler answers 500)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.status: int | None = None
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = int(message["status"])
+        await self._send(message)
+
+    def final(self, raised: bool) -> int:
+        if self.status is not None:
+            return self.status
+        return 500 if raised else CLIENT_CLOSED_REQUEST
 
 
 class RequestMetricsMiddleware:
@@ -242,24 +268,18 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status: int | None = None
-
-        async def send_with_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
+        answer = AnswerStatus(send)
+        raised = True
         try:
-            await self.app(scope, receive, send_with_status)
-            if status is None:  # returned without answering: its client went away
-                status = CLIENT_CLOSED_REQUEST
+            await self.app(scope, receive, answer.send)
+            raised = False
         finally:
-            if status is None:  # raised before answering: the server error handler answers 500
-                status = 500
             route: Any = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
-            table = str(scope.get("state", {}).get("table", ""))
             self.metrics.observe_request(
-                endpoint, scope["method"], table, status, time.perf_counter() - start
+                endpoint,
+                scope["method"],
+                table_label(scope),
+                answer.final(raised),
+                time.perf_counter() - start,
             )
