@@ -74,12 +74,7 @@ class TableAdmin:
         self._check_config_limits(spec.config)
         with self._store._registry_lock.hold():
             registry = self._store.directory.read_registry()
-            if name in registry.tables:
-                raise ConflictError(f"table {name!r} already exists")
-            if len(registry.tables) >= self._store.limits.max_tables:
-                raise LimitExceededError(
-                    f"there are already max_tables={self._store.limits.max_tables} tables"
-                )
+            self._check_room(registry, name)
             if spec.share_array_with is not None:
                 source = self._shared_array_source(registry, spec)
                 self._register(
@@ -96,6 +91,14 @@ class TableAdmin:
         self._check_config_limits(table.config)
         spec = TableSpec(table.config, table.optimizer)
         return self.install(name, spec, source=table, version=version, journal_create=True)
+
+    def _check_room(self, registry: Registry, name: str) -> None:
+        """A new table ``name`` fits the registry: not taken, under ``max_tables``. Caller holds the
+        registry lock."""
+        if name in registry.tables:
+            raise ConflictError(f"table {name!r} already exists")
+        if len(registry.tables) >= self._store.limits.max_tables:
+            raise LimitExceededError(f"there are already max_tables={self._store.limits.max_tables} tables")
 
     def _check_config_limits(self, config: TableConfig) -> None:
         if config.embedding_dim > self._store.limits.max_embedding_dim:
@@ -185,12 +188,7 @@ class TableAdmin:
         nbytes = layout_bytes(array_layout(spec.config, spec.optimizer))
         with self._store._registry_lock.hold():
             registry = self._store.directory.read_registry()
-            if name in registry.tables:
-                raise ConflictError(f"table {name!r} already exists")
-            if len(registry.tables) >= self._store.limits.max_tables:
-                raise LimitExceededError(
-                    f"there are already max_tables={self._store.limits.max_tables} tables"
-                )
+            self._check_room(registry, name)
             self._check_memory(registry, nbytes, "the table")
             array_id, shared = self._new_array(registry, spec.config, spec.optimizer, source)
             journaled = False
