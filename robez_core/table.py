@@ -44,6 +44,7 @@ from . import kernels, optim
 from .config import OptimizerConfig, TableConfig
 from .errors import ConfigError, CorruptionError, InvalidInputError, NotFoundError
 from .hashing import NUM_RANDOM_NUMBERS, paper_random_numbers, validate_random_numbers
+from .small import SMALL_BATCH_MAX_IDS, SmallPath, small_ids
 
 if TYPE_CHECKING:
     from .modules import RobezEmbedding
@@ -65,7 +66,7 @@ class PreparedStep:
     lr: float
     # Set when prepared on the small-batch path: ``check_step`` and ``apply_step`` then call the serial
     # kernels directly too (the same arithmetic as the general path, bit for bit).
-    small: _SmallPath | None = None
+    small: SmallPath | None = None
 
 
 def _checksum(tensor: Tensor) -> str:
@@ -73,115 +74,6 @@ def _checksum(tensor: Tensor) -> str:
     if tensor.numel():
         digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)
     return digest.hexdigest()
-
-
-# Requests of at most this many ids take the small-input path below: its result is bit-identical to the
-# general path's, minus that path's per-call checks and set-up (~10 us a call, more than the arithmetic
-# of a few rows). Far below kernels._PARALLEL_MIN_WORK, so these calls always ran serially anyway.
-SMALL_BATCH_MAX_IDS = 64
-
-
-class _SmallPath:
-    """What every small call of one ``Table`` needs, prepared once: numpy views of the live tensors, the
-    hash constants and mode, and the serial kernels (``kernels``' own compiled functions, called
-    directly). Valid while the table keeps the same ``weight`` tensor (checked by identity)."""
-
-    def __init__(self, table: Table) -> None:
-        config = table.config
-        self.weight = table.weight
-        self.weight_np = table.weight.numpy()
-        self.hash_mode, self.constants, self.range_size = kernels._hash_setup(
-            config.hash, table.random_numbers, config.memory_size, config.chunk_size, config.embedding_dim
-        )
-        self.val_offset = np.int64(kernels._wrap_int64(config.val_offset))
-        self.num_chunks = config.num_chunks
-        self.embedding_dim = config.embedding_dim
-        self.chunk_size = config.chunk_size
-        self.state = table.state
-        self.state_np = {name: tensor.numpy() for name, tensor in table.state.items()}
-        self.optimizer = table.optimizer
-        self.memory_size = config.memory_size
-        self.hash_kernel = kernels._chunk_offsets_kernel.serial
-        self.gather_kernel = kernels._gather_kernel.serial
-        self.lookup_kernel = kernels._lookup_kernel.serial
-
-    def hash(self, ids_np: np.ndarray) -> np.ndarray:
-        out = np.empty((ids_np.shape[0], self.num_chunks), dtype=np.int64)
-        if ids_np.shape[0]:
-            self.hash_kernel(
-                ids_np,
-                self.val_offset,
-                self.num_chunks,
-                self.hash_mode,
-                self.constants,
-                self.range_size,
-                out,
-            )
-        return out
-
-    def gather(self, offsets_np: np.ndarray) -> np.ndarray:
-        out = np.empty((offsets_np.shape[0], self.embedding_dim), dtype=np.float32)
-        if offsets_np.shape[0]:
-            self.gather_kernel(
-                self.weight_np, offsets_np, self.embedding_dim, self.chunk_size, False, False, out
-            )
-        return out
-
-    def apply(self, offsets_np: np.ndarray, grads_np: np.ndarray, lr: float) -> None:
-        """``optim.fused_update`` for a small batch: the same coalescing, then ``optim.small_step``."""
-        locations, values = self.coalesce(offsets_np, grads_np)
-        optim.small_step(self.optimizer, self.weight_np, self.state_np, locations, values, lr)
-
-    def step_arrays(
-        self, step: PreparedStep
-    ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, np.ndarray, float]:
-        """What ``optim.small_step`` / ``small_nonfinite`` take after the optimizer, for ``step``."""
-        return self.weight_np, self.state_np, step.locations.numpy(), step.values.numpy(), step.lr
-
-    def coalesce(self, offsets_np: np.ndarray, grads_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``kernels.coalesce_grad`` for a small batch: (distinct locations, summed gradients)."""
-        if self.memory_size <= kernels._DENSE_COALESCE_FACTOR * grads_np.size:
-            # the general path would coalesce through the dense scratch here: take it, same sums
-            locations_t, values_t = kernels.coalesce_grad(
-                torch.from_numpy(grads_np), torch.from_numpy(offsets_np), self.chunk_size, self.memory_size
-            )
-            locations, values = locations_t.numpy(), values_t.numpy()
-        else:
-            locations, values = kernels._coalesce_sorted_kernel(
-                grads_np, offsets_np, self.embedding_dim, self.chunk_size
-            )
-        return locations, values
-
-    def lookup(self, ids_np: np.ndarray) -> np.ndarray:
-        out = np.empty((ids_np.shape[0], self.embedding_dim), dtype=np.float32)
-        if ids_np.shape[0]:
-            self.lookup_kernel(
-                self.weight_np,
-                ids_np,
-                self.val_offset,
-                self.embedding_dim,
-                self.chunk_size,
-                self.hash_mode,
-                self.constants,
-                False,
-                False,
-                out,
-            )
-        return out
-
-
-def _small_ids(ids: object) -> np.ndarray | None:
-    """A numpy view of ``ids`` when it is a valid small batch (1-D int64 CPU, at most
-    ``SMALL_BATCH_MAX_IDS``), else None (the general path then checks and reports it)."""
-    if (
-        type(ids) is Tensor
-        and ids.dtype == torch.int64
-        and ids.dim() == 1
-        and 1 <= ids.shape[0] <= SMALL_BATCH_MAX_IDS
-        and ids.device.type == "cpu"
-    ):
-        return ids.contiguous().numpy()
-    return None
 
 
 def fsync_dir(directory: Path) -> None:
@@ -250,12 +142,12 @@ class Table:
             optim.validate_state(self.optimizer, memory_size, state)
         self.weight: Tensor = weight.detach()
         self.state: dict[str, Tensor] = dict(state)
-        self._small: _SmallPath | None = None
+        self._small: SmallPath | None = None
 
-    def _small_path(self) -> _SmallPath:
+    def _small_path(self) -> SmallPath:
         small = self._small
         if small is None or small.weight is not self.weight or small.state is not self.state:
-            small = self._small = _SmallPath(self)
+            small = self._small = SmallPath(self)
         return small
 
     def __repr__(self) -> str:
@@ -337,7 +229,7 @@ class Table:
 
     def hash(self, ids: Tensor) -> Tensor:
         """Chunk offsets of ``ids`` int64 (N,): int64 (N, C) in ``[0, m - Z]``."""
-        ids_np = _small_ids(ids)
+        ids_np = small_ids(ids)
         if ids_np is not None:
             return torch.from_numpy(self._small_path().hash(ids_np))
         self.validate_ids(ids)
@@ -363,7 +255,7 @@ class Table:
 
     def lookup(self, ids: Tensor) -> Tensor:
         """Rows of ``ids`` int64 (N,): float32 (N, d), hashing fused with the gather."""
-        ids_np = _small_ids(ids)
+        ids_np = small_ids(ids)
         if ids_np is not None:
             return torch.from_numpy(self._small_path().lookup(ids_np))
         self.validate_ids(ids)
@@ -382,7 +274,7 @@ class Table:
         """``lookup`` in two timed steps: (rows, seconds hashing, seconds gathering). The service reports
         both stages (``Server-Timing``); the offsets come from this table's own hash, so unlike ``gather``
         they are not checked again."""
-        ids_np = _small_ids(ids)
+        ids_np = small_ids(ids)
         if ids_np is not None:
             small = self._small_path()
             start = time.perf_counter()
@@ -441,7 +333,7 @@ class Table:
         locations change. ``lr`` overrides the optimizer's. Invalid input raises ``InvalidInputError``
         before anything changes.
         """
-        ids_np = _small_ids(ids)
+        ids_np = small_ids(ids)
         if ids_np is not None and self._small_update_ok(grads, ids_np.shape[0], lr):
             small = self._small_path()
             grads_np = grads.detach().contiguous().numpy()
@@ -464,6 +356,34 @@ class Table:
             and bool(np.isfinite(grads.detach().numpy()).all())
             and (lr is None or (type(lr) is float and lr > 0 and math.isfinite(lr)))
         )
+
+    def try_checked_update(self, ids: Tensor, grads: Tensor, lr: float) -> tuple[float, float] | None:
+        """``hash`` + ``prepare_step`` + ``check_step`` + ``apply_step`` of a small batch in two compiled
+        calls (the hash, then the rest): (seconds hashing, seconds coalescing, checking and stepping) once
+        applied. None, having changed nothing, when the general path must take the update: not a small
+        batch, an input or a step it refuses (it then raises the error), or an lr over ``max_lr``. The
+        caller holds the lock that ``check_step`` and ``apply_step`` need, and has checked that ``lr`` is
+        positive and finite. Bit-identical to the three-part path (tests/core/test_table.py)."""
+        ids_np = small_ids(ids)
+        if (
+            ids_np is None
+            or type(grads) is not Tensor
+            or grads.dtype != torch.float32
+            or grads.dim() != 2
+            or grads.shape[0] != ids_np.shape[0]
+            or grads.shape[1] != self.config.embedding_dim
+            or grads.device.type != "cpu"
+            or lr > self.optimizer.max_lr
+        ):
+            return None
+        small = self._small_path()
+        start = time.perf_counter()
+        offsets_np = small.hash(ids_np)
+        hashed = time.perf_counter()
+        # A non-finite gradient makes a coalesced value non-finite: the dry run refuses it.
+        if not small.checked_step(offsets_np, grads.detach().contiguous().numpy(), lr):
+            return None
+        return hashed - start, time.perf_counter() - hashed
 
     def apply_gradients_at(self, offsets: Tensor, grads: Tensor, lr: float | None = None) -> None:
         """As :meth:`apply_gradients` with ids already hashed to chunk ``offsets`` int64 (N, C)."""
@@ -538,7 +458,7 @@ class Table:
             return
         optim.apply_coalesced(self.optimizer, self.weight, self.state, step.locations, step.values, step.lr)
 
-    def _small_step_path(self, step: PreparedStep) -> _SmallPath | None:
+    def _small_step_path(self, step: PreparedStep) -> SmallPath | None:
         """The small path a step was prepared on, if it is still this table's (same tensors)."""
         small = step.small
         if small is not None and small is self._small_path():

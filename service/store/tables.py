@@ -96,6 +96,9 @@ class TableStore:
         self.journal = journal
         # Testing only (ROBEZ_FAULT_DIE_AFTER_APPEND): die half-way through an update; see _fault_point.
         self._fault_file = settings.fault_die_after_append
+        # The null journal itself (not a subclass that observes appends): an update appends nothing, so a
+        # small one can skip the append and be checked and applied in one compiled call (_apply_small).
+        self._small_unjournalled = type(journal) is NullJournal and self._fault_file is None
         self._generation = directory.map("generation", 1, torch.int64)
         self._generation_np = self._generation.numpy()  # read on every request: numpy is cheaper
         self._registry_lock = FileLock(directory.path / "registry.lock")
@@ -338,6 +341,14 @@ class TableStore:
         applied_lr = table.optimizer.lr if lr is None else float(lr)
         if not (applied_lr > 0 and applied_lr != float("inf")):
             raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
+        if self._small_unjournalled:
+            # Nothing to journal: a small batch is hashed, checked and applied in two compiled calls.
+            with self._try_locked(name, blocking) as locked:
+                if locked is None:
+                    return None
+                result = _apply_small(locked, ids, grads, applied_lr)
+            if result is not None:
+                return result, 0
         start = time.perf_counter()
         # ``hash`` checks the ids and ``prepare_step`` the gradients (finite, one row of d per id), both
         # before anything changes.
@@ -522,6 +533,20 @@ class TableStore:
                 lock.close()
             self._arrays, self._entries, self._locks = {}, {}, {}
         self._registry_lock.close()
+
+
+def _apply_small(entry: TableEntry, ids: Tensor, grads: Tensor, lr: float) -> UpdateResult | None:
+    """The next version of ``entry`` (its lock held) by ``Table.try_checked_update``; None, having changed
+    nothing, when the general path must take the update (or report why it is refused)."""
+    version = entry.version + 1
+    entry.set_pending(version)  # as apply_update: a worker that dies mid-step leaves the mark
+    timings = entry.table.try_checked_update(ids, grads, lr)
+    if timings is None:
+        entry.set_pending(0)
+        return None
+    entry.set_version(version)
+    entry.set_pending(0)
+    return UpdateResult(version, *timings)
 
 
 def _validate_pooling(

@@ -32,7 +32,7 @@ from robez_core import (
     reference,
 )
 from robez_core.hashing import PAPER_PRIME
-from robez_core.table import SMALL_BATCH_MAX_IDS
+from robez_core.small import SMALL_BATCH_MAX_IDS
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 OPTIMIZERS = [
@@ -692,6 +692,59 @@ def test_small_batches_are_bit_identical_to_the_general_path(
         assert torch.equal(_bits(fast.lookup_timed(ids)[0]), _bits(rows))
     many = torch.randint(-(2**62), 2**62, (SMALL_BATCH_MAX_IDS + 100,), generator=generator)
     assert torch.equal(_bits(fast.lookup_timed(many)[0]), _bits(fast.lookup(many)))  # the general path
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+@pytest.mark.parametrize("hash", ["paper", "fast"])
+def test_a_checked_small_update_is_the_three_part_step(optimizer: OptimizerConfig, hash: str) -> None:
+    checked = _table(optimizer, memory_size=200_000, hash=hash)
+    parts = _table(optimizer, memory_size=200_000, hash=hash)
+    generator = torch.Generator().manual_seed(11)
+    for size in [1, 2, 8, 8, 33, SMALL_BATCH_MAX_IDS]:
+        ids = torch.randint(-50, 50, (size,), generator=generator)  # duplicates included
+        grads = torch.randn(size, 20, generator=generator)
+        timings = checked.try_checked_update(ids, grads, 0.03)
+        assert timings is not None and min(timings) >= 0
+        step = parts.prepare_step(parts.hash(ids), grads, 0.03, offsets_from_hash=True)
+        parts.check_step(step)
+        parts.apply_step(step)
+        _assert_bitwise_equal(_snapshot(parts), _snapshot(checked))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+def test_a_checked_small_update_leaves_to_the_general_path_what_it_must_refuse(
+    optimizer: OptimizerConfig,
+) -> None:
+    table = _table(optimizer, memory_size=200_000)
+    ids = torch.tensor([3, 4])
+    nan_grads = torch.ones(2, 20)
+    nan_grads[1, 7] = float("nan")
+    inf_grads = torch.ones(2, 20)
+    inf_grads[0, 19] = float("-inf")
+    declined = {
+        "a NaN gradient": (ids, nan_grads, 0.03),
+        "an infinite gradient": (ids, inf_grads, 0.03),
+        "a step that overflows": (ids, torch.full((2, 20), 3e38), 1000.0),
+        "an lr over max_lr": (ids, torch.ones(2, 20), 2000.0),
+        "too many ids": (
+            torch.arange(SMALL_BATCH_MAX_IDS + 1),
+            torch.ones(SMALL_BATCH_MAX_IDS + 1, 20),
+            0.03,
+        ),
+        "no ids": (torch.zeros(0, dtype=torch.int64), torch.ones(0, 20), 0.03),
+        "rows of the wrong width": (ids, torch.ones(2, 19), 0.03),
+        "a row too few": (ids, torch.ones(1, 20), 0.03),
+        "float64 gradients": (ids, torch.ones(2, 20, dtype=torch.float64), 0.03),
+    }
+    before = _snapshot(table)
+    for case, (case_ids, grads, lr) in declined.items():
+        assert table.try_checked_update(case_ids, grads, lr) is None, case
+        _assert_bitwise_equal(before, _snapshot(table))
+    # Where the general path coalesces through its dense scratch, it takes the update itself.
+    dense = _table(optimizer, memory_size=3000)
+    many = torch.arange(SMALL_BATCH_MAX_IDS)
+    assert dense.try_checked_update(many, torch.ones(SMALL_BATCH_MAX_IDS, 20), 0.03) is None
+    assert dense.try_checked_update(ids, torch.ones(2, 20), 0.03) is not None
 
 
 def test_small_path_follows_a_replaced_weight() -> None:

@@ -15,7 +15,8 @@ import torch
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConflictError, InvalidInputError, NotFoundError
-from robez_core.table import Table, _SmallPath
+from robez_core.small import SmallPath
+from robez_core.table import Table
 from service.config import Settings, TableSpec
 from service.journal import NullJournal, UpdateRecord
 from service.shm import SharedDirectory, remove_stale_directories
@@ -126,6 +127,46 @@ def test_journal_hook_order_and_records(settings: Settings, directory: SharedDir
 
 
 CONFIG_LR = OptimizerConfig().lr
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_small_updates_without_a_journal_match_the_journalled_path(
+    settings: Settings, directory: SharedDirectory, optimizer: str
+) -> None:
+    # NullJournal: small updates are checked and applied in one compiled call (_apply_small);
+    # RecordingJournal (a subclass that sees every append) keeps the general path.
+    fast = TableStore(directory, settings, NullJournal())
+    journal = RecordingJournal()
+    general = journal.store = TableStore(directory, settings, journal)
+    spec = TableSpec(CONFIG, OptimizerConfig(optimizer))  # type: ignore[arg-type]
+    fast.create("fast", spec)
+    general.create("general", spec)
+    generator = torch.Generator().manual_seed(5)
+    for version, size in enumerate([1, 3, 8, 64, 65], start=1):  # 65 ids: the general path in both
+        ids = torch.randint(0, 100, (size,), generator=generator)
+        grads = torch.randn(size, 8, generator=generator)
+        lr = 0.02 if version % 2 else None
+        assert fast.update("fast", ids, grads, lr).version == version
+        assert general.update("general", ids, grads, lr).version == version
+        for key, tensor in general.table("general").tensors().items():
+            assert torch.equal(fast.table("fast").tensors()[key], tensor), key
+    before = {key: tensor.clone() for key, tensor in fast.table("fast").tensors().items()}
+    nan_grads = torch.ones(2, 8)
+    nan_grads[0, 3] = float("nan")
+    refused = [
+        (nan_grads, None, "NaN or Inf"),
+        (torch.full((2, 8), 3e38), 1000.0, "non-finite"),
+        (torch.ones(2, 8), 1e6, "max_lr"),
+        (torch.ones(2, 7), None, "shape"),
+    ]
+    for grads, lr, message in refused:
+        with pytest.raises(InvalidInputError, match=message):
+            fast.update("fast", torch.tensor([1, 2]), grads, lr)
+    assert fast.version("fast") == 5
+    for key, tensor in fast.table("fast").tensors().items():
+        assert torch.equal(tensor, before[key]), key
+    fast.close()
+    general.close()
 
 
 def test_failed_append_changes_nothing(settings: Settings, directory: SharedDirectory) -> None:
@@ -291,15 +332,15 @@ def test_a_lookup_in_flight_during_a_load_finishes_on_the_old_array(
     old_rows = reader.lookup("t", ids).rows
     old_array = reader.info("t").array
     hashed, go = threading.Event(), threading.Event()
-    real_gather = _SmallPath.gather  # 40 ids: Table.lookup_timed takes the small-batch path
+    real_gather = SmallPath.gather  # 40 ids: Table.lookup_timed takes the small-batch path
 
-    def gather_after_the_load(small: _SmallPath, offsets: np.ndarray) -> np.ndarray:
+    def gather_after_the_load(small: SmallPath, offsets: np.ndarray) -> np.ndarray:
         if not hashed.is_set():  # the first lookup stops between hash and gather, as if descheduled
             hashed.set()
             assert go.wait(timeout=30)
         return real_gather(small, offsets)
 
-    monkeypatch.setattr(_SmallPath, "gather", gather_after_the_load)
+    monkeypatch.setattr(SmallPath, "gather", gather_after_the_load)
     in_flight: list[object] = []
     thread = threading.Thread(target=lambda: in_flight.append(reader.lookup("t", ids)))
     thread.start()
