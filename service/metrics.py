@@ -206,11 +206,17 @@ def server_timing(**stages_seconds: float) -> str:
 
 
 _LOOKUP_TIMING = b"hash;dur=%.4f, lookup;dur=%.4f, total;dur=%.4f"
+_UPDATE_TIMING = b"hash;dur=%.4f, apply;dur=%.4f, total;dur=%.4f"
 
 
 def lookup_server_timing(hash_s: float, lookup_s: float, total_s: float) -> bytes:
     """``server_timing(hash=..., lookup=..., total=...)`` as header bytes, formatted in one step."""
     return _LOOKUP_TIMING % (hash_s * 1000.0, lookup_s * 1000.0, total_s * 1000.0)
+
+
+def update_server_timing(hash_s: float, apply_s: float, total_s: float) -> bytes:
+    """``server_timing(hash=..., apply=..., total=...)`` as header bytes, formatted in one step."""
+    return _UPDATE_TIMING % (hash_s * 1000.0, apply_s * 1000.0, total_s * 1000.0)
 
 
 def set_table_label(request: Request, table: str) -> None:

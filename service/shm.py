@@ -60,25 +60,38 @@ class FileLock:
         self._thread_lock = threading.Lock()
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
+    def acquire(self, blocking: bool = True) -> bool:
+        """Take the lock; with ``blocking=False`` False at once (not taken) when another thread or
+        process has it. A True must be followed by ``release``."""
+        if not self._thread_lock.acquire(blocking):
+            return False
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process has it
+            self._thread_lock.release()
+            return False
+        except BaseException:
+            self._thread_lock.release()
+            raise
+        return True
+
+    def release(self) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
+
     @contextmanager
     def hold(self, blocking: bool = True) -> Iterator[bool]:
         """Holds the lock inside the block; with ``blocking=False`` yields False (not held) at once
         when another thread or process has it."""
-        if not self._thread_lock.acquire(blocking):
+        if not self.acquire(blocking):
             yield False
             return
         try:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            yield True
         finally:
-            self._thread_lock.release()
+            self.release()
 
     def close(self) -> None:
         if self._fd >= 0:

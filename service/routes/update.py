@@ -22,7 +22,7 @@ from ..codec import (
     update_json,
 )
 from ..fastpath import FastRoute
-from ..metrics import Metrics, server_timing, set_table_label
+from ..metrics import Metrics, server_timing, set_table_label, update_server_timing
 from ..store import TableStore, UpdateResult
 from .deps import (
     INLINE_MAX_BODY_BYTES,
@@ -120,13 +120,13 @@ async def apply_update(request: Request, name: str, lr: float | None = None) -> 
         table_stages = metrics.stages(name)
         table_stages.hash_seconds.observe(result.hash_seconds)
         table_stages.update_apply_seconds.observe(result.apply_seconds)
-        stages = {"hash": result.hash_seconds, "apply": result.apply_seconds}
     set_table_label(request, name)
     total = time.perf_counter() - start
-    response_headers = [
-        (b"server-timing", server_timing(**stages, total=total).encode("latin-1")),
-        (_VERSION, b"%d" % result.version),
-    ]
+    if replica is None:
+        timing = update_server_timing(result.hash_seconds, result.apply_seconds, total)
+    else:
+        timing = server_timing(**stages, total=total).encode("latin-1")
+    response_headers = [(b"server-timing", timing), (_VERSION, b"%d" % result.version)]
     if replica is not None:  # tells clients that a resent Idempotency-Key is applied once here
         response_headers.append((_REPLICA, replica.name.encode("latin-1")))
     return RawResponse(json_bytes(update_json(name, result, total)), _JSON, response_headers)

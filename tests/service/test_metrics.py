@@ -39,9 +39,11 @@ def test_metrics_after_lookups_and_updates(client: TestClient) -> None:
     assert "robez_request_duration_seconds_bucket" in text
 
 
-def test_lookup_server_timing_is_server_timing_as_bytes() -> None:
-    from service.metrics import lookup_server_timing, server_timing
+def test_lookup_and_update_server_timings_are_server_timing_as_bytes() -> None:
+    from service.metrics import lookup_server_timing, server_timing, update_server_timing
 
     for stages in [(0.0, 0.0, 0.0), (1.23456e-5, 7e-4, 0.0312), (2.5, 1e-9, 3.0)]:
         expected = server_timing(hash=stages[0], lookup=stages[1], total=stages[2]).encode()
         assert lookup_server_timing(*stages) == expected
+        expected = server_timing(hash=stages[0], apply=stages[1], total=stages[2]).encode()
+        assert update_server_timing(*stages) == expected
