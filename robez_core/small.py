@@ -152,7 +152,17 @@ class SmallPath:
 
 def small_ids(ids: object) -> np.ndarray | None:
     """A numpy view of ``ids`` when it is a valid small batch (1-D int64 CPU, at most
-    ``SMALL_BATCH_MAX_IDS``), else None (the general path then checks and reports it)."""
+    ``SMALL_BATCH_MAX_IDS``), else None (the general path then checks and reports it). A numpy array
+    of ids (the service's: no tensor is made for a small lookup) must be C-contiguous int64 too."""
+    if type(ids) is np.ndarray:
+        if (
+            ids.dtype == np.int64
+            and ids.ndim == 1
+            and 1 <= ids.shape[0] <= SMALL_BATCH_MAX_IDS
+            and ids.flags.c_contiguous
+        ):
+            return ids
+        return None
     if (
         type(ids) is Tensor
         and ids.dtype == torch.int64

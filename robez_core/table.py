@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import torch
@@ -270,24 +270,40 @@ class Table:
             c.hash,
         )
 
-    def lookup_timed(self, ids: Tensor) -> tuple[Tensor, float, float]:
+    @overload
+    def lookup_timed(self, ids: Tensor) -> tuple[Tensor, float, float]: ...
+
+    @overload
+    def lookup_timed(self, ids: np.ndarray) -> tuple[np.ndarray, float, float]: ...
+
+    def lookup_timed(self, ids: Tensor | np.ndarray) -> tuple[Tensor | np.ndarray, float, float]:
         """``lookup`` in two timed steps: (rows, seconds hashing, seconds gathering). The service reports
         both stages (``Server-Timing``); the offsets come from this table's own hash, so unlike ``gather``
-        they are not checked again."""
+        they are not checked again. ``ids`` may be a numpy int64 (N,) array, and the rows are then one
+        too: the service decodes ids to and encodes rows from numpy, and a small lookup then makes no
+        tensor at all (each costs microseconds of a request)."""
         ids_np = small_ids(ids)
         if ids_np is not None:
             small = self._small_path()
             start = time.perf_counter()
             offsets_np = small.hash(ids_np)
             hashed = time.perf_counter()
-            rows = torch.from_numpy(small.gather(offsets_np))
-        else:
-            start = time.perf_counter()
-            offsets = self.hash(ids)  # checks ids
-            hashed = time.perf_counter()
-            c = self.config
-            rows = kernels.gather(self.weight, offsets, c.embedding_dim, c.chunk_size)
-        return rows, hashed - start, time.perf_counter() - hashed
+            rows_np = small.gather(offsets_np)
+            gathered = time.perf_counter()
+            rows: Tensor | np.ndarray = rows_np if type(ids) is np.ndarray else torch.from_numpy(rows_np)
+            return rows, hashed - start, gathered - hashed
+        as_array = isinstance(ids, np.ndarray)
+        if isinstance(ids, np.ndarray):
+            if ids.dtype != np.int64 or ids.ndim != 1:
+                raise InvalidInputError(f"ids must be a 1-D int64 array, got {ids.dtype} {ids.shape}")
+            ids = torch.from_numpy(ids)
+        start = time.perf_counter()
+        offsets = self.hash(ids)  # checks ids
+        hashed = time.perf_counter()
+        c = self.config
+        gathered_rows = kernels.gather(self.weight, offsets, c.embedding_dim, c.chunk_size)
+        gathered = time.perf_counter()
+        return (gathered_rows.numpy() if as_array else gathered_rows), hashed - start, gathered - hashed
 
     def lookup_bag(
         self,

@@ -1,7 +1,7 @@
 """How much memory decoding a request body takes, per body shape, and what that bounds per worker.
 
 Each case runs in a fresh process: build the body, reset the peak-RSS counter, decode it as the route
-does (``codec.decode_update_json`` / ``decode_lookup_json`` + ``tensors()``), and report the peak RSS
+does (``codec.decode_update_json`` / ``decode_lookup_json`` + ``inputs()``), and report the peak RSS
 above the process before decoding (the body itself excluded). JSON becomes one Python object per number
 before it becomes a tensor, so it grows far more than binary, which is viewed in place.
 
@@ -72,7 +72,7 @@ def _cases() -> dict[str, tuple[Callable[[int], bytes], Callable[[bytes], object
         return codec.decode_update_json(body, DIM)
 
     def lookup(body: bytes) -> object:
-        return codec.decode_lookup_json(body).tensors()
+        return codec.decode_lookup_json(body).inputs()
 
     def binary(body: bytes) -> object:
         return codec.decode_update_binary(body, f"{len(body) // (8 + 4 * DIM)},{DIM}")

@@ -60,15 +60,16 @@ class LookupRequest(_Model):
     pooling: Literal["none", "sum", "mean"] = "none"
     per_sample_weights: list[float] | None = None
 
-    def tensors(self) -> tuple[Tensor, Tensor | None, Pooling, Tensor | None]:
-        """(ids int64 (n,), offsets int64 (B,) | None, pooling, per_sample_weights float32 (n,) | None)."""
+    def inputs(self) -> tuple[np.ndarray, Tensor | None, Pooling, Tensor | None]:
+        """(ids int64 (n,) as a numpy array, offsets int64 (B,) | None, pooling, per_sample_weights float32
+        (n,) | None): ``TableStore.lookup``'s arguments."""
         offsets = None if self.offsets is None else ids_tensor(self.offsets)
         weights = (
             None
             if self.per_sample_weights is None
             else torch.from_numpy(np.array(self.per_sample_weights, dtype=np.float32))
         )
-        return ids_tensor(self.ids), offsets, self.pooling, weights
+        return np.array(self.ids, dtype=np.int64), offsets, self.pooling, weights
 
 
 class TableLookup(LookupRequest):
@@ -255,11 +256,11 @@ def decode_update_json(body: bytes, embedding_dim: int) -> tuple[Tensor, Tensor,
     return ids_tensor(request.ids), torch.from_numpy(grads32), request.lr
 
 
-def decode_ids(body: bytes) -> Tensor:
-    """int64 (n,) from a little-endian int64 body."""
+def decode_ids(body: bytes) -> np.ndarray:
+    """int64 (n,) numpy array (writable, its own copy) from a little-endian int64 body."""
     if len(body) % _IDS_DTYPE.itemsize:
         raise InvalidInputError(f"a binary ids body must be a multiple of 8 bytes, got {len(body)}")
-    return torch.from_numpy(np.frombuffer(body, dtype=_IDS_DTYPE).astype(np.int64))
+    return np.frombuffer(body, dtype=_IDS_DTYPE).astype(np.int64)
 
 
 def parse_shape(header: str | None) -> tuple[int, int]:
@@ -299,14 +300,14 @@ def parse_tables_header(header: str | None) -> list[tuple[str, int]]:
     return items
 
 
-def split_ids(body: bytes, counts: list[int]) -> list[Tensor]:
-    """Cut one binary ids body into one int64 tensor per table."""
+def split_ids(body: bytes, counts: list[int]) -> list[np.ndarray]:
+    """Cut one binary ids body into one int64 array per table."""
     ids = decode_ids(body)
     if int(ids.shape[0]) != sum(counts):
         raise InvalidInputError(
             f"{TABLES_HEADER} names {sum(counts)} ids, the body holds {int(ids.shape[0])}"
         )
-    return list(torch.split(ids, counts)) if counts else []
+    return np.split(ids, np.cumsum(counts[:-1])) if counts else []
 
 
 # -- encoding ---------------------------------------------------------------------------------------
@@ -329,22 +330,26 @@ def lookup_json(table: str, result: LookupResult, total_seconds: float) -> dict[
     return {
         "table": table,
         "shape": [int(rows.shape[0]), int(rows.shape[1])],
-        "embeddings": rows.numpy(),
+        "embeddings": rows,
         "version": result.version,
         "timing": lookup_timing(result.hash_seconds, result.lookup_seconds, total_seconds),
     }
 
 
-def rows_bytes(rows: Tensor) -> bytes:
+def rows_bytes(rows: np.ndarray | Tensor) -> bytes:
     """float32 (n, d) -> little-endian row-major bytes."""
-    return np.ascontiguousarray(rows.numpy(), dtype=_ROWS_DTYPE).tobytes()
+    return np.ascontiguousarray(_array(rows), dtype=_ROWS_DTYPE).tobytes()
 
 
-def rows_view(rows: Tensor) -> memoryview:
+def _array(rows: np.ndarray | Tensor) -> np.ndarray:
+    return rows if isinstance(rows, np.ndarray) else rows.numpy()
+
+
+def rows_view(rows: np.ndarray | Tensor) -> memoryview:
     """float32 (n, d) -> its little-endian row-major bytes as a view, without copying them when ``rows``
     already is that (a response body: a 4096-id lookup's rows are 1 MiB). ``rows`` must not be written
     afterwards: the transport may still be sending from it after the handler returns."""
-    array = rows.numpy()
+    array = _array(rows)
     if array.dtype == _ROWS_DTYPE and array.flags.c_contiguous and array.size:  # the usual case
         return array.data.cast("B")
     return np.ascontiguousarray(array, dtype=_ROWS_DTYPE).reshape(-1).data.cast("B")

@@ -105,7 +105,7 @@ class ServerMetadata(_Model):
 class Inference:
     """A decoded infer request: the lookup to run and how to answer."""
 
-    ids: Tensor
+    ids: np.ndarray
     offsets: Tensor | None
     pooling: Pooling
     per_sample_weights: Tensor | None
@@ -228,7 +228,7 @@ def decode_infer(body: bytes, header_length: str | None) -> Inference:
         raise InvalidInputError(f"the input {IDS!r} (INT64, shape [n]) is required")
     offsets, weights = arrays.get(OFFSETS), arrays.get(WEIGHTS)
     return Inference(
-        ids=torch.from_numpy(arrays[IDS].astype(np.int64)),
+        ids=arrays[IDS].astype(np.int64),
         offsets=None if offsets is None else torch.from_numpy(offsets.astype(np.int64)),
         pooling=pooling,
         per_sample_weights=None if weights is None else torch.from_numpy(weights.astype(np.float32)),
@@ -250,7 +250,7 @@ def encode_infer(name: str, inference: Inference, result: LookupResult) -> tuple
         head["id"] = inference.request_id
     head["outputs"] = [output]
     if not inference.binary_output:
-        output["data"] = rows.numpy().reshape(-1)
+        output["data"] = rows.reshape(-1)
         return orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY), None
     data = rows_view(rows)  # no copy of its own: the one copy is into the body, after the header
     output["parameters"] = {"binary_data_size": data.nbytes}

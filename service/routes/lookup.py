@@ -97,7 +97,7 @@ async def lookup_one(request: Request, name: str) -> Response:
 
         def work() -> LookupResult:
             parsed = decode_lookup_json(body)
-            return store.lookup(name, *parsed.tensors())
+            return store.lookup(name, *parsed.inputs())
 
         result = await compute(request, work, inline=len(body) <= INLINE_MAX_BODY_BYTES)
     set_table_label(request, name)
@@ -149,7 +149,7 @@ async def lookup_several(request: Request, _: str = "") -> Response:
 
         def work() -> list[LookupResult]:
             return store.lookup_many(
-                [LookupRequestItem(item.table, *item.tensors()) for item in parsed.lookups]
+                [LookupRequestItem(item.table, *item.inputs()) for item in parsed.lookups]
             )
 
     results = await compute(request, work, inline=small)

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from torch import Tensor
 
 from robez_core.config import OptimizerConfig, TableConfig
@@ -81,9 +82,10 @@ class TableInfo:
 
 @dataclass(frozen=True)
 class LookupResult:
-    """Rows (n, d) float32 (or pooled bags (B, d)), the version read before gathering, stage times (s)."""
+    """Rows (n, d) float32 (or pooled bags (B, d)) as a numpy array (what the routes encode), the version
+    read before gathering, stage times (s)."""
 
-    rows: Tensor
+    rows: np.ndarray
     version: int
     hash_seconds: float
     lookup_seconds: float
@@ -94,7 +96,7 @@ class LookupRequestItem:
     """One table's part of a multi-table lookup (arguments as ``TableStore.lookup``)."""
 
     table: str
-    ids: Tensor
+    ids: Tensor | np.ndarray
     offsets: Tensor | None = None
     pooling: Pooling = "none"
     per_sample_weights: Tensor | None = None

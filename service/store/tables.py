@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -267,38 +268,51 @@ class TableStore:
     def lookup(
         self,
         name: str,
-        ids: Tensor,
+        ids: Tensor | np.ndarray,
         offsets: Tensor | None = None,
         pooling: Pooling = "none",
         per_sample_weights: Tensor | None = None,
     ) -> LookupResult:
-        """Rows of ``ids`` (int64 (n,)) -> float32 (n, d); with ``pooling`` sum/mean, bags delimited by
-        ``offsets`` (int64 (B,), nn.EmbeddingBag style; None = one bag) -> (B, d). Never takes a lock."""
+        """Rows of ``ids`` (int64 (n,), a tensor or a numpy array) -> float32 (n, d) as a numpy array; with
+        ``pooling`` sum/mean, bags delimited by ``offsets`` (int64 (B,), nn.EmbeddingBag style; None = one
+        bag) -> (B, d). Never takes a lock."""
         entry = self._entry(name)
         table = entry.table
-        self.limits.check_request(
-            int(ids.shape[0]) if ids.dim() == 1 else int(ids.numel()), table.config.embedding_dim
+        num_ids = (
+            ids.shape[0] if ids.ndim == 1 else (ids.size if isinstance(ids, np.ndarray) else ids.numel())
         )
-        bag_offsets = weights = None
-        if pooling != "none" or offsets is not None or per_sample_weights is not None:
-            table.validate_ids(ids)
-            bag_offsets, weights = _validate_pooling(ids, offsets, pooling, per_sample_weights)
+        self.limits.check_request(int(num_ids), table.config.embedding_dim)
+        if pooling == "none" and offsets is None and per_sample_weights is None:
+            version = entry.version
+            if isinstance(ids, np.ndarray):
+                rows, hash_seconds, lookup_seconds = table.lookup_timed(ids)  # checks ids
+            else:
+                tensor_rows, hash_seconds, lookup_seconds = table.lookup_timed(ids)
+                rows = tensor_rows.numpy()
+            return LookupResult(rows, version, hash_seconds, lookup_seconds)
+        if isinstance(ids, np.ndarray):
+            ids = torch.from_numpy(ids)
+        table.validate_ids(ids)
+        bag_offsets, weights = _validate_pooling(ids, offsets, pooling, per_sample_weights)
         version = entry.version
-        rows, hash_seconds, lookup_seconds = table.lookup_timed(ids)  # checks ids
+        bag_rows, hash_seconds, lookup_seconds = table.lookup_timed(ids)
         if pooling != "none":
             assert bag_offsets is not None
             start = time.perf_counter()
-            positions = torch.arange(rows.shape[0], dtype=torch.int64)
-            rows = F.embedding_bag(positions, rows, bag_offsets, mode=pooling, per_sample_weights=weights)
+            positions = torch.arange(bag_rows.shape[0], dtype=torch.int64)
+            bag_rows = F.embedding_bag(
+                positions, bag_rows, bag_offsets, mode=pooling, per_sample_weights=weights
+            )
             lookup_seconds += time.perf_counter() - start
-        return LookupResult(rows, version, hash_seconds, lookup_seconds)
+        return LookupResult(bag_rows.numpy(), version, hash_seconds, lookup_seconds)
 
     def lookup_many(self, items: list[LookupRequestItem]) -> list[LookupResult]:
         """Several lookups in one request; the request limits apply to their sum. All tables are
         resolved and the limits checked before any lookup runs."""
         total_ids = total_values = 0
         for item in items:
-            num_ids = max(1, int(item.ids.numel()))  # an empty lookup still costs a table resolution
+            num_ids = max(1, int(item.ids.size if isinstance(item.ids, np.ndarray) else item.ids.numel()))
+            # (an empty lookup still costs a table resolution)
             total_ids += num_ids
             total_values += num_ids * self._entry(item.table).table.config.embedding_dim
         self.limits.check_request(total_ids, 0)

@@ -747,6 +747,20 @@ def test_a_checked_small_update_leaves_to_the_general_path_what_it_must_refuse(
     assert dense.try_checked_update(ids, torch.ones(2, 20), 0.03) is not None
 
 
+@pytest.mark.parametrize("num_ids", [1, 5, SMALL_BATCH_MAX_IDS, SMALL_BATCH_MAX_IDS + 1, 300])
+def test_lookup_timed_of_a_numpy_array_gives_the_tensor_paths_rows_as_an_array(num_ids: int) -> None:
+    table = _table()
+    ids = torch.randint(-(2**62), 2**62, (num_ids,), generator=torch.Generator().manual_seed(num_ids))
+    rows, hash_seconds, lookup_seconds = table.lookup_timed(ids.numpy())
+    assert type(rows) is np.ndarray and rows.dtype == np.float32 and min(hash_seconds, lookup_seconds) >= 0
+    np.testing.assert_array_equal(rows.view(np.uint8), _bits(table.lookup(ids)).numpy())
+    strided = np.repeat(ids.numpy(), 2)[::2]  # not contiguous: the general path
+    np.testing.assert_array_equal(table.lookup_timed(strided)[0], rows)
+    for bad in [ids.numpy().astype(np.float64), ids.numpy().reshape(1, -1), ids.numpy().astype(np.int32)]:
+        with pytest.raises(InvalidInputError, match="1-D int64"):
+            table.lookup_timed(bad)
+
+
 def test_small_path_follows_a_replaced_weight() -> None:
     table = _table()
     ids = torch.tensor([4, 5])

@@ -50,7 +50,7 @@ def test_workers_see_each_others_tables_and_updates(settings: Settings, director
     assert first.version("t") == 1
     looked_up = first.lookup("t", torch.tensor([1, 2]))
     assert looked_up.version == 1
-    assert torch.equal(looked_up.rows, second.table("t").lookup(torch.tensor([1, 2])))
+    assert torch.equal(torch.from_numpy(looked_up.rows), second.table("t").lookup(torch.tensor([1, 2])))
     # One copy: both workers' tables are views of the same mapped file.
     assert first.table("t").weight.data_ptr() != second.table("t").weight.data_ptr()  # two mappings...
     first.table("t").weight[0] = 123.0
@@ -329,7 +329,7 @@ def test_a_lookup_in_flight_during_a_load_finishes_on_the_old_array(
     loader.create("t", TableSpec(CONFIG, OptimizerConfig("adagrad")))
     ids = torch.arange(40)
     loader.update("t", ids[:5], torch.ones(5, 8))
-    old_rows = reader.lookup("t", ids).rows
+    old_rows = torch.from_numpy(reader.lookup("t", ids).rows)
     old_array = reader.info("t").array
     hashed, go = threading.Event(), threading.Event()
     real_gather = SmallPath.gather  # 40 ids: Table.lookup_timed takes the small-batch path
@@ -349,14 +349,16 @@ def test_a_lookup_in_flight_during_a_load_finishes_on_the_old_array(
     loader.restore("t", new_table, 0)
     # After the load: only the new table, through either worker.
     after = reader.lookup("t", ids)
-    assert after.version == 0 and torch.equal(after.rows, new_table.lookup(ids))
+    assert after.version == 0 and torch.equal(torch.from_numpy(after.rows), new_table.lookup(ids))
     assert torch.equal(loader.table("t").state["sum"], new_table.state["sum"])
     go.set()
     thread.join(timeout=30)
     assert not thread.is_alive()
     (result,) = in_flight
     assert isinstance(result, LookupResult)
-    assert result.version == 1 and torch.equal(result.rows, old_rows)  # the old array, whole
+    assert result.version == 1 and torch.equal(
+        torch.from_numpy(result.rows), old_rows
+    )  # the old array, whole
     # The old array's files are gone (its mapping lived only as long as the lookup's reference).
     assert reader.info("t").array != old_array
     assert not list(directory.arrays_dir.glob(f"{old_array}.*"))
@@ -511,7 +513,7 @@ def test_lookups_during_repeated_loads_see_one_table_or_the_other_never_a_mix(
 
     def look() -> None:
         for _ in range(5000):  # bounded; stops once the loads are done
-            rows = reader.lookup("t", ids).rows
+            rows = torch.from_numpy(reader.lookup("t", ids).rows)
             matches = [index for index, want in enumerate(expected) if torch.equal(rows, want)]
             if len(matches) != 1:
                 failures.append("a lookup returned rows of neither checkpoint")
