@@ -76,6 +76,26 @@ def _checksum(tensor: Tensor) -> str:
     return digest.hexdigest()
 
 
+def _small_grads(grads: object, num_rows: int, embedding_dim: int) -> np.ndarray | None:
+    """A C-contiguous float32 (num_rows, embedding_dim) numpy view of ``grads`` (a CPU tensor or an
+    array), else None."""
+    if type(grads) is np.ndarray:
+        array = grads
+    elif type(grads) is Tensor and grads.device.type == "cpu":
+        array = grads.detach().contiguous().numpy()
+    else:
+        return None
+    if (
+        array.dtype != np.float32
+        or array.ndim != 2
+        or array.shape[0] != num_rows
+        or array.shape[1] != embedding_dim
+        or not array.flags.c_contiguous
+    ):
+        return None
+    return array
+
+
 def fsync_dir(directory: Path) -> None:
     """Make a rename or unlink inside ``directory`` durable (POSIX: fsync the folder itself)."""
     fd = os.open(directory, os.O_RDONLY)
@@ -373,31 +393,29 @@ class Table:
             and (lr is None or (type(lr) is float and lr > 0 and math.isfinite(lr)))
         )
 
-    def try_checked_update(self, ids: Tensor, grads: Tensor, lr: float) -> tuple[float, float] | None:
+    def try_checked_update(
+        self, ids: Tensor | np.ndarray, grads: Tensor | np.ndarray, lr: float
+    ) -> tuple[float, float] | None:
         """``hash`` + ``prepare_step`` + ``check_step`` + ``apply_step`` of a small batch in two compiled
         calls (the hash, then the rest): (seconds hashing, seconds coalescing, checking and stepping) once
         applied. None, having changed nothing, when the general path must take the update: not a small
         batch, an input or a step it refuses (it then raises the error), or an lr over ``max_lr``. The
         caller holds the lock that ``check_step`` and ``apply_step`` need, and has checked that ``lr`` is
-        positive and finite. Bit-identical to the three-part path (tests/core/test_table.py)."""
+        positive and finite. ``ids`` and ``grads`` may be numpy arrays (int64 (N,), C-contiguous float32
+        (N, d)): the service's, which then makes no tensor. Bit-identical to the three-part path
+        (tests/core/test_table.py)."""
         ids_np = small_ids(ids)
-        if (
-            ids_np is None
-            or type(grads) is not Tensor
-            or grads.dtype != torch.float32
-            or grads.dim() != 2
-            or grads.shape[0] != ids_np.shape[0]
-            or grads.shape[1] != self.config.embedding_dim
-            or grads.device.type != "cpu"
-            or lr > self.optimizer.max_lr
-        ):
+        if ids_np is None or lr > self.optimizer.max_lr:
+            return None
+        grads_np = _small_grads(grads, ids_np.shape[0], self.config.embedding_dim)
+        if grads_np is None:
             return None
         small = self._small_path()
         start = time.perf_counter()
         offsets_np = small.hash(ids_np)
         hashed = time.perf_counter()
         # A non-finite gradient makes a coalesced value non-finite: the dry run refuses it.
-        if not small.checked_step(offsets_np, grads.detach().contiguous().numpy(), lr):
+        if not small.checked_step(offsets_np, grads_np, lr):
             return None
         return hashed - start, time.perf_counter() - hashed
 

@@ -242,8 +242,8 @@ def decode_multi_lookup_json(body: bytes) -> MultiLookupRequest:
     return request
 
 
-def decode_update_json(body: bytes, embedding_dim: int) -> tuple[Tensor, Tensor, float | None]:
-    """(ids int64 (n,), grads float32 (n, d), lr) from a JSON update."""
+def decode_update_json(body: bytes, embedding_dim: int) -> tuple[np.ndarray, np.ndarray, float | None]:
+    """(ids int64 (n,), grads float32 (n, d), lr) from a JSON update, the arrays as numpy arrays."""
     request: UpdateRequest = _validated(UpdateRequest, body)
     if any(len(row) != embedding_dim for row in request.grads):
         raise InvalidInputError(f"grads must be rows of embedding_dim = {embedding_dim} values")
@@ -253,7 +253,7 @@ def decode_update_json(body: bytes, embedding_dim: int) -> tuple[Tensor, Tensor,
     # Values beyond float32's range become Inf here, which the table then rejects like any Inf.
     with np.errstate(over="ignore"):
         grads32 = grads.astype(np.float32)
-    return ids_tensor(request.ids), torch.from_numpy(grads32), request.lr
+    return np.array(request.ids, dtype=np.int64), grads32, request.lr
 
 
 def decode_ids(body: bytes) -> np.ndarray:
@@ -273,8 +273,9 @@ def parse_shape(header: str | None) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def decode_update_binary(body: bytes, shape_header: str | None) -> tuple[Tensor, Tensor]:
-    """(ids int64 (n,), grads float32 (n, d)) from n int64 ids followed by n*d float32 values."""
+def decode_update_binary(body: bytes, shape_header: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64 (n,), grads float32 (n, d)) numpy arrays (writable, their own copies) from n int64 ids
+    followed by n*d float32 values."""
     n, d = parse_shape(shape_header)
     expected = n * _IDS_DTYPE.itemsize + n * d * _ROWS_DTYPE.itemsize
     if len(body) != expected:
@@ -284,7 +285,7 @@ def decode_update_binary(body: bytes, shape_header: str | None) -> tuple[Tensor,
     split = n * _IDS_DTYPE.itemsize
     ids = np.frombuffer(body, dtype=_IDS_DTYPE, count=n).astype(np.int64)
     grads = np.frombuffer(body, dtype=_ROWS_DTYPE, offset=split).astype(np.float32).reshape(n, d)
-    return torch.from_numpy(ids), torch.from_numpy(grads)
+    return ids, grads
 
 
 def parse_tables_header(header: str | None) -> list[tuple[str, int]]:

@@ -6,6 +6,8 @@ import time
 from typing import Annotated
 
 import anyio
+import numpy as np
+import torch
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 from torch import Tensor
@@ -79,7 +81,7 @@ async def apply_update(request: Request, name: str, lr: float | None = None) -> 
     shape = headers.get(_SHAPE)
     shape_header = shape.decode("latin-1") if shape is not None else None
 
-    def decode() -> tuple[Tensor, Tensor, float | None]:
+    def decode() -> tuple[np.ndarray, np.ndarray, float | None]:
         if binary:
             ids, grads = decode_update_binary(body, shape_header)
             return ids, grads, lr
@@ -90,7 +92,8 @@ async def apply_update(request: Request, name: str, lr: float | None = None) -> 
     if replica is not None:
         # Replicated: validate, append to the log, answer once this replica applied it.
         def validate() -> tuple[Tensor, Tensor, float]:
-            ids, grads, wanted_lr = decode()
+            ids_array, grads_array, wanted_lr = decode()
+            ids, grads = torch.from_numpy(ids_array), torch.from_numpy(grads_array)
             return ids, grads, store.validate_update(name, ids, grads, wanted_lr)
 
         ids, grads, applied_lr = await compute(request, validate)

@@ -341,17 +341,26 @@ class TableStore:
         return isinstance(self.journal, NullJournal)
 
     def apply_update(
-        self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None, *, blocking: bool = True
+        self,
+        name: str,
+        ids: Tensor | np.ndarray,
+        grads: Tensor | np.ndarray,
+        lr: float | None = None,
+        *,
+        blocking: bool = True,
     ) -> tuple[UpdateResult, int] | None:
         """``update`` without the final wait: returns the journal ticket to pass to
         ``journal.wait_durable`` before acknowledging. The HTTP route waits outside its compute slot, so
-        updates waiting for one group-commit flush do not hold back others from joining it.
+        updates waiting for one group-commit flush do not hold back others from joining it. ``ids`` and
+        ``grads`` may be numpy arrays (the route's decoded body): a small update without a journal then
+        makes no tensor.
 
         ``blocking=False``: returns None, having changed nothing, when the table's update lock is held
         elsewhere (the caller, on the event loop, then retries from a worker thread)."""
         entry = self._entry(name)
         table = entry.table
-        self.limits.check_request(int(ids.numel()), table.config.embedding_dim)
+        num_ids = ids.size if isinstance(ids, np.ndarray) else ids.numel()
+        self.limits.check_request(int(num_ids), table.config.embedding_dim)
         applied_lr = table.optimizer.lr if lr is None else float(lr)
         if not (applied_lr > 0 and applied_lr != float("inf")):
             raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
@@ -366,6 +375,7 @@ class TableStore:
                 locked.lock.release()
             if result is not None:
                 return result, 0
+        ids, grads = _tensor(ids), _tensor(grads)
         start = time.perf_counter()
         # ``hash`` checks the ids and ``prepare_step`` the gradients (finite, one row of d per id), both
         # before anything changes.
@@ -566,7 +576,13 @@ class TableStore:
         self._registry_lock.close()
 
 
-def _apply_small(entry: TableEntry, ids: Tensor, grads: Tensor, lr: float) -> UpdateResult | None:
+def _tensor(values: Tensor | np.ndarray) -> Tensor:
+    return torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+
+
+def _apply_small(
+    entry: TableEntry, ids: Tensor | np.ndarray, grads: Tensor | np.ndarray, lr: float
+) -> UpdateResult | None:
     """The next version of ``entry`` (its lock held) by ``Table.try_checked_update``; None, having changed
     nothing, when the general path must take the update (or report why it is refused)."""
     version = entry.version + 1

@@ -703,7 +703,10 @@ def test_a_checked_small_update_is_the_three_part_step(optimizer: OptimizerConfi
     for size in [1, 2, 8, 8, 33, SMALL_BATCH_MAX_IDS]:
         ids = torch.randint(-50, 50, (size,), generator=generator)  # duplicates included
         grads = torch.randn(size, 20, generator=generator)
-        timings = checked.try_checked_update(ids, grads, 0.03)
+        if size % 2:  # the service's numpy arrays, or tensors
+            timings = checked.try_checked_update(ids.numpy(), grads.numpy(), 0.03)
+        else:
+            timings = checked.try_checked_update(ids, grads, 0.03)
         assert timings is not None and min(timings) >= 0
         step = parts.prepare_step(parts.hash(ids), grads, 0.03, offsets_from_hash=True)
         parts.check_step(step)
@@ -735,6 +738,10 @@ def test_a_checked_small_update_leaves_to_the_general_path_what_it_must_refuse(
         "rows of the wrong width": (ids, torch.ones(2, 19), 0.03),
         "a row too few": (ids, torch.ones(1, 20), 0.03),
         "float64 gradients": (ids, torch.ones(2, 20, dtype=torch.float64), 0.03),
+        "float64 gradients in an array": (ids.numpy(), np.ones((2, 20)), 0.03),
+        "strided gradients in an array": (ids.numpy(), np.ones((2, 40), dtype=np.float32)[:, ::2], 0.03),
+        "int32 ids in an array": (ids.numpy().astype(np.int32), np.ones((2, 20), dtype=np.float32), 0.03),
+        "a NaN gradient in an array": (ids.numpy(), nan_grads.numpy(), 0.03),
     }
     before = _snapshot(table)
     for case, (case_ids, grads, lr) in declined.items():
