@@ -4,15 +4,16 @@
   its previous response, else it is closed (checked by one sweep per worker, ``HeaderSweep``). uvicorn
   arms its keep-alive timer only after a response and drops it at the first byte, so a connection that
   sends nothing (or trickles headers) stays forever;
+- the keep-alive timeout (``timeout_keep_alive``: no byte within it after a response closes the
+  connection) is kept by the same sweep, not by a timer uvicorn arms and cancels for every request;
 - at most ``max_connections`` connections per worker: one more is closed as soon as it is accepted, so
   idle or slow clients cannot take every file descriptor of the process;
 - small hot-route requests that arrive whole are answered in the protocol's own callback, without an
   ASGI task (``service/direct.py`` says when and how; the hooks are ``_start_asgi_task``,
   ``on_message_complete`` and ``data_received``).
 
-A stalled request *body* is the business of ``limits.RequestBodyMiddleware`` (``body_timeout_s``); an
-idle keep-alive connection's is uvicorn's ``timeout_keep_alive``. ``uvicorn_options(settings)`` gives
-``uvicorn.run`` all of this.
+A stalled request *body* is the business of ``limits.RequestBodyMiddleware`` (``body_timeout_s``).
+``uvicorn_options(settings)`` gives ``uvicorn.run`` all of this.
 """
 
 from __future__ import annotations
@@ -55,19 +56,29 @@ _SWEEP_ATTRIBUTE = "robez_header_sweep"
 class ConnectionLimits:
     header_timeout_s: float
     max_connections: int
+    keep_alive_s: float = 5.0
 
 
 class HeaderSweep:
-    """Closes a worker's connections that have waited ``timeout_s`` for a request's headers. One callback
-    checks every ``check_s`` seconds while any connection waits, instead of a timer armed and cancelled
-    for each request (together ~2-3 us of the ~20 us uvicorn spends on a small request). A connection is
-    closed between ``timeout_s`` and ``timeout_s + check_s`` after it started waiting."""
+    """Closes a worker's connections that have waited ``timeout_s`` for a request's headers, and those
+    that have received no byte at all within ``keep_alive_s`` of their last response (``idle``; the
+    keep-alive timeout uvicorn would keep with a timer per request). One callback checks every
+    ``check_s`` seconds while any connection waits, instead of timers armed and cancelled for each
+    request (~3.5 us of a small request here). A connection is closed between a timeout and the timeout
+    plus ``check_s`` (at most 1 s) after it started waiting."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, connections: set[Any], timeout_s: float) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        connections: set[Any],
+        timeout_s: float,
+        keep_alive_s: float | None = None,
+    ) -> None:
         self.loop = loop
         self.connections = connections  # uvicorn's: every open connection of this worker
         self.timeout_s = timeout_s
-        self.check_s = min(1.0, timeout_s / 4)
+        self.keep_alive_s = timeout_s if keep_alive_s is None else keep_alive_s
+        self.check_s = min(1.0, timeout_s / 4, self.keep_alive_s / 4)
         self._check: asyncio.TimerHandle | None = None
 
     def watch(self) -> None:
@@ -83,7 +94,9 @@ class HeaderSweep:
             since = getattr(connection, "waiting_since", None)
             if since is None:
                 continue
-            if now - since >= self.timeout_s:
+            if getattr(connection, "idle", False) and now - since >= self.keep_alive_s:
+                connection.keep_alive_timeout()
+            elif now - since >= self.timeout_s:
                 connection.header_timeout()
             else:
                 waiting = True
@@ -107,9 +120,13 @@ class RobezHttpProtocol(HttpToolsProtocol):
         self.limits = limits
         # loop.time() since when this connection waits for a request's headers; None while it does not.
         self.waiting_since: float | None = None
+        # True from the end of a response until the next byte: the keep-alive timeout applies.
+        self.idle = False
         sweep = getattr(server_state, _SWEEP_ATTRIBUTE, None)
         if sweep is None or sweep.loop is not self.loop:
-            sweep = HeaderSweep(self.loop, server_state.connections, limits.header_timeout_s)
+            sweep = HeaderSweep(
+                self.loop, server_state.connections, limits.header_timeout_s, limits.keep_alive_s
+            )
             setattr(server_state, _SWEEP_ATTRIBUTE, sweep)
         self._sweep: HeaderSweep = sweep
         # Direct answers (service/direct.py): the app's, unless uvicorn wraps the app in a logger.
@@ -135,6 +152,7 @@ class RobezHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        self.idle = False
         super().data_received(data)
         if self._held is not None:  # its body is still on its way: the stack reads it (and times it)
             cycle = self._held[0]
@@ -184,10 +202,18 @@ class RobezHttpProtocol(HttpToolsProtocol):
         self.tasks.add(task)
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        # uvicorn armed its keep-alive timer: the connection now waits for its next request's headers.
-        # (It did not when a pipelined request is already under way, or when the connection is closing.)
-        if self.timeout_keep_alive_task is not None:
+        # uvicorn's, with its keep-alive timer left to the sweep: the connection now waits for its next
+        # request's headers, and is idle until its next byte (unless a pipelined request is already
+        # under way, or the connection is closing).
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self.idle = True
             self._wait_for_headers()
 
     def _write_raw(self, cycle: RequestResponseCycle, response: Response) -> bool:
@@ -253,6 +279,14 @@ class RobezHttpProtocol(HttpToolsProtocol):
         self.waiting_since = self.loop.time()
         self._sweep.watch()
 
+    def keep_alive_timeout(self) -> None:
+        """Called by the sweep: no byte within the keep-alive timeout after a response (as uvicorn's
+        ``timeout_keep_alive_handler``, uncounted)."""
+        self.waiting_since = None
+        self.idle = False
+        if not self.transport.is_closing():
+            self.transport.close()
+
     def header_timeout(self) -> None:
         """Called by the sweep: this connection sent no complete headers within ``header_timeout_s``."""
         self.waiting_since = None
@@ -269,7 +303,9 @@ class RobezHttpProtocol(HttpToolsProtocol):
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """``uvicorn.run`` keyword arguments for the connection limits of ``settings``. The protocol is a
     ``functools.partial`` of a module-level class, so it pickles into spawned workers."""
-    limits = ConnectionLimits(settings.header_timeout_s, settings.max_connections)
+    limits = ConnectionLimits(
+        settings.header_timeout_s, settings.max_connections, settings.keep_alive_timeout_s
+    )
     return {
         "http": functools.partial(RobezHttpProtocol, limits=limits),
         "timeout_keep_alive": settings.keep_alive_timeout_s,

@@ -10,12 +10,18 @@ from service.connections import HeaderSweep
 
 
 class _Connection:
-    def __init__(self, waiting_since: float | None) -> None:
+    def __init__(self, waiting_since: float | None, idle: bool = False) -> None:
         self.waiting_since = waiting_since
+        self.idle = idle
         self.timed_out = False
+        self.kept_alive_past = False
 
     def header_timeout(self) -> None:
         self.timed_out = True
+        self.waiting_since = None
+
+    def keep_alive_timeout(self) -> None:
+        self.kept_alive_past = True
         self.waiting_since = None
 
 
@@ -34,5 +40,25 @@ def test_sweep_closes_only_connections_waiting_past_the_timeout() -> None:
         assert fresh.timed_out and not busy.timed_out
         await asyncio.sleep(0.1)
         assert sweep._check is None  # nothing waits: no check left scheduled
+
+    asyncio.run(scenario())
+
+
+def test_sweep_closes_idle_connections_after_the_keep_alive_timeout() -> None:
+    """Idle (no byte since its last response): closed at keep_alive_s; a connection that sent part of its
+    next request's headers waits for the header timeout instead."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        idle, started = _Connection(now, idle=True), _Connection(now, idle=False)
+        sweep = HeaderSweep(loop, {idle, started}, timeout_s=0.6, keep_alive_s=0.2)
+        assert sweep.check_s == 0.05
+        sweep.watch()
+        await asyncio.sleep(0.35)
+        assert idle.kept_alive_past and not idle.timed_out
+        assert not started.kept_alive_past and not started.timed_out
+        await asyncio.sleep(0.45)
+        assert started.timed_out and not started.kept_alive_past
 
     asyncio.run(scenario())
