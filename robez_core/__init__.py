@@ -2,6 +2,7 @@
 
 from .allocator import MallocTuning, tune_malloc
 from .config import OptimizerConfig, TableConfig
+from .dense_adam import DenseAdam
 from .errors import (
     BusyError,
     ConfigError,
@@ -22,6 +23,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "CorruptionError",
+    "DenseAdam",
     "InvalidInputError",
     "LimitExceededError",
     "MallocTuning",
