@@ -6,7 +6,9 @@ It reproduces the "pair model" benchmark of the seed notes (``../shared/seeds/00
 - two lookups per forward (ids ``x[:, 0]`` and ``x[:, 1]``), output = row-wise dot product, MSE loss
   against random targets; n = 1,000,000 rows, d = 100, Z = 32, batch 32768, lr 0.001;
 - ROBE-Z memory sizes 262144 (1 MB), 2621440 (10 MB) and 100,000,000 (381.5 MB), arrays U(-0.001, 0.001);
-- sparse and dense gradients; SGD, Adagrad and Adam (``SparseAdam`` when sparse);
+- sparse and dense gradients; SGD, Adagrad and Adam (``SparseAdam`` when sparse; dense Adam is
+  ``torch.optim.Adam`` for full ``nn.Embedding`` and the reference, robez's one-pass ``DenseAdam`` for the
+  fused model, which is what a robez user trains the array with);
 - 8 iterations, the first dropped, the median of the rest reported; at 1 thread and at all threads.
 
 Columns (milliseconds, per training step):
@@ -51,6 +53,7 @@ from torch import Tensor, nn
 from . import buffers, kernels
 from .allocator import malloc_setting, tune_malloc
 from .bench_share import FloorReading, PieceTimings, memory_floor_runner, timed_calls
+from .dense_adam import DenseAdam
 from .hashing import reference_indices
 from .modules import RobezEmbedding
 
@@ -196,13 +199,19 @@ def _make_embedding(config: RunConfig, settings: BenchSettings) -> nn.Module:
     )
 
 
-def _make_optimizer(config: RunConfig, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def _make_optimizer(
+    config: RunConfig, params: list[nn.Parameter], lr: float, *, torch_adam: bool = False
+) -> torch.optim.Optimizer:
+    """The row's optimizer. Dense Adam is robez's one-pass ``DenseAdam`` for the fused model (unless
+    ``torch_adam``: the share's comparison arm) and ``torch.optim.Adam`` for the others."""
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if config.optimizer == "adagrad":
         return torch.optim.Adagrad(params, lr=lr)
     if config.sparse:
         return torch.optim.SparseAdam(params, lr=lr)
+    if config.model == "fused" and not torch_adam:
+        return DenseAdam(params, lr=lr)
     return torch.optim.Adam(params, lr=lr)
 
 
@@ -396,14 +405,15 @@ def _minor_faults() -> int:
 
 
 def _embedding_share_runner(
-    settings: BenchSettings, memory_size: int, model: str
+    settings: BenchSettings, memory_size: int, model: str, *, torch_adam: bool = False
 ) -> Callable[[], list[ShareStep]]:
     """A function that times the embedding's own part of a dense-Adam pair step over every batch. The
     share is both lookups, their backward (fed fixed output gradients, so none of the model's ops run)
-    and ``optimizer.step()`` over the array."""
+    and ``optimizer.step()`` over the array (``_make_optimizer``'s: ``DenseAdam`` for the fused model
+    unless ``torch_adam``)."""
     config = RunConfig(model, False, "adam", memory_size)
     embedding = _make_embedding(config, settings)
-    optimizer = _make_optimizer(config, list(embedding.parameters()), settings.lr)
+    optimizer = _make_optimizer(config, list(embedding.parameters()), settings.lr, torch_adam=torch_adam)
     generator = torch.Generator().manual_seed(settings.seed + 2)
     shape = (settings.batch_size, settings.embedding_dim)
     output_grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
@@ -429,7 +439,12 @@ def _embedding_share_runner(
 @dataclass(frozen=True)
 class ShareTimings:
     """Milliseconds of the embedding shares over all kept steps (median, p10, p90), faults per step, and
-    the yardsticks timed in the same rounds: the memory floor and the fused share's pieces."""
+    the yardsticks timed in the same rounds: the memory floor and the fused share's pieces.
+
+    ``fused`` steps robez's ``DenseAdam`` (``adam_ms``: its step's median); ``fused_torch_adam`` is the
+    same fused share stepping ``torch.optim.Adam`` instead (``torch_adam_ms``), the reference's
+    optimizer, and ``adam_paired_ratio`` the median over steps of that share / the DenseAdam share of the
+    same batch in the same round."""
 
     reference: tuple[float, float, float]
     fused: tuple[float, float, float]
@@ -437,6 +452,9 @@ class ShareTimings:
     reference_faults: float
     fused_faults: float
     steps: int
+    fused_torch_adam: tuple[float, float, float] = (math.nan, math.nan, math.nan)
+    torch_adam_ms: float = math.nan
+    adam_paired_ratio: float = math.nan
     floor_ms: float = math.nan  # median of copying the share's minimum traffic (``bench_share``)
     rows_floor_ms: float = math.nan  # of which the two row-sized copies
     pieces: PieceTimings | None = None
@@ -459,6 +477,21 @@ class ShareTimings:
             self.floor_ms, self.rows_floor_ms, self.reference[0], self.fused[0], self.adam_ms, goal
         )
 
+    def optimizer_reading(self) -> str:
+        """What the optimizer brings: the fused share with robez's DenseAdam vs with torch.optim.Adam."""
+        reference, fused, fused_torch = self.reference[0], self.fused[0], self.fused_torch_adam[0]
+        return (
+            f"Optimizer: the fused share steps robez_core.DenseAdam (one pass over the array), the "
+            f"reference's torch.optim.Adam. In the same alternating rounds the fused share with "
+            f"torch.optim.Adam took {fused_torch:.2f} ms ({reference / fused_torch:.1f}x vs the reference), "
+            f"with DenseAdam {fused:.2f} ms ({reference / fused:.1f}x; paired per batch, torch's Adam share "
+            f"/ DenseAdam share = {self.adam_paired_ratio:.3f}); the step over the {self.steps}-step "
+            f"median: torch.optim.Adam {self.torch_adam_ms:.2f} ms, DenseAdam {self.adam_ms:.2f} ms "
+            f"({self.torch_adam_ms / self.adam_ms:.1f}x). The lookups and their backward took the other "
+            f"{fused - self.adam_ms:.2f} ms of the DenseAdam share: with them free, the share could be at "
+            f"most {reference / self.adam_ms:.1f}x faster than the reference's {reference:.2f} ms."
+        )
+
 
 def _spread_ms(values: Sequence[float]) -> tuple[float, float, float]:
     p50, p10, p90 = np.percentile(np.asarray(values), [50, 10, 90])
@@ -478,12 +511,15 @@ def _time_embedding_shares(
     settings: BenchSettings, memory_size: int, rounds: int = SHARE_ROUNDS
 ) -> ShareTimings:
     """The reference's and the fused embedding share, timed in alternating rounds so that a change of
-    machine load hits both alike, and the fused share's ``optimizer.step()`` (torch's dense Adam over
-    the array: the same op whatever the embedding). Each round also times the memory floor
-    (``bench_share.memory_floor_runner``) and one more fused round with its kernel calls timed one by
-    one, kept apart from the share's own figures."""
+    machine load hits both alike, and the fused share's ``optimizer.step()`` (robez's ``DenseAdam``
+    over the array). A third arm, the fused share stepping ``torch.optim.Adam`` (the reference's
+    optimizer), runs in the same rounds, so the report shows what the optimizer brings. Each round also
+    times the memory floor (``bench_share.memory_floor_runner``) and one more fused round with its
+    kernel calls timed one by one, kept apart from the share's own figures."""
     runners = {
-        model: _embedding_share_runner(settings, memory_size, model) for model in ("reference", "fused")
+        "reference": _embedding_share_runner(settings, memory_size, "reference"),
+        "fused": _embedding_share_runner(settings, memory_size, "fused"),
+        "fused torch adam": _embedding_share_runner(settings, memory_size, "fused", torch_adam=True),
     }
     generator = torch.Generator().manual_seed(settings.seed + 2)
     shape = (settings.batch_size, settings.embedding_dim)
@@ -501,7 +537,7 @@ def _time_embedding_shares(
         for name, values in calls.items():
             per_step = len(values) // settings.iterations
             durations[name] += values[per_step:]  # the round's first step is dropped, as the share's
-    reference, fused = timings["reference"], timings["fused"]
+    reference, fused, fused_torch = timings["reference"], timings["fused"], timings["fused torch adam"]
     adam_ms = 1e3 * statistics.median(step.step for step in fused)
     return ShareTimings(
         reference=_spread_ms([step.total for step in reference]),
@@ -510,6 +546,11 @@ def _time_embedding_shares(
         reference_faults=statistics.mean(step.faults for step in reference),
         fused_faults=statistics.mean(step.faults for step in fused),
         steps=len(fused),
+        fused_torch_adam=_spread_ms([step.total for step in fused_torch]),
+        torch_adam_ms=1e3 * statistics.median(step.step for step in fused_torch),
+        adam_paired_ratio=statistics.median(
+            theirs.total / ours.total for theirs, ours in zip(fused_torch, fused, strict=True)
+        ),
         floor_ms=1e3 * statistics.median(total for _, total in floors),
         rows_floor_ms=1e3 * statistics.median(rows for rows, _ in floors),
         pieces=PieceTimings.from_durations(durations, len(fused), adam_ms),
@@ -578,12 +619,12 @@ def measure_targets(
         if not math.isnan(reference_step):
             with _torch_threads(1):
                 shares = _time_embedding_shares(settings, memory_size)
-                reference_share, fused_share, adam_ms = shares.reference[0], shares.fused[0], shares.adam_ms
+                reference_share, fused_share = shares.reference[0], shares.fused[0]
                 model_ms = _time_model_own_work(settings)
             targets.append(
                 TargetResult(
                     f"embedding's share of that step (2 lookups, their backward, dense Adam over the "
-                    f"array), m={memory_size}: fused vs reference",
+                    f"array: robez's DenseAdam vs torch.optim.Adam), m={memory_size}: fused vs reference",
                     reference_share,
                     fused_share,
                     SHARE_GOAL,
@@ -599,13 +640,7 @@ def measure_targets(
                     f"The fused step's remainder beyond its embedding share and that work: "
                     f"{fused_step - fused_share - model_ms:.2f} ms (autograd, allocations)."
                 )
-                notes.append(
-                    f"Of the fused embedding share's {fused_share:.2f} ms, torch.optim.Adam's step over the "
-                    f"array took {adam_ms:.2f} ms (the same op for either embedding; the fused lookups and "
-                    f"their backward the other {fused_share - adam_ms:.2f} ms): with the kernels' part free, "
-                    f"the share could be at most {reference_share / adam_ms:.1f}x faster than the "
-                    f"reference's {reference_share:.2f} ms."
-                )
+                notes.append(shares.optimizer_reading())
                 notes.append(shares.reading())
                 if shares.pieces is not None:
                     notes.append(shares.pieces.reading(fused_share))
@@ -683,8 +718,9 @@ def profile_training_step(settings: BenchSettings, memory_size: int, steps: int 
         "",
         f"Under the profiler, the fused embedding itself (two hash + gather calls in `_FusedLookup`, two "
         f"scatters in `_FusedLookupBackward`) takes {kernels_ms:.2f} ms of a step; the rest is the pair "
-        "model's own torch ops (the product, its two backward multiplies, sum, loss), autograd and Adam, "
-        "which cost the same whatever the embedding.",
+        "model's own torch ops (the product, its two backward multiplies, sum, loss) and autograd, the same "
+        "whatever the embedding, and the optimizer step (robez's `DenseAdam` for the fused model, "
+        "`torch.optim.Adam` for the reference).",
         "",
         "torch.profiler, fused step (3 steps; numba kernels appear inside `_FusedLookup` / "
         "`_FusedLookupBackward`):",
@@ -911,7 +947,9 @@ def render_markdown(
         "`hashing` / `lookup` = the forward's two hash / gather steps timed on their own, "
         "`gradcomp` = `loss.backward()`, "
         "`backward` = `optimizer.step()` (the seed's column names), `total` = forward + gradcomp + backward. "
-        "Sparse Adam is `torch.optim.SparseAdam`. Wall-clock milliseconds; the machine may be shared, so "
+        "Sparse Adam is `torch.optim.SparseAdam`; dense Adam is `torch.optim.Adam` for full nn.Embedding "
+        "and the reference, `robez_core.DenseAdam` (one pass over the array) for the fused rows. "
+        "Wall-clock milliseconds; the machine may be shared, so "
         "compare rows of one run rather than runs.",
         "",
     ]

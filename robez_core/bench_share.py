@@ -9,8 +9,9 @@
   the best ratio any kernel could reach against the reference on that machine.
 - :func:`timed_calls`: wraps named functions (the kernels and buffer calls the fused path makes) for one
   instrumented round, so the share is split into hash, gather, dense-gradient zeroing and scatter on the
-  real code path, whatever calls it makes; the rest of the share (autograd, its sum of the two dense
-  gradients, Python) is the share's median minus the pieces'.
+  real code path, whatever calls it makes, beside the share's optimizer step (robez's ``DenseAdam``);
+  the rest of the share (autograd, its sum of the two dense gradients, Python) is the share's median
+  minus the pieces' and the step's.
 - :func:`prefetch_comparison` (``python -m robez_core.bench_share --prefetch [--emulate-avx2]``): the
   share stepped under several settings of the kernels' prefetch thresholds in turn, the evidence for the
   thresholds in ``kernels.py``.
@@ -120,7 +121,7 @@ class PieceTimings:
         rest = share_ms - sum(self.pieces.values()) - self.adam_ms
         return (
             f"Where the fused share's {share_ms:.2f} ms go (median ms per step, one instrumented round per "
-            f"alternating round): {listed}, torch.optim.Adam's step {self.adam_ms:.2f}; the rest "
+            f"alternating round): {listed}, DenseAdam's step {self.adam_ms:.2f}; the rest "
             f"(autograd, its sum of the two dense gradients, Python) {rest:.2f}."
         )
 
@@ -148,8 +149,9 @@ class FloorReading:
             f"moments) {self.floor_ms - self.rows_floor_ms:.2f} ms. The fused share took "
             f"{self.fused_ms / self.floor_ms:.2f}x the floor. Best ratio any kernel could reach against the "
             f"reference's {self.reference_ms:.2f} ms: {self.reference_ms / self.floor_ms:.1f}x if the whole "
-            f"share ran at the floor, {best:.1f}x with lookups and backward at the rows' floor and torch's "
-            f"Adam step as measured ({self.adam_ms:.2f} ms), so the {self.goal:.0f}x goal is {reach}."
+            f"share ran at the floor, {best:.1f}x with lookups and backward at the rows' floor and the "
+            f"share's DenseAdam step as measured ({self.adam_ms:.2f} ms), so the {self.goal:.0f}x goal is "
+            f"{reach}."
         )
 
 
@@ -167,9 +169,11 @@ def prefetch_comparison(
     rounds: int = 15,
     seed: int = 0,
 ) -> dict[str, tuple[float, float]]:
-    """The embedding share (two lookups, their backward, torch Adam) of one table per variant of the
-    kernels' prefetch thresholds, stepped in turn so that load changes hit all alike: per variant the
-    median ms and the median of its step / the default's step of the same batch (paired ratio).
+    """The embedding share (two lookups, their backward, torch.optim.Adam: the setting the thresholds
+    were measured under on 2026-11-23, before the bench's fused share stepped ``DenseAdam``) of one table
+    per variant of the kernels' prefetch thresholds, stepped in turn so that load changes hit all alike:
+    per variant the median ms and the median of its step / the default's step of the same batch (paired
+    ratio).
 
     Variants: the thresholds as they are, no sequential pass over a small table before a gather
     (``_WARM_TABLE_RATIO``), no write (dense backward) prefetch at any size, read (gather) prefetch at any

@@ -44,7 +44,7 @@ def test_pieces_are_summed_per_step_and_the_rest_is_what_they_leave():
     assert pieces.pieces == pytest.approx({"hash x2": 5.0, "scatter": 20.0})
     text = pieces.reading(share_ms=30.0)
     assert "fused share's 30.00 ms" in text and "hash x2 5.00, scatter 20.00" in text
-    assert "Adam's step 0.50" in text and "Python) 4.50." in text
+    assert "DenseAdam's step 0.50" in text and "Python) 4.50." in text
 
 
 def test_floor_reading_prints_ratios_and_reach_from_its_data():
