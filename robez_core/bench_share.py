@@ -15,6 +15,9 @@
 - :func:`prefetch_comparison` (``python -m robez_core.bench_share --prefetch [--emulate-avx2]``): the
   share stepped under several settings of the kernels' prefetch thresholds in turn, the evidence for the
   thresholds in ``kernels.py``.
+- :func:`adam_comparison` (``python -m robez_core.bench_share --adam [--emulate-avx2]``): the fused share
+  stepped with robez's ``DenseAdam``, ``torch.optim.Adam`` and ``torch.optim.Adam(fused=True)`` in turn,
+  the evidence for ``DenseAdam``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-__all__ = ["FloorReading", "PieceTimings", "memory_floor_runner", "timed_calls"]
+__all__ = [
+    "FloorReading",
+    "PieceTimings",
+    "adam_comparison",
+    "adam_reading",
+    "memory_floor_runner",
+    "timed_calls",
+]
 
 
 def memory_floor_runner(
@@ -236,6 +246,95 @@ def prefetch_comparison(
     }
 
 
+ADAM_VARIANTS = ("DenseAdam", "torch.optim.Adam", "torch.optim.Adam(fused=True)")
+
+
+def adam_comparison(
+    memory_size: int,
+    *,
+    batch_size: int = 32_768,
+    embedding_dim: int = 100,
+    chunk_size: int = 32,
+    num_embeddings: int = 1_000_000,
+    rounds: int = 15,
+    seed: int = 0,
+    lr: float = 1e-3,
+) -> dict[str, tuple[float, float, float]]:
+    """The fused embedding share (two lookups, their backward, the optimizer's step over the array) with
+    each optimizer of ``ADAM_VARIANTS``, stepped in turn on the same batches so that load changes hit all
+    alike: per variant the median ms of the share, the median of its share / DenseAdam's share of the same
+    batch (paired ratio) and the median ms of its ``optimizer.step()`` alone.
+
+    Every table has an optimizer of each kind, and each round hands the variants the next table in turn,
+    so where an array and its state sit in memory does not follow one variant.
+    """
+    import torch
+
+    from .dense_adam import DenseAdam
+    from .modules import RobezEmbedding
+
+    def make(variant: str, params: Any) -> torch.optim.Optimizer:
+        if variant == "DenseAdam":
+            return DenseAdam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, fused=variant.endswith("(fused=True)"))
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch_size, embedding_dim)
+    grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    batches = [torch.randint(0, num_embeddings, (batch_size, 2), generator=generator) for _ in range(8)]
+    tables = []
+    for _ in ADAM_VARIANTS:
+        table = RobezEmbedding(num_embeddings, embedding_dim, memory_size=memory_size, chunk_size=chunk_size)
+        tables.append((table, {variant: make(variant, table.parameters()) for variant in ADAM_VARIANTS}))
+    shares: dict[str, list[float]] = {variant: [] for variant in ADAM_VARIANTS}
+    steps: dict[str, list[float]] = {variant: [] for variant in ADAM_VARIANTS}
+    kept = {}
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for round_index in range(rounds):
+            for pairs in batches:
+                for index, variant in enumerate(ADAM_VARIANTS):
+                    table, optimizers = tables[(index + round_index) % len(tables)]
+                    optimizer = optimizers[variant]
+                    optimizer.zero_grad(set_to_none=True)
+                    start = time.perf_counter()
+                    rows = (table(pairs[:, 0]), table(pairs[:, 1]))
+                    torch.autograd.backward(rows, grads)
+                    stepping = time.perf_counter()
+                    optimizer.step()
+                    end = time.perf_counter()
+                    kept[variant] = rows  # the next step allocates while these are alive, as in training
+                    if round_index:  # the first round warms up (compilation, pool, caches)
+                        shares[variant].append(end - start)
+                        steps[variant].append(end - stepping)
+    finally:
+        torch.set_num_threads(previous_threads)
+    base = np.asarray(shares["DenseAdam"])
+    return {
+        variant: (
+            1e3 * float(np.median(shares[variant])),
+            float(np.median(np.asarray(shares[variant]) / base)),
+            1e3 * float(np.median(steps[variant])),
+        )
+        for variant in ADAM_VARIANTS
+    }
+
+
+def adam_reading(results: dict[str, tuple[float, float, float]]) -> str:
+    """What ``adam_comparison``'s figures say, from the figures: each torch variant against DenseAdam."""
+    dense_share, _, dense_step = results["DenseAdam"]
+    parts = []
+    for variant in ADAM_VARIANTS[1:]:
+        share, ratio, step = results[variant]
+        parts.append(
+            f"against {variant} (step {step:.3f} ms, {step / dense_step:.2f}x DenseAdam's {dense_step:.3f} "
+            f"ms) the share with DenseAdam is {100 * (1 - 1 / ratio):.1f}% shorter per batch (paired; "
+            f"{share - dense_share:+.3f} ms at the medians)"
+        )
+    return "; ".join(parts) + "."
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import os
@@ -245,12 +344,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--prefetch", action="store_true", help="compare the prefetch thresholds and the table pass"
     )
+    parser.add_argument(
+        "--adam", action="store_true", help="compare DenseAdam, torch.optim.Adam and its fused=True"
+    )
     parser.add_argument("--memory-sizes", type=int, nargs="+", default=[262_144])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--emulate-avx2", action="store_true", help="as python -m robez_core.bench")
     args = parser.parse_args(argv)
-    if not args.prefetch:
-        parser.error("nothing to do: pass --prefetch")
+    if not (args.prefetch or args.adam):
+        parser.error("nothing to do: pass --prefetch and/or --adam")
     from .bench import _EMULATION_MARK, avx2_emulation_env, machine_info
 
     given = list(sys.argv[1:] if argv is None else argv)
@@ -264,12 +366,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"python -m robez_core.bench_share {' '.join(given)}")
     for key, value in machine_info().items():
         print(f"{key}: {value}")
-    for memory_size in args.memory_sizes:
+    for memory_size in args.memory_sizes if args.prefetch else ():
         print(f"\nm = {memory_size}: embedding share per step, 1 thread, {args.rounds - 1} x 8 paired steps")
         for name, (median_ms, ratio) in prefetch_comparison(memory_size, rounds=args.rounds).items():
             print(
                 f"  {name:18s} median {median_ms:7.3f} ms   paired ratio to the thresholds as set {ratio:.3f}"
             )
+    for memory_size in args.memory_sizes if args.adam else ():
+        print(
+            f"\nm = {memory_size}: fused embedding share per step by optimizer, 1 thread, "
+            f"{args.rounds - 1} x 8 paired steps"
+        )
+        results = adam_comparison(memory_size, rounds=args.rounds)
+        for name, (median_ms, ratio, step_ms) in results.items():
+            print(
+                f"  {name:28s} share median {median_ms:7.3f} ms   paired ratio to DenseAdam {ratio:.3f}   "
+                f"optimizer.step() median {step_ms:6.3f} ms"
+            )
+        print(f"  reading: {adam_reading(results)}")
     load_after = os.getloadavg()
     print(
         "\nload average (1/5/15 min): before "
