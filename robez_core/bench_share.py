@@ -327,10 +327,11 @@ def adam_reading(results: dict[str, tuple[float, float, float]]) -> str:
     parts = []
     for variant in ADAM_VARIANTS[1:]:
         share, ratio, step = results[variant]
+        change = 100 * (1 - 1 / ratio)
         parts.append(
             f"against {variant} (step {step:.3f} ms, {step / dense_step:.2f}x DenseAdam's {dense_step:.3f} "
-            f"ms) the share with DenseAdam is {100 * (1 - 1 / ratio):.1f}% shorter per batch (paired; "
-            f"{share - dense_share:+.3f} ms at the medians)"
+            f"ms) the share with DenseAdam is {abs(change):.1f}% {'shorter' if change >= 0 else 'longer'} "
+            f"per batch (paired; {share - dense_share:+.3f} ms at the medians)"
         )
     return "; ".join(parts) + "."
 
