@@ -14,10 +14,12 @@ It is a drop-in for ``torch.optim.Adam(params, lr, betas, eps, weight_decay)``:
 - same hyper-parameters, defaults, parameter groups and state (``step`` a float32 0-d tensor,
   ``exp_avg``, ``exp_avg_sq``), so ``state_dict()`` loads into either class;
 - same float32 operations in the same order, torch's fused multiply-adds included, so ``exp_avg`` and
-  ``exp_avg_sq`` come out bit for bit as torch's. The parameter may differ in its last bit: torch takes
-  the square root through MKL's ``vsSqrt`` (high-accuracy mode: within one ulp, not correctly rounded,
-  and its bits depend on MKL's code path for the CPU), ``DenseAdam`` the IEEE square root, as torch's
-  own ``Adam(fused=True)`` on CPU does. ``tests/core/test_dense_adam.py`` checks both per step.
+  ``exp_avg_sq`` come out bit for bit as torch's AVX2 / AVX-512 kernels compute them (on x86-64, torch's
+  DEFAULT build, for CPUs without AVX2, rounds those products first). The parameter may differ in its
+  last bit: torch takes the square root through MKL's ``vsSqrt`` (high-accuracy mode: within one ulp,
+  not correctly rounded, and its bits depend on MKL's code path for the CPU), ``DenseAdam`` the IEEE
+  square root, as torch's own ``Adam(fused=True)`` on CPU does. ``tests/core/test_dense_adam.py`` checks
+  both per step.
 
 What it refuses (``ValueError`` when built, or when a loaded ``state_dict`` turns them on), because
 they are not the dense ROBE-Z case and a silent fallback to torch would hide the slow path:
