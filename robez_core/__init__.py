@@ -2,7 +2,6 @@
 
 from .allocator import MallocTuning, tune_malloc
 from .config import OptimizerConfig, TableConfig
-from .dense_adam import DenseAdam
 from .errors import (
     BusyError,
     ConfigError,
@@ -23,7 +22,6 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "CorruptionError",
-    "DenseAdam",
     "InvalidInputError",
     "LimitExceededError",
     "MallocTuning",

@@ -103,7 +103,6 @@ __all__ = [
     "chunk_offsets",
     "coalesce_grad",
     "compile_target",
-    "dense_adam_step",
     "gather",
     "lookup",
     "lookup_bag",
@@ -337,23 +336,6 @@ def _float64_bits_intrinsic(typingctx, value):
     return numba_types.int64(numba_types.float64), codegen
 
 
-@intrinsic
-def _fma32_intrinsic(typingctx, a, b, c):
-    """``a * b + c`` rounded once (``llvm.fma.f32``: one ``vfmadd`` on every CPU with FMA3, which all AVX2
-    and AVX-512 x86-64 CPUs have). numba never contracts ``a * b + c`` itself, and torch's CPU kernels
-    use ``fmadd`` where ``DenseAdam`` must give their bits (lerp, addcmul, add with alpha)."""
-    if not (a == b == c == numba_types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        float_type = ir.FloatType()
-        function_type = ir.FunctionType(float_type, [float_type] * 3)
-        fma = builder.module.declare_intrinsic("llvm.fma", [float_type], function_type)
-        return builder.call(fma, list(args))
-
-    return numba_types.float32(numba_types.float32, numba_types.float32, numba_types.float32), codegen
-
-
 def _make_prefetch(for_write: bool) -> Any:
     """An intrinsic ``(array, position)``: ask the CPU to start loading that element's cache line."""
 
@@ -388,7 +370,6 @@ _prefetch_write = _make_prefetch(for_write=True)
 _streaming_copy_4: Any = _streaming_copy_4_intrinsic
 _store_fence: Any = _store_fence_intrinsic
 _float64_bits: Any = _float64_bits_intrinsic
-_fma32: Any = _fma32_intrinsic
 _copy_16 = _make_vector_copy(16)
 _copy_4 = _make_vector_copy(4)
 _add_scaled_16 = _make_vector_add_scaled(16)
@@ -1163,56 +1144,6 @@ def _adam_nonfinite_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1
     return bad
 
 
-# The dense Adam step of ``DenseAdam`` (``dense_adam.py``): one pass over param, grad and both moments
-# (reads 4 arrays, writes 3) where torch.optim.Adam's CPU path makes eight (lerp_, mul_, addcmul_, sqrt,
-# div, add_, addcdiv_, plus the weight-decay add). Same float32 operations in the same order as torch's
-# ``_single_tensor_adam`` (its vector kernels' ``fmadd`` included), so the moments are torch's bits;
-# only the square root differs: torch's comes from MKL's vsSqrt (within 1 ulp, not correctly rounded),
-# this one is IEEE's (as torch's own ``fused=True`` CPU kernel). Elements are independent, so any thread
-# count gives the same bits.
-_DENSE_ADAM_BLOCK = 8192  # elements per parallel work item (32 kB of each array)
-
-
-@_parallel_kernel
-def _dense_adam_kernel(
-    param,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    use_weight_decay,
-    weight_decay,
-    lerp_small,
-    lerp_weight,
-    beta2,
-    square_weight,
-    bias_correction2_sqrt,
-    eps,
-    neg_step_size,
-):
-    n = np.uint64(param.shape[0])
-    block = np.uint64(_DENSE_ADAM_BLOCK)
-    # torch's lerp: self + w * (end - self) when |w| < 0.5, else end - (end - self) * (1 - w), both as
-    # one fmadd with coefficient w or w - 1 (its vector kernel; its scalar tail contracts to the same).
-    lerp_coeff = lerp_weight if lerp_small else lerp_weight - np.float32(1.0)
-    for b in prange((n + block - _U1) // block):
-        start = np.uint64(b) * block
-        end = min(start + block, n)
-        i = start
-        while i < end:
-            p = param[i]
-            g = grad[i]
-            if use_weight_decay:
-                g = _fma32(p, weight_decay, g)  # grad.add(param, alpha=weight_decay)
-            m = exp_avg[i]
-            m = _fma32(lerp_coeff, g - m, m if lerp_small else g)  # exp_avg.lerp_(grad, 1 - beta1)
-            v = _fma32(square_weight * g, g, exp_avg_sq[i] * beta2)  # .mul_(beta2).addcmul_(g, g, 1 - beta2)
-            exp_avg[i] = m
-            exp_avg_sq[i] = v
-            denom = np.sqrt(v) / bias_correction2_sqrt + eps
-            param[i] = p + neg_step_size * m / denom  # param.addcdiv_(exp_avg, denom, value=-step_size)
-            i += _U1
-
-
 # --------------------------------------------------------------------------------------------------
 # public API (torch in, torch out)
 
@@ -1745,61 +1676,4 @@ def adam_step(
         np.float32(eps),
         np.float32(step_size),
         work=loc_np.shape[0],
-    )
-
-
-def dense_adam_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: float,
-) -> None:
-    """One ``torch.optim.Adam`` step (amsgrad, maximize and decoupled weight decay off) in place, in one
-    pass: ``param``, ``exp_avg`` and ``exp_avg_sq`` are updated, ``grad`` is only read.
-
-    All four must be contiguous float32 CPU tensors of one shape; ``step`` is the step being taken (1.0
-    for the first update). The scalars are formed in float64 exactly as torch's ``_single_tensor_adam``
-    forms them and rounded to float32 where its kernels round them.
-    """
-    shape = param.shape
-    for name, tensor in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if (
-            tensor.dtype != torch.float32
-            or tensor.device.type != "cpu"
-            or tensor.shape != shape
-            or not tensor.is_contiguous()
-        ):
-            raise ConfigError(
-                f"{name} must be a contiguous float32 CPU tensor shaped like param {tuple(shape)}"
-            )
-    if step < 1:
-        raise ConfigError(f"step must be >= 1, got {step}")
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
-    lerp_weight = np.float32(1 - beta1)
-    set_kernel_threads()
-    _dense_adam_kernel(
-        param.detach().view(-1).numpy(),
-        grad.detach().view(-1).numpy(),
-        exp_avg.detach().view(-1).numpy(),
-        exp_avg_sq.detach().view(-1).numpy(),
-        weight_decay != 0,
-        np.float32(weight_decay),
-        bool(abs(lerp_weight) < 0.5),
-        lerp_weight,
-        np.float32(beta2),
-        np.float32(1 - beta2),
-        np.float32(bias_correction2_sqrt),
-        np.float32(eps),
-        np.float32(-step_size),
-        work=param.numel(),
     )

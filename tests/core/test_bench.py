@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from robez_core import DenseAdam, bench
+from robez_core import bench
 
 TOY_ARGS = [
     "--num-embeddings",
@@ -68,20 +68,26 @@ def test_share_reading_prints_the_spread_and_ratios_from_its_data():
     assert "medians (10.0x)" in text and "is 7.5x faster" in text and "(p90) 15.0x" in text
 
 
-def test_fused_rows_step_dense_adam_and_the_others_torch_adam():
+def test_fused_rows_step_fused_adam_and_the_others_torch_default_adam():
     params = [torch.nn.Parameter(torch.zeros(4))]
-    make = bench._make_optimizer
-    assert type(make(bench.RunConfig("fused", False, "adam", 4), params, 0.1)) is DenseAdam
-    assert (
-        type(make(bench.RunConfig("fused", False, "adam", 4), params, 0.1, torch_adam=True))
-        is torch.optim.Adam
-    )
-    assert type(make(bench.RunConfig("reference", False, "adam", 4), params, 0.1)) is torch.optim.Adam
-    assert type(make(bench.RunConfig("full", False, "adam", None), params, 0.1)) is torch.optim.Adam
-    assert type(make(bench.RunConfig("fused", True, "adam", 4), params, 0.1)) is torch.optim.SparseAdam
+
+    def make(model: str, sparse: bool = False, **kwargs: bool) -> torch.optim.Optimizer:
+        memory_size = None if model == "full" else 4
+        config = bench.RunConfig(model, sparse, "adam", memory_size)
+        return bench._make_optimizer(config, params, 0.1, **kwargs)
+
+    def one_pass(optimizer: torch.optim.Optimizer) -> bool:
+        return type(optimizer) is torch.optim.Adam and bool(optimizer.param_groups[0]["fused"])
+
+    assert one_pass(make("fused"))
+    assert type(make("fused", default_adam=True)) is torch.optim.Adam
+    assert not one_pass(make("fused", default_adam=True))
+    assert type(make("reference")) is torch.optim.Adam and not one_pass(make("reference"))
+    assert type(make("full")) is torch.optim.Adam and not one_pass(make("full"))
+    assert type(make("fused", sparse=True)) is torch.optim.SparseAdam
 
 
-def test_optimizer_reading_puts_torch_adam_beside_dense_adam_from_its_data():
+def test_optimizer_reading_puts_both_fused_shares_side_by_side_from_its_data():
     timings = bench.ShareTimings(
         reference=(40.0, 30.0, 60.0),
         fused=(4.0, 3.5, 5.0),
@@ -89,14 +95,15 @@ def test_optimizer_reading_puts_torch_adam_beside_dense_adam_from_its_data():
         reference_faults=0.0,
         fused_faults=0.0,
         steps=56,
-        fused_torch_adam=(5.0, 4.5, 6.0),
-        torch_adam_ms=0.8,
+        fused_default_adam=(5.0, 4.5, 6.0),
+        default_adam_ms=0.8,
         adam_paired_ratio=1.25,
     )
     text = timings.optimizer_reading()
-    assert "with torch.optim.Adam took 5.00 ms (8.0x vs the reference)" in text
-    assert "with DenseAdam 4.00 ms (10.0x;" in text and "= 1.250)" in text
-    assert "torch.optim.Adam 0.80 ms, DenseAdam 0.20 ms (4.0x)" in text
+    assert "the fused share steps torch.optim.Adam(fused=True)" in text
+    assert "with the default Adam took 5.00 ms (8.0x vs the reference)" in text
+    assert "with Adam(fused=True) 4.00 ms (10.0x;" in text and "= 1.250)" in text
+    assert "default Adam 0.80 ms, Adam(fused=True) 0.20 ms (4.0x)" in text
     assert "the other 3.80 ms" in text and "at most 200.0x faster" in text
 
 
@@ -119,7 +126,9 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     ):
         assert line in text
     assert "embedding's share of that step" in text and "model's own work in a step" in text
-    assert "the fused share steps robez_core.DenseAdam" in text and "torch.optim.Adam took" in text
+    assert "the fused share steps torch.optim.Adam(fused=True)" in text
+    assert "with the default Adam took" in text
+    assert "fused + Adam(fused=True) vs reference + default Adam" in text
     assert "Embedding share over" in text and "minor page faults per step" in text
     assert "Where the fused share's" in text and "scatter x2" in text and "gather x2" in text
     assert "Memory floor of the share" in text and "Best ratio any kernel could reach" in text
