@@ -482,7 +482,7 @@ class ShareTimings:
         reference, fused, fused_default = self.reference[0], self.fused[0], self.fused_default_adam[0]
         return (
             f"Optimizer: the fused share steps torch.optim.Adam(fused=True) (one pass over the array), the "
-            f"reference's torch's default torch.optim.Adam. In the same alternating rounds the fused share "
+            f"reference torch's default torch.optim.Adam. In the same alternating rounds the fused share "
             f"with the default Adam took {fused_default:.2f} ms ({reference / fused_default:.1f}x vs the "
             f"reference), with Adam(fused=True) {fused:.2f} ms ({reference / fused:.1f}x; paired per batch, "
             f"default-Adam share / fused=True share = {self.adam_paired_ratio:.3f}); their step over the "
