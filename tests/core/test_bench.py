@@ -86,6 +86,16 @@ def test_fused_rows_step_fused_adam_and_the_others_torch_default_adam():
     assert type(make("full")) is torch.optim.Adam and not one_pass(make("full"))
     assert type(make("fused", sparse=True)) is torch.optim.SparseAdam
 
+    def ops_of_a_step(optimizer: torch.optim.Optimizer) -> set[str]:
+        params[0].grad = torch.ones(4)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            optimizer.step()
+        return {event.key for event in profiler.key_averages()}
+
+    # the fused rows really run torch's one-pass CPU kernel; the default Adam does not
+    assert "aten::_fused_adam_" in ops_of_a_step(make("fused"))
+    assert "aten::_fused_adam_" not in ops_of_a_step(make("reference"))
+
 
 def test_optimizer_reading_puts_both_fused_shares_side_by_side_from_its_data():
     timings = bench.ShareTimings(
@@ -136,6 +146,7 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     assert list(tmp_path.glob("*-quick.png"))
     profile = next(tmp_path.glob("*-quick-profile.md")).read_text()
     assert "| loss.backward() |" in profile and "_FusedLookup" in profile
+    assert "`torch.optim.Adam(fused=True)` for the fused model" in profile
     assert "-quick-profile.md" in text
     assert not (tmp_path / "latest.md").exists()  # quick runs never replace the committed full report
 
