@@ -9,11 +9,15 @@
   the best ratio any kernel could reach against the reference on that machine.
 - :func:`timed_calls`: wraps named functions (the kernels and buffer calls the fused path makes) for one
   instrumented round, so the share is split into hash, gather, dense-gradient zeroing and scatter on the
-  real code path, whatever calls it makes; the rest of the share (autograd, its sum of the two dense
-  gradients, Python) is the share's median minus the pieces'.
+  real code path, whatever calls it makes, beside the share's optimizer step (``Adam(fused=True)``);
+  the rest of the share (autograd, its sum of the two dense gradients, Python) is the share's median
+  minus the pieces' and the step's.
 - :func:`prefetch_comparison` (``python -m robez_core.bench_share --prefetch [--emulate-avx2]``): the
   share stepped under several settings of the kernels' prefetch thresholds in turn, the evidence for the
   thresholds in ``kernels.py``.
+- :func:`adam_comparison` (``python -m robez_core.bench_share --adam [--emulate-avx2]``): the fused share
+  stepped with torch's default ``torch.optim.Adam`` and with ``torch.optim.Adam(fused=True)`` in turn, the
+  evidence for training the array (and stepping the bench's fused rows) with ``fused=True``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-__all__ = ["FloorReading", "PieceTimings", "memory_floor_runner", "timed_calls"]
+__all__ = [
+    "FloorReading",
+    "PieceTimings",
+    "adam_comparison",
+    "adam_reading",
+    "memory_floor_runner",
+    "timed_calls",
+]
 
 
 def memory_floor_runner(
@@ -120,7 +131,7 @@ class PieceTimings:
         rest = share_ms - sum(self.pieces.values()) - self.adam_ms
         return (
             f"Where the fused share's {share_ms:.2f} ms go (median ms per step, one instrumented round per "
-            f"alternating round): {listed}, torch.optim.Adam's step {self.adam_ms:.2f}; the rest "
+            f"alternating round): {listed}, Adam(fused=True)'s step {self.adam_ms:.2f}; the rest "
             f"(autograd, its sum of the two dense gradients, Python) {rest:.2f}."
         )
 
@@ -148,8 +159,9 @@ class FloorReading:
             f"moments) {self.floor_ms - self.rows_floor_ms:.2f} ms. The fused share took "
             f"{self.fused_ms / self.floor_ms:.2f}x the floor. Best ratio any kernel could reach against the "
             f"reference's {self.reference_ms:.2f} ms: {self.reference_ms / self.floor_ms:.1f}x if the whole "
-            f"share ran at the floor, {best:.1f}x with lookups and backward at the rows' floor and torch's "
-            f"Adam step as measured ({self.adam_ms:.2f} ms), so the {self.goal:.0f}x goal is {reach}."
+            f"share ran at the floor, {best:.1f}x with lookups and backward at the rows' floor and the "
+            f"share's Adam(fused=True) step as measured ({self.adam_ms:.2f} ms), so the {self.goal:.0f}x "
+            f"goal is {reach}."
         )
 
 
@@ -167,8 +179,8 @@ def prefetch_comparison(
     rounds: int = 15,
     seed: int = 0,
 ) -> dict[str, tuple[float, float]]:
-    """The embedding share (two lookups, their backward, torch Adam) of one table per variant of the
-    kernels' prefetch thresholds, stepped in turn so that load changes hit all alike: per variant the
+    """The embedding share (two lookups, their backward, torch's default Adam) of one table per variant of
+    the kernels' prefetch thresholds, stepped in turn so that load changes hit all alike: per variant the
     median ms and the median of its step / the default's step of the same batch (paired ratio).
 
     Variants: the thresholds as they are, no sequential pass over a small table before a gather
@@ -232,6 +244,94 @@ def prefetch_comparison(
     }
 
 
+ADAM_VARIANTS = ("torch.optim.Adam", "torch.optim.Adam(fused=True)")  # the last is the paired base
+
+
+def adam_comparison(
+    memory_size: int,
+    *,
+    batch_size: int = 32_768,
+    embedding_dim: int = 100,
+    chunk_size: int = 32,
+    num_embeddings: int = 1_000_000,
+    rounds: int = 15,
+    seed: int = 0,
+    lr: float = 1e-3,
+) -> dict[str, tuple[float, float, float]]:
+    """The fused embedding share (two lookups, their backward, the optimizer's step over the array) with
+    each optimizer of ``ADAM_VARIANTS``, stepped in turn on the same batches so that load changes hit both
+    alike: per variant the median ms of the share, the median of its share / the ``fused=True`` share of
+    the same batch (paired ratio) and the median ms of its ``optimizer.step()`` alone.
+
+    Every table has an optimizer of each kind, and each round hands the variants the next table in turn,
+    so where an array and its state sit in memory does not follow one variant.
+    """
+    import torch
+
+    from .modules import RobezEmbedding
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch_size, embedding_dim)
+    grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    batches = [torch.randint(0, num_embeddings, (batch_size, 2), generator=generator) for _ in range(8)]
+    tables = []
+    for _ in ADAM_VARIANTS:
+        table = RobezEmbedding(num_embeddings, embedding_dim, memory_size=memory_size, chunk_size=chunk_size)
+        optimizers = {
+            variant: torch.optim.Adam(table.parameters(), lr=lr, fused=variant.endswith("(fused=True)"))
+            for variant in ADAM_VARIANTS
+        }
+        tables.append((table, optimizers))
+    shares: dict[str, list[float]] = {variant: [] for variant in ADAM_VARIANTS}
+    steps: dict[str, list[float]] = {variant: [] for variant in ADAM_VARIANTS}
+    kept = {}
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for round_index in range(rounds):
+            for pairs in batches:
+                for index, variant in enumerate(ADAM_VARIANTS):
+                    table, optimizers = tables[(index + round_index) % len(tables)]
+                    optimizer = optimizers[variant]
+                    optimizer.zero_grad(set_to_none=True)
+                    start = time.perf_counter()
+                    rows = (table(pairs[:, 0]), table(pairs[:, 1]))
+                    torch.autograd.backward(rows, grads)
+                    stepping = time.perf_counter()
+                    optimizer.step()
+                    end = time.perf_counter()
+                    kept[variant] = rows  # the next step allocates while these are alive, as in training
+                    if round_index:  # the first round warms up (compilation, pool, caches)
+                        shares[variant].append(end - start)
+                        steps[variant].append(end - stepping)
+    finally:
+        torch.set_num_threads(previous_threads)
+    base = np.asarray(shares[ADAM_VARIANTS[-1]])
+    return {
+        variant: (
+            1e3 * float(np.median(shares[variant])),
+            float(np.median(np.asarray(shares[variant]) / base)),
+            1e3 * float(np.median(steps[variant])),
+        )
+        for variant in ADAM_VARIANTS
+    }
+
+
+def adam_reading(results: dict[str, tuple[float, float, float]]) -> str:
+    """What ``adam_comparison``'s figures say, from the figures: the share with ``fused=True`` against
+    the share with torch's default Adam."""
+    default, one_pass = ADAM_VARIANTS
+    default_share, ratio, default_step = results[default]
+    fused_share, _, fused_step = results[one_pass]
+    change = 100 * (1 - 1 / ratio)
+    return (
+        f"{one_pass}'s step took {fused_step:.3f} ms, the default's {default_step:.3f} ms "
+        f"({default_step / fused_step:.2f}x); the share with fused=True is {abs(change):.1f}% "
+        f"{'shorter' if change >= 0 else 'longer'} per batch (paired: default / fused=True = {ratio:.3f}; "
+        f"{fused_share - default_share:+.3f} ms at the medians)."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import os
@@ -241,12 +341,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--prefetch", action="store_true", help="compare the prefetch thresholds and the table pass"
     )
+    parser.add_argument(
+        "--adam", action="store_true", help="compare torch.optim.Adam's default and fused=True steps"
+    )
     parser.add_argument("--memory-sizes", type=int, nargs="+", default=[262_144])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--emulate-avx2", action="store_true", help="as python -m robez_core.bench")
     args = parser.parse_args(argv)
-    if not args.prefetch:
-        parser.error("nothing to do: pass --prefetch")
+    if not (args.prefetch or args.adam):
+        parser.error("nothing to do: pass --prefetch and/or --adam")
     from .bench import _EMULATION_MARK, avx2_emulation_env, machine_info
 
     given = list(sys.argv[1:] if argv is None else argv)
@@ -260,12 +363,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"python -m robez_core.bench_share {' '.join(given)}")
     for key, value in machine_info().items():
         print(f"{key}: {value}")
-    for memory_size in args.memory_sizes:
+    for memory_size in args.memory_sizes if args.prefetch else ():
         print(f"\nm = {memory_size}: embedding share per step, 1 thread, {args.rounds - 1} x 8 paired steps")
         for name, (median_ms, ratio) in prefetch_comparison(memory_size, rounds=args.rounds).items():
             print(
                 f"  {name:18s} median {median_ms:7.3f} ms   paired ratio to the thresholds as set {ratio:.3f}"
             )
+    for memory_size in args.memory_sizes if args.adam else ():
+        print(
+            f"\nm = {memory_size}: fused embedding share per step by optimizer, 1 thread, "
+            f"{args.rounds - 1} x 8 paired steps"
+        )
+        results = adam_comparison(memory_size, rounds=args.rounds)
+        for name, (median_ms, ratio, step_ms) in results.items():
+            print(
+                f"  {name:28s} share median {median_ms:7.3f} ms   paired ratio to fused=True {ratio:.3f}   "
+                f"optimizer.step() median {step_ms:6.3f} ms"
+            )
+        print(f"  reading: {adam_reading(results)}")
     load_after = os.getloadavg()
     print(
         "\nload average (1/5/15 min): before "

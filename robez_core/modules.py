@@ -7,7 +7,9 @@ start is hashed from the id (see ``hashing.py``). Every int64 id is a valid row.
 The modules are thin: configuration is a ``TableConfig``; the numerics are the fused kernels
 (``backend="fused"``) or the pure-torch reference (``backend="reference"``), both behind custom autograd
 Functions that give either a dense (m,) gradient or, with ``sparse=True``, a coalesced ``torch.sparse_coo``
-gradient of shape (m,) for ``torch.optim.SparseAdam`` / ``SGD`` / ``Adagrad``.
+gradient of shape (m,) for ``torch.optim.SparseAdam`` / ``SGD`` / ``Adagrad``. For the dense gradient,
+``torch.optim.Adam(..., fused=True)`` steps the array in one pass over the parameter, its gradient and both
+moments (torch's default CPU Adam makes several passes): what the bench's fused rows step.
 """
 
 from __future__ import annotations
@@ -417,7 +419,7 @@ class RobezEmbedding(_RobezBase):
         >>> rows = emb(torch.tensor([[3, 14], [15, 92]]))
         >>> rows.shape
         torch.Size([2, 2, 100])
-        >>> opt = torch.optim.Adam(emb.parameters(), lr=1e-3)
+        >>> opt = torch.optim.Adam(emb.parameters(), lr=1e-3, fused=True)  # one pass over the array
     """
 
     def forward(self, ids: Tensor) -> Tensor:

@@ -68,6 +68,55 @@ def test_share_reading_prints_the_spread_and_ratios_from_its_data():
     assert "medians (10.0x)" in text and "is 7.5x faster" in text and "(p90) 15.0x" in text
 
 
+def test_fused_rows_step_fused_adam_and_the_others_torch_default_adam():
+    params = [torch.nn.Parameter(torch.zeros(4))]
+
+    def make(model: str, sparse: bool = False, **kwargs: bool) -> torch.optim.Optimizer:
+        memory_size = None if model == "full" else 4
+        config = bench.RunConfig(model, sparse, "adam", memory_size)
+        return bench._make_optimizer(config, params, 0.1, **kwargs)
+
+    def one_pass(optimizer: torch.optim.Optimizer) -> bool:
+        return type(optimizer) is torch.optim.Adam and bool(optimizer.param_groups[0]["fused"])
+
+    assert one_pass(make("fused"))
+    assert type(make("fused", default_adam=True)) is torch.optim.Adam
+    assert not one_pass(make("fused", default_adam=True))
+    assert type(make("reference")) is torch.optim.Adam and not one_pass(make("reference"))
+    assert type(make("full")) is torch.optim.Adam and not one_pass(make("full"))
+    assert type(make("fused", sparse=True)) is torch.optim.SparseAdam
+
+    def ops_of_a_step(optimizer: torch.optim.Optimizer) -> set[str]:
+        params[0].grad = torch.ones(4)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            optimizer.step()
+        return {event.key for event in profiler.key_averages()}
+
+    # the fused rows really run torch's one-pass CPU kernel; the default Adam does not
+    assert "aten::_fused_adam_" in ops_of_a_step(make("fused"))
+    assert "aten::_fused_adam_" not in ops_of_a_step(make("reference"))
+
+
+def test_optimizer_reading_puts_both_fused_shares_side_by_side_from_its_data():
+    timings = bench.ShareTimings(
+        reference=(40.0, 30.0, 60.0),
+        fused=(4.0, 3.5, 5.0),
+        adam_ms=0.2,
+        reference_faults=0.0,
+        fused_faults=0.0,
+        steps=56,
+        fused_default_adam=(5.0, 4.5, 6.0),
+        default_adam_ms=0.8,
+        adam_paired_ratio=1.25,
+    )
+    text = timings.optimizer_reading()
+    assert "the fused share steps torch.optim.Adam(fused=True)" in text
+    assert "with the default Adam took 5.00 ms (8.0x vs the reference)" in text
+    assert "with Adam(fused=True) 4.00 ms (10.0x;" in text and "= 1.250)" in text
+    assert "default Adam 0.80 ms, Adam(fused=True) 0.20 ms (4.0x)" in text
+    assert "the other 3.80 ms" in text and "at most 200.0x faster" in text
+
+
 @pytest.mark.slow
 def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     previous_threads = torch.get_num_threads()
@@ -87,7 +136,9 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     ):
         assert line in text
     assert "embedding's share of that step" in text and "model's own work in a step" in text
-    assert "torch.optim.Adam's step over the array took" in text
+    assert "the fused share steps torch.optim.Adam(fused=True)" in text
+    assert "with the default Adam took" in text
+    assert "fused + Adam(fused=True) vs reference + default Adam" in text
     assert "Embedding share over" in text and "minor page faults per step" in text
     assert "Where the fused share's" in text and "scatter x2" in text and "gather x2" in text
     assert "Memory floor of the share" in text and "Best ratio any kernel could reach" in text
@@ -95,6 +146,7 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     assert list(tmp_path.glob("*-quick.png"))
     profile = next(tmp_path.glob("*-quick-profile.md")).read_text()
     assert "| loss.backward() |" in profile and "_FusedLookup" in profile
+    assert "`torch.optim.Adam(fused=True)` for the fused model" in profile
     assert "-quick-profile.md" in text
     assert not (tmp_path / "latest.md").exists()  # quick runs never replace the committed full report
 

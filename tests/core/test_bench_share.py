@@ -44,7 +44,7 @@ def test_pieces_are_summed_per_step_and_the_rest_is_what_they_leave():
     assert pieces.pieces == pytest.approx({"hash x2": 5.0, "scatter": 20.0})
     text = pieces.reading(share_ms=30.0)
     assert "fused share's 30.00 ms" in text and "hash x2 5.00, scatter 20.00" in text
-    assert "Adam's step 0.50" in text and "Python) 4.50." in text
+    assert "Adam(fused=True)'s step 0.50" in text and "Python) 4.50." in text
 
 
 def test_floor_reading_prints_ratios_and_reach_from_its_data():
@@ -72,3 +72,23 @@ def test_prefetch_comparison_steps_every_variant_and_keeps_the_thresholds():
     assert result["thresholds as set"][1] == 1.0
     assert all(median > 0 for median, _ in result.values())
     assert before == [getattr(kernels, name) for name in names]
+
+
+def test_adam_comparison_steps_both_optimizers_and_reads_its_figures():
+    before = torch.get_num_threads()
+    result = bench_share.adam_comparison(
+        512, batch_size=64, embedding_dim=16, chunk_size=4, num_embeddings=1000, rounds=2
+    )
+    assert set(result) == {"torch.optim.Adam", "torch.optim.Adam(fused=True)"}
+    assert result["torch.optim.Adam(fused=True)"][1] == 1.0
+    assert all(share > step > 0 for share, _, step in result.values())
+    assert torch.get_num_threads() == before
+    text = bench_share.adam_reading(
+        {"torch.optim.Adam": (3.5, 1.25, 0.6), "torch.optim.Adam(fused=True)": (3.0, 1.0, 0.2)}
+    )
+    assert "torch.optim.Adam(fused=True)'s step took 0.200 ms, the default's 0.600 ms (3.00x)" in text
+    assert "20.0% shorter per batch (paired: default / fused=True = 1.250; -0.500 ms" in text
+    slower = bench_share.adam_reading(
+        {"torch.optim.Adam": (2.9, 0.8, 0.3), "torch.optim.Adam(fused=True)": (3.0, 1.0, 0.2)}
+    )
+    assert "25.0% longer per batch" in slower and "+0.100 ms" in slower
