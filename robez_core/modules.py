@@ -95,15 +95,28 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, weight: Tensor, ids: Tensor, table: _RobezBase) -> Tensor:
-        offsets = table.hash_ids(ids)
-        ctx.save_for_backward(offsets)
-        ctx.chunk_size, ctx.memory_size, ctx.sparse = table.chunk_size, weight.numel(), table.sparse
-        return kernels.gather(weight, offsets, table.embedding_dim, table.chunk_size)
+        """``ids`` int64 (N,), already checked by the module."""
+        config = table.config
+        offsets = kernels.chunk_offsets(
+            ids,
+            config.num_chunks,
+            config.chunk_size,
+            config.memory_size,
+            table.random_numbers,
+            config.val_offset,
+            config.hash,
+        )
+        # The offsets are an intermediate no caller can modify in place, so a plain attribute keeps them:
+        # save_for_backward's version checks are for inputs and outputs.
+        ctx.offsets = offsets
+        ctx.chunk_size, ctx.memory_size, ctx.sparse = config.chunk_size, weight.numel(), table.sparse
+        return kernels.gather(weight, offsets, config.embedding_dim, config.chunk_size)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None]:
-        (offsets,) = ctx.saved_tensors
-        grad = _weight_grad(grad_output.contiguous(), offsets, ctx.chunk_size, ctx.memory_size, ctx.sparse)
+        grad = _weight_grad(
+            grad_output.contiguous(), ctx.offsets, ctx.chunk_size, ctx.memory_size, ctx.sparse
+        )
         return grad, None, None
 
 
@@ -424,6 +437,9 @@ class RobezEmbedding(_RobezBase):
 
     def forward(self, ids: Tensor) -> Tensor:
         ids = _as_int64_ids(ids)
+        if ids.dim() == 1:
+            # Rows are already (N, d): a reshape would add a view node for autograd to walk in backward.
+            return self._rows(ids)
         rows = self._rows(ids.reshape(-1))
         return rows.reshape(*ids.shape, self.embedding_dim)
 
