@@ -15,6 +15,7 @@ from service.codec import (
     decode_ids,
     decode_update_binary,
     decode_update_json,
+    milliseconds,
     parse_shape,
     parse_tables_header,
     rows_bytes,
@@ -84,3 +85,12 @@ def test_rows_view_is_the_bytes_of_rows_without_a_copy(rows: torch.Tensor) -> No
         assert bytes(view) == rows_bytes(rows)
     # a non-contiguous tensor is copied into row-major order first
     assert bytes(rows_view(rows.t())) == rows_bytes(rows.t())
+
+
+@settings(max_examples=2000)
+@given(st.floats(min_value=0.0, max_value=1e4, allow_nan=False))
+def test_milliseconds_are_rounded_to_four_decimals(seconds: float) -> None:
+    rounded = milliseconds(seconds)
+    assert abs(rounded - seconds * 1000.0) <= 0.5e-4 + 1e-12 * max(1.0, seconds * 1000.0)
+    assert rounded == round(rounded * 1e4) / 1e4  # a whole number of 0.1 us
+    assert len(repr(rounded).partition(".")[2].partition("e")[0]) <= 4 or "e" in repr(rounded)
