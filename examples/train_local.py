@@ -68,7 +68,7 @@ def main() -> None:
     optimizer: torch.optim.Optimizer = (
         torch.optim.SparseAdam(model.parameters(), lr=0.01)
         if args.sparse
-        else torch.optim.Adam(model.parameters(), lr=0.01)
+        else torch.optim.Adam(model.parameters(), lr=0.01, fused=True)  # one pass over the array per step
     )
 
     started = time.perf_counter()
