@@ -21,6 +21,8 @@ DEFAULT_INIT_SCALE = 0.001
 # any useful step size (embedding lrs are ~1e-4..10), far below where lr alone overflows float32.
 DEFAULT_MAX_LR = 1000.0
 FLOAT32_MAX = 3.4028234663852886e38  # kernels apply lr as float32: a larger lr would be inf there
+# A new array is drawn U(-init_scale, init_scale) in float32: the interval's width must be a float32 too.
+MAX_INIT_SCALE = FLOAT32_MAX / 2
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,10 @@ class TableConfig:
             raise ConfigError(f"val_offset must fit in int64, got {self.val_offset}")
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed must be in [0, 2**32) (numpy RandomState), got {self.seed}")
-        if not self.init_scale >= 0:
-            raise ConfigError(f"init_scale must be >= 0, got {self.init_scale}")
+        if not 0 <= self.init_scale <= MAX_INIT_SCALE:
+            raise ConfigError(
+                f"init_scale must be in [0, {MAX_INIT_SCALE:.4g}] (float32 values), got {self.init_scale}"
+            )
         if self.random_numbers is not None:
             if len(self.random_numbers) != 11 or self.random_numbers[0] <= 0:
                 raise ConfigError("random_numbers must be 11 ints [P, r0..r9] with P > 0")

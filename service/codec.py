@@ -24,6 +24,7 @@ from robez_core.config import (
     FLOAT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    MAX_INIT_SCALE,
     OptimizerConfig,
     TableConfig,
 )
@@ -106,7 +107,7 @@ class TableConfigModel(_Model):
     seed: int = Field(default=1024, ge=0, lt=2**32)
     val_offset: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     hash: Literal["paper", "fast"] = "paper"
-    init_scale: float = Field(default=0.001, ge=0)
+    init_scale: float = Field(default=0.001, ge=0, le=MAX_INIT_SCALE)
     random_numbers: list[Int64] | None = None
 
 

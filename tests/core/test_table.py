@@ -31,6 +31,7 @@ from robez_core import (
     optim,
     reference,
 )
+from robez_core.config import MAX_INIT_SCALE
 from robez_core.hashing import PAPER_PRIME
 from robez_core.small import SMALL_BATCH_MAX_IDS
 
@@ -568,6 +569,19 @@ def test_import_paper_state_dict_reads_the_same_rows(d: int, z: int, m: int) -> 
     # The table owns a copy: training it leaves the paper's module alone.
     table.apply_gradients(ids[:3], torch.ones(3, d))
     assert torch.equal(paper(ids).detach(), expected)
+
+
+@pytest.mark.parametrize("init_scale", [-1.0, float("nan"), float("inf"), 1.8e38, 3.9891452584725284e307])
+def test_an_init_scale_a_float32_array_cannot_be_drawn_from_is_a_config_error(init_scale: float) -> None:
+    with pytest.raises(ConfigError, match="init_scale"):
+        TableConfig(num_embeddings=10, embedding_dim=4, memory_size=8, chunk_size=4, init_scale=init_scale)
+
+
+def test_the_largest_init_scale_still_draws_a_finite_array() -> None:
+    config = TableConfig(
+        num_embeddings=10, embedding_dim=4, memory_size=64, chunk_size=4, init_scale=MAX_INIT_SCALE
+    )
+    assert bool(torch.isfinite(Table(config).weight).all())
 
 
 def test_import_single_chunk_needs_chunk_size() -> None:
