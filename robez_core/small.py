@@ -20,7 +20,7 @@ from . import kernels, optim
 if TYPE_CHECKING:
     from .table import PreparedStep, Table
 
-__all__ = ["SMALL_BATCH_MAX_IDS", "SmallPath", "small_ids"]
+__all__ = ["SMALL_BATCH_MAX_IDS", "SmallPath", "small_grads", "small_ids"]
 
 # Requests of at most this many ids take the small-input path below: its result is bit-identical to the
 # general path's, minus that path's per-call checks and set-up (~10 us a call, more than the arithmetic
@@ -150,13 +150,15 @@ class SmallPath:
         return out
 
 
-def small_ids(ids: object) -> np.ndarray | None:
+def small_ids(ids: object, *, arrays: bool = False) -> np.ndarray | None:
     """A numpy view of ``ids`` when it is a valid small batch (1-D int64 CPU, at most
-    ``SMALL_BATCH_MAX_IDS``), else None (the general path then checks and reports it). A numpy array
-    of ids (the service's: no tensor is made for a small lookup) must be C-contiguous int64 too."""
+    ``SMALL_BATCH_MAX_IDS``), else None (the general path then checks and reports it). With ``arrays``,
+    a C-contiguous numpy int64 array of ids is taken as it is (the service's: no tensor is made for a
+    small request); without, only a tensor is, as the general path takes only tensors."""
     if type(ids) is np.ndarray:
         if (
-            ids.dtype == np.int64
+            arrays
+            and ids.dtype == np.int64
             and ids.ndim == 1
             and 1 <= ids.shape[0] <= SMALL_BATCH_MAX_IDS
             and ids.flags.c_contiguous
@@ -172,3 +174,30 @@ def small_ids(ids: object) -> np.ndarray | None:
     ):
         return ids.contiguous().numpy()
     return None
+
+
+def small_grads(
+    grads: object, num_rows: int, embedding_dim: int, *, arrays: bool = False
+) -> np.ndarray | None:
+    """A C-contiguous float32 (num_rows, embedding_dim) numpy view of ``grads``, a CPU tensor (or, with
+    ``arrays``, a numpy array), else None (the general path then checks and reports it)."""
+    if type(grads) is np.ndarray and arrays:
+        array = grads
+    elif (
+        type(grads) is Tensor
+        and grads.dtype == torch.float32  # checked before .numpy(), which refuses some dtypes
+        and grads.layout == torch.strided
+        and grads.device.type == "cpu"
+    ):
+        array = grads.detach().contiguous().numpy()
+    else:
+        return None
+    if (
+        array.dtype != np.float32
+        or array.ndim != 2
+        or array.shape[0] != num_rows
+        or array.shape[1] != embedding_dim
+        or not array.flags.c_contiguous
+    ):
+        return None
+    return array

@@ -44,7 +44,7 @@ from . import kernels, optim
 from .config import OptimizerConfig, TableConfig
 from .errors import ConfigError, CorruptionError, InvalidInputError, NotFoundError
 from .hashing import NUM_RANDOM_NUMBERS, paper_random_numbers, validate_random_numbers
-from .small import SMALL_BATCH_MAX_IDS, SmallPath, small_ids
+from .small import SMALL_BATCH_MAX_IDS, SmallPath, small_grads, small_ids
 
 if TYPE_CHECKING:
     from .modules import RobezEmbedding
@@ -74,26 +74,6 @@ def _checksum(tensor: Tensor) -> str:
     if tensor.numel():
         digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)
     return digest.hexdigest()
-
-
-def _small_grads(grads: object, num_rows: int, embedding_dim: int) -> np.ndarray | None:
-    """A C-contiguous float32 (num_rows, embedding_dim) numpy view of ``grads`` (a CPU tensor or an
-    array), else None."""
-    if type(grads) is np.ndarray:
-        array = grads
-    elif type(grads) is Tensor and grads.device.type == "cpu":
-        array = grads.detach().contiguous().numpy()
-    else:
-        return None
-    if (
-        array.dtype != np.float32
-        or array.ndim != 2
-        or array.shape[0] != num_rows
-        or array.shape[1] != embedding_dim
-        or not array.flags.c_contiguous
-    ):
-        return None
-    return array
 
 
 def fsync_dir(directory: Path) -> None:
@@ -302,7 +282,7 @@ class Table:
         they are not checked again. ``ids`` may be a numpy int64 (N,) array, and the rows are then one
         too: the service decodes ids to and encodes rows from numpy, and a small lookup then makes no
         tensor at all (each costs microseconds of a request)."""
-        ids_np = small_ids(ids)
+        ids_np = small_ids(ids, arrays=True)
         if ids_np is not None:
             small = self._small_path()
             start = time.perf_counter()
@@ -370,28 +350,26 @@ class Table:
         before anything changes.
         """
         ids_np = small_ids(ids)
-        if ids_np is not None and self._small_update_ok(grads, ids_np.shape[0], lr):
+        grads_np = None if ids_np is None else self._small_update_grads(grads, ids_np.shape[0], lr)
+        if ids_np is not None and grads_np is not None:
             small = self._small_path()
-            grads_np = grads.detach().contiguous().numpy()
             small.apply(small.hash(ids_np), grads_np, self.optimizer.lr if lr is None else lr)
             return
         self.validate_grads(ids, grads)
         self._validate_lr(lr)
         self._apply(self.hash(ids), grads, lr)
 
-    def _small_update_ok(self, grads: object, num_rows: int, lr: float | None) -> bool:
-        """True when a small update's grads and lr pass every check of the general path (which, when
-        this is False, runs the checks again and raises the error)."""
-        return (
-            type(grads) is Tensor
-            and grads.dtype == torch.float32
-            and grads.dim() == 2
-            and grads.shape[0] == num_rows
-            and grads.shape[1] == self.config.embedding_dim
-            and grads.device.type == "cpu"
-            and bool(np.isfinite(grads.detach().numpy()).all())
-            and (lr is None or (type(lr) is float and lr > 0 and math.isfinite(lr)))
-        )
+    def _small_update_grads(self, grads: object, num_rows: int, lr: float | None) -> np.ndarray | None:
+        """The numpy view of a small update's grads when they and lr pass every check of the general path
+        (which, when this is None, runs the checks again and raises the error)."""
+        grads_np = small_grads(grads, num_rows, self.config.embedding_dim)
+        if (
+            grads_np is None
+            or not np.isfinite(grads_np).all()
+            or not (lr is None or (type(lr) is float and lr > 0 and math.isfinite(lr)))
+        ):
+            return None
+        return grads_np
 
     def try_checked_update(
         self, ids: Tensor | np.ndarray, grads: Tensor | np.ndarray, lr: float
@@ -404,10 +382,10 @@ class Table:
         positive and finite. ``ids`` and ``grads`` may be numpy arrays (int64 (N,), C-contiguous float32
         (N, d)): the service's, which then makes no tensor. Bit-identical to the three-part path
         (tests/core/test_table.py)."""
-        ids_np = small_ids(ids)
+        ids_np = small_ids(ids, arrays=True)
         if ids_np is None or lr > self.optimizer.max_lr:
             return None
-        grads_np = _small_grads(grads, ids_np.shape[0], self.config.embedding_dim)
+        grads_np = small_grads(grads, ids_np.shape[0], self.config.embedding_dim, arrays=True)
         if grads_np is None:
             return None
         small = self._small_path()
@@ -423,9 +401,11 @@ class Table:
         """As :meth:`apply_gradients` with ids already hashed to chunk ``offsets`` int64 (N, C)."""
         self._validate_offsets(offsets)
         num_rows = offsets.shape[0]
-        if 1 <= num_rows <= SMALL_BATCH_MAX_IDS and self._small_update_ok(grads, num_rows, lr):
+        grads_np = (
+            self._small_update_grads(grads, num_rows, lr) if 1 <= num_rows <= SMALL_BATCH_MAX_IDS else None
+        )
+        if grads_np is not None:
             small = self._small_path()
-            grads_np = grads.detach().contiguous().numpy()
             offsets_np = offsets.contiguous().numpy()
             small.apply(offsets_np, grads_np, self.optimizer.lr if lr is None else lr)
             return

@@ -752,6 +752,7 @@ def test_a_checked_small_update_leaves_to_the_general_path_what_it_must_refuse(
         "rows of the wrong width": (ids, torch.ones(2, 19), 0.03),
         "a row too few": (ids, torch.ones(1, 20), 0.03),
         "float64 gradients": (ids, torch.ones(2, 20, dtype=torch.float64), 0.03),
+        "bfloat16 gradients": (ids, torch.ones(2, 20, dtype=torch.bfloat16), 0.03),
         "float64 gradients in an array": (ids.numpy(), np.ones((2, 20)), 0.03),
         "strided gradients in an array": (ids.numpy(), np.ones((2, 40), dtype=np.float32)[:, ::2], 0.03),
         "int32 ids in an array": (ids.numpy().astype(np.int32), np.ones((2, 20), dtype=np.float32), 0.03),
@@ -780,6 +781,16 @@ def test_lookup_timed_of_a_numpy_array_gives_the_tensor_paths_rows_as_an_array(n
     for bad in [ids.numpy().astype(np.float64), ids.numpy().reshape(1, -1), ids.numpy().astype(np.int32)]:
         with pytest.raises(InvalidInputError, match="1-D int64"):
             table.lookup_timed(bad)
+
+
+@pytest.mark.parametrize("num_ids", [2, SMALL_BATCH_MAX_IDS + 1])
+def test_only_lookup_timed_takes_numpy_ids_small_batches_or_not(num_ids: int) -> None:
+    table = _table()
+    ids = np.arange(num_ids, dtype=np.int64)
+    for call in (table.lookup, table.hash, lambda ids: table.apply_gradients(ids, torch.ones(num_ids, 20))):
+        with pytest.raises(InvalidInputError, match=r"torch\.Tensor"):
+            call(ids)
+    assert type(table.lookup_timed(ids)[0]) is np.ndarray
 
 
 def test_small_path_follows_a_replaced_weight() -> None:
