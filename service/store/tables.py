@@ -278,10 +278,7 @@ class TableStore:
         bag) -> (B, d). Never takes a lock."""
         entry = self._entry(name)
         table = entry.table
-        num_ids = (
-            ids.shape[0] if ids.ndim == 1 else (ids.size if isinstance(ids, np.ndarray) else ids.numel())
-        )
-        self.limits.check_request(int(num_ids), table.config.embedding_dim)
+        self.limits.check_request(_count(ids), table.config.embedding_dim)
         if pooling == "none" and offsets is None and per_sample_weights is None:
             version = entry.version
             if isinstance(ids, np.ndarray):
@@ -311,8 +308,7 @@ class TableStore:
         resolved and the limits checked before any lookup runs."""
         total_ids = total_values = 0
         for item in items:
-            num_ids = max(1, int(item.ids.size if isinstance(item.ids, np.ndarray) else item.ids.numel()))
-            # (an empty lookup still costs a table resolution)
+            num_ids = max(1, _count(item.ids))  # an empty lookup still costs a table resolution
             total_ids += num_ids
             total_values += num_ids * self._entry(item.table).table.config.embedding_dim
         self.limits.check_request(total_ids, 0)
@@ -359,8 +355,7 @@ class TableStore:
         elsewhere (the caller, on the event loop, then retries from a worker thread)."""
         entry = self._entry(name)
         table = entry.table
-        num_ids = ids.size if isinstance(ids, np.ndarray) else ids.numel()
-        self.limits.check_request(int(num_ids), table.config.embedding_dim)
+        self.limits.check_request(_count(ids), table.config.embedding_dim)
         applied_lr = table.optimizer.lr if lr is None else float(lr)
         if not (applied_lr > 0 and applied_lr != float("inf")):
             raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
@@ -574,6 +569,11 @@ class TableStore:
                 lock.close()
             self._arrays, self._entries, self._locks = {}, {}, {}
         self._registry_lock.close()
+
+
+def _count(values: Tensor | np.ndarray) -> int:
+    """How many values (ids) ``values`` holds, a tensor or a numpy array."""
+    return int(values.size if isinstance(values, np.ndarray) else values.numel())
 
 
 def _tensor(values: Tensor | np.ndarray) -> Tensor:
