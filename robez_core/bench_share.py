@@ -166,7 +166,88 @@ class FloorReading:
 
 
 # --------------------------------------------------------------------------------------------------
-# prefetch thresholds, judged in the training loop
+# variants of the share (kernel thresholds, optimizers), judged in the training loop
+
+
+@dataclass(frozen=True)
+class _PairedShares:
+    """Seconds of each kept share and of its ``optimizer.step()``, per variant, and the tables stepped."""
+
+    shares: dict[str, list[float]]
+    steps: dict[str, list[float]]
+    tables: list[Any]
+
+    def medians(self, base: str) -> dict[str, tuple[float, float, float]]:
+        """Per variant: median ms of the share, median of its share / ``base``'s share of the same batch
+        (the paired ratio), median ms of its step."""
+        base_shares = np.asarray(self.shares[base])
+        return {
+            name: (
+                1e3 * float(np.median(values)),
+                float(np.median(np.asarray(values) / base_shares)),
+                1e3 * float(np.median(self.steps[name])),
+            )
+            for name, values in self.shares.items()
+        }
+
+
+def _paired_shares(
+    memory_size: int,
+    variants: Sequence[str],
+    optimizers_for: Callable[[Any], dict[str, Any]],
+    set_variant: Callable[[str], None],
+    *,
+    batch_size: int,
+    embedding_dim: int,
+    chunk_size: int,
+    num_embeddings: int,
+    rounds: int,
+    seed: int,
+) -> _PairedShares:
+    """The fused embedding share (two lookups, their backward, ``optimizer.step()``) stepped with each
+    variant in turn on the same batches, so that load changes hit all alike. One table per variant, each
+    with the optimizer of every variant (``optimizers_for``), and each round hands the variants the next
+    table in turn, so where an array and its state sit in memory does not follow one variant.
+    ``set_variant(name)`` runs before each of its steps, untimed. The first round warms up (compilation,
+    pool, caches) and is not kept."""
+    import torch
+
+    from .modules import RobezEmbedding
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch_size, embedding_dim)
+    grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    batches = [torch.randint(0, num_embeddings, (batch_size, 2), generator=generator) for _ in range(8)]
+    tables = []
+    for _ in variants:
+        table = RobezEmbedding(num_embeddings, embedding_dim, memory_size=memory_size, chunk_size=chunk_size)
+        tables.append((table, optimizers_for(table)))
+    shares: dict[str, list[float]] = {name: [] for name in variants}
+    steps: dict[str, list[float]] = {name: [] for name in variants}
+    kept = {}
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for round_index in range(rounds):
+            for pairs in batches:
+                for index, name in enumerate(variants):
+                    set_variant(name)
+                    table, optimizers = tables[(index + round_index) % len(tables)]
+                    optimizer = optimizers[name]
+                    optimizer.zero_grad(set_to_none=True)
+                    start = time.perf_counter()
+                    rows = (table(pairs[:, 0]), table(pairs[:, 1]))
+                    torch.autograd.backward(rows, grads)
+                    stepping = time.perf_counter()
+                    optimizer.step()
+                    end = time.perf_counter()
+                    kept[name] = rows  # the next step allocates while these are alive, as in training
+                    if round_index:
+                        shares[name].append(end - start)
+                        steps[name].append(end - stepping)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return _PairedShares(shares, steps, [table for table, _ in tables])
 
 
 def prefetch_comparison(
@@ -192,12 +273,7 @@ def prefetch_comparison(
     import torch
 
     from . import kernels
-    from .modules import RobezEmbedding
 
-    generator = torch.Generator().manual_seed(seed)
-    shape = (batch_size, embedding_dim)
-    grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-    batches = [torch.randint(0, num_embeddings, (batch_size, 2), generator=generator) for _ in range(8)]
     never = 1 << 62
     variants: dict[str, dict[str, int]] = {
         "thresholds as set": {},
@@ -206,41 +282,36 @@ def prefetch_comparison(
         "read always": {"_PREFETCH_READ_MIN_BYTES": 0},
     }
     as_set = {name: getattr(kernels, name) for settings in variants.values() for name in settings}
-    tables = []
-    for _ in variants:
-        table = RobezEmbedding(num_embeddings, embedding_dim, memory_size=memory_size, chunk_size=chunk_size)
-        tables.append((table, torch.optim.Adam(table.parameters(), lr=1e-3)))
-    timings: dict[str, list[float]] = {name: [] for name in variants}
-    kept = {}
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+
+    def set_variant(name: str) -> None:
+        for attribute, value in (as_set | variants[name]).items():
+            setattr(kernels, attribute, value)
+
+    def one_adam(table: Any) -> dict[str, Any]:
+        return dict.fromkeys(variants, torch.optim.Adam(table.parameters(), lr=1e-3))
+
     try:
-        for round_index in range(rounds):
-            for pairs in batches:
-                for index, (name, settings) in enumerate(variants.items()):
-                    for attribute, value in (as_set | settings).items():
-                        setattr(kernels, attribute, value)
-                    table, optimizer = tables[(index + round_index) % len(tables)]
-                    optimizer.zero_grad(set_to_none=True)
-                    start = time.perf_counter()
-                    rows = (table(pairs[:, 0]), table(pairs[:, 1]))
-                    torch.autograd.backward(rows, grads)
-                    optimizer.step()
-                    elapsed = time.perf_counter() - start
-                    kept[name] = rows  # the next step allocates while these are alive, as in training
-                    if round_index:  # the first round warms up (compilation, pool, caches)
-                        timings[name].append(elapsed)
+        paired = _paired_shares(
+            memory_size,
+            list(variants),
+            one_adam,
+            set_variant,
+            batch_size=batch_size,
+            embedding_dim=embedding_dim,
+            chunk_size=chunk_size,
+            num_embeddings=num_embeddings,
+            rounds=rounds,
+            seed=seed,
+        )
     finally:
         for attribute, value in as_set.items():
             setattr(kernels, attribute, value)
-        torch.set_num_threads(previous_threads)
-    reference = tables[0][0].weight
-    if not all(torch.equal(table.weight, reference) for table, _ in tables):
+    reference = paired.tables[0].weight
+    if not all(torch.equal(table.weight, reference) for table in paired.tables):
         raise AssertionError("prefetching changed the trained array")
-    base = np.asarray(timings["thresholds as set"])
     return {
-        name: (1e3 * float(np.median(values)), float(np.median(np.asarray(values) / base)))
-        for name, values in timings.items()
+        name: (median_ms, ratio)
+        for name, (median_ms, ratio, _) in paired.medians("thresholds as set").items()
     }
 
 
@@ -268,53 +339,25 @@ def adam_comparison(
     """
     import torch
 
-    from .modules import RobezEmbedding
-
-    generator = torch.Generator().manual_seed(seed)
-    shape = (batch_size, embedding_dim)
-    grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-    batches = [torch.randint(0, num_embeddings, (batch_size, 2), generator=generator) for _ in range(8)]
-    tables = []
-    for _ in ADAM_VARIANTS:
-        table = RobezEmbedding(num_embeddings, embedding_dim, memory_size=memory_size, chunk_size=chunk_size)
-        optimizers = {
+    def both_adams(table: Any) -> dict[str, Any]:
+        return {
             variant: torch.optim.Adam(table.parameters(), lr=lr, fused=variant.endswith("(fused=True)"))
             for variant in ADAM_VARIANTS
         }
-        tables.append((table, optimizers))
-    shares: dict[str, list[float]] = {variant: [] for variant in ADAM_VARIANTS}
-    steps: dict[str, list[float]] = {variant: [] for variant in ADAM_VARIANTS}
-    kept = {}
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for round_index in range(rounds):
-            for pairs in batches:
-                for index, variant in enumerate(ADAM_VARIANTS):
-                    table, optimizers = tables[(index + round_index) % len(tables)]
-                    optimizer = optimizers[variant]
-                    optimizer.zero_grad(set_to_none=True)
-                    start = time.perf_counter()
-                    rows = (table(pairs[:, 0]), table(pairs[:, 1]))
-                    torch.autograd.backward(rows, grads)
-                    stepping = time.perf_counter()
-                    optimizer.step()
-                    end = time.perf_counter()
-                    kept[variant] = rows  # the next step allocates while these are alive, as in training
-                    if round_index:  # the first round warms up (compilation, pool, caches)
-                        shares[variant].append(end - start)
-                        steps[variant].append(end - stepping)
-    finally:
-        torch.set_num_threads(previous_threads)
-    base = np.asarray(shares[ADAM_VARIANTS[-1]])
-    return {
-        variant: (
-            1e3 * float(np.median(shares[variant])),
-            float(np.median(np.asarray(shares[variant]) / base)),
-            1e3 * float(np.median(steps[variant])),
-        )
-        for variant in ADAM_VARIANTS
-    }
+
+    paired = _paired_shares(
+        memory_size,
+        ADAM_VARIANTS,
+        both_adams,
+        lambda _: None,
+        batch_size=batch_size,
+        embedding_dim=embedding_dim,
+        chunk_size=chunk_size,
+        num_embeddings=num_embeddings,
+        rounds=rounds,
+        seed=seed,
+    )
+    return paired.medians(ADAM_VARIANTS[-1])
 
 
 def adam_reading(results: dict[str, tuple[float, float, float]]) -> str:
