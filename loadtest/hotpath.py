@@ -51,32 +51,20 @@ _TARGET_KEYS = {
 }
 
 
-class _Transport(asyncio.Transport):
-    """Collects what the protocol writes; sets ``done`` once a whole response (by Content-Length) is in."""
+class MemoryTransport(asyncio.Transport):
+    """A connection's transport in memory: what the protocol writes collects in ``written``; ``close``
+    only marks it closed. Also the transport of tests/service/test_direct.py."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffer = bytearray()
-        self.done = asyncio.Event()
-        self.last = b""
+        self.written = bytearray()
         self.closed = False
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
 
     def write(self, data: Any) -> None:
-        self.buffer += data
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0:
-            return
-        head = bytes(self.buffer[:end]).lower()
-        start = head.find(b"content-length: ")
-        stop = head.find(b"\r\n", start)
-        length = int(head[start + 16 : stop if stop > 0 else None])
-        if len(self.buffer) >= end + 4 + length:
-            self.last = bytes(self.buffer)
-            self.buffer.clear()
-            self.done.set()
+        self.written += data
 
     def is_closing(self) -> bool:
         return self.closed
@@ -92,6 +80,29 @@ class _Transport(asyncio.Transport):
 
     def get_write_buffer_size(self) -> int:
         return 0
+
+
+class _Transport(MemoryTransport):
+    """Sets ``done`` once a whole response (by Content-Length) is in, kept in ``last``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = asyncio.Event()
+        self.last = b""
+
+    def write(self, data: Any) -> None:
+        self.written += data
+        end = self.written.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = bytes(self.written[:end]).lower()
+        start = head.find(b"content-length: ")
+        stop = head.find(b"\r\n", start)
+        length = int(head[start + 16 : stop if stop > 0 else None])
+        if len(self.written) >= end + 4 + length:
+            self.last = bytes(self.written)
+            self.written.clear()
+            self.done.set()
 
 
 def http_request(method: str, path: str, body: bytes = b"", headers: Sequence[tuple[str, str]] = ()) -> bytes:

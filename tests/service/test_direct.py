@@ -27,6 +27,7 @@ from uvicorn.config import Config
 from uvicorn.lifespan.on import LifespanOn
 from uvicorn.server import ServerState
 
+from loadtest.hotpath import MemoryTransport
 from service.app import create_app
 from service.connections import uvicorn_options
 from service.store import TableStore
@@ -50,34 +51,6 @@ def run(request: pytest.FixtureRequest) -> Run:
             return loop.run(coroutine)
 
     return runner
-
-
-class _Transport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = bytearray()
-        self.closed = False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
-
-    def write(self, data: Any) -> None:
-        self.written += data
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def get_write_buffer_size(self) -> int:
-        return 0
 
 
 @dataclass
@@ -117,7 +90,7 @@ def request(
 class Connection:
     def __init__(self, served: Served) -> None:
         self.served = served
-        self.transport = _Transport()
+        self.transport = MemoryTransport()
         self.protocol = served.protocol_class(
             config=served.config, server_state=served.server_state, app_state=served.state
         )
