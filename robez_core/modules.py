@@ -53,6 +53,8 @@ def _as_int64_ids(ids: Tensor, what: str = "ids") -> Tensor:
         raise InvalidInputError(f"{what} must be an integer tensor (int64 preferred), got {ids.dtype}")
     if ids.device.type != "cpu":
         raise InvalidInputError(f"{what} must be on the CPU, got {ids.device}")
+    if ids.layout != torch.strided:
+        raise InvalidInputError(f"{what} must be a dense tensor, got layout {ids.layout}")
     return ids.to(torch.int64).contiguous()
 
 

@@ -169,6 +169,7 @@ def small_ids(ids: object, *, arrays: bool = False) -> np.ndarray | None:
         type(ids) is Tensor
         and ids.dtype == torch.int64
         and ids.dim() == 1
+        and ids.layout == torch.strided
         and 1 <= ids.shape[0] <= SMALL_BATCH_MAX_IDS
         and ids.device.type == "cpu"
     ):

@@ -175,6 +175,8 @@ class Table:
             raise InvalidInputError(
                 f"ids must be a 1-D int64 CPU tensor, got {ids.dtype} {tuple(ids.shape)} on {ids.device}"
             )
+        if ids.layout != torch.strided:
+            raise InvalidInputError(f"ids must be a dense tensor, got layout {ids.layout}")
 
     def validate_grads(self, ids: Tensor, grads: Tensor) -> None:
         """Raise ``InvalidInputError`` unless ``grads`` is finite float32 (len(ids), d) on the CPU."""
@@ -190,6 +192,10 @@ class Table:
                 f"grads must be a float32 CPU tensor of shape ({num_rows}, {d}), "
                 f"got {grads.dtype} {tuple(grads.shape)}"
             )
+        # A sparse gradient would fail below with torch's or numpy's own error (TypeError and others);
+        # callers with one densify it (grads.to_dense()).
+        if grads.layout != torch.strided:
+            raise InvalidInputError(f"grads must be a dense tensor, got layout {grads.layout}")
         # numpy's check costs ~1 us on a small batch, torch's ~6 us
         finite = (
             np.isfinite(grads.detach().numpy()).all()
@@ -201,8 +207,13 @@ class Table:
 
     def _validate_offsets(self, offsets: Tensor) -> None:
         c = self.config
-        if not isinstance(offsets, Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 2:
-            raise InvalidInputError("offsets must be a 2-D int64 tensor of chunk offsets")
+        if (
+            not isinstance(offsets, Tensor)
+            or offsets.dtype != torch.int64
+            or offsets.dim() != 2
+            or offsets.layout != torch.strided
+        ):
+            raise InvalidInputError("offsets must be a dense 2-D int64 tensor of chunk offsets")
         if offsets.shape[1] != c.num_chunks or offsets.device.type != "cpu":
             raise InvalidInputError(
                 f"offsets must have shape (N, {c.num_chunks}), got {tuple(offsets.shape)}"

@@ -224,6 +224,20 @@ def test_bad_ids_raise_invalid_input() -> None:
         emb([1, 2])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_sparse_ids_and_offsets_raise_invalid_input(backend: str) -> None:
+    # .contiguous() of a sparse tensor used to escape as torch's RuntimeError
+    emb = RobezEmbedding(10, 4, 100, backend=backend)
+    bag = RobezEmbeddingBag(10, 4, 100, backend=backend)
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(InvalidInputError, match="ids must be a dense tensor"):
+        emb(ids.to_sparse())
+    with pytest.raises(InvalidInputError, match="ids must be a dense tensor"):
+        bag(ids.to_sparse(), torch.tensor([0]))
+    with pytest.raises(InvalidInputError, match="offsets must be a dense tensor"):
+        bag(ids, torch.tensor([0]).to_sparse())
+
+
 def test_custom_random_numbers_override_seed() -> None:
     constants = [2_147_483_647, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     emb = RobezEmbedding(10, 8, 1000, chunk_size=4, random_numbers=constants)

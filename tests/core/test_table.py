@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import numba
@@ -308,6 +309,34 @@ def test_bad_offsets_raise_and_change_nothing(offsets: torch.Tensor) -> None:
     if offsets.shape[0] == 3:  # (2, 3) is only wrong next to three gradient rows
         with pytest.raises(InvalidInputError):
             table.gather(offsets)
+
+
+@pytest.mark.parametrize("num_ids", [3, SMALL_BATCH_MAX_IDS + 1])
+def test_sparse_inputs_raise_invalid_input_and_change_nothing(num_ids: int) -> None:
+    # torch's and numpy's own errors (TypeError, NotImplementedError, RuntimeError) used to escape here,
+    # on the small-batch path and the general one alike.
+    table = _table(OptimizerConfig("adam"))
+    table.apply_gradients(_GOOD_IDS, _GOOD_GRADS)
+    before = _snapshot(table)
+    ids = torch.arange(num_ids)
+    grads = torch.ones(num_ids, 20)
+    offsets = table.hash(ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch calls sparse CSR support beta
+        sparse_grads = [grads.to_sparse(), grads.to_sparse_csr()]
+    for bad_grads in sparse_grads:
+        with pytest.raises(InvalidInputError, match="grads must be a dense tensor"):
+            table.apply_gradients(ids, bad_grads)
+        with pytest.raises(InvalidInputError, match="grads must be a dense tensor"):
+            table.apply_gradients_at(offsets, bad_grads)
+    with pytest.raises(InvalidInputError, match="ids must be a dense tensor"):
+        table.apply_gradients(ids.to_sparse(), grads)
+    with pytest.raises(InvalidInputError, match="dense 2-D int64"):
+        table.apply_gradients_at(offsets.to_sparse(), grads)
+    _assert_bitwise_equal(before, _snapshot(table))
+    for read in (table.lookup, table.hash):
+        with pytest.raises(InvalidInputError, match="ids must be a dense tensor"):
+            read(ids.to_sparse())
 
 
 def test_bad_reads_raise() -> None:
