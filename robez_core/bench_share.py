@@ -12,6 +12,11 @@
   real code path, whatever calls it makes, beside the share's optimizer step (``Adam(fused=True)``);
   the rest of the share (autograd, its sum of the two dense gradients, Python) is the share's median
   minus the pieces' and the step's.
+- :func:`trivial_offsets`: within the block, the fused lookups still hash their ids but then read every
+  row from, and add its gradient to, the array's first ``embedding_dim`` floats: the share's random
+  accesses made as cheap as they can be (L1-resident), while the rows are written, their gradients read
+  and Adam steps the array as before. What the share takes then bounds what faster table accesses could
+  gain; the rest is the streaming of rows and gradients, the optimizer step and the fixed costs.
 - :func:`prefetch_comparison` (``python -m robez_core.bench_share --prefetch [--emulate-avx2]``): the
   share stepped under several settings of the kernels' prefetch thresholds in turn, the evidence for the
   thresholds in ``kernels.py``.
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from torch import Tensor
 
 __all__ = [
@@ -40,6 +46,7 @@ __all__ = [
     "adam_reading",
     "memory_floor_runner",
     "timed_calls",
+    "trivial_offsets",
 ]
 
 
@@ -105,6 +112,32 @@ def timed_calls(targets: dict[str, tuple[Any, str]]) -> Iterator[dict[str, list[
     finally:
         for name, (owner, attribute) in targets.items():
             setattr(owner, attribute, originals[name])
+
+
+@contextlib.contextmanager
+def trivial_offsets() -> Iterator[None]:
+    """Within the block, ``kernels.chunk_offsets`` hashes as usual, then answers chunk c of every row at
+    offset c * Z: each row is read from the array's first d floats and its gradient added back there.
+    The offsets are the same shape and dtype as the hashed ones, so every kernel after the hash runs its
+    usual path; the original is put back on exit."""
+    from . import kernels
+
+    original = kernels.chunk_offsets
+
+    def chunk_offsets(
+        ids: Tensor, num_chunks: int, chunk_size: int, memory_size: int, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        hashed = original(ids, num_chunks, chunk_size, memory_size, *args, **kwargs)
+        starts = (torch.arange(num_chunks, dtype=torch.int64) * chunk_size).clamp(
+            max=memory_size - chunk_size
+        )
+        return starts.expand(hashed.shape[0], num_chunks).contiguous()
+
+    kernels.chunk_offsets = chunk_offsets
+    try:
+        yield
+    finally:
+        kernels.chunk_offsets = original
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,27 @@ def test_share_reading_prints_the_spread_and_ratios_from_its_data():
     assert "medians (10.0x)" in text and "is 7.5x faster" in text and "(p90) 15.0x" in text
 
 
+def test_accesses_reading_bounds_what_faster_table_accesses_could_bring():
+    def reading(trivial_ms: float) -> str:
+        timings = bench.ShareTimings(
+            reference=(40.0, 30.0, 60.0),
+            fused=(4.0, 3.5, 5.0),
+            adam_ms=0.5,
+            reference_faults=0.0,
+            fused_faults=0.0,
+            steps=56,
+            trivial_accesses_ms=trivial_ms,
+        )
+        return timings.accesses_reading(15.0)
+
+    text = reading(3.2)
+    assert "took 3.20 ms, against 4.00 ms with the hashed offsets" in text
+    assert "cost 0.80 ms of the share" in text and "12.5x faster than the reference's median" in text
+    assert "(9.4x against its fast steps, p10)" in text
+    assert "no change to how the kernels reach the table could reach the 15x goal" in text
+    assert "faster table accesses alone could reach the 15x goal" in reading(2.5)  # 16.0x
+
+
 def test_fused_rows_step_fused_adam_and_the_others_torch_default_adam():
     params = [torch.nn.Parameter(torch.zeros(4))]
 
@@ -138,6 +159,7 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     assert "embedding's share of that step" in text and "model's own work in a step" in text
     assert "the fused share steps torch.optim.Adam(fused=True)" in text
     assert "with the default Adam took" in text
+    assert "Table accesses: in the same alternating rounds" in text
     assert "fused + Adam(fused=True) vs reference + default Adam" in text
     assert "Embedding share over" in text and "minor page faults per step" in text
     assert "Where the fused share's" in text and "scatter x2" in text and "gather x2" in text

@@ -92,3 +92,38 @@ def test_adam_comparison_steps_both_optimizers_and_reads_its_figures():
         {"torch.optim.Adam": (2.9, 0.8, 0.3), "torch.optim.Adam(fused=True)": (3.0, 1.0, 0.2)}
     )
     assert "25.0% longer per batch" in slower and "+0.100 ms" in slower
+
+
+def test_trivial_offsets_still_hash_then_read_every_row_from_the_array_start():
+    from robez_core import RobezEmbedding, kernels
+
+    table = RobezEmbedding(1000, 10, memory_size=64, chunk_size=4)
+    ids = torch.tensor([3, 999, 3, 12])
+    original = kernels.chunk_offsets
+    with bench_share.timed_calls({"hash": (kernels, "chunk_offsets")}) as durations:
+        with bench_share.trivial_offsets():
+            offsets = table.hash_ids(ids)
+            rows = table(ids)
+            rows.sum().backward()
+        hashed_calls = durations["hash"]
+    assert kernels.chunk_offsets is original
+    assert len(hashed_calls) == 2  # the real hash still ran for both calls
+    assert offsets.dtype == torch.int64 and offsets.shape == (4, 3)
+    assert offsets.tolist() == [[0, 4, 8]] * 4
+    weight = table.weight.detach()
+    assert torch.equal(rows.detach(), weight[:10].expand(4, 10))  # chunk c at c * Z: the first d floats
+    grad = table.weight.grad
+    assert grad is not None and torch.equal(grad[:10], torch.full((10,), 4.0)) and not grad[10:].any()
+    assert not torch.equal(table.hash_ids(ids), offsets)  # outside the block the ids hash again
+
+
+def test_trivial_offsets_stay_inside_a_small_array_and_restore_on_error():
+    from robez_core import RobezEmbedding, kernels
+
+    table = RobezEmbedding(10, 12, memory_size=6, chunk_size=4)  # d > m: chunks overlap at the end
+    original = kernels.chunk_offsets
+    with pytest.raises(RuntimeError, match="boom"), bench_share.trivial_offsets():
+        offsets = table.hash_ids(torch.tensor([1, 2]))
+        raise RuntimeError("boom")
+    assert offsets.tolist() == [[0, 2, 2]] * 2  # clamped to m - Z
+    assert kernels.chunk_offsets is original
