@@ -5,8 +5,10 @@ it in production. The file's text names the point ("" or ``update:appended``: th
 ``TableStore._fault_point``); a process that reaches that point removes the file and, if it was the one
 to remove it, dies. So one file kills one process, once, whichever worker gets there first.
 
-The points (``TableStore.restore`` / ``delete``, ``WalJournal.snapshot`` / ``drop``):
+The points (``TableStore.restore`` / ``delete``, ``WalJournal.create`` / ``snapshot`` / ``drop``):
 
+- ``create:staged``: a new table's snapshot and log are written in its ``.creating-*`` folder, not yet
+  renamed into place (the next server start on a free data directory removes the folder);
 - ``load:filled``: the load's new array is filled, nothing is durable yet;
 - ``snapshot:committed``: a snapshot's ``meta.json`` is committed, the fresh log not swapped in yet;
 - ``load:durable``: the loaded table is durable (snapshot + empty log), the registry not switched;

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +89,15 @@ def _lock_data_dir(data_dir: Path, exclusive: bool) -> int | None:
 
 
 SERVER_LOCK_FILE = ".robez-serve.lock"
+CREATING_PREFIX = ".creating-"  # a table being created is written here, then renamed into place
+
+
+def remove_creation_leftovers(data_dir: Path) -> None:
+    """Remove the staging folders of creates that a crash interrupted (nothing in them was committed).
+    Only while nothing else holds the data directory: the caller holds its exclusive lock."""
+    for leftover in data_dir.iterdir():
+        if leftover.is_dir() and leftover.name.startswith(CREATING_PREFIX):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 class ServerLock:
@@ -100,6 +110,10 @@ class ServerLock:
     drops them when the process dies, however it dies.
 
     Raises ``ConflictError`` (naming the other server's pid) when the directory is taken.
+
+    When no process at all holds the directory (no worker of an earlier server is still alive, no tool
+    runs), start-up also removes what a create killed half-way left (``.creating-*`` folders), which
+    would otherwise take disk space until an offline tool opened the directory.
     """
 
     def __init__(self, data_dir: str | os.PathLike[str]) -> None:
@@ -118,11 +132,23 @@ class ServerLock:
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._remove_leftovers_if_free()
             self._shared_fd = _lock_data_dir(self.data_dir, exclusive=False)
         except BaseException:
             os.close(fd)
             raise
         self._fd: int | None = fd
+
+    def _remove_leftovers_if_free(self) -> None:
+        try:
+            exclusive_fd = _lock_data_dir(self.data_dir, exclusive=True)
+        except ConflictError:
+            return  # a worker that outlived its server, or a tool: its create may be under way
+        try:
+            remove_creation_leftovers(self.data_dir)
+        finally:
+            if exclusive_fd is not None:
+                os.close(exclusive_fd)
 
     def release(self) -> None:
         if self._fd is not None:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..config import Settings
 
 from .files import (
+    CREATING_PREFIX,
     _file_crc,
     _lock_data_dir,
     _sync_data,
@@ -33,6 +34,7 @@ from .files import (
     _write_all,
     _write_file_durably,
     _write_temp_file,
+    remove_creation_leftovers,
     validate_table_name,
 )
 from .records import (
@@ -145,9 +147,7 @@ class WalJournal:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._dir_lock = _lock_data_dir(self.data_dir, exclusive)
         if exclusive:  # no server can be creating a table now: what a crashed create left can go
-            for leftover in self.data_dir.iterdir():
-                if leftover.is_dir() and leftover.name.startswith(".creating-"):
-                    shutil.rmtree(leftover, ignore_errors=True)
+            remove_creation_leftovers(self.data_dir)
         self._remove_dropped()  # start-up of a server, a worker or a tool
         self.fsync = fsync
         self.fsync_interval_ms = float(fsync_interval_ms)
@@ -226,11 +226,13 @@ class WalJournal:
         directory = self.table_dir(name)
         if (directory / META_FILE).exists():
             raise ConflictError(f"table {name!r} already exists in {self.data_dir}")
-        staging = self.data_dir / f".creating-{name}-{uuid.uuid4().hex[:8]}"
+        staging = self.data_dir / f"{CREATING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
         try:
             staging.mkdir()
             self._write_generation(staging, table, version, generation=1)
             os.replace(staging / f"{LOG_FILE}.new", staging / LOG_FILE)
+            if self.fault_file is not None:  # testing only: a kill with the table staged, not in place
+                die_at(self.fault_file, "create:staged")
             if directory.exists():  # left by a crash before its meta.json was written: nothing committed
                 shutil.rmtree(directory)
             os.replace(staging, directory)

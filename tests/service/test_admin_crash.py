@@ -365,3 +365,63 @@ def test_a_server_whose_worker_died_in_a_load_or_delete_serves_and_recovers_the_
         server.stop()
     finally:
         server.kill()
+
+
+def _wait_until_free(data_dir: Path, timeout_s: float = 30.0) -> None:
+    """Until no process holds the data directory's lock: the killed workers' descriptors are closed."""
+    import fcntl
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    fd = os.open(data_dir / ".robez.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the killed server's workers still hold the directory"
+                time.sleep(0.05)
+    finally:
+        os.close(fd)
+
+
+def test_a_create_killed_half_way_leaves_nothing_after_a_restart(tmp_path: Path) -> None:
+    """The worker taking a create dies with the table staged (``create:staged``): nothing was
+    acknowledged, so after kill -9 of the server and a restart there is no table "t", its staging folder
+    is gone from the data directory, and creating "t" works."""
+    fault = tmp_path / "fault"
+    data = tmp_path / "data"
+    server = RobezServer(
+        tmp_path / "server.log",
+        ["--data-dir", str(data), "--workers", "2"],
+        {
+            "ROBEZ_SHM_DIR": str(tmp_path / "shm"),
+            "ROBEZ_DEFAULT_TABLE": "false",
+            "ROBEZ_FAULT_DIE_AFTER_APPEND": str(fault),
+            "ROBEZ_LOG_LEVEL": "warning",
+        },
+    )
+    table = {"name": "t", "config": CONFIG.to_dict(), "optimizer": OPTIMIZER.to_dict()}
+    try:
+        server.start()
+        fault.write_text("create:staged")
+        try:
+            response = httpx.post(f"{server.url}/v1/tables", json=table, timeout=60.0)
+            assert response.status_code >= 500, response.text
+        except httpx.TransportError:
+            pass  # the worker died with the connection
+        assert not fault.exists(), server.log()[-3000:]
+        assert [path.name.split("-")[1] for path in data.glob(".creating-*")] == ["t"]
+
+        server.kill()
+        _wait_until_free(data)
+        server.start()
+        assert not list(data.glob(".creating-*")), "the restart left the interrupted create's folder"
+        assert httpx.get(f"{server.url}/v1/tables/t", timeout=60.0).status_code == 404
+        response = httpx.post(f"{server.url}/v1/tables", json=table, timeout=60.0)
+        assert response.status_code == 201, response.text
+        server.stop()
+    finally:
+        server.kill()

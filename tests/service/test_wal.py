@@ -680,6 +680,26 @@ def test_one_server_per_data_directory(tmp_path: Path) -> None:
     ServerLock(tmp_path).release()
 
 
+def test_server_start_removes_interrupted_creates_only_when_nothing_holds_the_directory(
+    tmp_path: Path,
+) -> None:
+    # what a create killed half-way leaves: its staging folder, with a snapshot written
+    (tmp_path / ".creating-t-1234abcd").mkdir()
+    (tmp_path / ".creating-t-1234abcd" / "snapshot-1.safetensors").write_bytes(b"x")
+    (tmp_path / ".creating-notes.txt").write_text("not a folder of ours")
+    worker = WalJournal(tmp_path)  # a worker that outlived its server holds the shared lock
+    ServerLock(tmp_path).release()
+    assert (tmp_path / ".creating-t-1234abcd").is_dir()  # its create may be under way
+    worker.close()
+    lock = ServerLock(tmp_path)
+    assert not (tmp_path / ".creating-t-1234abcd").exists()
+    assert (tmp_path / ".creating-notes.txt").is_file()
+    WalJournal(tmp_path).close()  # and the server still shares the directory with its workers
+    with pytest.raises(ConflictError, match="in use"):
+        WalJournal(tmp_path, exclusive=True)
+    lock.release()
+
+
 def test_salvage_keeps_the_records_before_mid_log_damage(journal: WalJournal) -> None:
     path, full, _, _ = _log_and_oracle(journal, 3)
     records = scan_log(full).records
