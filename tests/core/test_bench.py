@@ -53,16 +53,22 @@ def test_avx2_emulation_env_switches_off_every_avx512_feature():
         assert "+fma" in features  # an AVX2 host keeps what a Zen 2 has
 
 
+def _share_timings(**fields: object) -> bench.ShareTimings:
+    """Shares of 40 ms (p10 30, p90 60) and 4 ms (p10 3.5, p90 5) over 56 steps, unless ``fields`` say
+    otherwise."""
+    defaults: dict[str, object] = {
+        "reference": (40.0, 30.0, 60.0),
+        "fused": (4.0, 3.5, 5.0),
+        "adam_ms": 0.5,
+        "reference_faults": 0.0,
+        "fused_faults": 0.0,
+        "steps": 56,
+    }
+    return bench.ShareTimings(**{**defaults, **fields})  # type: ignore[arg-type]
+
+
 def test_share_reading_prints_the_spread_and_ratios_from_its_data():
-    timings = bench.ShareTimings(
-        reference=(40.0, 30.0, 60.0),
-        fused=(4.0, 3.5, 5.0),
-        adam_ms=0.5,
-        reference_faults=1234.4,
-        fused_faults=0.0,
-        steps=56,
-    )
-    text = timings.reading()
+    text = _share_timings(reference_faults=1234.4).reading()
     assert "over 56 steps" in text and f"({bench.SHARE_ROUNDS} alternating rounds)" in text
     assert "median 40.00 ms (p10 30.00, p90 60.00), 1234 minor page faults per step" in text
     assert "medians (10.0x)" in text and "is 7.5x faster" in text and "(p90) 15.0x" in text
@@ -70,16 +76,7 @@ def test_share_reading_prints_the_spread_and_ratios_from_its_data():
 
 def test_accesses_reading_bounds_what_faster_table_accesses_could_bring():
     def reading(trivial_ms: float) -> str:
-        timings = bench.ShareTimings(
-            reference=(40.0, 30.0, 60.0),
-            fused=(4.0, 3.5, 5.0),
-            adam_ms=0.5,
-            reference_faults=0.0,
-            fused_faults=0.0,
-            steps=56,
-            trivial_accesses_ms=trivial_ms,
-        )
-        return timings.accesses_reading(15.0)
+        return _share_timings(trivial_accesses_ms=trivial_ms).accesses_reading(15.0)
 
     text = reading(3.2)
     assert "took 3.20 ms, against 4.00 ms with the hashed offsets" in text
@@ -119,16 +116,8 @@ def test_fused_rows_step_fused_adam_and_the_others_torch_default_adam():
 
 
 def test_optimizer_reading_puts_both_fused_shares_side_by_side_from_its_data():
-    timings = bench.ShareTimings(
-        reference=(40.0, 30.0, 60.0),
-        fused=(4.0, 3.5, 5.0),
-        adam_ms=0.2,
-        reference_faults=0.0,
-        fused_faults=0.0,
-        steps=56,
-        fused_default_adam=(5.0, 4.5, 6.0),
-        default_adam_ms=0.8,
-        adam_paired_ratio=1.25,
+    timings = _share_timings(
+        adam_ms=0.2, fused_default_adam=(5.0, 4.5, 6.0), default_adam_ms=0.8, adam_paired_ratio=1.25
     )
     text = timings.optimizer_reading()
     assert "the fused share steps torch.optim.Adam(fused=True)" in text
