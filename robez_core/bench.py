@@ -53,7 +53,14 @@ from torch import Tensor, nn
 
 from . import buffers, kernels
 from .allocator import malloc_setting, tune_malloc
-from .bench_share import FloorReading, PieceTimings, memory_floor_runner, timed_calls, trivial_offsets
+from .bench_share import (
+    FloorReading,
+    PieceTimings,
+    memory_floor_runner,
+    timed_calls,
+    timed_share_step,
+    trivial_offsets,
+)
 from .hashing import reference_indices
 from .modules import RobezEmbedding
 
@@ -423,13 +430,9 @@ def _embedding_share_runner(
         for pairs, _ in batches:
             optimizer.zero_grad(set_to_none=True)
             faults = _minor_faults()
-            start = time.perf_counter()
-            rows = (embedding(pairs[:, 0]), embedding(pairs[:, 1]))
-            torch.autograd.backward(rows, output_grads)
-            stepping = time.perf_counter()
-            optimizer.step()
-            end = time.perf_counter()
-            timings.append(ShareStep(end - start, end - stepping, _minor_faults() - faults))
+            # _kept: this step's rows, alive while the next step allocates, as in training
+            share, step, _kept = timed_share_step(embedding, optimizer, pairs, output_grads)
+            timings.append(ShareStep(share, step, _minor_faults() - faults))
         return timings[1:]  # the first of a round finds the other model's data in the caches
 
     return run

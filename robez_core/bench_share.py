@@ -46,6 +46,7 @@ __all__ = [
     "adam_reading",
     "memory_floor_runner",
     "timed_calls",
+    "timed_share_step",
     "trivial_offsets",
 ]
 
@@ -112,6 +113,22 @@ def timed_calls(targets: dict[str, tuple[Any, str]]) -> Iterator[dict[str, list[
     finally:
         for name, (owner, attribute) in targets.items():
             setattr(owner, attribute, originals[name])
+
+
+def timed_share_step(
+    embedding: Any, optimizer: Any, pairs: Tensor, output_grads: tuple[Tensor, Tensor]
+) -> tuple[float, float, tuple[Tensor, Tensor]]:
+    """One embedding share, the region every share timing here and in ``bench`` measures: both lookups
+    of the id pairs, their backward fed ``output_grads`` (so none of the model's ops run) and
+    ``optimizer.step()``. Returns the seconds of the whole share and of its step, and the rows, which the
+    caller keeps until the next step has allocated its own, as in training."""
+    start = time.perf_counter()
+    rows = (embedding(pairs[:, 0]), embedding(pairs[:, 1]))
+    torch.autograd.backward(rows, output_grads)
+    stepping = time.perf_counter()
+    optimizer.step()
+    end = time.perf_counter()
+    return end - start, end - stepping, rows
 
 
 @contextlib.contextmanager
@@ -271,16 +288,10 @@ def _paired_shares(
                     table, optimizers = tables[(index + round_index) % len(tables)]
                     optimizer = optimizers[name]
                     optimizer.zero_grad(set_to_none=True)
-                    start = time.perf_counter()
-                    rows = (table(pairs[:, 0]), table(pairs[:, 1]))
-                    torch.autograd.backward(rows, grads)
-                    stepping = time.perf_counter()
-                    optimizer.step()
-                    end = time.perf_counter()
-                    kept[name] = rows  # the next step allocates while these are alive, as in training
+                    share, step, kept[name] = timed_share_step(table, optimizer, pairs, grads)
                     if round_index:
-                        shares[name].append(end - start)
-                        steps[name].append(end - stepping)
+                        shares[name].append(share)
+                        steps[name].append(step)
     finally:
         torch.set_num_threads(previous_threads)
     return _PairedShares(shares, steps, [table for table, _ in tables])
