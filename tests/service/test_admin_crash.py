@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +35,13 @@ import pytest
 import torch
 
 from robez_core.config import OptimizerConfig, TableConfig
-from robez_core.errors import NotFoundError
+from robez_core.errors import ConflictError, NotFoundError
 from robez_core.table import Table
 from service.config import Settings, TableSpec
 from service.shm import REPLACED, STATE, SharedDirectory
 from service.store import TableStore
 from service.wal import LOG_FILE, META_FILE, WalJournal
+from service.wal.files import _lock_data_dir
 
 from .conftest import make_settings
 from .subprocess_server import RobezServer
@@ -369,22 +372,17 @@ def test_a_server_whose_worker_died_in_a_load_or_delete_serves_and_recovers_the_
 
 def _wait_until_free(data_dir: Path, timeout_s: float = 30.0) -> None:
     """Until no process holds the data directory's lock: the killed workers' descriptors are closed."""
-    import fcntl
-    import os
-    import time
-
     deadline = time.monotonic() + timeout_s
-    fd = os.open(data_dir / ".robez.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                assert time.monotonic() < deadline, "the killed server's workers still hold the directory"
-                time.sleep(0.05)
-    finally:
-        os.close(fd)
+    while True:
+        try:
+            fd = _lock_data_dir(data_dir, exclusive=True)
+        except ConflictError:
+            assert time.monotonic() < deadline, "the killed server's workers still hold the directory"
+            time.sleep(0.05)
+            continue
+        if fd is not None:
+            os.close(fd)
+        return
 
 
 def test_a_create_killed_half_way_leaves_nothing_after_a_restart(tmp_path: Path) -> None:
