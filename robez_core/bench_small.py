@@ -85,11 +85,13 @@ def measure(optimizer: OptimizerName, calls: int, repeats: int, seed: int = 0) -
     state = {name: tensor.numpy() for name, tensor in table.state.items()}
     lr = np.float32(1e-3)
 
+    gather = kernels._gather_kernel.for_chunk(c.chunk_size).serial
+
     def lookup_kernels() -> None:
         kernels._chunk_offsets_kernel.serial(
             one_np, val_offset, c.num_chunks, mode, constants, range_size, offsets_one
         )
-        kernels._gather_kernel.serial(weight, offsets_one, c.embedding_dim, c.chunk_size, False, False, rows)
+        gather(weight, offsets_one, c.embedding_dim, c.chunk_size, False, False, rows)
 
     def update_kernels() -> None:
         kernels._chunk_offsets_kernel.serial(

@@ -46,7 +46,8 @@ def init_weight(memory_size: int, init_scale: float = DEFAULT_INIT_SCALE, seed: 
     )
 
 
-def _as_int64_ids(ids: Tensor, what: str = "ids") -> Tensor:
+def _as_int64_ids(ids: Tensor, what: str = "ids", contiguous: bool = True) -> Tensor:
+    """Checked int64 ``ids``; with ``contiguous=False`` a strided int64 tensor is passed on uncopied."""
     if not isinstance(ids, Tensor):
         raise InvalidInputError(f"{what} must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dtype not in _INTEGER_DTYPES:
@@ -55,7 +56,8 @@ def _as_int64_ids(ids: Tensor, what: str = "ids") -> Tensor:
         raise InvalidInputError(f"{what} must be on the CPU, got {ids.device}")
     if ids.layout != torch.strided:
         raise InvalidInputError(f"{what} must be a dense tensor, got layout {ids.layout}")
-    return ids.to(torch.int64).contiguous()
+    ids = ids.to(torch.int64)
+    return ids.contiguous() if contiguous else ids
 
 
 def _sparse_from_coalesced(locations: Tensor, values: Tensor, memory_size: int) -> Tensor:
@@ -438,9 +440,10 @@ class RobezEmbedding(_RobezBase):
     """
 
     def forward(self, ids: Tensor) -> Tensor:
-        ids = _as_int64_ids(ids)
+        ids = _as_int64_ids(ids, contiguous=False)
         if ids.dim() == 1:
             # Rows are already (N, d): a reshape would add a view node for autograd to walk in backward.
+            # A strided column (``pairs[:, 0]``) is not copied: the hash reads it where it lies.
             return self._rows(ids)
         rows = self._rows(ids.reshape(-1))
         return rows.reshape(*ids.shape, self.embedding_dim)

@@ -49,8 +49,8 @@ class SmallPath:
         self.optimizer = table.optimizer
         self.memory_size = config.memory_size
         self.hash_kernel = kernels._chunk_offsets_kernel.serial
-        self.gather_kernel = kernels._gather_kernel.serial
-        self.lookup_kernel = kernels._lookup_kernel.serial
+        self.gather_kernel = kernels._gather_kernel.for_chunk(config.chunk_size).serial
+        self.lookup_kernel = kernels._lookup_kernel.for_chunk(config.chunk_size).serial
 
     def hash(self, ids_np: np.ndarray) -> np.ndarray:
         out = np.empty((ids_np.shape[0], self.num_chunks), dtype=np.int64)

@@ -65,6 +65,15 @@ def paper_hash(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return str(request.param)
 
 
+@pytest.fixture(params=["specialised", "generic"])
+def chunk_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The row loops compiled for the chunk size (the sizes in ``_SPECIALISED_CHUNK_SIZES``) and the
+    generic compilation that reads it at run time, both checked whatever chunk sizes a test draws."""
+    if request.param == "generic":
+        monkeypatch.setattr(kernels, "_SPECIALISED_CHUNK_SIZES", frozenset())
+    return str(request.param)
+
+
 def test_each_formulation_takes_its_own_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = {"float64": kernels._MODE_PAPER_FLOAT, "split32": kernels._MODE_PAPER_SPLIT}
     for formulation, mode in expected.items():
@@ -187,6 +196,18 @@ def test_chunk_offsets_bit_exact(ids, val_offset, chunk_size, extra_memory, num_
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("hash", HASHES)
+def test_chunk_offsets_of_a_strided_column_equal_its_copy(hash: str, paper_hash: str) -> None:
+    """A column of an (N, k) id tensor, or a stride-0 expansion, is hashed without a copy."""
+    generator = torch.Generator().manual_seed(2)
+    pairs = torch.randint(INT64_MIN, INT64_MAX, (1000, 3), generator=generator)
+    for ids in (pairs[:, 2], pairs[::7, 0], torch.tensor([INT64_MIN]).expand(50)):
+        assert not ids.is_contiguous()
+        got = kernels.chunk_offsets(ids, 3, 8, 10_000, RANDOM_NUMBERS, 5, hash)
+        expected = reference_chunk_offsets(ids.contiguous(), 3, 8, 10_000, RANDOM_NUMBERS, 5, hash)
+        assert torch.equal(got, expected)
+
+
 @PROPERTY
 @given(
     ids=st.lists(int64s, min_size=1, max_size=20),
@@ -270,7 +291,7 @@ def test_split32_blocks_with_keys_at_the_int64_limits(paper_hash: str) -> None:
     hash=st.sampled_from(HASHES),
 )
 def test_lookup_and_gather_bit_exact(
-    ids, val_offset, embedding_dim, chunk_size, extra_memory, hash, paper_hash
+    ids, val_offset, embedding_dim, chunk_size, extra_memory, hash, paper_hash, chunk_kernels
 ):
     memory_size = chunk_size + extra_memory  # extra_memory == 0 is m == Z: every chunk starts at 0
     weight = torch.randn(memory_size)
@@ -317,7 +338,7 @@ def test_lookup_writes_into_out_and_handles_empty():
     assert kernels.lookup(weight, torch.empty(0, dtype=torch.int64), 50, 32, RANDOM_NUMBERS).shape == (0, 50)
 
 
-def test_large_batch_paper_configuration_bit_exact(paper_hash):
+def test_large_batch_paper_configuration_bit_exact(paper_hash, chunk_kernels):
     """The benchmark's shape (d=100, Z=32, m=262144) on a real batch, through the parallel loops."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(INT64_MIN, INT64_MAX, (20_000,), generator=generator)
@@ -449,7 +470,9 @@ def _assert_float32_sums_close(actual, grads, indices, dense, locations=None):
     hash=st.sampled_from(HASHES),
     seed=st.integers(0, 1000),
 )
-def test_scatter_and_coalesce_match_index_add(num_ids, embedding_dim, chunk_size, extra_memory, hash, seed):
+def test_scatter_and_coalesce_match_index_add(
+    num_ids, embedding_dim, chunk_size, extra_memory, hash, seed, chunk_kernels
+):
     memory_size = chunk_size + extra_memory
     grads, offsets, indices, dense = _sparse_case(num_ids, embedding_dim, chunk_size, memory_size, seed, hash)
     out = torch.zeros(memory_size)
@@ -498,7 +521,7 @@ def test_coalesce_merges_touching_and_overlapping_chunks():
 
 @pytest.mark.parametrize("strategy", ["serial", "private", "partitioned"])
 @pytest.mark.parametrize("memory_size", [40, 5_000, 262_144])
-def test_scatter_strategies_agree(strategy, memory_size, monkeypatch: pytest.MonkeyPatch):
+def test_scatter_strategies_agree(strategy, memory_size, chunk_kernels, monkeypatch: pytest.MonkeyPatch):
     """One thread adds in order; more threads use private copies (small m) or range partitions (large m,
     forced here by lowering the size limit), chunks straddling range boundaries included."""
     if strategy == "partitioned":
@@ -509,6 +532,55 @@ def test_scatter_strategies_agree(strategy, memory_size, monkeypatch: pytest.Mon
     with _torch_threads(threads):
         kernels.scatter_grad(grads, offsets, 32, out)
     torch.testing.assert_close(out, (dense + 1).float(), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("chunk_size", sorted(kernels._SPECIALISED_CHUNK_SIZES))
+def test_each_specialised_chunk_size_runs_its_own_compilation(chunk_size: int):
+    """Every chunk size with compilations of its own reads and adds rows as the reference does, for row
+    widths below, at and past a multiple of it (a shorter last chunk or none), serially and in parallel;
+    and those compilations are what ran."""
+    generator = torch.Generator().manual_seed(chunk_size)
+    memory_size = 5_000
+    weight = torch.randn(memory_size, generator=generator)
+    ids = torch.randint(INT64_MIN, INT64_MAX, (300,), generator=generator)  # >= 256: the parallel scatter
+    widths = sorted({max(1, chunk_size - 1), chunk_size, 2 * chunk_size + 3, 100})
+    for embedding_dim in widths:
+        indices = reference_indices(ids, embedding_dim, chunk_size, memory_size, RANDOM_NUMBERS)
+        offsets = kernels.chunk_offsets(
+            ids, _num_chunks(embedding_dim, chunk_size), chunk_size, memory_size, RANDOM_NUMBERS
+        )
+        grads = torch.randn(300, embedding_dim, generator=generator)
+        dense = torch.zeros(memory_size, dtype=torch.float64).index_add_(
+            0, indices.reshape(-1), grads.reshape(-1).double()
+        )
+        for threads in (1, max(2, torch.get_num_threads())):
+            with _torch_threads(threads):
+                rows = kernels.lookup(weight, ids, embedding_dim, chunk_size, RANDOM_NUMBERS)
+                assert torch.equal(rows, weight[indices])
+                gathered = kernels.gather(weight, offsets, embedding_dim, chunk_size)
+                assert torch.equal(gathered, weight[indices])
+                out = torch.zeros(memory_size)
+                kernels.scatter_grad(grads, offsets, chunk_size, out)
+                torch.testing.assert_close(out, dense.float(), rtol=1e-5, atol=1e-4)
+    for pair in (
+        kernels._gather_kernel,
+        kernels._lookup_kernel,
+        kernels._scatter_serial_kernel,
+        kernels._scatter_private_kernel,
+    ):
+        specialised = pair.for_chunk(chunk_size)
+        assert specialised is not pair and specialised.chunk_size == chunk_size
+        assert specialised.for_chunk(chunk_size) is specialised
+        if pair is kernels._scatter_private_kernel and numba.config.NUMBA_NUM_THREADS < 2:  # type: ignore[attr-defined]
+            continue  # one core: the parallel backward never runs
+        compiled = [*specialised.serial.signatures, *specialised.parallel.signatures]
+        assert compiled, f"{pair.serial.__name__} for Z = {chunk_size} never ran"
+
+
+def test_other_chunk_sizes_take_the_generic_compilation():
+    for chunk_size in (3, 5, 24, 65, 1000):
+        assert chunk_size not in kernels._SPECIALISED_CHUNK_SIZES
+        assert kernels._gather_kernel.for_chunk(chunk_size) is kernels._gather_kernel
 
 
 # --------------------------------------------------------------------------------------------------
@@ -594,7 +666,7 @@ def test_one_thread_runs_the_serial_copy(monkeypatch: pytest.MonkeyPatch):
     def refuse(*args: object) -> None:
         raise AssertionError("parallel kernel used at one thread")
 
-    monkeypatch.setattr(kernels._gather_kernel, "parallel", refuse)
+    monkeypatch.setattr(kernels._gather_kernel.for_chunk(4), "parallel", refuse)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -652,7 +724,7 @@ for threads, flavour in ((1, "serial"), (2, "parallel")):
     if kernels.set_kernel_threads() != threads:
         continue  # a one-core machine never runs the parallel copy
     kernels.lookup(weight, ids, 8, 4, constants)
-    stats = getattr(kernels._lookup_kernel, flavour).stats
+    stats = getattr(kernels._lookup_kernel.for_chunk(4), flavour).stats  # Z = 4: its own compilation
     counts[flavour] = {"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}
 print(json.dumps(counts))
 """
@@ -740,7 +812,7 @@ def test_importing_kernels_keeps_torch_thread_count():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_prefetching_paths_agree(threads, monkeypatch: pytest.MonkeyPatch):
+def test_prefetching_paths_agree(threads, chunk_kernels, monkeypatch: pytest.MonkeyPatch):
     """Prefetching is switched on by table size; forced on for a small table, results are unchanged."""
     monkeypatch.setattr(kernels, "_PREFETCH_READ_MIN_BYTES", 0)
     monkeypatch.setattr(kernels, "_PREFETCH_WRITE_MIN_BYTES", 0)
@@ -796,7 +868,7 @@ def test_small_batches_run_serially_at_several_threads():
     ids = torch.arange(-5, 5, dtype=torch.int64)
     expected = kernels.lookup(weight, ids, 16, 4, constants)
     calls: list[str] = []
-    kernel = kernels._lookup_kernel
+    kernel = kernels._lookup_kernel.for_chunk(4)
     serial, parallel = kernel.serial, kernel.parallel
     previous_cutoff = kernels._PARALLEL_MIN_WORK
     try:

@@ -97,6 +97,28 @@ def test_grads_fused_match_reference(sparse: bool, dims: tuple[int, int, int]) -
     torch.testing.assert_close(g_fused.to_dense(), g_ref.to_dense(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_strided_id_column_is_hashed_in_place_with_the_same_rows_and_grads(sparse: bool) -> None:
+    """``emb(pairs[:, 0])``: the column is not copied (the hash reads it with its stride), and rows and
+    gradients equal those of the contiguous copy, in the fused module as in the reference."""
+    fused, ref = _pair(RobezEmbedding, 1000, 40, 3000, chunk_size=16, sparse=sparse)
+    gen = torch.Generator().manual_seed(11)
+    pairs = torch.randint(-(1 << 40), 1 << 40, (300, 3), generator=gen)
+    column = pairs[:, 1]
+    assert not column.is_contiguous()
+    upstream = torch.randn(300, 40, generator=gen)
+    grads = []
+    for module, ids in ((fused, column), (fused, column.contiguous()), (ref, column)):
+        module.weight.grad = None
+        rows = module(ids)
+        (rows * upstream).sum().backward()
+        assert module.weight.grad is not None
+        grads.append((rows.detach(), module.weight.grad.to_dense()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][0], grads[2][0])
+    assert torch.equal(grads[0][1], grads[1][1])
+    torch.testing.assert_close(grads[0][1], grads[2][1], rtol=1e-5, atol=1e-5)
+
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 _DENSE_OPTIMIZERS: dict[str, OptimizerFactory] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1),

@@ -240,7 +240,8 @@ def test_updates_are_bitwise_identical_at_any_kernel_thread_count(
         "adam": kernels._adam_kernel,
     }
     parallel_calls: list[str] = []
-    for name, pair in (("step", step_kernel[optimizer.name]), ("lookup", kernels._lookup_kernel)):
+    lookup_kernel = kernels._lookup_kernel.for_chunk(16)  # the table's chunk size
+    for name, pair in (("step", step_kernel[optimizer.name]), ("lookup", lookup_kernel)):
         original = pair.parallel
 
         def counted(*args: object, _original: object = original, _name: str = name) -> object:
