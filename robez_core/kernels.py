@@ -37,6 +37,10 @@ Why the kernels are fast (32768 ids, d = 100, Z = 32, 1 thread, on the 2-core de
   buffers page-fault on every call;
 - the backward prefetches the (N, d) output gradients it streams through ``_STREAM_AHEAD_FLOATS``
   ahead, so reading them overlaps the adds at random places of the array (scatter 0.70 -> 0.54 ms);
+- the row loops of the gather, the lookup and the dense backward are compiled once per common chunk
+  size (1, 2, 4, ..., 64), so every chunk is a fixed run of vector moves instead of three run-time
+  length loops (training share 8% faster; see ``_SPECIALISED_CHUNK_SIZES``), and a strided id column
+  (``pairs[:, 0]``) is hashed where it lies instead of being copied first;
 - one thread runs a serial compilation of each kernel; more threads split ids with ``prange``, the dense
   backward uses private per-thread arrays (or range partitions when m is large), and every kernel
   releases the GIL (``nogil=True``).
