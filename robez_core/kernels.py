@@ -55,7 +55,8 @@ writable (a system-wide install), numba uses the user's cache directory (``~/.ca
 ``NUMBA_CACHE_DIR`` environment variable overrides both (e.g. a volume in a container whose image was
 built read-only). Later processes load the machine code instead:
 about 0.3 s for the first kernel, 20 ms for each further one. The cache is invalidated by a change of
-this file (its modification time and size) or of the CPU model, which then recompiles once.
+this file (its modification time and size) or of the CPU model, which then recompiles once. A chunk
+size in ``_SPECIALISED_CHUNK_SIZES`` has compilations of its own, made (or loaded) on its first use.
 
 AVX2 on an AVX-512 machine: ``NUMBA_CPU_NAME=znver2`` with ``NUMBA_CPU_FEATURES`` set to the host's
 features minus every AVX-512 one makes numba compile for a Zen 2 (the generated code then has no zmm
