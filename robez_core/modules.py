@@ -109,6 +109,10 @@ class _FusedLookup(torch.autograd.Function):
             table.random_numbers,
             config.val_offset,
             config.hash,
+            # For the dense backward, int32 where they fit (arrays up to 8 GB): half the bytes to keep
+            torch.int32
+            if not table.sparse and kernels.fits_int32_offsets(config.memory_size, config.chunk_size)
+            else torch.int64,
         )
         # The offsets are an intermediate no caller can modify in place, so a plain attribute keeps them:
         # save_for_backward's version checks are for inputs and outputs.

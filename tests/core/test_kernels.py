@@ -577,6 +577,41 @@ def test_each_specialised_chunk_size_runs_its_own_compilation(chunk_size: int):
         assert compiled, f"{pair.serial.__name__} for Z = {chunk_size} never ran"
 
 
+@pytest.mark.parametrize("chunk_size", [4, 32, 5])
+def test_int32_offsets_give_the_same_rows_and_gradients(chunk_size: int) -> None:
+    """``chunk_offsets(..., dtype=torch.int32)`` holds the same offsets; ``gather`` and ``scatter_grad``
+    read them as they read int64 ones (specialised and generic chunk sizes)."""
+    generator = torch.Generator().manual_seed(chunk_size)
+    weight = torch.randn(20_000, generator=generator)
+    ids = torch.randint(INT64_MIN, INT64_MAX, (500, 2), generator=generator)[:, 1]
+    wide = kernels.chunk_offsets(ids, _num_chunks(70, chunk_size), chunk_size, 20_000, RANDOM_NUMBERS)
+    narrow = kernels.chunk_offsets(
+        ids, _num_chunks(70, chunk_size), chunk_size, 20_000, RANDOM_NUMBERS, dtype=torch.int32
+    )
+    assert narrow.dtype == torch.int32 and torch.equal(narrow.to(torch.int64), wide)
+    assert torch.equal(
+        kernels.gather(weight, narrow, 70, chunk_size), kernels.gather(weight, wide, 70, chunk_size)
+    )
+    grads = torch.randn(500, 70, generator=generator)
+    for threads in (1, max(2, torch.get_num_threads())):
+        with _torch_threads(threads):
+            out_wide, out_narrow = torch.zeros(20_000), torch.zeros(20_000)
+            kernels.scatter_grad(grads, wide, chunk_size, out_wide)
+            kernels.scatter_grad(grads, narrow, chunk_size, out_narrow)
+            assert torch.equal(out_wide, out_narrow)
+
+
+def test_int32_offsets_are_refused_where_they_do_not_fit() -> None:
+    ids = torch.arange(3)
+    assert kernels.fits_int32_offsets((1 << 31) + 7, 8) and not kernels.fits_int32_offsets((1 << 31) + 8, 8)
+    with pytest.raises(ConfigError):
+        kernels.chunk_offsets(ids, 1, 8, (1 << 31) + 8, RANDOM_NUMBERS, dtype=torch.int32)
+    with pytest.raises(ConfigError):
+        kernels.chunk_offsets(ids, 1, 8, 1000, RANDOM_NUMBERS, dtype=torch.int16)
+    with pytest.raises(InvalidInputError):
+        kernels.gather(torch.randn(100), torch.zeros(3, 1, dtype=torch.int16), 8, 8)
+
+
 def test_other_chunk_sizes_take_the_generic_compilation():
     for chunk_size in (3, 5, 24, 65, 1000):
         assert chunk_size not in kernels._SPECIALISED_CHUNK_SIZES

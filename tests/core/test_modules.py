@@ -119,6 +119,16 @@ def test_a_strided_id_column_is_hashed_in_place_with_the_same_rows_and_grads(spa
     torch.testing.assert_close(grads[0][1], grads[2][1], rtol=1e-5, atol=1e-5)
 
 
+def test_the_dense_backward_keeps_int32_offsets_and_the_sparse_one_int64() -> None:
+    """The training forward keeps its chunk offsets for the backward: int32 for a dense gradient (half
+    the bytes), int64 for the sparse one's coalesce."""
+    ids = torch.arange(50)
+    for sparse, dtype in ((False, torch.int32), (True, torch.int64)):
+        rows = RobezEmbedding(1000, 24, 2000, chunk_size=8, sparse=sparse)(ids)
+        assert rows.grad_fn is not None
+        assert rows.grad_fn.offsets.dtype == dtype  # type: ignore[attr-defined]
+
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 _DENSE_OPTIMIZERS: dict[str, OptimizerFactory] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
