@@ -108,6 +108,7 @@ __all__ = [
     "chunk_offsets",
     "coalesce_grad",
     "compile_target",
+    "fits_int32_offsets",
     "gather",
     "lookup",
     "lookup_bag",

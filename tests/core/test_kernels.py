@@ -578,9 +578,11 @@ def test_each_specialised_chunk_size_runs_its_own_compilation(chunk_size: int):
 
 
 @pytest.mark.parametrize("chunk_size", [4, 32, 5])
-def test_int32_offsets_give_the_same_rows_and_gradients(chunk_size: int) -> None:
+def test_int32_offsets_give_the_same_rows_and_gradients(
+    chunk_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``chunk_offsets(..., dtype=torch.int32)`` holds the same offsets; ``gather`` and ``scatter_grad``
-    read them as they read int64 ones (specialised and generic chunk sizes)."""
+    read them as they read int64 ones (specialised and generic chunk sizes; every backward strategy)."""
     generator = torch.Generator().manual_seed(chunk_size)
     weight = torch.randn(20_000, generator=generator)
     ids = torch.randint(INT64_MIN, INT64_MAX, (500, 2), generator=generator)[:, 1]
@@ -593,7 +595,14 @@ def test_int32_offsets_give_the_same_rows_and_gradients(chunk_size: int) -> None
         kernels.gather(weight, narrow, 70, chunk_size), kernels.gather(weight, wide, 70, chunk_size)
     )
     grads = torch.randn(500, 70, generator=generator)
-    for threads in (1, max(2, torch.get_num_threads())):
+    parallel = max(2, torch.get_num_threads())
+    for threads, private_limit in (
+        (1, None),
+        (parallel, None),
+        (parallel, 0),
+    ):  # serial, private, partitioned
+        if private_limit is not None:
+            monkeypatch.setattr(kernels, "_PRIVATE_SCATTER_MAX_FLOATS", private_limit)
         with _torch_threads(threads):
             out_wide, out_narrow = torch.zeros(20_000), torch.zeros(20_000)
             kernels.scatter_grad(grads, wide, chunk_size, out_wide)
