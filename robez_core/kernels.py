@@ -133,7 +133,10 @@ _LOW32 = np.uint64(0xFFFFFFFF)
 _INT64_MAX = np.int64(np.iinfo(np.int64).max)
 _INT64_MIN = np.int64(np.iinfo(np.int64).min)
 # Batches of rows at least this big are written with streaming (non-temporal) stores: bigger than L2,
-# and a large share of L3, so caching them would only evict the table.
+# and a large share of L3, so caching them would only evict the table. Still so with the per-chunk-size
+# compilations (2026-11-23, training loop, paired steps against the same code with plain stores): the
+# share took 0.875-0.880x the time, and the whole pair-model step 0.989x (the model then reads the rows
+# from memory rather than cache, which costs it less than the stores save).
 _STREAMING_MIN_BYTES = 4 << 20
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # A parallel dense backward gives each thread a private (m,) copy while they all fit in this many floats
@@ -165,11 +168,16 @@ _PREFETCH_WRITE_MIN_BYTES = 1 << 20
 # the share was 9.1% (AVX-512) / 5.3% (emulated AVX2) slower without the pass, and 8.3% / 3.5% slower with
 # read prefetch in its place; a lookup repeated over a hot table was 3.3-3.5% slower with it (0.51 ->
 # 0.53 ms). At m = 2621440 (10 MB, prefetched instead) a pass gained 1-3% in the loop and cost 19% hot.
+# Prefetching the table while the ids are hashed instead (a share of its lines per block of ids, so the
+# pass overlaps the hash's arithmetic) gained 0.6% of the share (median of 8 paired runs, 0.98-1.03):
+# not kept.
 _WARM_TABLE_RATIO = 8
 # The backward streams through the (N, d) output gradients while it adds them at random places of the
 # array; the hardware prefetcher alone left that read and the adds one after the other (read 0.34 ms +
 # adds 0.38 ms = scatter 0.70 ms for 32768 x 100, m = 262144). Prefetching the gradient stream this far
 # ahead overlaps them: 0.64 ms at 400 floats ahead, 0.60 at 800, 0.54-0.58 from 1600 to 6400.
+# Prefetching that stream with the non-temporal hint (prefetchnta, to keep it from evicting the array
+# from L2) gained nothing in the training loop (2026-11-23, paired: 1.007-1.008x the time).
 _STREAM_AHEAD_FLOATS = 2048
 # The row loops (gather, lookup, dense backward) copy or add a row as d // Z whole chunks and a shorter
 # last one. Compiled for one chunk size, those lengths are constants and LLVM unrolls each chunk into a
@@ -183,7 +191,13 @@ _STREAM_AHEAD_FLOATS = 2048
 # one, which reads Z at run time (``_CHUNK = 0``).
 _SPECIALISED_CHUNK_SIZES = frozenset((1, 2, 4, 8, 16, 32, 64))
 _CHUNK = 0
-_HASH_BLOCK = 128  # ids hashed together, chunk by chunk, so the inner loop vectorises
+# Ids hashed together, chunk by chunk, so each inner loop is a vectorised pass over the block. Blocks of
+# 512 ids (for 4 chunks an id) hashed 32768 ids 20% faster in a loop over the same batch (0.077 -> 0.061
+# ms; each vectorised loop has a set-up and a tail), but 5% slower in the training loop (0.105 -> 0.111
+# ms, timed inside the same paired steps; the share did not gain): not kept. Hoisting the constants a
+# block derives from the hash's (reciprocals, 2**64 mod P, each chunk term mod P) out of the block loop
+# made no difference either: LLVM already does.
+_HASH_BLOCK = 128
 _HASH_BLOCK_U = np.uint64(_HASH_BLOCK)
 _HASH_GROUP = 16  # blocks per parallel work item of the hash: shares one scratch, still 16 items at 32768
 _BAG_GROUP = 64
