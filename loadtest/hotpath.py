@@ -258,7 +258,7 @@ def _targets() -> dict[tuple[str, int], tuple[str, float]]:
 
 
 def render(results: list[HotpathResult], args: argparse.Namespace, load_before: str, load_after: str) -> str:
-    from robez_core.bench import machine_info
+    from robez_core.hostinfo import machine_facts
 
     floor = next(r for r in results if r.scenario == "floor")
     targets = _targets()
@@ -275,7 +275,7 @@ def render(results: list[HotpathResult], args: argparse.Namespace, load_before: 
         "",
         "| | |",
         "|---|---|",
-        *(f"| {key} | {value} |" for key, value in machine_info().items()),
+        *(f"| {key} | {value} |" for key, value in machine_facts().items()),
         f"| load average (1, 5, 15 min) at start | {load_before} |",
         f"| load average (1, 5, 15 min) at end | {load_after} |",
         "",

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from robez_core import hostinfo
 from robez_core.config import TableConfig
 
 from .baseline import DEFAULT_MMAP_THRESHOLD_MB, KernelResult, measure_kernel
@@ -122,22 +123,7 @@ class SweepResult:
 
 def machine_info() -> dict[str, str]:
     """What the report says about the machine the figures come from."""
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as file:
-            for line in file:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    memory = "unknown"
-    try:
-        with open("/proc/meminfo") as file:
-            total_kib = int(file.readline().split()[1])
-            memory = f"{total_kib / (1 << 20):.1f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
+    memory_gib = hostinfo.memory_gib()
     try:
         import torch
 
@@ -146,9 +132,9 @@ def machine_info() -> dict[str, str]:
         torch_version = "not installed"
     return {
         "host": socket.gethostname(),
-        "cpu": model,
-        "cores": str(len(os.sched_getaffinity(0))),
-        "memory": memory,
+        "cpu": hostinfo.cpu_model(),
+        "cores": str(hostinfo.usable_cpus()),
+        "memory": "unknown" if math.isnan(memory_gib) else f"{memory_gib:.1f} GiB",
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "torch": torch_version,
@@ -160,7 +146,7 @@ LOAD_AT_END = "load average (1, 5, 15 min) at end"
 
 
 def _load_average() -> str:
-    return ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    return ", ".join(f"{v:.2f}" for v in hostinfo.load_average())
 
 
 def _embedding_dim(target: Target, table: str, api_key: str | None) -> int:

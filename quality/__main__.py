@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import resource
 import shlex
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from robez_core import hostinfo
 
 from . import movielens
 from .offline import CompressionResult, OfflineConfig, Result, as_dicts, run_offline
@@ -62,16 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.out is None and not args.quick:
         args.out = Path("docs/quality")
     return args
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,12 +105,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     output["run"] = {
         "command": shlex.join(["python", "-m", "quality", *(getattr(args, "argv", None) or sys.argv[1:])]),
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.node()} ({os.cpu_count()} CPUs: {_cpu_model()})",
+        "machine": f"{platform.node()} ({hostinfo.logical_cpus()} CPUs: {hostinfo.cpu_model()})",
         "torch_threads": args.threads,
         "wall_s": time.perf_counter() - started_wall,
         "cpu_s": time.process_time() - started_cpu,
         "server_cpu_s": children.ru_utime + children.ru_stime,
-        "load_average": os.getloadavg(),
+        "load_average": hostinfo.load_average(),
     }
     if args.out is not None:
         write_report(output, args.out)

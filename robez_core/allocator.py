@@ -9,7 +9,7 @@ buffers stay mapped and are reused.
 
 It changes the process's memory behaviour: up to ``trim_threshold_mb`` of freed heap (plus
 ``top_pad_mb``) stays resident instead of going back to the system, so it is a setting the caller chooses,
-not something importing robez does. ``python -m robez_core.bench_faults`` measures what it buys (page
+not something importing robez does. ``python -m benchmarks.core.page_faults`` measures what it buys (page
 faults and time per call, with and without it) and writes the report that decides whether a caller should.
 
 Only glibc has ``mallopt`` with these parameters; elsewhere (musl, macOS) ``tune_malloc`` does nothing and

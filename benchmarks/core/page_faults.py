@@ -1,8 +1,9 @@
 """Page faults of fresh multi-megabyte allocations, and what glibc malloc tuning does to them.
 
-``python -m robez_core.bench_faults`` runs, at 1 thread, the calls that allocate megabytes each time:
+``python -m benchmarks.core.page_faults`` runs, at 1 thread, the calls that allocate megabytes each time:
 
-- the fused dense-Adam pair-model step of ``robez_core.bench`` (rows, products and gradients of 13 MB);
+- the fused dense-Adam pair-model step of ``benchmarks.core.paper_tables`` (rows, products and
+  gradients of 13 MB);
 - the embedding's share of that step (two lookups, their backward, dense Adam), fused and reference;
 - one fused forward lookup of 32768 ids (13 MB of rows);
 - the service's lookup path for 4096 ids on its demo table (d = 64): ``Table.hash``, ``Table.gather``
@@ -10,7 +11,7 @@
   (1 MB of rows and 1 MB of bytes);
 
 each in a fresh process with glibc's defaults and with ``allocator.tune_malloc()``, for the host CPU and
-for an emulated AVX2-only CPU (``robez_core.bench --emulate-avx2``'s environment), in alternating rounds
+for an emulated AVX2-only CPU (``paper_tables --emulate-avx2``'s environment), in alternating rounds
 so that a change of machine load hits every variant alike. Per call it records the wall time and the
 minor page faults (``getrusage`` ``ru_minflt`` before and after). The report gives, per variant, the
 median and mean time and the faults per call, and reads from the data whether the tuning pays.
@@ -36,13 +37,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import bench
-from .allocator import MallocTuning, tune_malloc
-from .bench_small import DEMO_CONFIG
-from .config import OptimizerConfig
-from .table import Table
+from benchmarks.common import DEFAULT_OUTPUT_DIR, avx2_emulation_env
+from benchmarks.core import paper_tables
+from benchmarks.core.small_batches import DEMO_CONFIG
+from robez_core import hostinfo
+from robez_core.allocator import MallocTuning, tune_malloc
+from robez_core.config import OptimizerConfig
+from robez_core.table import Table
 
-DEFAULT_OUTPUT_DIR = bench.DEFAULT_OUTPUT_DIR
 ALLOCATORS = ("default", "tuned")
 CPU_KINDS = ("host", "avx2-emulated")
 SERVICE_IDS = 4096
@@ -60,18 +62,18 @@ class Scenario:
 
 def _scenarios(calls: int) -> list[Scenario]:
     """The allocating calls, set up once per process; ``run(i)`` makes call ``i``."""
-    settings = bench.BenchSettings()
-    memory_size = bench.TARGET_MEMORY_SIZE
-    batches = bench._batches(bench.BenchSettings(iterations=4, seed=settings.seed))
+    settings = paper_tables.BenchSettings()
+    memory_size = paper_tables.TARGET_MEMORY_SIZE
+    batches = paper_tables._batches(paper_tables.BenchSettings(iterations=4, seed=settings.seed))
     shape = (settings.batch_size, settings.embedding_dim)
     generator = torch.Generator().manual_seed(settings.seed + 2)
     output_grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
     kept: dict[str, object] = {}  # results live until the next call replaces them, as in a training loop
 
     def step_call(model: str) -> Callable[[int], object]:
-        config = bench.RunConfig(model, False, "adam", memory_size)
-        pair = bench.PairModel(bench._make_embedding(config, settings))
-        optimizer = bench._make_optimizer(config, list(pair.parameters()), settings.lr)
+        config = paper_tables.RunConfig(model, False, "adam", memory_size)
+        pair = paper_tables.PairModel(paper_tables._make_embedding(config, settings))
+        optimizer = paper_tables._make_optimizer(config, list(pair.parameters()), settings.lr)
 
         def call(i: int) -> object:
             pairs, targets = batches[i % len(batches)]
@@ -85,9 +87,9 @@ def _scenarios(calls: int) -> list[Scenario]:
         return call
 
     def share_call(model: str) -> Callable[[int], object]:
-        config = bench.RunConfig(model, False, "adam", memory_size)
-        embedding = bench._make_embedding(config, settings)
-        optimizer = bench._make_optimizer(config, list(embedding.parameters()), settings.lr)
+        config = paper_tables.RunConfig(model, False, "adam", memory_size)
+        embedding = paper_tables._make_embedding(config, settings)
+        optimizer = paper_tables._make_optimizer(config, list(embedding.parameters()), settings.lr)
 
         def call(i: int) -> object:
             pairs, _ = batches[i % len(batches)]
@@ -100,7 +102,9 @@ def _scenarios(calls: int) -> list[Scenario]:
 
         return call
 
-    fused = bench._make_embedding(bench.RunConfig("fused", False, "adam", memory_size), settings)
+    fused = paper_tables._make_embedding(
+        paper_tables.RunConfig("fused", False, "adam", memory_size), settings
+    )
     ids = batches[0][0][:, 0].contiguous()
 
     def forward_call(i: int) -> object:
@@ -149,8 +153,8 @@ def run_worker(allocator: str, calls: int) -> dict[str, object]:
     return {
         "allocator": allocator,
         "tuned": tuned,
-        "kernel target": bench._kernel_target(),
-        "torch": bench._torch_capability(),
+        "kernel target": hostinfo.kernel_target(),
+        "torch": hostinfo.torch_capability(),
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "scenarios": results,
     }
@@ -205,7 +209,7 @@ def _worker_env(cpu: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_CPU_", "MALLOC_"))}
     env.pop("ATEN_CPU_CAPABILITY", None)
     if cpu == "avx2-emulated":
-        env.update(bench.avx2_emulation_env())
+        env.update(avx2_emulation_env())
     return env
 
 
@@ -214,7 +218,7 @@ def run_rounds(
 ) -> FaultResult:
     say = log or (lambda message: print(message, file=sys.stderr, flush=True))
     started = dt.datetime.now(dt.UTC)
-    load_before = bench._load_average()
+    load_before = hostinfo.load_average()
     clock = time.perf_counter()
     cells: dict[tuple[str, str, str], Cell] = {}
     workers: dict[tuple[str, str], dict[str, object]] = {}
@@ -223,7 +227,7 @@ def run_rounds(
         order = ALLOCATORS if number % 2 == 0 else ALLOCATORS[::-1]
         for cpu in cpus:
             for allocator in order:
-                command = [sys.executable, "-m", "robez_core.bench_faults", "--worker", allocator]
+                command = [sys.executable, "-m", "benchmarks.core.page_faults", "--worker", allocator]
                 command += ["--calls", str(calls)]
                 output = subprocess.run(
                     command, env=_worker_env(cpu), capture_output=True, text=True, check=True, timeout=600
@@ -244,7 +248,7 @@ def run_rounds(
         workers,
         time.perf_counter() - clock,
         load_before,
-        bench._load_average(),
+        hostinfo.load_average(),
     )
 
 
@@ -309,7 +313,7 @@ def render_markdown(result: FaultResult) -> str:
         "| | |",
         "|---|---|",
     ]
-    info = bench.machine_info()
+    info = hostinfo.machine_facts()
     info.pop("fused kernels compiled for", None)
     info.pop("torch kernels dispatched for", None)
     lines += [f"| {key} | {value} |" for key, value in info.items()]
@@ -356,7 +360,7 @@ def render_markdown(result: FaultResult) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m robez_core.bench_faults", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.core.page_faults", description=__doc__)
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default 4)")
     parser.add_argument("--calls", type=int, default=20, help="timed calls per scenario and process")
     parser.add_argument(
@@ -378,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     cpus = CPU_KINDS if x86 and not args.host_only else CPU_KINDS[:1]
     result = run_rounds(args.rounds, args.calls, cpus)
-    result.command = "python -m robez_core.bench_faults " + " ".join(
+    result.command = "python -m benchmarks.core.page_faults " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     result.command = result.command.strip()

@@ -1,7 +1,8 @@
 """The paper's CPU benchmark, side by side: full ``nn.Embedding``, reference ROBE-Z and fused ROBE-Z.
 
-Run ``python -m robez_core.bench`` (or ``make bench``); ``--quick`` runs a small subset in under a minute.
-It reproduces the "pair model" benchmark of the seed notes (``../shared/seeds/000_*.txt`` and ``004_*.txt``):
+Run ``python -m benchmarks.core.paper_tables`` (or ``make bench``); ``--quick`` runs a small subset in under
+a minute. It reproduces the "pair model" benchmark of the seed notes (``../shared/seeds/000_*.txt`` and
+``004_*.txt``):
 
 - two lookups per forward (ids ``x[:, 0]`` and ``x[:, 1]``), output = row-wise dot product, MSE loss
   against random targets; n = 1,000,000 rows, d = 100, Z = 32, batch 32768, lr 0.001;
@@ -45,15 +46,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import buffers, kernels
-from .allocator import malloc_setting, tune_malloc
-from .bench_share import (
+from benchmarks.common import DEFAULT_OUTPUT_DIR, EMULATION_MARK, REPO, avx2_emulation_env
+from benchmarks.core.share import (
     FloorReading,
     PieceTimings,
     memory_floor_runner,
@@ -61,15 +60,17 @@ from .bench_share import (
     timed_share_step,
     trivial_offsets,
 )
-from .hashing import reference_indices
-from .modules import RobezEmbedding
+from robez_core import buffers, kernels
+from robez_core.allocator import tune_malloc
+from robez_core.hashing import reference_indices
+from robez_core.hostinfo import load_average, machine_facts
+from robez_core.modules import RobezEmbedding
 
 MODELS = ("full", "reference", "fused")
 MODEL_LABELS = {"full": "full nn.Embedding", "reference": "ROBE-Z reference", "fused": "ROBE-Z fused"}
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 PAPER_MEMORY_SIZES = (262_144, 2_621_440, 100_000_000)
 TARGET_MEMORY_SIZE = 262_144
-DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 # The reference path with a dense Adam over a 100M array needs several seconds a step on a small machine;
 # ``--skip-slow`` leaves those rows out (and the report says so).
 SLOW_MEMORY_SIZE = 50_000_000
@@ -457,10 +458,10 @@ class ShareTimings:
     fused_default_adam: tuple[float, float, float] = (math.nan, math.nan, math.nan)
     default_adam_ms: float = math.nan
     adam_paired_ratio: float = math.nan
-    floor_ms: float = math.nan  # median of copying the share's minimum traffic (``bench_share``)
+    floor_ms: float = math.nan  # median of copying the share's minimum traffic (``benchmarks.core.share``)
     rows_floor_ms: float = math.nan  # of which the two row-sized copies
     pieces: PieceTimings | None = None
-    # median ms of the fused share with its table accesses made trivial (``bench_share.trivial_offsets``)
+    # median ms of the fused share with its table accesses made trivial (``share.trivial_offsets``)
     trivial_accesses_ms: float = math.nan
 
     def reading(self) -> str:
@@ -541,7 +542,7 @@ def _time_embedding_shares(
     the array). A third arm, the fused share stepping torch's default ``torch.optim.Adam`` (the
     reference's optimizer), runs in the same rounds, so the report shows what the ``fused=True`` flag
     brings. Each round also
-    times the memory floor (``bench_share.memory_floor_runner``) and one more fused round with its
+    times the memory floor (``share.memory_floor_runner``) and one more fused round with its
     kernel calls timed one by one, kept apart from the share's own figures."""
     runners = {
         "reference": _embedding_share_runner(settings, memory_size, "reference"),
@@ -770,7 +771,7 @@ def run_benchmark(
 ) -> BenchResult:
     """Run every configuration at every thread count, then the targets; progress goes to ``log``."""
     say = log or (lambda message: print(message, file=sys.stderr, flush=True))
-    result = BenchResult(settings, command, dt.datetime.now(dt.UTC), load_before=_load_average())
+    result = BenchResult(settings, command, dt.datetime.now(dt.UTC), load_before=load_average())
     started = time.perf_counter()
     batches = _batches(settings)
     configs = _configs(settings)
@@ -807,23 +808,15 @@ def run_benchmark(
             "Rows marked skipped (reference ROBE-Z, dense gradients, m >= 50M) were left out (--skip-slow)."
         )
     result.seconds = time.perf_counter() - started
-    result.load_after = _load_average()
+    result.load_after = load_average()
     return result
-
-
-def _load_average() -> tuple[float, float, float]:
-    """1/5/15-minute load averages: a busy machine inflates every row, so the report records it."""
-    try:
-        return os.getloadavg()
-    except OSError:
-        return (math.nan, math.nan, math.nan)
 
 
 # --------------------------------------------------------------------------------------------------
 # reporting
 
 
-SEED_NOTES = Path(__file__).resolve().parents[2] / "shared" / "seeds" / "004_6b056f2124eb0811.txt"
+SEED_NOTES = REPO.parent / "shared" / "seeds" / "004_6b056f2124eb0811.txt"
 SeedKey = tuple[str, bool, int, str]  # (model "full" | "robez", sparse, parameters, optimizer)
 
 
@@ -861,83 +854,6 @@ def _seed_total(seed: dict[SeedKey, float], config: RunConfig, settings: BenchSe
     return seed.get(key, math.nan)
 
 
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def _memory_gib() -> float:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    return math.nan
-
-
-def _host_vector_extensions() -> str:
-    """The host CPU's SIMD flags from /proc/cpuinfo (what the hardware has, whatever numba targets)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line.split(":", 1)[1].split()
-                return " ".join(sorted(f for f in flags if f.startswith(_VECTOR_FLAG_PREFIXES)))
-    return "unknown"
-
-
-_VECTOR_FLAG_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "asimd", "sve")
-
-
-def _kernel_target() -> str:
-    target = kernels.compile_target()
-    how = (
-        " — **emulated**: numba told to compile for this CPU (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES), "
-        "the host has more"
-        if target["emulated"] == "yes"
-        else " (the host CPU)"
-    )
-    return (
-        f"{target['cpu']}{how}; vector extensions: {target['vector_extensions']}; "
-        f"paper hash formulation: {target['paper_hash']}"
-    )
-
-
-def _torch_capability() -> str:
-    forced = os.environ.get("ATEN_CPU_CAPABILITY")
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability + (f" (forced by ATEN_CPU_CAPABILITY={forced})" if forced else "")
-
-
-def machine_info() -> dict[str, str]:
-    """Where the numbers came from: host, CPU and its vector extensions, what the kernels and torch were
-    compiled / dispatched for, cores, memory, library versions."""
-    return {
-        "host": socket.gethostname(),
-        "cpu": _cpu_model(),
-        "cpu vector extensions": _host_vector_extensions(),
-        "fused kernels compiled for": _kernel_target(),
-        "torch kernels dispatched for": _torch_capability(),
-        "logical cpus": str(os.cpu_count()),
-        "memory": f"{_memory_gib():.1f} GiB",
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numba": numba.__version__,
-        "numpy": np.__version__,
-        "numba threading layer": _threading_layer(),
-        "malloc": malloc_setting(),
-    }
-
-
-def _threading_layer() -> str:
-    try:
-        return str(numba.threading_layer())
-    except ValueError:  # no parallel kernel has run yet
-        return "not initialised"
-
-
 def _fmt(value: float) -> str:
     return "" if math.isnan(value) else f"{value:.2f}"
 
@@ -959,12 +875,12 @@ def render_markdown(
         "",
         f"Produced by `{result.command}` in {result.seconds:.0f} s"
         + (" (quick mode: a subset, fewer iterations)" if s.quick else "")
-        + ". Regenerate with `make bench` (`python -m robez_core.bench`).",
+        + ". Regenerate with `make bench` (`python -m benchmarks.core.paper_tables`).",
         "",
         "| | |",
         "|---|---|",
     ]
-    lines += [f"| {key} | {value} |" for key, value in machine_info().items()]
+    lines += [f"| {key} | {value} |" for key, value in machine_facts().items()]
     thread_counts = sorted({run.threads for run in result.runs}) or [1]
     lines.append(f"| threads | {', '.join(str(t) for t in thread_counts)} (torch and numba alike) |")
     lines.append(
@@ -1088,7 +1004,7 @@ def write_report(result: BenchResult, output_dir: Path) -> Path:
     """``<date>-<host>.md`` + ``.png`` under ``output_dir``, and ``latest.md`` / ``latest.png`` copies."""
     output_dir.mkdir(parents=True, exist_ok=True)
     host = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in socket.gethostname()) or "host"
-    emulated = "-avx2-emulated" if os.environ.get(_EMULATION_MARK) == "avx2" else ""
+    emulated = "-avx2-emulated" if os.environ.get(EMULATION_MARK) == "avx2" else ""
     stem = f"{result.started:%Y-%m-%d}-{host}{emulated}" + ("-quick" if result.settings.quick else "")
     plot_path = output_dir / f"{stem}.png"
     render_plot(result, plot_path)
@@ -1141,7 +1057,7 @@ def _name_list(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m robez_core.bench",
+        prog="python -m benchmarks.core.paper_tables",
         description="The paper's CPU benchmark: nn.Embedding, reference and fused ROBE-Z side by side.",
     )
     parser.add_argument(
@@ -1184,7 +1100,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tune-malloc",
         action="store_true",
-        help="run every row with robez_core.allocator.tune_malloc() (see python -m robez_core.bench_faults)",
+        help="run every row with robez_core.allocator.tune_malloc() "
+        "(see python -m benchmarks.core.page_faults)",
     )
     return parser
 
@@ -1208,57 +1125,29 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return replace(BenchSettings(), **overrides)  # type: ignore[arg-type]
 
 
-# An AVX2-only CPU of the kind cloud fleets are full of (AMD Zen 2: AVX2, FMA, BMI2, no AVX-512).
-EMULATED_AVX2_CPU = "znver2"
-_EMULATION_MARK = "ROBEZ_BENCH_EMULATED"
-
-
-def avx2_emulation_env() -> dict[str, str]:
-    """Environment that makes this process's compiled code target an AVX2-only CPU on a bigger host.
-
-    numba compiles for ``NUMBA_CPU_NAME`` with exactly ``NUMBA_CPU_FEATURES`` (the host's features with
-    every AVX-512, AVX10, AMX, AVX-VNNI and GFNI one switched off; its kernel cache is kept apart by CPU
-    name and features), and torch, MKL and oneDNN are held to their AVX2 kernels, so the reference and
-    ``nn.Embedding`` rows run what they would run on such a CPU too.
-    """
-    from llvmlite import binding
-
-    features = []
-    for item in binding.get_host_cpu_features().flatten().split(","):
-        name = item[1:]
-        disabled = name.startswith(("avx512", "avx10", "amx")) or name in ("avxvnni", "gfni")
-        features.append("-" + name if disabled else item)
-    return {
-        "NUMBA_CPU_NAME": EMULATED_AVX2_CPU,
-        "NUMBA_CPU_FEATURES": ",".join(features),
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-        "ONEDNN_MAX_CPU_ISA": "AVX2",
-        _EMULATION_MARK: "avx2",
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     if "--small" in given:  # the small-batch micro-benchmark has options of its own
-        from .bench_small import main as small_main
+        from benchmarks.core.small_batches import main as small_main
 
         return small_main([arg for arg in given if arg != "--small"])
     args = build_parser().parse_args(argv)
-    if args.emulate_avx2 and os.environ.get(_EMULATION_MARK) != "avx2":
+    if args.emulate_avx2 and os.environ.get(EMULATION_MARK) != "avx2":
         if platform.machine().lower() not in ("x86_64", "amd64"):
             raise SystemExit("--emulate-avx2 needs an x86-64 host")
         # numba and torch read these at import: run the bench again in a process that has them
         arguments = list(argv if argv is not None else sys.argv[1:])
         os.execve(
             sys.executable,
-            [sys.executable, "-m", "robez_core.bench", *arguments],
+            [sys.executable, "-m", "benchmarks.core.paper_tables", *arguments],
             {**os.environ, **avx2_emulation_env()},
         )
     if args.tune_malloc and not tune_malloc():
         raise SystemExit("--tune-malloc needs glibc's mallopt")
     settings = settings_from_args(args)
-    command = "python -m robez_core.bench" + (" " + " ".join(argv if argv is not None else sys.argv[1:]))
+    command = "python -m benchmarks.core.paper_tables" + (
+        " " + " ".join(argv if argv is not None else sys.argv[1:])
+    )
     result = run_benchmark(settings, command.strip())
     print(render_markdown(result))
     if result.targets:

@@ -1,4 +1,4 @@
-"""The embedding share's yardsticks, timed beside the share itself in ``bench``'s alternating rounds.
+"""The embedding share's yardsticks, timed beside the share itself in ``paper_tables``' alternating rounds.
 
 - :func:`memory_floor_runner`: the time a plain memory copy (``numpy.copyto``: glibc's ``memcpy``) takes to
   move the bytes the fused share has to move at least once per step: both lookups' (N, d) float32 rows
@@ -17,10 +17,10 @@
   accesses made as cheap as they can be (L1-resident), while the rows are written, their gradients read
   and Adam steps the array as before. What the share takes then bounds what faster table accesses could
   gain; the rest is the streaming of rows and gradients, the optimizer step and the fixed costs.
-- :func:`prefetch_comparison` (``python -m robez_core.bench_share --prefetch [--emulate-avx2]``): the
+- :func:`prefetch_comparison` (``python -m benchmarks.core.share --prefetch [--emulate-avx2]``): the
   share stepped under several settings of the kernels' prefetch thresholds in turn, the evidence for the
   thresholds in ``kernels.py``.
-- :func:`adam_comparison` (``python -m robez_core.bench_share --adam [--emulate-avx2]``): the fused share
+- :func:`adam_comparison` (``python -m benchmarks.core.share --adam [--emulate-avx2]``): the fused share
   stepped with torch's default ``torch.optim.Adam`` and with ``torch.optim.Adam(fused=True)`` in turn, the
   evidence for training the array (and stepping the bench's fused rows) with ``fused=True``.
 """
@@ -138,7 +138,7 @@ def trivial_offsets() -> Iterator[None]:
     The offsets are the same shape and dtype as the hashed ones, so every kernel after the hash runs its
     usual path; they are built once per shape (read-only to every caller), so that making them costs the
     timed share nothing the hashed one does not pay. The original is put back on exit."""
-    from . import kernels
+    from robez_core import kernels
 
     original = kernels.chunk_offsets
     built: dict[tuple[int, int, int, int], Tensor] = {}
@@ -265,7 +265,7 @@ def _paired_shares(
     pool, caches) and is not kept."""
     import torch
 
-    from .modules import RobezEmbedding
+    from robez_core.modules import RobezEmbedding
 
     generator = torch.Generator().manual_seed(seed)
     shape = (batch_size, embedding_dim)
@@ -319,7 +319,7 @@ def prefetch_comparison(
     """
     import torch
 
-    from . import kernels
+    from robez_core import kernels
 
     never = 1 << 62
     variants: dict[str, dict[str, int]] = {
@@ -427,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import os
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m robez_core.bench_share", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.core.share", description=__doc__)
     parser.add_argument(
         "--prefetch", action="store_true", help="compare the prefetch thresholds and the table pass"
     )
@@ -436,22 +436,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--memory-sizes", type=int, nargs="+", default=[262_144])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--emulate-avx2", action="store_true", help="as python -m robez_core.bench")
+    parser.add_argument(
+        "--emulate-avx2", action="store_true", help="as python -m benchmarks.core.paper_tables"
+    )
     args = parser.parse_args(argv)
     if not (args.prefetch or args.adam):
         parser.error("nothing to do: pass --prefetch and/or --adam")
-    from .bench import _EMULATION_MARK, avx2_emulation_env, machine_info
+    from benchmarks.common import EMULATION_MARK, avx2_emulation_env
+    from robez_core.hostinfo import load_average, machine_facts
 
     given = list(sys.argv[1:] if argv is None else argv)
-    if args.emulate_avx2 and os.environ.get(_EMULATION_MARK) != "avx2":
+    if args.emulate_avx2 and os.environ.get(EMULATION_MARK) != "avx2":
         os.execve(
             sys.executable,
-            [sys.executable, "-m", "robez_core.bench_share", *given],
+            [sys.executable, "-m", "benchmarks.core.share", *given],
             {**os.environ, **avx2_emulation_env()},
         )
-    load_before = os.getloadavg()
-    print(f"python -m robez_core.bench_share {' '.join(given)}")
-    for key, value in machine_info().items():
+    load_before = load_average()
+    print(f"python -m benchmarks.core.share {' '.join(given)}")
+    for key, value in machine_facts().items():
         print(f"{key}: {value}")
     for memory_size in args.memory_sizes if args.prefetch else ():
         print(f"\nm = {memory_size}: embedding share per step, 1 thread, {args.rounds - 1} x 8 paired steps")
@@ -471,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"optimizer.step() median {step_ms:6.3f} ms"
             )
         print(f"  reading: {adam_reading(results)}")
-    load_after = os.getloadavg()
+    load_after = load_average()
     print(
         "\nload average (1/5/15 min): before "
         + " ".join(f"{x:.2f}" for x in load_before)

@@ -1,8 +1,8 @@
 """Micro-benchmark of the small requests a server sees online: ``Table.lookup`` of 1 id and
 ``Table.apply_gradients`` of 8 ids, next to the compiled kernels they run, called directly.
 
-``python -m robez_core.bench --small`` (this module's ``main``) times, at 1 thread, on the service's
-demo table (d = 64, Z = 32, m = 262,144) for each optimizer:
+``python -m benchmarks.core.small_batches`` (or ``python -m benchmarks.core.paper_tables --small``) times,
+at 1 thread, on the service's demo table (d = 64, Z = 32, m = 262,144) for each optimizer:
 
 - ``Table.lookup`` of 1 id and ``Table.apply_gradients`` of 8 ids x 64 (what a request pays in the core);
 - the same work as bare kernel calls on prepared numpy arrays (hash + gather; hash + coalesce + step):
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import statistics
 import sys
 import time
@@ -29,15 +28,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import kernels
-from .config import OptimizerConfig, OptimizerName, TableConfig
-from .table import Table
+from benchmarks.common import DEFAULT_OUTPUT_DIR
+from robez_core import hostinfo, kernels
+from robez_core.config import OptimizerConfig, OptimizerName, TableConfig
+from robez_core.table import Table
 
 LOOKUP_TARGET_US = 5.0
 UPDATE_TARGET_US = 25.0
 UPDATE_IDS = 8
 DEMO_CONFIG = TableConfig(10_000_000, 64, memory_size=262_144, chunk_size=32)
-DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 _VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "neon", "asimd")
 
 
@@ -122,14 +121,10 @@ def measure(optimizer: OptimizerName, calls: int, repeats: int, seed: int = 0) -
 
 def vector_extensions() -> str:
     """The SIMD extensions /proc/cpuinfo lists (those the kernels can use)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                present = set(line.split(":", 1)[1].split())
-                return ", ".join(flag for flag in _VECTOR_FLAGS if flag in present) or "none listed"
-    except OSError:
-        pass
-    return "unknown"
+    present = hostinfo.listed_flags(_VECTOR_FLAGS)
+    if present is None:
+        return "unknown"
+    return ", ".join(present) or "none listed"
 
 
 def render(
@@ -138,7 +133,8 @@ def render(
     lines = [
         f"# Small-batch micro-benchmark: {machine['date']}",
         "",
-        f"Command: `{command}`. Produced by `robez_core/bench_small.py`; every figure comes from this run.",
+        f"Command: `{command}`. Produced by `benchmarks/core/small_batches.py`; every figure comes from "
+        "this run.",
         "",
         "| | |",
         "|---|---|",
@@ -175,18 +171,16 @@ def targets(results: list[SmallResult]) -> list[tuple[str, float, float]]:
 
 
 def machine_info() -> dict[str, str]:
-    from .bench import machine_info as bench_machine_info
-
-    info = bench_machine_info()
+    info = hostinfo.machine_facts()
     info["vector extensions"] = vector_extensions()
     info["kernel threads"] = str(torch.get_num_threads())
-    info["load average (1, 5, 15 min)"] = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    info["load average (1, 5, 15 min)"] = ", ".join(f"{v:.2f}" for v in hostinfo.load_average())
     info["date"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return info
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m robez_core.bench --small", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.core.small_batches", description=__doc__)
     parser.add_argument("--calls", type=int, default=2000, help="calls per round")
     parser.add_argument("--repeats", type=int, default=9, help="rounds; the median is reported")
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
@@ -198,7 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     kernels.set_kernel_threads()
     names: tuple[OptimizerName, ...] = ("sgd", "adagrad", "adam")
     results = [measure(name, args.calls, args.repeats) for name in names]
-    command = "python -m robez_core.bench --small " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.core.small_batches " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     text = render(results, machine_info(), command.strip(), args.calls, args.repeats)
     print(text)
     if not args.no_report:

@@ -1,6 +1,7 @@
 """What replication costs, over HTTP on loopback: replicated vs single-server updates, lag, lookups.
 
-    python -m service.replication.bench [--pushes 300] [--rounds 5] [--rows 256] [--rate 200] [--seconds 10]
+    python -m benchmarks.replication.replicas [--pushes 300] [--rounds 5] [--rows 256] [--rate 200]
+        [--seconds 10]
 
 Starts, on loopback: a 3-node NATS JetStream cluster (file storage, ``sync_interval: always``) with two
 robez replicas A and B, and a single robez server with ``--data-dir`` and ``wal_fsync=always`` (the local
@@ -49,11 +50,11 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
+from devtools.devcluster import wait_ready
+from devtools.natscluster import NatsCluster, free_ports
 from loadtest.profile import Profiler
 from loadtest.server import tree_cpu_seconds, tree_pids
-
-from .devcluster import wait_ready
-from .natscluster import NatsCluster, free_ports
+from robez_core import hostinfo
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -166,8 +167,8 @@ def _log_floor(urls: list[str], pushes: int, rows: int) -> dict[str, float]:
     ``JetStreamLog.append`` (R3, the dedup key, quorum ack), one at a time, no robez server involved."""
     import torch
 
-    from .jetstream import JetStreamLog
-    from .records import encode_update
+    from service.replication.jetstream import JetStreamLog
+    from service.replication.records import encode_update
 
     async def measure() -> list[float]:
         log = JetStreamLog(urls, replicas=3, prefix="robezbenchfloor")
@@ -383,17 +384,8 @@ def _mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> fl
 
 
 def _cpu() -> str:
-    model, flags = platform.processor() or "unknown", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                have = set(line.split(":", 1)[1].split())
-                flags = " ".join(f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f") if f in have)
-    except OSError:
-        pass
-    return f"{model} ({flags})"
+    flags = hostinfo.listed_flags(("sse4_2", "avx", "avx2", "fma", "avx512f")) or ()
+    return f"{hostinfo.cpu_model()} ({' '.join(flags)})"
 
 
 def _cpu_list(cpus: set[int] | None) -> str:
@@ -409,7 +401,7 @@ def _verdict(met: bool, text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.replication.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.replication.replicas", description=__doc__)
     parser.add_argument("--pushes", type=int, default=300, help="updates per latency measurement and kind")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds the pushes are split into")
     parser.add_argument("--rows", type=int, default=256, help="ids per push and per lookup")
@@ -492,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         took = time.perf_counter() - began
 
         date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        command = "python -m service.replication.bench " + shlex.join(list(argv or sys.argv[1:]))
+        command = "python -m benchmarks.replication.replicas " + shlex.join(list(argv or sys.argv[1:]))
         print(f"# Replication cost — {date}\n")
         print(f"Command: `{command.strip()}` (took {took:.0f} s)  ")
         print(f"Machine: {platform.node()}, {os.cpu_count()} CPUs, {_cpu()}, Linux {platform.release()}  ")

@@ -5,7 +5,7 @@ does (``codec.decode_update_json`` / ``decode_lookup_json`` + ``inputs()``), and
 above the process before decoding (the body itself excluded). JSON becomes one Python object per number
 before it becomes a tensor, so it grows far more than binary, which is viewed in place.
 
-    python -m service.bench_body_memory [--sizes-mib 4,60]
+    python -m benchmarks.service.body_memory [--sizes-mib 4,60]
 
 Prints a Markdown table plus the bound it implies for one worker with the default settings: at most
 ``max_in_flight`` bodies held (each at most ``max_json_body_bytes`` for JSON) and at most
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+
+from robez_core import hostinfo
 
 MiB = 1 << 20
 DIM = 64  # the demo table's embedding_dim
@@ -64,9 +65,13 @@ def _binary_update(size: int) -> bytes:
     return np.zeros(n, dtype="<i8").tobytes() + np.zeros((n, DIM), dtype="<f4").tobytes()
 
 
+def _load() -> str:
+    return " ".join(f"{value:.2f}" for value in hostinfo.load_average())
+
+
 # case name -> (body builder, decoder); the decoders are what the routes call.
 def _cases() -> dict[str, tuple[Callable[[int], bytes], Callable[[bytes], object]]]:
-    from . import codec
+    from service import codec
 
     def update(body: bytes) -> object:
         return codec.decode_update_json(body, DIM)
@@ -100,19 +105,8 @@ def measure_one(case: str, size: int) -> dict[str, float]:
     return {"body_bytes": len(body), "peak_bytes": peak - before}
 
 
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
-def _load() -> str:
-    return " ".join(f"{value:.2f}" for value in os.getloadavg())
-
-
 def _measure_in_child(case: str, size: int) -> dict[str, float]:
-    command = [sys.executable, "-m", "service.bench_body_memory", "--one", case, "--size", str(size)]
+    command = [sys.executable, "-m", "benchmarks.service.body_memory", "--one", case, "--size", str(size)]
     result = subprocess.run(command, check=True, capture_output=True, text=True)
     figures: dict[str, float] = json.loads(result.stdout)
     return figures
@@ -128,17 +122,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(measure_one(args.one, args.size)))
         return 0
 
-    from .config import Settings
+    from service.config import Settings
 
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
     sizes = [int(float(text) * MiB) for text in args.sizes_mib.split(",")]
     print(f"# Memory to decode one request body ({datetime.date.today().isoformat()})\n")
-    print(f"Machine: {platform.node()}, {_cpu_model()}, {os.cpu_count()} CPUs, {platform.machine()}.")
+    cpus = hostinfo.logical_cpus()
+    print(f"Machine: {platform.node()}, {hostinfo.cpu_model()}, {cpus} CPUs, {platform.machine()}.")
     print(
         f"Python {platform.python_version()}, pydantic {version('pydantic')}, pydantic-core "
         f"{version('pydantic-core')}, numpy {version('numpy')}; load average before: {_load()}."
     )
-    print(f"Command: `python -m service.bench_body_memory --sizes-mib {args.sizes_mib}`\n")
+    print(f"Command: `python -m benchmarks.service.body_memory --sizes-mib {args.sizes_mib}`\n")
     print("| body | size (MiB) | peak extra RSS while decoding (MiB) | x body size |")
     print("|---|---:|---:|---:|")
     worst_json = 0.0

@@ -6,7 +6,7 @@ step; then, with the lock released, ``wait_durable`` (the group-commit wait of `
 runs that many threads pushing updates at once (as concurrent requests would), so ``interval``'s shared
 flushes show. A run with no journal at all is the baseline.
 
-    python -m service.bench_durability [--updates 2000] [--ids 256] [--writers 1,8] [--data-dir DIR]
+    python -m benchmarks.service.durability [--updates 2000] [--ids 256] [--writers 1,8] [--data-dir DIR]
 
 Prints a Markdown table (updates/s, latency percentiles, log bytes per update) plus the machine and
 command, ready for docs/benchmarks/durability-<date>.md. The data directory must be on the disk whose
@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.hostinfo import cpu_model
 from robez_core.table import Table
-
-from .journal import UpdateRecord
-from .wal import LOG_FILE, WalJournal
+from service.journal import UpdateRecord
+from service.wal import LOG_FILE, WalJournal
 
 
 # A setup is "none" (no journal), "never", "always", or "interval:<ms>".
@@ -105,7 +105,7 @@ def _run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m service.bench_durability", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.service.durability", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--updates", type=int, default=2000, help="updates per policy")
     parser.add_argument("--ids", type=int, default=256, help="ids per update (N)")
@@ -155,10 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.data_dir is None:
             shutil.rmtree(root, ignore_errors=True)
 
-    command = "python -m service.bench_durability " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.service.durability " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     print(f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
     print(f"- command: `{command.strip()}`")
-    print(f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({_cpu_model()}), {platform.platform()}")
+    print(f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}")
     print(f"- log directory on: {_filesystem(root)}")
     print(
         f"- workload: {args.updates} updates x {args.repeats} runs per policy, N={args.ids} ids, "
@@ -183,16 +185,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{rate / baseline:.2f}x |"
         )
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _filesystem(path: Path) -> str:

@@ -6,7 +6,7 @@ started ``--repeats`` times (``kill -9`` of its process group between starts, so
 is) and timed from exec until ``/readyz`` answers 200. The replay alone (``WalJournal.load`` in this
 process) is timed too.
 
-    python -m service.bench_restart [--records 0,993,10000] [--ids 256] [--repeats 3] [--data-dir DIR]
+    python -m benchmarks.service.restart [--records 0,993,10000] [--ids 256] [--repeats 3] [--data-dir DIR]
 
 993 records of 256 ids are the default size policy's floor (64 MiB) for the demo table; 10,000 records
 the count policy's bound, which is all that bounded the log before the size policy.
@@ -32,12 +32,11 @@ from pathlib import Path
 import httpx
 import torch
 
+from robez_core.hostinfo import cpu_model
 from robez_core.table import Table
-
-from .bench_durability import _cpu_model
-from .config import DEMO_OPTIMIZER, DEMO_TABLE_CONFIG, DEMO_TABLE_NAME
-from .journal import UpdateRecord
-from .wal import LOG_FILE, WalJournal
+from service.config import DEMO_OPTIMIZER, DEMO_TABLE_CONFIG, DEMO_TABLE_NAME
+from service.journal import UpdateRecord
+from service.wal import LOG_FILE, WalJournal
 
 
 def _write_log(data_dir: Path, records: int, num_ids: int) -> int:
@@ -107,7 +106,7 @@ def _start_to_ready(data_dir: Path, shm_dir: Path, timeout_s: float = 300.0) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.bench_restart", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.service.restart", description=__doc__)
     parser.add_argument("--records", default="0,993,10000", help="log lengths, comma-separated")
     parser.add_argument("--ids", type=int, default=256, help="ids per logged push (d = 64)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -115,8 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="robez-bench-restart-", dir=args.data_dir or Path.cwd()))
     print(f"# Restart to ready against the log's length ({datetime.date.today().isoformat()})\n")
-    print(f"- command: `python -m service.bench_restart {' '.join(argv or sys.argv[1:])}`")
-    print(f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({_cpu_model()}), {platform.platform()}")
+    print(f"- command: `python -m benchmarks.service.restart {' '.join(argv or sys.argv[1:])}`")
+    print(f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}")
     print(
         f"- table: demo (m={DEMO_TABLE_CONFIG.memory_size}, d={DEMO_TABLE_CONFIG.embedding_dim}, sgd); "
         f"pushes of {args.ids} ids; one worker; medians of {args.repeats} starts (kill -9 between)\n"

@@ -6,7 +6,7 @@ check (``Table.check_step``, the step's float32 arithmetic on the K touched loca
 before the log append and the step (``Table.apply_step``). This times both paths side by side on one
 table, interleaved, and reports medians: the whole update work, and the part held under the lock.
 
-    python -m service.bench_update_check [--repeats 300] [--ids 1,256,4096]
+    python -m benchmarks.service.update_check [--repeats 300] [--ids 1,256,4096]
 
 Prints a Markdown table plus the machine and command, ready for docs/benchmarks/.
 """
@@ -26,10 +26,9 @@ import numba
 import torch
 
 from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.hostinfo import cpu_model
 from robez_core.table import Table
-
-from .bench_durability import _cpu_model
-from .config import DEMO_TABLE_CONFIG
+from service.config import DEMO_TABLE_CONFIG
 
 
 def _measure(optimizer: str, num_ids: int, repeats: int, config: TableConfig) -> dict[str, float]:
@@ -64,7 +63,7 @@ def _measure(optimizer: str, num_ids: int, repeats: int, config: TableConfig) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.bench_update_check", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.service.update_check", description=__doc__)
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--ids", default="1,256,4096", help="ids per update, comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="kernel threads (a worker's share)")
@@ -72,8 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     config = DEMO_TABLE_CONFIG
     print(f"# The cost of refusing non-finite steps ({datetime.date.today().isoformat()})\n")
-    print(f"- command: `python -m service.bench_update_check {' '.join(argv or sys.argv[1:])}`")
-    print(f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({_cpu_model()}), {platform.platform()}")
+    print(f"- command: `python -m benchmarks.service.update_check {' '.join(argv or sys.argv[1:])}`")
+    print(f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}")
     threads = f"torch {torch.get_num_threads()}, numba {numba.get_num_threads()}"
     print(f"- kernel threads: {args.threads} ({threads})")
     print(

@@ -46,6 +46,7 @@ def cluster_compose(binary: Path, engine: Engine) -> Compose:
 
 
 def machine() -> str:
+    # Not robez_core.hostinfo: this runs under the system Python, without torch or robez installed.
     model = "unknown CPU"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -816,7 +816,7 @@ print(json.dumps({**kernels.compile_target(), "exact": exact, "zmm": len(re.find
 def test_avx2_emulation_compiles_without_avx512_and_picks_split32(tmp_path: Path):
     """The bench's --emulate-avx2 environment really makes numba emit AVX2 code (no zmm register in
     the hash kernel), the kernels then choose the split32 hash, and it stays bit-exact."""
-    from robez_core.bench import avx2_emulation_env
+    from benchmarks.common import avx2_emulation_env
 
     env = {**os.environ, **avx2_emulation_env(), "NUMBA_CACHE_DIR": str(tmp_path)}
     completed = subprocess.run(

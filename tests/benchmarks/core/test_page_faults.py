@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from robez_core import bench_faults
-from robez_core.bench_faults import Cell, FaultResult
+from benchmarks.core import page_faults
+from benchmarks.core.page_faults import Cell, FaultResult
 
 
 def _cell(median_ms: float, faults: int) -> Cell:
@@ -23,28 +23,30 @@ def _result() -> FaultResult:
     }
     workers: dict[tuple[str, str], dict[str, object]] = {
         ("host", allocator): {"kernel target": "x", "torch": "y", "max_rss_mib": 100.0}
-        for allocator in bench_faults.ALLOCATORS
+        for allocator in page_faults.ALLOCATORS
     }
     now = dt.datetime.now(dt.UTC)
-    return FaultResult(now, "python -m robez_core.bench_faults", 1, cells, workers, 1.0, (0, 0, 0), (0, 0, 0))
+    return FaultResult(
+        now, "python -m benchmarks.core.page_faults", 1, cells, workers, 1.0, (0, 0, 0), (0, 0, 0)
+    )
 
 
 def test_reading_sorts_calls_by_what_the_tuning_can_do():
-    paid, unpaid, quiet = bench_faults.reading(_result())
+    paid, unpaid, quiet = page_faults.reading(_result())
     assert "host, step: 2000 -> 100 faults per call, median 10.00 -> 8.00 ms (-20%)" in paid
     assert "host, share" in unpaid and "step" not in unpaid
     assert "host: lookup" in quiet and "step" not in quiet
 
 
 def test_report_gives_every_cell_and_a_verdict():
-    text = bench_faults.render_markdown(_result())
+    text = page_faults.render_markdown(_result())
     assert "| step | 10.000 | 8.000 |" in text and "tuned faster by 20%" in text
     assert "no faults to remove (+20%: noise)" in text
     assert "| malloc |" in text
 
 
 def test_worker_measures_time_and_faults_of_every_scenario():
-    data = bench_faults.run_worker("default", calls=4)
+    data = page_faults.run_worker("default", calls=4)
     scenarios = data["scenarios"]
     assert isinstance(scenarios, dict) and len(scenarios) == 5
     for values in scenarios.values():

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from robez_core import bench
+from benchmarks.common import EMULATED_AVX2_CPU, avx2_emulation_env
+from benchmarks.core import paper_tables
 
 TOY_ARGS = [
     "--num-embeddings",
@@ -25,16 +26,16 @@ TOY_ARGS = [
 
 
 def test_full_configuration_has_the_seed_rows():
-    configs = bench._configs(bench.BenchSettings())
+    configs = paper_tables._configs(paper_tables.BenchSettings())
     assert len([c for c in configs if c.model == "full"]) == 6  # sparse x optimizer, one memory size
     assert len([c for c in configs if c.model == "reference"]) == 18  # x 3 memory sizes
     assert len([c for c in configs if c.model == "fused"]) == 18
-    assert {c.memory_size for c in configs if c.model == "fused"} == set(bench.PAPER_MEMORY_SIZES)
+    assert {c.memory_size for c in configs if c.model == "fused"} == set(paper_tables.PAPER_MEMORY_SIZES)
 
 
 def test_quick_mode_keeps_the_target_rows():
-    settings = bench.settings_from_args(bench.build_parser().parse_args(["--quick"]))
-    labels = {c.label for c in bench._configs(settings)}
+    settings = paper_tables.settings_from_args(paper_tables.build_parser().parse_args(["--quick"]))
+    labels = {c.label for c in paper_tables._configs(settings)}
     assert labels == {
         "full sparse adam",
         "reference dense adam m=262144",
@@ -45,15 +46,15 @@ def test_quick_mode_keeps_the_target_rows():
 
 
 def test_avx2_emulation_env_switches_off_every_avx512_feature():
-    env = bench.avx2_emulation_env()
-    assert env["NUMBA_CPU_NAME"] == bench.EMULATED_AVX2_CPU and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    env = avx2_emulation_env()
+    assert env["NUMBA_CPU_NAME"] == EMULATED_AVX2_CPU and env["ATEN_CPU_CAPABILITY"] == "avx2"
     features = env["NUMBA_CPU_FEATURES"].split(",")
     assert not [f for f in features if f.startswith("+avx512")]
     if "-avx2" not in features and any(f == "+avx2" for f in features):
         assert "+fma" in features  # an AVX2 host keeps what a Zen 2 has
 
 
-def _share_timings(**fields: object) -> bench.ShareTimings:
+def _share_timings(**fields: object) -> paper_tables.ShareTimings:
     """Shares of 40 ms (p10 30, p90 60) and 4 ms (p10 3.5, p90 5) over 56 steps, unless ``fields`` say
     otherwise."""
     defaults: dict[str, object] = {
@@ -64,12 +65,12 @@ def _share_timings(**fields: object) -> bench.ShareTimings:
         "fused_faults": 0.0,
         "steps": 56,
     }
-    return bench.ShareTimings(**{**defaults, **fields})  # type: ignore[arg-type]
+    return paper_tables.ShareTimings(**{**defaults, **fields})  # type: ignore[arg-type]
 
 
 def test_share_reading_prints_the_spread_and_ratios_from_its_data():
     text = _share_timings(reference_faults=1234.4).reading()
-    assert "over 56 steps" in text and f"({bench.SHARE_ROUNDS} alternating rounds)" in text
+    assert "over 56 steps" in text and f"({paper_tables.SHARE_ROUNDS} alternating rounds)" in text
     assert "median 40.00 ms (p10 30.00, p90 60.00), 1234 minor page faults per step" in text
     assert "medians (10.0x)" in text and "is 7.5x faster" in text and "(p90) 15.0x" in text
 
@@ -91,8 +92,8 @@ def test_fused_rows_step_fused_adam_and_the_others_torch_default_adam():
 
     def make(model: str, sparse: bool = False, **kwargs: bool) -> torch.optim.Optimizer:
         memory_size = None if model == "full" else 4
-        config = bench.RunConfig(model, sparse, "adam", memory_size)
-        return bench._make_optimizer(config, params, 0.1, **kwargs)
+        config = paper_tables.RunConfig(model, sparse, "adam", memory_size)
+        return paper_tables._make_optimizer(config, params, 0.1, **kwargs)
 
     def one_pass(optimizer: torch.optim.Optimizer) -> bool:
         return type(optimizer) is torch.optim.Adam and bool(optimizer.param_groups[0]["fused"])
@@ -130,7 +131,7 @@ def test_optimizer_reading_puts_both_fused_shares_side_by_side_from_its_data():
 @pytest.mark.slow
 def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     previous_threads = torch.get_num_threads()
-    assert bench.main(["--quick", "--profile", *TOY_ARGS, "--output-dir", str(tmp_path)]) == 0
+    assert paper_tables.main(["--quick", "--profile", *TOY_ARGS, "--output-dir", str(tmp_path)]) == 0
     assert torch.get_num_threads() == previous_threads
     reports = list(tmp_path.glob("*-quick.md"))
     assert len(reports) == 1
@@ -138,7 +139,7 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
     assert "## Targets (1 thread)" in text
     assert "| ROBE-Z fused | False | 256 | 512 (0.0 MB) | adam |" in text
     assert "| full nn.Embedding | True | 256 | 16000 (0.1 MB) | adam |" in text
-    assert "python -m robez_core.bench --quick" in text
+    assert "python -m benchmarks.core.paper_tables --quick" in text
     for line in (
         "| cpu vector extensions |",
         "| fused kernels compiled for |",
@@ -164,8 +165,8 @@ def test_quick_run_on_toy_sizes_writes_report_and_plot(tmp_path: Path):
 
 @pytest.mark.slow
 def test_run_benchmark_measures_every_phase_and_marks_skipped_rows(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(bench, "SLOW_MEMORY_SIZE", 1024)
-    settings = bench.BenchSettings(
+    monkeypatch.setattr(paper_tables, "SLOW_MEMORY_SIZE", 1024)
+    settings = paper_tables.BenchSettings(
         num_embeddings=500,
         embedding_dim=10,
         chunk_size=4,
@@ -178,7 +179,7 @@ def test_run_benchmark_measures_every_phase_and_marks_skipped_rows(monkeypatch: 
         skip_slow=True,
     )
     messages: list[str] = []
-    result = bench.run_benchmark(settings, "test", log=messages.append)
+    result = paper_tables.run_benchmark(settings, "test", log=messages.append)
     assert len([m for m in messages if m.startswith("[")]) == len(result.runs)  # a progress line per row
     # toy sizes miss the targets, and a full (non-quick) run then profiles the fused step by itself
     assert any(not t.met for t in result.targets) == (result.profile is not None)
@@ -195,7 +196,7 @@ def test_run_benchmark_measures_every_phase_and_marks_skipped_rows(monkeypatch: 
         assert math.isnan(run.hashing_ms) == (run.config.model == "full")
     assert len(result.targets) == 6
     assert all(t.baseline_ms > 0 and t.fused_ms > 0 for t in result.targets)
-    markdown = bench.render_markdown(result)
+    markdown = paper_tables.render_markdown(result)
     assert "skipped (--skip-slow)" in markdown
     assert "left out" in markdown
 
@@ -219,7 +220,7 @@ def test_read_seed_totals_takes_the_one_cpu_table(tmp_path: Path):
             ]
         )
     )
-    totals = bench.read_seed_totals(notes)
+    totals = paper_tables.read_seed_totals(notes)
     assert totals == {("full", True, 100000000, "adam"): 160.5, ("robez", False, 262144, "adam"): 156.53}
-    assert bench.read_seed_totals(notes, cpus=10) == {("robez", False, 262144, "adam"): 28.6}
-    assert bench.read_seed_totals(tmp_path / "missing.txt") == {}
+    assert paper_tables.read_seed_totals(notes, cpus=10) == {("robez", False, 262144, "adam"): 28.6}
+    assert paper_tables.read_seed_totals(tmp_path / "missing.txt") == {}

@@ -7,13 +7,13 @@ import types
 import pytest
 import torch
 
-from robez_core import bench_share
-from robez_core.bench_share import FloorReading, PieceTimings
+from benchmarks.core import share
+from benchmarks.core.share import FloorReading, PieceTimings
 
 
 def test_memory_floor_runner_times_each_step_after_the_first():
     grads = (torch.randn(64, 8), torch.randn(64, 8))
-    run = bench_share.memory_floor_runner(grads, memory_size=256, steps=5)
+    run = share.memory_floor_runner(grads, memory_size=256, steps=5)
     timings = run()
     assert len(timings) == 4
     assert all(0 < rows <= total for rows, total in timings)
@@ -22,7 +22,7 @@ def test_memory_floor_runner_times_each_step_after_the_first():
 def test_timed_calls_records_every_call_and_puts_the_original_back():
     owner = types.SimpleNamespace(double=lambda x: 2 * x)
     original = owner.double
-    with bench_share.timed_calls({"double": (owner, "double")}) as durations:
+    with share.timed_calls({"double": (owner, "double")}) as durations:
         assert owner.double(3) == 6 and owner.double(4) == 8
         assert owner.double is not original
     assert owner.double is original
@@ -32,7 +32,7 @@ def test_timed_calls_records_every_call_and_puts_the_original_back():
 def test_timed_calls_restores_the_originals_when_the_block_raises():
     owner = types.SimpleNamespace(f=lambda: 1)
     original = owner.f
-    with pytest.raises(RuntimeError), bench_share.timed_calls({"f": (owner, "f")}):
+    with pytest.raises(RuntimeError), share.timed_calls({"f": (owner, "f")}):
         raise RuntimeError("boom")
     assert owner.f is original
 
@@ -65,7 +65,7 @@ def test_prefetch_comparison_steps_every_variant_and_keeps_the_thresholds():
 
     names = ("_PREFETCH_READ_MIN_BYTES", "_PREFETCH_WRITE_MIN_BYTES", "_WARM_TABLE_RATIO")
     before = [getattr(kernels, name) for name in names]
-    result = bench_share.prefetch_comparison(
+    result = share.prefetch_comparison(
         512, batch_size=64, embedding_dim=16, chunk_size=4, num_embeddings=1000, rounds=2
     )
     assert set(result) == {"thresholds as set", "no table pass", "write never", "read always"}
@@ -76,19 +76,19 @@ def test_prefetch_comparison_steps_every_variant_and_keeps_the_thresholds():
 
 def test_adam_comparison_steps_both_optimizers_and_reads_its_figures():
     before = torch.get_num_threads()
-    result = bench_share.adam_comparison(
+    result = share.adam_comparison(
         512, batch_size=64, embedding_dim=16, chunk_size=4, num_embeddings=1000, rounds=2
     )
     assert set(result) == {"torch.optim.Adam", "torch.optim.Adam(fused=True)"}
     assert result["torch.optim.Adam(fused=True)"][1] == 1.0
     assert all(share > step > 0 for share, _, step in result.values())
     assert torch.get_num_threads() == before
-    text = bench_share.adam_reading(
+    text = share.adam_reading(
         {"torch.optim.Adam": (3.5, 1.25, 0.6), "torch.optim.Adam(fused=True)": (3.0, 1.0, 0.2)}
     )
     assert "torch.optim.Adam(fused=True)'s step took 0.200 ms, the default's 0.600 ms (3.00x)" in text
     assert "20.0% shorter per batch (paired: default / fused=True = 1.250; -0.500 ms" in text
-    slower = bench_share.adam_reading(
+    slower = share.adam_reading(
         {"torch.optim.Adam": (2.9, 0.8, 0.3), "torch.optim.Adam(fused=True)": (3.0, 1.0, 0.2)}
     )
     assert "25.0% longer per batch" in slower and "+0.100 ms" in slower
@@ -100,8 +100,8 @@ def test_trivial_offsets_still_hash_then_read_every_row_from_the_array_start():
     table = RobezEmbedding(1000, 10, memory_size=64, chunk_size=4)
     ids = torch.tensor([3, 999, 3, 12])
     original = kernels.chunk_offsets
-    with bench_share.timed_calls({"hash": (kernels, "chunk_offsets")}) as durations:
-        with bench_share.trivial_offsets():
+    with share.timed_calls({"hash": (kernels, "chunk_offsets")}) as durations:
+        with share.trivial_offsets():
             offsets = table.hash_ids(ids)
             rows = table(ids)
             rows.sum().backward()
@@ -122,7 +122,7 @@ def test_trivial_offsets_stay_inside_a_small_array_and_restore_on_error():
 
     table = RobezEmbedding(10, 12, memory_size=6, chunk_size=4)  # d > m: chunks overlap at the end
     original = kernels.chunk_offsets
-    with pytest.raises(RuntimeError, match="boom"), bench_share.trivial_offsets():
+    with pytest.raises(RuntimeError, match="boom"), share.trivial_offsets():
         offsets = table.hash_ids(torch.tensor([1, 2]))
         raise RuntimeError("boom")
     assert offsets.tolist() == [[0, 2, 2]] * 2  # clamped to m - Z

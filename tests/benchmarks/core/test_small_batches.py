@@ -6,13 +6,16 @@ from pathlib import Path
 
 import torch
 
-from robez_core import bench, bench_small
+from benchmarks.core import paper_tables, small_batches
 
 
 def test_small_benchmark_writes_its_report(tmp_path: Path) -> None:
     threads = torch.get_num_threads()
     try:
-        assert bench.main(["--small", "--calls", "3", "--repeats", "1", "--output-dir", str(tmp_path)]) == 0
+        assert (
+            paper_tables.main(["--small", "--calls", "3", "--repeats", "1", "--output-dir", str(tmp_path)])
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     (report,) = tmp_path.glob("small-batches-*.md")
@@ -25,9 +28,9 @@ def test_small_benchmark_writes_its_report(tmp_path: Path) -> None:
 
 def test_targets_take_the_worst_optimizer() -> None:
     results = [
-        bench_small.SmallResult("sgd", 2.0, 1.0, 10.0, 5.0),
-        bench_small.SmallResult("adam", 6.0, 1.0, 20.0, 5.0),
+        small_batches.SmallResult("sgd", 2.0, 1.0, 10.0, 5.0),
+        small_batches.SmallResult("adam", 6.0, 1.0, 20.0, 5.0),
     ]
-    (lookup, update) = bench_small.targets(results)
+    (lookup, update) = small_batches.targets(results)
     assert lookup[1] == 6.0 and lookup[1] > lookup[2]  # missed
     assert update[1] == 20.0 and update[1] <= update[2]  # met

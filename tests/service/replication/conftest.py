@@ -20,10 +20,10 @@ import nats
 import pytest
 import torch
 
+from devtools.devcluster import wait_ready
+from devtools.natscluster import NatsCluster, free_ports
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
-from service.replication.devcluster import wait_ready
-from service.replication.natscluster import NatsCluster, free_ports
 
 REPO = Path(__file__).resolve().parents[3]
 SMALL = {"num_embeddings": 1000, "embedding_dim": 8, "memory_size": 4096, "chunk_size": 4}

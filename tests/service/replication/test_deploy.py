@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from devtools.natscluster import nats_server_binary
 from service.config import Settings
-from service.replication.natscluster import nats_server_binary
 
 CLUSTER = Path(__file__).resolve().parents[3] / "deploy" / "cluster"
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from devtools.natscluster import NatsCluster
 from service.replication.jetstream import JetStreamLog
 from service.replication.log import CatalogEntry, CatalogEvent, Snapshot
-from service.replication.natscluster import NatsCluster
 
 from .conftest import running_cluster
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from devtools.natscluster import NatsCluster
 from robez_core.config import TableConfig
 from robez_core.table import Table
 from service import cli
 from service.full_import import table_bytes
 from service.replication.localsnap import MARKER_FILE, SNAPSHOT_DIR
-from service.replication.natscluster import NatsCluster
 
 from .conftest import REPO, ReplicaServer, create_table, replay_checksum
 from .test_replicas import assert_converged, push

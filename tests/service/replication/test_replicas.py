@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from devtools.natscluster import NatsCluster
 from service.client import OCTET_STREAM, SHAPE_HEADER, RobezClient, encode_update
-from service.replication.natscluster import NatsCluster
 
 from .conftest import ReplicaServer, create_table, push_grads, replay_checksum, stream_bounds, stream_leader
 

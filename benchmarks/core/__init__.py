@@ -1,0 +1,1 @@
+"""Benchmarks of the core: the fused kernels, tables and compression (``robez_core``)."""

@@ -1,0 +1,1 @@
+"""Benchmarks of replicated mode (JetStream)."""
