@@ -133,6 +133,18 @@ def test_dockerfile_copies_every_package_and_nothing_ignored() -> None:
     assert {".venv", ".git", "tests"} <= set(ignored)
 
 
+def test_benchmarks_and_devtools_ship_neither_in_the_wheel_nor_in_the_image() -> None:
+    from setuptools import find_packages
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = find_packages(str(REPO), include=include["include"])
+    assert {"robez_core", "service"} <= set(shipped)
+    tools = ("benchmarks", "devtools", "tests")
+    assert not [name for name in shipped if name.split(".")[0] in tools], shipped
+    copied = [args.split()[0] for name, args in dockerfile_instructions() if name == "COPY"]
+    assert not [source for source in copied if source.split("/")[0] in tools], copied
+
+
 def test_compose_serves_port_8000_with_data_volume_and_tables_file() -> None:
     document = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     service = compose_service()
