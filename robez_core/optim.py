@@ -25,6 +25,7 @@ from torch import Tensor
 from . import kernels
 from .config import OptimizerConfig
 from .errors import ConfigError, InvalidInputError
+from .kernels import serial
 
 __all__ = [
     "apply_coalesced",
@@ -162,12 +163,8 @@ def count_nonfinite(
 
 
 # (sgd, adagrad, adam) serial kernels of a step and of its dry run: the same arguments, in the same order.
-_STEP_KERNELS = (kernels._sgd_kernel, kernels._adagrad_kernel, kernels._adam_kernel)
-_NONFINITE_KERNELS = (
-    kernels._sgd_nonfinite_kernel,
-    kernels._adagrad_nonfinite_kernel,
-    kernels._adam_nonfinite_kernel,
-)
+_STEP_KERNELS = (serial.sgd, serial.adagrad, serial.adam)
+_NONFINITE_KERNELS = (serial.sgd_nonfinite, serial.adagrad_nonfinite, serial.adam_nonfinite)
 
 
 def _small_call(
@@ -183,15 +180,13 @@ def _small_call(
     Adam (the caller advances the counter)."""
     sgd, adagrad, adam = kernel_set
     if optimizer.name == "sgd":
-        return sgd.serial(weight, locations, values, np.float32(lr))
+        return sgd(weight, locations, values, np.float32(lr))
     if optimizer.name == "adagrad":
-        return adagrad.serial(
-            weight, state_np["sum"], locations, values, np.float32(lr), np.float32(optimizer.eps)
-        )
+        return adagrad(weight, state_np["sum"], locations, values, np.float32(lr), np.float32(optimizer.eps))
     if optimizer.name == "adam":
         step = int(state_np["step"][0]) + 1  # the numpy view: a torch scalar read costs ~2 us
         beta1, beta2 = optimizer.betas
-        return adam.serial(
+        return adam(
             weight,
             state_np["exp_avg"],
             state_np["exp_avg_sq"],
