@@ -44,6 +44,7 @@ from . import kernels, optim
 from .config import OptimizerConfig, TableConfig
 from .errors import ConfigError, CorruptionError, InvalidInputError, NotFoundError
 from .hashing import NUM_RANDOM_NUMBERS, paper_random_numbers, validate_random_numbers
+from .init import init_weight
 from .small import SMALL_BATCH_MAX_IDS, SmallPath, small_grads, small_ids
 
 if TYPE_CHECKING:
@@ -115,8 +116,6 @@ class Table:
         weight: Tensor | None = None,
         state: dict[str, Tensor] | None = None,
     ) -> None:
-        from .modules import init_weight
-
         self.config = config
         self.optimizer = optimizer if optimizer is not None else OptimizerConfig()
         if config.random_numbers is None:
