@@ -16,6 +16,7 @@ State layout (``state_layout``), the tensors a ``Table`` keeps beside its ``weig
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from .errors import ConfigError, InvalidInputError
 from .kernels import serial
 
 __all__ = [
+    "PreparedStep",
     "apply_coalesced",
     "count_nonfinite",
     "fused_update",
@@ -38,6 +40,20 @@ __all__ = [
 ]
 
 StateLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """An update coalesced by ``Table.prepare_step``: distinct array ``locations`` int64 (K,), their summed
+    gradients ``values`` float32 (K,), and the lr to apply."""
+
+    locations: Tensor
+    values: Tensor
+    lr: float
+    # The table's ``small.SmallPath`` when prepared on the small-batch path: ``check_step`` and
+    # ``apply_step`` then call the serial kernels directly too (the same arithmetic as the general path,
+    # bit for bit). Only compared by identity, so typed ``object``: optim does not import small.
+    small: object | None = None
 
 
 def state_layout(optimizer: OptimizerConfig, memory_size: int) -> StateLayout:

@@ -9,17 +9,16 @@ further for updates: coalescing, the non-finite dry run and the optimizer step i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from . import kernels, optim
+from .config import OptimizerConfig, TableConfig
 from .kernels import serial
-
-if TYPE_CHECKING:
-    from .table import PreparedStep, Table
+from .optim import PreparedStep
 
 __all__ = ["SMALL_BATCH_MAX_IDS", "SmallPath", "small_grads", "small_ids"]
 
@@ -29,12 +28,27 @@ __all__ = ["SMALL_BATCH_MAX_IDS", "SmallPath", "small_grads", "small_ids"]
 SMALL_BATCH_MAX_IDS = 64
 
 
+class TableArrays(Protocol):
+    """What ``SmallPath`` reads of a ``Table`` (a protocol, so that small does not import table)."""
+
+    @property
+    def config(self) -> TableConfig: ...
+    @property
+    def optimizer(self) -> OptimizerConfig: ...
+    @property
+    def random_numbers(self) -> Tensor: ...
+    @property
+    def weight(self) -> Tensor: ...
+    @property
+    def state(self) -> dict[str, Tensor]: ...
+
+
 class SmallPath:
     """What every small call of one ``Table`` needs, prepared once: numpy views of the live tensors, the
     hash constants and mode, and the serial kernels (``kernels.serial``: the compiled functions, called
     directly). Valid while the table keeps the same ``weight`` tensor (checked by identity)."""
 
-    def __init__(self, table: Table) -> None:
+    def __init__(self, table: TableArrays) -> None:
         config = table.config
         self.weight = table.weight
         self.weight_np = table.weight.numpy()
