@@ -22,6 +22,7 @@ from . import kernels
 from .config import DEFAULT_INIT_SCALE
 from .errors import ConfigError
 from .hashing import DEFAULT_SEED, HashName, paper_random_numbers, validate_random_numbers
+from .init import init_weight
 
 __all__ = ["DEFAULT_BLOCK_ROWS", "least_squares_array"]
 
@@ -54,8 +55,6 @@ def least_squares_array(
 
     Every slot's value is the mean of the full-table values hashed to it, accumulated in float32.
     """
-    from .modules import init_weight
-
     if not weights:
         raise ConfigError("give at least one full table")
     offsets_per_table = [0] * len(weights) if val_offsets is None else list(val_offsets)

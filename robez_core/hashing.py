@@ -18,7 +18,7 @@ Two hash families give ``offset``:
     h      = fmix64(key)
     offset = ((h >> 32) * (m - Z + 1)) >> 32                          (unsigned, m - Z + 1 <= 2**32)
 
-The functions here are the oracle: the fused kernels in ``kernels.py`` must agree with them bit for bit.
+The functions here are the oracle: the fused kernels (``kernels/``) must agree with them bit for bit.
 They materialise an (N, d) index tensor and are deliberately simple.
 """
 

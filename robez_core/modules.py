@@ -25,6 +25,7 @@ from . import buffers, kernels, reference
 from .config import DEFAULT_INIT_SCALE, TableConfig
 from .errors import ConfigError, InvalidInputError
 from .hashing import DEFAULT_SEED, HashName, paper_random_numbers, validate_random_numbers
+from .init import init_weight
 
 __all__ = ["BACKENDS", "RobezEmbedding", "RobezEmbeddingBag", "init_weight"]
 
@@ -32,18 +33,6 @@ Backend = Literal["fused", "reference"]
 BagMode = Literal["sum", "mean"]
 BACKENDS: tuple[str, ...] = ("fused", "reference")
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def init_weight(memory_size: int, init_scale: float = DEFAULT_INIT_SCALE, seed: int = DEFAULT_SEED) -> Tensor:
-    """A new array float32 (m,) drawn U(-init_scale, init_scale) from ``torch.Generator`` seeded ``seed``.
-
-    Seeded on its own generator so that a module and a ``Table`` built from the same config start from
-    the same array, whatever else used torch's global generator.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    return torch.empty(memory_size, dtype=torch.float32).uniform_(
-        -init_scale, init_scale, generator=generator
-    )
 
 
 def _as_int64_ids(ids: Tensor, what: str = "ids", contiguous: bool = True) -> Tensor:

@@ -16,6 +16,7 @@ State layout (``state_layout``), the tensors a ``Table`` keeps beside its ``weig
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,8 +26,10 @@ from torch import Tensor
 from . import kernels
 from .config import OptimizerConfig
 from .errors import ConfigError, InvalidInputError
+from .kernels import serial
 
 __all__ = [
+    "PreparedStep",
     "apply_coalesced",
     "count_nonfinite",
     "fused_update",
@@ -37,6 +40,20 @@ __all__ = [
 ]
 
 StateLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """An update coalesced by ``Table.prepare_step``: distinct array ``locations`` int64 (K,), their summed
+    gradients ``values`` float32 (K,), and the lr to apply."""
+
+    locations: Tensor
+    values: Tensor
+    lr: float
+    # The table's ``small.SmallPath`` when prepared on the small-batch path: ``check_step`` and
+    # ``apply_step`` then call the serial kernels directly too (the same arithmetic as the general path,
+    # bit for bit). Only compared by identity, so typed ``object``: optim does not import small.
+    small: object | None = None
 
 
 def state_layout(optimizer: OptimizerConfig, memory_size: int) -> StateLayout:
@@ -162,12 +179,8 @@ def count_nonfinite(
 
 
 # (sgd, adagrad, adam) serial kernels of a step and of its dry run: the same arguments, in the same order.
-_STEP_KERNELS = (kernels._sgd_kernel, kernels._adagrad_kernel, kernels._adam_kernel)
-_NONFINITE_KERNELS = (
-    kernels._sgd_nonfinite_kernel,
-    kernels._adagrad_nonfinite_kernel,
-    kernels._adam_nonfinite_kernel,
-)
+_STEP_KERNELS = (serial.sgd, serial.adagrad, serial.adam)
+_NONFINITE_KERNELS = (serial.sgd_nonfinite, serial.adagrad_nonfinite, serial.adam_nonfinite)
 
 
 def _small_call(
@@ -183,15 +196,13 @@ def _small_call(
     Adam (the caller advances the counter)."""
     sgd, adagrad, adam = kernel_set
     if optimizer.name == "sgd":
-        return sgd.serial(weight, locations, values, np.float32(lr))
+        return sgd(weight, locations, values, np.float32(lr))
     if optimizer.name == "adagrad":
-        return adagrad.serial(
-            weight, state_np["sum"], locations, values, np.float32(lr), np.float32(optimizer.eps)
-        )
+        return adagrad(weight, state_np["sum"], locations, values, np.float32(lr), np.float32(optimizer.eps))
     if optimizer.name == "adam":
         step = int(state_np["step"][0]) + 1  # the numpy view: a torch scalar read costs ~2 us
         beta1, beta2 = optimizer.betas
-        return adam.serial(
+        return adam(
             weight,
             state_np["exp_avg"],
             state_np["exp_avg_sq"],

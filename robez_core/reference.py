@@ -2,7 +2,7 @@
 
 Everything here builds the full (N, d) int64 index tensor of ``hashing.reference_indices`` and uses plain
 torch indexing, exactly as the paper's code does. It is deliberately simple (and slow), never on the
-service's path; ``kernels.py`` must agree with it (bit for bit on lookups, within float tolerance on
+service's path; ``kernels`` must agree with it (bit for bit on lookups, within float tolerance on
 gradients and optimizer steps). The benchmark runs it as the "reference ROBE-Z" model.
 
 Shapes: N ids, d = ``embedding_dim``, Z = ``chunk_size``, C = ceil(d / Z) chunks, m = ``memory_size``,

@@ -2,45 +2,60 @@
 
 A request of a few ids (the service's typical online request) costs more in per-call checks, tensor
 wrapping and thread set-up than in arithmetic. ``SmallPath`` prepares once per table what every small
-call needs and calls ``kernels``' own serial compiled functions directly, so results are bit-identical
-to the general path (tests/core/test_table.py). ``SmallPath.checked_step`` goes one step further for
-updates: coalescing, the non-finite dry run and the optimizer step in one compiled call.
+call needs and calls the kernels' serial compilations directly (``kernels.serial``), so results are
+bit-identical to the general path (tests/core/test_table.py). ``SmallPath.checked_step`` goes one step
+further for updates: coalescing, the non-finite dry run and the optimizer step in one compiled call.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from . import kernels, optim
-
-if TYPE_CHECKING:
-    from .table import PreparedStep, Table
+from .config import OptimizerConfig, TableConfig
+from .kernels import serial
+from .optim import PreparedStep
 
 __all__ = ["SMALL_BATCH_MAX_IDS", "SmallPath", "small_grads", "small_ids"]
 
 # Requests of at most this many ids take the small-input path below: its result is bit-identical to the
 # general path's, minus that path's per-call checks and set-up (~10 us a call, more than the arithmetic
-# of a few rows). Far below kernels._PARALLEL_MIN_WORK, so these calls always ran serially anyway.
+# of a few rows). Far below the kernels' parallel cut-off, so these calls always ran serially anyway.
 SMALL_BATCH_MAX_IDS = 64
+
+
+class TableArrays(Protocol):
+    """What ``SmallPath`` reads of a ``Table`` (a protocol, so that small does not import table)."""
+
+    @property
+    def config(self) -> TableConfig: ...
+    @property
+    def optimizer(self) -> OptimizerConfig: ...
+    @property
+    def random_numbers(self) -> Tensor: ...
+    @property
+    def weight(self) -> Tensor: ...
+    @property
+    def state(self) -> dict[str, Tensor]: ...
 
 
 class SmallPath:
     """What every small call of one ``Table`` needs, prepared once: numpy views of the live tensors, the
-    hash constants and mode, and the serial kernels (``kernels``' own compiled functions, called
+    hash constants and mode, and the serial kernels (``kernels.serial``: the compiled functions, called
     directly). Valid while the table keeps the same ``weight`` tensor (checked by identity)."""
 
-    def __init__(self, table: Table) -> None:
+    def __init__(self, table: TableArrays) -> None:
         config = table.config
         self.weight = table.weight
         self.weight_np = table.weight.numpy()
-        self.hash_mode, self.constants, self.range_size = kernels._hash_setup(
+        self.hash_mode, self.constants, self.range_size = serial.hash_setup(
             config.hash, table.random_numbers, config.memory_size, config.chunk_size, config.embedding_dim
         )
-        self.val_offset = np.int64(kernels._wrap_int64(config.val_offset))
+        self.val_offset = np.int64(serial.wrap_int64(config.val_offset))
         self.num_chunks = config.num_chunks
         self.embedding_dim = config.embedding_dim
         self.chunk_size = config.chunk_size
@@ -48,9 +63,9 @@ class SmallPath:
         self.state_np = {name: tensor.numpy() for name, tensor in table.state.items()}
         self.optimizer = table.optimizer
         self.memory_size = config.memory_size
-        self.hash_kernel = kernels._chunk_offsets_kernel.serial
-        self.gather_kernel = kernels._gather_kernel.for_chunk(config.chunk_size).serial
-        self.lookup_kernel = kernels._lookup_kernel.for_chunk(config.chunk_size).serial
+        self.hash_kernel = serial.chunk_offsets
+        self.gather_kernel = serial.gather_for(config.chunk_size)
+        self.lookup_kernel = serial.lookup_for(config.chunk_size)
 
     def hash(self, ids_np: np.ndarray) -> np.ndarray:
         out = np.empty((ids_np.shape[0], self.num_chunks), dtype=np.int64)
@@ -84,7 +99,7 @@ class SmallPath:
         True when the step was applied; False, having changed nothing, when the general path must take
         it (it then raises the error a refused step gets, or coalesces through its dense scratch). The
         caller holds the table's update lock and has checked ``lr`` (positive, finite, <= max_lr)."""
-        if self.memory_size <= kernels._DENSE_COALESCE_FACTOR * grads_np.size:
+        if self.memory_size <= serial.DENSE_COALESCE_FACTOR * grads_np.size:
             return False  # ``coalesce`` would take the general path's dense scratch
         optimizer = self.optimizer
         name = optimizer.name
@@ -97,12 +112,12 @@ class SmallPath:
         else:
             scalars = np.array([lr, optimizer.eps, 0.0, 0.0, 0.0], dtype=np.float32)
             first = second = self.state_np["sum"] if name == "adagrad" else self.weight_np
-        applied = kernels._checked_step_kernel(
+        applied = serial.checked_step(
             offsets_np,
             grads_np,
             self.embedding_dim,
             self.chunk_size,
-            kernels.OPTIMIZER_CODES[name],
+            serial.OPTIMIZER_CODES[name],
             scalars,
             self.weight_np,
             first,
@@ -120,14 +135,14 @@ class SmallPath:
 
     def coalesce(self, offsets_np: np.ndarray, grads_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``kernels.coalesce_grad`` for a small batch: (distinct locations, summed gradients)."""
-        if self.memory_size <= kernels._DENSE_COALESCE_FACTOR * grads_np.size:
+        if self.memory_size <= serial.DENSE_COALESCE_FACTOR * grads_np.size:
             # the general path would coalesce through the dense scratch here: take it, same sums
             locations_t, values_t = kernels.coalesce_grad(
                 torch.from_numpy(grads_np), torch.from_numpy(offsets_np), self.chunk_size, self.memory_size
             )
             locations, values = locations_t.numpy(), values_t.numpy()
         else:
-            locations, values = kernels._coalesce_sorted_kernel(
+            locations, values = serial.coalesce_sorted(
                 grads_np, offsets_np, self.embedding_dim, self.chunk_size
             )
         return locations, values

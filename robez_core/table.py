@@ -30,7 +30,6 @@ import re
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
@@ -44,29 +43,18 @@ from . import kernels, optim
 from .config import OptimizerConfig, TableConfig
 from .errors import ConfigError, CorruptionError, InvalidInputError, NotFoundError
 from .hashing import NUM_RANDOM_NUMBERS, paper_random_numbers, validate_random_numbers
+from .init import init_weight
+from .optim import PreparedStep
 from .small import SMALL_BATCH_MAX_IDS, SmallPath, small_grads, small_ids
 
 if TYPE_CHECKING:
     from .modules import RobezEmbedding
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "PreparedStep", "Table", "import_paper_state_dict"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Table", "import_paper_state_dict"]
 
 FORMAT_NAME = "robez-table"
 FORMAT_VERSION = 1
 _STATE_PREFIX = "state."
-
-
-@dataclass(frozen=True)
-class PreparedStep:
-    """An update coalesced by ``Table.prepare_step``: distinct array ``locations`` int64 (K,), their summed
-    gradients ``values`` float32 (K,), and the lr to apply."""
-
-    locations: Tensor
-    values: Tensor
-    lr: float
-    # Set when prepared on the small-batch path: ``check_step`` and ``apply_step`` then call the serial
-    # kernels directly too (the same arithmetic as the general path, bit for bit).
-    small: SmallPath | None = None
 
 
 def _checksum(tensor: Tensor) -> str:
@@ -115,8 +103,6 @@ class Table:
         weight: Tensor | None = None,
         state: dict[str, Tensor] | None = None,
     ) -> None:
-        from .modules import init_weight
-
         self.config = config
         self.optimizer = optimizer if optimizer is not None else OptimizerConfig()
         if config.random_numbers is None:
@@ -485,10 +471,10 @@ class Table:
 
     def _small_step_path(self, step: PreparedStep) -> SmallPath | None:
         """The small path a step was prepared on, if it is still this table's (same tensors)."""
-        small = step.small
-        if small is not None and small is self._small_path():
-            return small
-        return None
+        if step.small is None:
+            return None
+        small = self._small_path()
+        return small if step.small is small else None
 
     # ------------------------------------------------------------------ checkpoints
 

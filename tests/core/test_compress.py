@@ -7,7 +7,7 @@ import torch
 
 from robez_core import ConfigError, RobezEmbedding, RobezEmbeddingBag
 from robez_core.compress import least_squares_array
-from robez_core.modules import init_weight
+from robez_core.init import init_weight
 
 
 def _locations(module: RobezEmbedding) -> torch.Tensor:

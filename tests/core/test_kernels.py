@@ -28,6 +28,7 @@ from robez_core.hashing import (
     reference_chunk_offsets,
     reference_indices,
 )
+from robez_core.kernels import _jit, runtime
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 EDGE_IDS = [INT64_MIN, INT64_MIN + 1, -1, 0, 1, INT64_MAX - 1, INT64_MAX, PAPER_PRIME, -PAPER_PRIME]
@@ -49,19 +50,19 @@ id_lists = st.lists(st.one_of(int64s, st.sampled_from(EDGE_IDS)), min_size=0, ma
 def _parallel_even_for_small_batches() -> Iterator[None]:
     """The kernels run small batches serially; these tests' small inputs must reach the parallel
     compilations too (at more than one thread), so the size cut-off is lifted for this module."""
-    previous = kernels._PARALLEL_MIN_WORK
-    kernels._PARALLEL_MIN_WORK = 0
+    previous = _jit._PARALLEL_MIN_WORK
+    _jit._PARALLEL_MIN_WORK = 0
     try:
         yield
     finally:
-        kernels._PARALLEL_MIN_WORK = previous
+        _jit._PARALLEL_MIN_WORK = previous
 
 
 @pytest.fixture(params=["float64", "split32"])
 def paper_hash(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both formulations of the paper hash's reductions, whichever this CPU would pick, so CI on any
     machine checks the AVX-512 (float64) and the AVX2 (split32) paths alike."""
-    monkeypatch.setattr(kernels, "_PAPER_FORMULATION", request.param)
+    monkeypatch.setattr(runtime, "_PAPER_FORMULATION", request.param)
     return str(request.param)
 
 
@@ -70,18 +71,18 @@ def chunk_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     """The row loops compiled for the chunk size (the sizes in ``_SPECIALISED_CHUNK_SIZES``) and the
     generic compilation that reads it at run time, both checked whatever chunk sizes a test draws."""
     if request.param == "generic":
-        monkeypatch.setattr(kernels, "_SPECIALISED_CHUNK_SIZES", frozenset())
+        monkeypatch.setattr(_jit, "_SPECIALISED_CHUNK_SIZES", frozenset())
     return str(request.param)
 
 
 def test_each_formulation_takes_its_own_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    expected = {"float64": kernels._MODE_PAPER_FLOAT, "split32": kernels._MODE_PAPER_SPLIT}
+    expected = {"float64": _jit._MODE_PAPER_FLOAT, "split32": _jit._MODE_PAPER_SPLIT}
     for formulation, mode in expected.items():
-        monkeypatch.setattr(kernels, "_PAPER_FORMULATION", formulation)
-        assert kernels._hash_setup("paper", RANDOM_NUMBERS, 1000, 8)[0] == mode
+        monkeypatch.setattr(runtime, "_PAPER_FORMULATION", formulation)
+        assert runtime.hash_setup("paper", RANDOM_NUMBERS, 1000, 8)[0] == mode
         # P >= 2**31 is outside the split formulation's range: the float64 one takes it
         big_prime = torch.tensor([(1 << 31) + 11, *RANDOM_NUMBERS[1:].tolist()])
-        assert kernels._hash_setup("paper", big_prime, 1000, 8)[0] == kernels._MODE_PAPER_FLOAT
+        assert runtime.hash_setup("paper", big_prime, 1000, 8)[0] == _jit._MODE_PAPER_FLOAT
     target = kernels.compile_target()
     assert target["paper_hash"] in expected and target["cpu"] and "sse2" in target["vector_extensions"]
 
@@ -262,7 +263,7 @@ def test_split32_blocks_with_keys_at_the_int64_limits(paper_hash: str) -> None:
     limit) among ordinary ids, and a block of them all; chunk terms all positive, then all negative;
     4 chunks (the rows are stored four offsets at a time) and 6."""
     generator = torch.Generator().manual_seed(13)
-    block = kernels._HASH_BLOCK
+    block = _jit._HASH_BLOCK
     for sign, num_chunks in ((1, 4), (1, 6), (-1, 4), (-1, 6)):  # 4: rows stored whole
         r1, r2 = sign * 5, sign * 1_000_003
         random_numbers = torch.tensor([PAPER_PRIME, r1, r2, 1, 11, 13, 17, 19, 23, 29, 31])
@@ -503,7 +504,7 @@ def test_coalesce_both_strategies(memory_size):
 @given(keys=st.lists(st.one_of(st.integers(0, 50), st.integers(0, INT64_MAX)), max_size=300))
 def test_radix_argsort_is_a_stable_argsort(keys):
     array = np.array(keys, dtype=np.int64)
-    assert np.array_equal(kernels._radix_argsort(array), np.argsort(array, kind="stable"))
+    assert np.array_equal(_jit._radix_argsort(array), np.argsort(array, kind="stable"))
 
 
 def test_coalesce_merges_touching_and_overlapping_chunks():
@@ -534,7 +535,7 @@ def test_scatter_strategies_agree(strategy, memory_size, chunk_kernels, monkeypa
     torch.testing.assert_close(out, (dense + 1).float(), rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("chunk_size", sorted(kernels._SPECIALISED_CHUNK_SIZES))
+@pytest.mark.parametrize("chunk_size", sorted(_jit._SPECIALISED_CHUNK_SIZES))
 def test_each_specialised_chunk_size_runs_its_own_compilation(chunk_size: int):
     """Every chunk size with compilations of its own reads and adds rows as the reference does, for row
     widths below, at and past a multiple of it (a shorter last chunk or none), serially and in parallel;
@@ -563,15 +564,15 @@ def test_each_specialised_chunk_size_runs_its_own_compilation(chunk_size: int):
                 kernels.scatter_grad(grads, offsets, chunk_size, out)
                 torch.testing.assert_close(out, dense.float(), rtol=1e-5, atol=1e-4)
     for pair in (
-        kernels._gather_kernel,
-        kernels._lookup_kernel,
-        kernels._scatter_serial_kernel,
-        kernels._scatter_private_kernel,
+        _jit._gather_kernel,
+        _jit._lookup_kernel,
+        _jit._scatter_serial_kernel,
+        _jit._scatter_private_kernel,
     ):
         specialised = pair.for_chunk(chunk_size)
         assert specialised is not pair and specialised.chunk_size == chunk_size
         assert specialised.for_chunk(chunk_size) is specialised
-        if pair is kernels._scatter_private_kernel and numba.config.NUMBA_NUM_THREADS < 2:  # type: ignore[attr-defined]
+        if pair is _jit._scatter_private_kernel and numba.config.NUMBA_NUM_THREADS < 2:  # type: ignore[attr-defined]
             continue  # one core: the parallel backward never runs
         compiled = [*specialised.serial.signatures, *specialised.parallel.signatures]
         assert compiled, f"{pair.serial.__name__} for Z = {chunk_size} never ran"
@@ -623,8 +624,8 @@ def test_int32_offsets_are_refused_where_they_do_not_fit() -> None:
 
 def test_other_chunk_sizes_take_the_generic_compilation():
     for chunk_size in (3, 5, 24, 65, 1000):
-        assert chunk_size not in kernels._SPECIALISED_CHUNK_SIZES
-        assert kernels._gather_kernel.for_chunk(chunk_size) is kernels._gather_kernel
+        assert chunk_size not in _jit._SPECIALISED_CHUNK_SIZES
+        assert _jit._gather_kernel.for_chunk(chunk_size) is _jit._gather_kernel
 
 
 # --------------------------------------------------------------------------------------------------
@@ -710,7 +711,7 @@ def test_one_thread_runs_the_serial_copy(monkeypatch: pytest.MonkeyPatch):
     def refuse(*args: object) -> None:
         raise AssertionError("parallel kernel used at one thread")
 
-    monkeypatch.setattr(kernels._gather_kernel.for_chunk(4), "parallel", refuse)
+    monkeypatch.setattr(_jit._gather_kernel.for_chunk(4), "parallel", refuse)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -760,15 +761,16 @@ def test_concurrent_calls_from_python_threads_agree():
 _CACHE_PROBE = """
 import json, torch
 from robez_core import kernels, paper_random_numbers
+from robez_core.kernels import _jit
 weight, ids, constants = torch.randn(100), torch.arange(10), paper_random_numbers()
-kernels._PARALLEL_MIN_WORK = 0  # reach the parallel compilation with this tiny batch
+_jit._PARALLEL_MIN_WORK = 0  # reach the parallel compilation with this tiny batch
 counts = {}
 for threads, flavour in ((1, "serial"), (2, "parallel")):
     torch.set_num_threads(threads)
     if kernels.set_kernel_threads() != threads:
         continue  # a one-core machine never runs the parallel copy
     kernels.lookup(weight, ids, 8, 4, constants)
-    stats = getattr(kernels._lookup_kernel.for_chunk(4), flavour).stats  # Z = 4: its own compilation
+    stats = getattr(_jit._lookup_kernel.for_chunk(4), flavour).stats  # Z = 4: its own compilation
     counts[flavour] = {"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}
 print(json.dumps(counts))
 """
@@ -802,17 +804,18 @@ _AVX2_PROBE = """
 import json, re, torch
 from robez_core import kernels, paper_random_numbers
 from robez_core.hashing import reference_chunk_offsets
+from robez_core.kernels import _jit
 ids = torch.randint(-(1 << 63), (1 << 63) - 1, (5000,))
 got = kernels.chunk_offsets(ids, 4, 32, 262_144, paper_random_numbers())
 exact = torch.equal(got, reference_chunk_offsets(ids, 4, 32, 262_144, paper_random_numbers()))
-asm = "".join(kernels._chunk_offsets_kernel.serial.inspect_asm().values())
+asm = "".join(_jit._chunk_offsets_kernel.serial.inspect_asm().values())
 print(json.dumps({**kernels.compile_target(), "exact": exact, "zmm": len(re.findall("%zmm", asm)),
                   "ymm": len(re.findall("%ymm", asm))}))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not kernels._X86, reason="the emulated AVX2 target is an x86-64 CPU")
+@pytest.mark.skipif(not _jit._X86, reason="the emulated AVX2 target is an x86-64 CPU")
 def test_avx2_emulation_compiles_without_avx512_and_picks_split32(tmp_path: Path):
     """The bench's --emulate-avx2 environment really makes numba emit AVX2 code (no zmm register in
     the hash kernel), the kernels then choose the split32 hash, and it stays bit-exact."""
@@ -912,17 +915,17 @@ def test_small_batches_run_serially_at_several_threads():
     ids = torch.arange(-5, 5, dtype=torch.int64)
     expected = kernels.lookup(weight, ids, 16, 4, constants)
     calls: list[str] = []
-    kernel = kernels._lookup_kernel.for_chunk(4)
+    kernel = _jit._lookup_kernel.for_chunk(4)
     serial, parallel = kernel.serial, kernel.parallel
-    previous_cutoff = kernels._PARALLEL_MIN_WORK
+    previous_cutoff = _jit._PARALLEL_MIN_WORK
     try:
-        kernels._PARALLEL_MIN_WORK = 1 << 16
+        _jit._PARALLEL_MIN_WORK = 1 << 16
         kernel.serial = lambda *args: (calls.append("serial"), serial(*args))[1]
         kernel.parallel = lambda *args: (calls.append("parallel"), parallel(*args))[1]
         with _torch_threads(2):
             rows = kernels.lookup(weight, ids, 16, 4, constants)
     finally:
         kernel.serial, kernel.parallel = serial, parallel
-        kernels._PARALLEL_MIN_WORK = previous_cutoff
+        _jit._PARALLEL_MIN_WORK = previous_cutoff
     assert calls == ["serial"]
     assert torch.equal(rows, expected)

@@ -34,6 +34,7 @@ from robez_core import (
 )
 from robez_core.config import MAX_INIT_SCALE
 from robez_core.hashing import PAPER_PRIME
+from robez_core.kernels import _jit
 from robez_core.small import SMALL_BATCH_MAX_IDS
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -235,12 +236,12 @@ def test_updates_are_bitwise_identical_at_any_kernel_thread_count(
     if numba.config.NUMBA_NUM_THREADS < 2:  # type: ignore[attr-defined]
         pytest.skip("numba has one thread on this machine")
     step_kernel = {
-        "sgd": kernels._sgd_kernel,
-        "adagrad": kernels._adagrad_kernel,
-        "adam": kernels._adam_kernel,
+        "sgd": _jit._sgd_kernel,
+        "adagrad": _jit._adagrad_kernel,
+        "adam": _jit._adam_kernel,
     }
     parallel_calls: list[str] = []
-    lookup_kernel = kernels._lookup_kernel.for_chunk(16)  # the table's chunk size
+    lookup_kernel = _jit._lookup_kernel.for_chunk(16)  # the table's chunk size
     for name, pair in (("step", step_kernel[optimizer.name]), ("lookup", lookup_kernel)):
         original = pair.parallel
 

@@ -1,19 +1,23 @@
-"""Fused CPU kernels for ROBE-Z tables (numba): hash + gather, bags, scatter, coalesce, optimizer steps.
+"""The compiled code of the kernels (numba): every ``@njit`` function and LLVM intrinsic, and the constants
+they read, in this one file, because numba's on-disk cache only notices changes to the file of the
+function it compiled. Nothing here checks its arguments: the checked, torch-facing API is
+``robez_core.kernels``, the thread and compile-target runtime ``runtime.py``, and callers that prepare
+their arguments once call the serial compilations through ``serial.py``.
 
-This is the only compiled code of the project. Every kernel here agrees with the pure-torch reference in
-``hashing.py`` bit for bit on forward (same int64 wrap-around, same floor mod) and within float tolerance
-on gradients and optimizer updates; ``tests/core/test_kernels.py`` checks both.
+Every kernel here agrees with the pure-torch reference in ``hashing.py`` bit for bit on forward (same
+int64 wrap-around, same floor mod) and within float tolerance on gradients and optimizer updates;
+``tests/core/test_kernels.py`` checks both.
 
-Why the kernels are fast (32768 ids, d = 100, Z = 32, 1 thread, on the 2-core dev box):
+Why the kernels are fast (the figures: docs/benchmarks/kernel-constants.md#why-the-kernels-are-fast):
 
 - one hash per (id, chunk) instead of one per value, and no (N, d) int64 index tensor: each chunk's
   ``chunk_size`` contiguous floats are copied straight from ``weight`` into the output row with explicit
-  AVX-512 moves (gather 0.65 -> 0.52 ms), and large batches with streaming stores that skip the
-  read-for-ownership of every output line (cold gather 0.93 -> 0.59 ms);
+  AVX-512 moves, and large batches with streaming stores that skip the read-for-ownership of every
+  output line;
 - the paper hash reduces ``mod P`` and ``mod (m - Z + 1)`` with float64 reciprocals and exact integer
   corrections instead of 64-bit divisions; that is branch-free, so ids are hashed 128 at a time, chunk
-  by chunk, and LLVM runs eight lanes per instruction (hashing 0.31 -> 0.14 ms). Any P outside
-  [2**16, 2**52) (constants imported from elsewhere) takes a generic loop with integer divisions;
+  by chunk, and LLVM runs eight lanes per instruction. Any P outside [2**16, 2**52) (constants imported
+  from elsewhere) takes a generic loop with integer divisions;
 - that "float64" formulation needs AVX-512 DQ (int64 <-> float64 conversions, 64-bit multiplies in
   vector registers); without it (AVX2: Zen 2/3, older Xeons) LLVM ran it one lane at a time. The
   paper hash (2**16 <= P < 2**31) therefore takes "split32": one reduction per id of ``key mod P`` from
@@ -22,25 +26,20 @@ Why the kernels are fast (32768 ids, d = 100, Z = 32, 1 thread, on the 2-core de
   block where no int64 key sum can wrap (every key at least max |chunk term| inside the int64 limits:
   all but astronomically rare blocks) that sum and the second mod run in float64 (values below 2**32,
   exact), and rows of 4 chunk offsets are stored whole; a block with a key near the limits takes a
-  loop that corrects by ``2**64 mod P`` where the sum wrapped. 32768 ids x 4 chunks, side by side
-  (2026-11-23): AVX2 (emulated, see below) 0.53 ms float64, 0.18 split32 before the float64 chunk
-  pass, 0.11 with it; AVX-512 0.10-0.12 float64, 0.08 split32, so split32 is used on both and float64
-  takes P in [2**31, 2**52). Both are bit-exact; the tests force each on any CPU;
-- tables bigger than the caches get the chunks of the row four ahead prefetched (m = 10**8:
-  gather 4.7 -> 2.3 ms, dense backward 4.0 -> 2.4 ms), and the dense backward does so from an array
-  the size of a core's L2, which training has evicted by then (see ``_PREFETCH_WRITE_MIN_BYTES``);
-  a gather from a smaller table that reads many times its size first reads the table once in order,
-  so that its random chunk reads find it in cache (see ``_WARM_TABLE_RATIO``);
-- outputs are allocated by numpy (huge pages) rather than ``torch.empty``, large ones (rows, the dense
-  backward's (m,) gradient) from the pool of ``buffers.py``, which hands a batch nobody holds any more
-  to the next call, and the coalesce's dense scratch is reused per thread, because fresh multi-megabyte
-  buffers page-fault on every call;
+  loop that corrects by ``2**64 mod P`` where the sum wrapped. split32 was ahead on AVX2 and AVX-512
+  alike, so it is used on both and float64 takes P in [2**31, 2**52) (``runtime._PAPER_FORMULATION``).
+  Both are bit-exact; the tests force each on any CPU;
+- tables bigger than the caches get the chunks of the row four ahead prefetched, and the dense backward
+  does so from an array the size of a core's L2, which training has evicted by then (see
+  ``robez_core.kernels._PREFETCH_WRITE_MIN_BYTES``); a gather from a smaller table that reads many times
+  its size first reads the table once in order (``_warm_kernel``), so that its random chunk reads find
+  it in cache;
 - the backward prefetches the (N, d) output gradients it streams through ``_STREAM_AHEAD_FLOATS``
-  ahead, so reading them overlaps the adds at random places of the array (scatter 0.70 -> 0.54 ms);
+  ahead, so reading them overlaps the adds at random places of the array;
 - the row loops of the gather, the lookup and the dense backward are compiled once per common chunk
   size (1, 2, 4, ..., 64), so every chunk is a fixed run of vector moves instead of three run-time
-  length loops (training share 8% faster; see ``_SPECIALISED_CHUNK_SIZES``), and a strided id column
-  (``pairs[:, 0]``) is hashed where it lies instead of being copied first;
+  length loops (see ``_SPECIALISED_CHUNK_SIZES``), and a strided id column (``pairs[:, 0]``) is hashed
+  where it lies instead of being copied first;
 - one thread runs a serial compilation of each kernel; more threads split ids with ``prange``, the dense
   backward uses private per-thread arrays (or range partitions when m is large), and every kernel
   releases the GIL (``nogil=True``).
@@ -49,75 +48,36 @@ Wrap-around: numba gives signed int64 arithmetic LLVM's "no signed wrap" flag (o
 behaviour to the optimiser), so the hash's wrapping multiply-adds are done in uint64, which wraps by
 definition and yields the same two's-complement bits as torch's int64 arithmetic.
 
-Compilation is cached on disk (``cache=True``): the first process compiles each signature once (about
-7 s for a lookup) and writes the result to ``__pycache__`` next to this file; when that directory is not
+Compilation is cached on disk (``cache=True``): the first process compiles each signature once (seconds
+for a lookup) and writes the result to ``__pycache__`` next to this file; when that directory is not
 writable (a system-wide install), numba uses the user's cache directory (``~/.cache/numba``), and the
 ``NUMBA_CACHE_DIR`` environment variable overrides both (e.g. a volume in a container whose image was
-built read-only). Later processes load the machine code instead:
-about 0.3 s for the first kernel, 20 ms for each further one. The cache is invalidated by a change of
-this file (its modification time and size) or of the CPU model, which then recompiles once. A chunk
-size in ``_SPECIALISED_CHUNK_SIZES`` has compilations of its own, made (or loaded) on its first use.
+built read-only). Later processes load the machine code instead, in a fraction of a second
+(docs/benchmarks/kernel-constants.md#compilation-cache). The cache is invalidated by a change of this
+file (its modification time and size) or of the CPU model, which then recompiles once. A chunk size in
+``_SPECIALISED_CHUNK_SIZES`` has compilations of its own, made (or loaded) on its first use.
 
 AVX2 on an AVX-512 machine: ``NUMBA_CPU_NAME=znver2`` with ``NUMBA_CPU_FEATURES`` set to the host's
 features minus every AVX-512 one makes numba compile for a Zen 2 (the generated code then has no zmm
-register: checked with ``inspect_asm``); ``python -m robez_core.bench --emulate-avx2`` sets that up and
-holds torch to its AVX2 kernels too. With ``split32`` (before its float64 chunk pass) the AVX2 build
-ran, side by side on the dev box (1 thread, p10 of 150 calls, 32768 ids, d = 100): hash 0.19 ms
-(AVX-512: 0.10), gather 0.43-0.46
-(0.41), lookup 0.61-0.65 (0.51-0.54), dense scatter 0.65-0.77 (0.58-0.61), coalesce 1.2-1.3 (1.1).
-
-Determinism: the coalesce runs serially in a fixed order and the optimizer steps touch each location
-once, so ``Table.apply_gradients`` / ``apply_gradients_at`` and the lookups give the same bits at any
-thread count (replicas may run different counts; ``tests/core/test_table.py`` checks 1 vs 2). The
-module-level dense ``scatter_grad`` at several threads (``RobezEmbedding``'s dense backward) sums
-per-thread partial arrays, so its float sums are grouped differently from the serial one's.
-
-Threads: every public function sets numba's thread count to ``torch.get_num_threads()`` (capped at
-numba's pool size), so ``torch.set_num_threads(1)`` makes the kernels single-threaded too.
-
-All functions take and return CPU torch tensors; numba works on zero-copy ``.numpy()`` views, so
-``weight`` and optimizer state are updated in place (they may live in shared memory).
+register: checked with ``inspect_asm``); the kernel benchmarks' ``--emulate-avx2`` sets that up and
+holds torch to its AVX2 kernels too (docs/benchmarks/kernel-constants.md#avx2-emulated).
 """
 
 from __future__ import annotations
 
-import math
 import platform
-import threading
 import types
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import numba
 import numpy as np
-import torch
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, prange
 from numba import types as numba_types
-from numba.core import codegen as numba_codegen
 from numba.extending import intrinsic
 
-from . import buffers
-from .errors import ConfigError, InvalidInputError
-from .hashing import FMIX_C1, FMIX_C2, HASH_NAMES, MAX_FAST_RANGE, NUM_RANDOM_NUMBERS
-
-__all__ = [
-    "adagrad_step",
-    "adam_step",
-    "chunk_offsets",
-    "coalesce_grad",
-    "compile_target",
-    "fits_int32_offsets",
-    "gather",
-    "lookup",
-    "lookup_bag",
-    "scatter_grad",
-    "set_kernel_threads",
-    "sgd_step",
-]
-
-BagMode = Literal["sum", "mean"]
+from ..hashing import FMIX_C1, FMIX_C2
 
 _MODE_PAPER_FLOAT = 0  # paper hash, 2**16 <= P < 2**52 (the paper's P): branch-free float reduction
 _MODE_PAPER_GENERIC = 1  # paper hash with any other P (imported constants): two integer divisions
@@ -132,78 +92,29 @@ _ROUND_MAGIC_BITS = np.int64(0x4338000000000000)
 _LOW32 = np.uint64(0xFFFFFFFF)
 _INT64_MAX = np.int64(np.iinfo(np.int64).max)
 _INT64_MIN = np.int64(np.iinfo(np.int64).min)
-# Batches of rows at least this big are written with streaming (non-temporal) stores: bigger than L2,
-# and a large share of L3, so caching them would only evict the table. Still so with the per-chunk-size
-# compilations (2026-11-23, training loop, paired steps against the same code with plain stores): the
-# share took 0.875-0.880x the time, and the whole pair-model step 0.989x (the model then reads the rows
-# from memory rather than cache, which costs it less than the stores save).
-_STREAMING_MIN_BYTES = 4 << 20
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-# A parallel dense backward gives each thread a private (m,) copy while they all fit in this many floats
-# (64 MB); past that, threads split the array into ranges and bucket the chunks by range.
-_PRIVATE_SCATTER_MAX_FLOATS = 16 << 20
-_SCRATCH_MAX_BYTES = 64 << 20
-_thread_scratch = threading.local()
-_PREFETCH_ROWS = 4  # how far ahead the row loops prefetch the table (measured best of 4 and 16)
-# Prefetching pays once the table misses the caches. Reads: past L2 (below that it cost 5-15% on a
-# lookup repeated over a hot table, m = 262144: 0.73 -> 0.83 ms). The dense backward's writes: from
-# the size of a core's L2 (1 MB on Zen 4/5; Zen 2/3 have 512 KB), because in training the array is not
-# in cache when the backward runs: the forward's rows and the backward's output gradients (13 MB each
-# for 32768 x 100) have streamed through since. In the training loop (2 lookups, backward, torch Adam;
-# ``python -m robez_core.bench_share --prefetch [--emulate-avx2]``, 2026-11-23, 1 thread, 88 paired
-# steps, dev VM under load), no write prefetch was 2.8% (AVX-512) / 3.6% (emulated AVX2) slower than
-# prefetch from 1 MB at m = 262144 and 23% / 17% slower at m = 2621440; a scatter alone on a hot
-# 1 MB array was no slower with it. At m = 65536 (256 KB) it gained 1% in the loop but cost 13% alone
-# (0.45 -> 0.51 ms), at m = 8192 25%. The old 64 MB threshold was set from the scatter alone.
-# Read prefetch at any size gained another 2-3% in that loop at m = 262144 but made a lookup repeated
-# over a hot table up to 9% slower (emulated AVX2), so reads keep their threshold.
-_PREFETCH_READ_MIN_BYTES = 4 << 20
-_PREFETCH_WRITE_MIN_BYTES = 1 << 20
-# Below the read-prefetch size, a gather that reads at least this many times the table's bytes first
-# reads the whole table once in order (``_warm_kernel``): in training the table is out of the caches
-# when the forward runs (the backward and the optimizer streamed megabytes through since), and the
-# gather's random chunk reads then wait on one miss after another, while a sequential pass is streamed
-# by the hardware prefetcher. Stepped in turn in the training loop (2 lookups, backward, torch Adam, m =
-# 262144, 1 thread, 2026-11-23, dev VM; ``python -m robez_core.bench_share --prefetch [--emulate-avx2]``),
-# the share was 9.1% (AVX-512) / 5.3% (emulated AVX2) slower without the pass, and 8.3% / 3.5% slower with
-# read prefetch in its place; a lookup repeated over a hot table was 3.3-3.5% slower with it (0.51 ->
-# 0.53 ms). At m = 2621440 (10 MB, prefetched instead) a pass gained 1-3% in the loop and cost 19% hot.
-# Prefetching the table while the ids are hashed instead (a share of its lines per block of ids, so the
-# pass overlaps the hash's arithmetic) gained 0.6% of the share (median of 8 paired runs, 0.98-1.03):
-# not kept.
-_WARM_TABLE_RATIO = 8
-# The backward streams through the (N, d) output gradients while it adds them at random places of the
-# array; the hardware prefetcher alone left that read and the adds one after the other (read 0.34 ms +
-# adds 0.38 ms = scatter 0.70 ms for 32768 x 100, m = 262144). Prefetching the gradient stream this far
-# ahead overlaps them: 0.64 ms at 400 floats ahead, 0.60 at 800, 0.54-0.58 from 1600 to 6400.
-# Prefetching that stream with the non-temporal hint (prefetchnta, to keep it from evicting the array
-# from L2) gained nothing in the training loop (2026-11-23, paired: 1.007-1.008x the time).
+# How many rows ahead the row loops prefetch the table (docs/benchmarks/kernel-constants.md#_prefetch_rows).
+_PREFETCH_ROWS = 4
+# The backward prefetches the (N, d) output gradients it streams through this far ahead, so reading them
+# overlaps its adds at random places of the array (docs/benchmarks/kernel-constants.md#_stream_ahead_floats).
 _STREAM_AHEAD_FLOATS = 2048
 # The row loops (gather, lookup, dense backward) copy or add a row as d // Z whole chunks and a shorter
 # last one. Compiled for one chunk size, those lengths are constants and LLVM unrolls each chunk into a
-# few vector moves; for a run-time Z every chunk ran three length loops (16, 4, 1 floats at a time).
-# Measured 2026-11-23 (1 thread, 32768 ids, d = 100, Z = 32, m = 262144), against the previous kernels
-# loaded side by side in one process: hot, gather 0.43-0.45 -> 0.40 ms, lookup 0.55 -> 0.45, dense
-# backward 0.55 -> 0.42-0.45; in the training loop (2 lookups, backward, Adam(fused=True), paired steps,
-# with the strided-ids change of ``chunk_offsets``) the share took 0.917-0.924x the time on AVX-512 and
-# 0.927x on emulated AVX2, and the trained arrays were bitwise equal. These sizes (the paper's Z range
-# and its double) get their own compilations (``_KernelPair.for_chunk``); any other Z runs the generic
-# one, which reads Z at run time (``_CHUNK = 0``).
+# few vector moves, where a run-time Z runs three length loops. These sizes (the paper's Z range and its
+# double) get their own compilations (``_KernelPair.for_chunk``); any other Z runs the generic one, which
+# reads Z at run time (``_CHUNK = 0``). (docs/benchmarks/kernel-constants.md#_specialised_chunk_sizes)
 _SPECIALISED_CHUNK_SIZES = frozenset((1, 2, 4, 8, 16, 32, 64))
 _CHUNK = 0
-# Ids hashed together, chunk by chunk, so each inner loop is a vectorised pass over the block. Blocks of
-# 512 ids (for 4 chunks an id) hashed 32768 ids 20% faster in a loop over the same batch (0.077 -> 0.061
-# ms; each vectorised loop has a set-up and a tail), but 5% slower in the training loop (0.105 -> 0.111
-# ms, timed inside the same paired steps; the share did not gain): not kept. Hoisting the constants a
-# block derives from the hash's (reciprocals, 2**64 mod P, each chunk term mod P) out of the block loop
-# made no difference either: LLVM already does.
+# Ids hashed together, chunk by chunk, so each inner loop is a vectorised pass over the block; bigger
+# blocks won alone and lost in training (docs/benchmarks/kernel-constants.md#_hash_block).
 _HASH_BLOCK = 128
 _HASH_BLOCK_U = np.uint64(_HASH_BLOCK)
-_HASH_GROUP = 16  # blocks per parallel work item of the hash: shares one scratch, still 16 items at 32768
+# Blocks per parallel work item of the hash: they share one scratch (still 16 items at 32768 ids;
+# docs/benchmarks/kernel-constants.md#_hash_group).
+_HASH_GROUP = 16
 _BAG_GROUP = 64
-# Below this many values touched a kernel runs in the calling thread. Measured at 2 threads on the dev VM
-# (service `demo` table, d=64): a 1-id hash + gather took 74 us parallel vs 40 us serial, 512 ids were
-# still faster serial, 4096 ids faster parallel (gather 119 -> 83 us).
+# Below this many values touched a kernel runs in the calling thread: waking the other threads costs more
+# than a small batch's whole kernel (docs/benchmarks/kernel-constants.md#_parallel_min_work).
 _PARALLEL_MIN_WORK = 1 << 16
 _FMIX_C1 = np.uint64(FMIX_C1 & 0xFFFFFFFFFFFFFFFF)
 _FMIX_C2 = np.uint64(FMIX_C2 & 0xFFFFFFFFFFFFFFFF)
@@ -215,7 +126,7 @@ _DENSE_COALESCE_FACTOR = 4
 _RADIX_BITS = 11
 _RADIX_BUCKETS = 1 << _RADIX_BITS
 # Up to this many keys an insertion sort beats the radix passes, whose bucket counts alone are 2 x 2048
-# values to clear and sum (8 ids x 2 chunks: 2.7 -> 0.6 us for the whole coalesce).
+# values to clear and sum (docs/benchmarks/kernel-constants.md#_insertion_sort_max_keys).
 _INSERTION_SORT_MAX_KEYS = 64
 
 
@@ -296,7 +207,7 @@ def _make_vector_copy(width: int) -> Any:
 
     LLVM's own vectorisation of a runtime-length copy runs 64 floats per iteration and then a scalar
     remainder, so a 32-float chunk never reached its vector body; explicit vectors copy a chunk in two
-    AVX-512 moves (the gather got 20% faster).
+    AVX-512 moves (docs/benchmarks/kernel-constants.md#why-the-kernels-are-fast).
     """
 
     @intrinsic
@@ -348,8 +259,8 @@ def _streaming_copy_4_intrinsic(typingctx, dst, dst_position, src, src_position)
     """``dst[d:d+4] = src[s:s+4]`` with a non-temporal store; ``dst`` + d must be 16-byte aligned.
 
     Writing a large batch of rows through the cache first reads every destination line from memory
-    (read-for-ownership) and evicts the table; streaming stores skip both. A cold 32768 x 100 gather went
-    from 0.93 to 0.59 ms. Callers end with :func:`_store_fence`.
+    (read-for-ownership) and evicts the table; streaming stores skip both
+    (docs/benchmarks/kernel-constants.md#_streaming_min_bytes). Callers end with :func:`_store_fence`.
     """
     if not (_is_float32_array(dst) and _is_float32_array(src)):
         return None
@@ -473,7 +384,7 @@ def _prefetch_chunk(array, position, length, for_write):
 
     Chunk reads (and the backward's read-modify-writes) land at random places of the table; the loops
     below prefetch the chunks of the row ``_PREFETCH_ROWS`` ahead, so several misses are in flight
-    at once. Gather of 32768 x 100: 0.57 -> 0.50 ms at m = 262144, 3.6 -> 2.3 ms at m = 10**8.
+    at once (docs/benchmarks/kernel-constants.md#_prefetch_rows).
     """
     first = np.uint64(position)
     last = first + np.uint64(length) - _U1
@@ -662,8 +573,8 @@ def _hash_block(
             # below 2**32, exact), four lanes per AVX2 instruction and no 64-bit integer compare. The
             # sum is below 2P: one subtraction of P. Then mod range_small: x * (1 / range) is within
             # 2**-20 / range of x / range (x < 2**31), so its floor is the true quotient or, only where
-            # x / range is an integer, one less: one correction. (AVX2 emulated, 32768 ids x 4 chunks:
-            # 0.18 -> 0.13 ms side by side, 0.11 with rows of 4 chunks stored whole.)
+            # x / range is an integer, one less: one correction.
+            # (docs/benchmarks/kernel-constants.md#_paper_formulation)
             chunk_mod_f = np.float64(np.int64(chunk_term) % prime)
             for j in range(n):
                 xf = key_modf[j] + chunk_mod_f
@@ -729,7 +640,7 @@ def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, ran
     num_ids = ids.shape[0]
     flat = out.reshape(-1)
     num_blocks = (num_ids + _HASH_BLOCK - 1) // _HASH_BLOCK
-    # One scratch per group of blocks, not per block (256 allocations for 32768 ids): 0.085 -> 0.071 ms
+    # One scratch per group of blocks, not per block (256 allocations for 32768 ids): see _HASH_GROUP
     for group in prange((num_blocks + _HASH_GROUP - 1) // _HASH_GROUP):
         scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
         for block in range(group * _HASH_GROUP, min(num_blocks, (group + 1) * _HASH_GROUP)):
@@ -754,7 +665,7 @@ def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, ran
 def _gather_kernel(weight, offsets, embedding_dim, chunk_size, streaming, prefetch, out):
     # A row is d // Z whole chunks, then a shorter last one: constant lengths in a compilation for one
     # chunk size (``_CHUNK``). The row loops are written out in each kernel: a helper taking the arrays
-    # kept numba's reference counting in the loop (gather 0.42 -> 9.4 ms).
+    # kept numba's reference counting in the loop (docs/benchmarks/kernel-constants.md#_chunk).
     chunk = _CHUNK if _CHUNK else chunk_size
     whole = embedding_dim // chunk
     rest = embedding_dim - whole * chunk
@@ -899,13 +810,6 @@ def _warm_kernel(weight):
         total += weight[position]
         position += _U16
     return total
-
-
-def _warm_table(weight_np: np.ndarray, gathered_bytes: int) -> None:
-    """Stream a table below the read-prefetch size through the caches before a gather that reads at
-    least ``_WARM_TABLE_RATIO`` times its bytes (see ``_WARM_TABLE_RATIO``)."""
-    if weight_np.nbytes < _PREFETCH_READ_MIN_BYTES and weight_np.nbytes * _WARM_TABLE_RATIO <= gathered_bytes:
-        _warm_kernel(weight_np)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1271,567 +1175,3 @@ def _checked_step_kernel(
             return False
         _adam_serial(weight, first, second, locations, values, beta1, beta2, eps, step_size)
     return True
-
-
-# --------------------------------------------------------------------------------------------------
-# public API (torch in, torch out)
-
-
-def _start_numba_threads() -> None:
-    """Start numba's thread pool now, keeping torch's thread count.
-
-    Both use the process's OpenMP runtime, and numba's first start resets its thread count to every core:
-    a ``torch.set_num_threads(1)`` made before the first kernel call would silently become ``cpu_count``.
-    """
-    torch_threads = torch.get_num_threads()
-    numba.get_num_threads()  # starts the threading layer
-    if torch.get_num_threads() != torch_threads:
-        torch.set_num_threads(torch_threads)
-
-
-_start_numba_threads()
-
-
-def _target_features() -> set[str]:
-    """The CPU features numba compiles for: the host's, or ``NUMBA_CPU_FEATURES`` when set."""
-    features = numba.config.CPU_FEATURES or numba_codegen.get_host_cpu_features()  # type: ignore[attr-defined]
-    return {item[1:] for item in features.split(",") if item.startswith("+")}
-
-
-_VECTOR_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "neon", "sve", "asimd")
-
-
-def compile_target() -> dict[str, str]:
-    """What the kernels are compiled for: ``cpu`` (numba's target CPU name, ``NUMBA_CPU_NAME`` when set),
-    ``vector_extensions`` (its enabled SIMD features), ``paper_hash`` (the formulation chosen for it)
-    and whether ``emulated`` (numba told to target another CPU than the host's)."""
-    vector = sorted(f for f in _target_features() if f.startswith(_VECTOR_PREFIXES))
-    emulated = numba.config.CPU_NAME is not None or numba.config.CPU_FEATURES is not None  # type: ignore[attr-defined]
-    return {
-        "cpu": numba.config.CPU_NAME or llvm_binding.get_host_cpu_name(),  # type: ignore[attr-defined]
-        "vector_extensions": " ".join(vector),
-        "paper_hash": _PAPER_FORMULATION,
-        "emulated": "yes" if emulated else "no",
-    }
-
-
-def set_kernel_threads() -> int:
-    """Make numba use ``torch.get_num_threads()`` threads (capped at numba's pool); returns the count."""
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
-    return threads
-
-
-# The paper hash's mod P for 2**16 <= P < 2**31: "split32" (32-bit halves, exact corrections, then the
-# per-chunk reduction in float64) or "float64" (int64 <-> float64 conversions and 64-bit multiplies,
-# which only AVX-512 DQ + VL has in vector registers). Since split32 reduces each chunk in float64 where
-# no key sum of the block wraps, it is ahead on both kinds of CPU: the "hashing alone" row of
-# ``python -m robez_core.bench --quick --no-report`` (1 thread, dev box, 2026-11-23, two runs each) went
-# from 0.111 / 0.108 ms (float64) to 0.079 / 0.085 ms (split32) on AVX-512, and with --emulate-avx2 from
-# 0.200 ms (split32 without the float64 chunk pass) to 0.120 ms. float64 still takes a P in
-# [2**31, 2**52). Tests set it to force either path on any CPU.
-_PAPER_FORMULATION = "split32"
-
-
-def _check_shape(memory_size: int, chunk_size: int, embedding_dim: int, hash: str) -> int:
-    """Validate a table shape; returns the hash range ``memory_size - chunk_size + 1``."""
-    if chunk_size < 1 or embedding_dim < 1:
-        raise ConfigError(f"chunk_size and embedding_dim must be >= 1, got {chunk_size}, {embedding_dim}")
-    if hash not in HASH_NAMES:
-        raise ConfigError(f"unknown hash {hash!r}; expected one of {HASH_NAMES}")
-    range_size = memory_size - chunk_size + 1
-    if range_size < 1:
-        raise ConfigError(f"memory_size ({memory_size}) must be >= chunk_size ({chunk_size})")
-    if hash == "fast" and range_size > MAX_FAST_RANGE:
-        raise ConfigError(f"hash='fast' needs memory_size - chunk_size + 1 <= 2**32, got {range_size}")
-    return range_size
-
-
-def _hash_setup(
-    hash: str, random_numbers: torch.Tensor, memory_size: int, chunk_size: int, embedding_dim: int = 1
-) -> tuple[int, np.ndarray, int]:
-    """(kernel hash mode, constants as numpy int64 (11,), range size) for a validated table shape."""
-    range_size = _check_shape(memory_size, chunk_size, embedding_dim, hash)
-    if random_numbers.dtype != torch.int64 or tuple(random_numbers.shape) != (NUM_RANDOM_NUMBERS,):
-        raise ConfigError(f"random_numbers must be int64 ({NUM_RANDOM_NUMBERS},)")
-    constants = random_numbers.contiguous().numpy()
-    prime = int(constants[0])
-    if prime <= 0:
-        raise ConfigError("random_numbers[0] is the modulus P and must be positive")
-    if hash == "fast":
-        return _MODE_FAST, constants, range_size
-    if _PAPER_FORMULATION == "split32" and _SPLIT_PRIME_RANGE[0] <= prime < _SPLIT_PRIME_RANGE[1]:
-        return _MODE_PAPER_SPLIT, constants, range_size
-    if _FLOAT_PRIME_RANGE[0] <= prime < _FLOAT_PRIME_RANGE[1]:
-        return _MODE_PAPER_FLOAT, constants, range_size
-    return _MODE_PAPER_GENERIC, constants, range_size
-
-
-def _ids_np(ids: torch.Tensor, strided: bool = False) -> np.ndarray:
-    """A numpy view of 1-D int64 ``ids``; contiguous unless ``strided`` lets a strided view through."""
-    if ids.dtype != torch.int64 or ids.dim() != 1:
-        raise InvalidInputError(
-            f"ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
-        )
-    return ids.numpy() if strided else ids.contiguous().numpy()
-
-
-def _weight_np(weight: torch.Tensor) -> np.ndarray:
-    if weight.dtype != torch.float32 or weight.dim() != 1 or not weight.is_contiguous():
-        raise ConfigError("weight must be a contiguous 1-D float32 tensor")
-    return weight.detach().numpy()
-
-
-def _wrap_int64(value: int) -> int:
-    """Python int -> the int64 with the same low 64 bits (val_offset is added with wrap-around)."""
-    return ((int(value) + (1 << 63)) % (1 << 64)) - (1 << 63)
-
-
-def _num_chunks(embedding_dim: int, chunk_size: int) -> int:
-    return -(-embedding_dim // chunk_size)
-
-
-def chunk_offsets(
-    ids: torch.Tensor,
-    num_chunks: int,
-    chunk_size: int,
-    memory_size: int,
-    random_numbers: torch.Tensor,
-    val_offset: int = 0,
-    hash: str = "paper",
-    dtype: torch.dtype = torch.int64,
-) -> torch.Tensor:
-    """Start offset of every chunk of every id: int64 (N, num_chunks) in ``[0, memory_size - chunk_size]``.
-
-    Bit-exact with ``hashing.reference_chunk_offsets``. ``ids`` is int64 (N,); any int64 value is valid.
-    ``dtype=torch.int32`` gives the same offsets as int32 (for ``gather`` and ``scatter_grad``; only
-    when ``memory_size - chunk_size < 2**31``): half the bytes to write, keep and read back.
-    """
-    hash_mode, constants, range_size = _hash_setup(hash, random_numbers, memory_size, chunk_size)
-    if dtype not in _OFFSET_DTYPES:
-        raise ConfigError(f"offsets dtype must be torch.int64 or torch.int32, got {dtype}")
-    if dtype == torch.int32 and not fits_int32_offsets(memory_size, chunk_size):
-        raise ConfigError(f"int32 offsets need memory_size - chunk_size < 2**31 (m = {memory_size})")
-    # A strided column (``pairs[:, 0]``) is hashed where it lies: the kernel reads each id once, and a
-    # copy cost the training share 2-3.5% (paired, 2026-11-23), mostly the caches it went through.
-    ids_np = _ids_np(ids, strided=True)
-    out = _empty((ids_np.shape[0], num_chunks), _OFFSET_DTYPES[dtype])
-    if ids_np.shape[0] and num_chunks:
-        set_kernel_threads()
-        _chunk_offsets_kernel(
-            ids_np,
-            np.int64(_wrap_int64(val_offset)),
-            num_chunks,
-            hash_mode,
-            constants,
-            range_size,
-            out.numpy(),
-            work=ids_np.shape[0] * num_chunks,
-        )
-    return out
-
-
-# Chunk offsets may be int32 where every one fits: the training forward keeps them for the backward, and
-# int32 halves what the hash writes and the gather and the backward read back (1 MB -> 0.5 MB for 32768
-# ids x 4 chunks). In the training loop (2026-11-23, 1 thread, d = 100, Z = 32, m = 262144, paired steps)
-# the share took 0.966x (AVX-512) / 0.974x (emulated AVX2) the time with int32 offsets when both arms
-# called the kernels directly, and 0.979-0.984x through ``RobezEmbedding`` against the int64 version
-# loaded side by side (three runs, two CPU kinds; trained arrays bitwise equal).
-_OFFSET_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
-
-
-def fits_int32_offsets(memory_size: int, chunk_size: int) -> bool:
-    """Whether every chunk offset of an array of ``memory_size`` floats fits an int32."""
-    return memory_size - chunk_size < 1 << 31
-
-
-def _empty(shape: tuple[int, ...], dtype: type) -> torch.Tensor:
-    """A new uninitialised CPU tensor whose memory numpy allocated, from ``buffers``' pool when large.
-
-    glibc serves a multi-megabyte ``torch.empty`` with a fresh ``mmap`` every call, so writing a batch of
-    rows first takes thousands of page faults (+0.3 ms on the 13 MB of a 32768 x 100 lookup, half the
-    gather). numpy asks the kernel for transparent huge pages on large arrays, which makes those faults
-    500x fewer, and the pool hands a freed batch's memory to the next one, so that whether it faults does
-    not depend on what else the process allocated before (see ``buffers.py``). ``torch.from_numpy``
-    shares the memory; the tensor behaves like any other.
-    """
-    return torch.from_numpy(buffers.empty(shape, dtype))
-
-
-def _streaming(out: torch.Tensor, embedding_dim: int, chunk_size: int) -> bool:
-    """Stream rows past the cache when the batch outgrows it and every chunk lands 16-byte aligned."""
-    return (
-        out.numel() * 4 >= _STREAMING_MIN_BYTES
-        and embedding_dim % 4 == 0
-        and chunk_size % 4 == 0
-        and out.data_ptr() % 16 == 0
-    )
-
-
-def _out_rows(out: torch.Tensor | None, num_rows: int, embedding_dim: int) -> torch.Tensor:
-    if out is None:
-        return _empty((num_rows, embedding_dim), np.float32)
-    if out.dtype != torch.float32 or tuple(out.shape) != (num_rows, embedding_dim) or not out.is_contiguous():
-        raise ConfigError(f"out must be a contiguous float32 tensor of shape ({num_rows}, {embedding_dim})")
-    return out
-
-
-def gather(
-    weight: torch.Tensor,
-    offsets: torch.Tensor,
-    embedding_dim: int,
-    chunk_size: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Rows from chunk offsets: float32 (N, embedding_dim); ``offsets`` int64 or int32 (N, ceil(d / Z)).
-
-    Offsets are trusted to lie in ``[0, len(weight) - chunk_size]`` (as ``chunk_offsets`` makes them).
-    """
-    weight_np = _weight_np(weight)
-    if offsets.dtype not in _OFFSET_DTYPES or offsets.dim() != 2:
-        raise InvalidInputError("offsets must be a 2-D int64 or int32 tensor")
-    if offsets.shape[1] != _num_chunks(embedding_dim, chunk_size):
-        raise InvalidInputError(f"offsets must have {_num_chunks(embedding_dim, chunk_size)} columns")
-    result = _out_rows(out, offsets.shape[0], embedding_dim)
-    if offsets.shape[0]:
-        set_kernel_threads()
-        _warm_table(weight_np, result.numel() * 4)
-        _gather_kernel.for_chunk(chunk_size)(
-            weight_np,
-            offsets.contiguous().numpy(),
-            embedding_dim,
-            chunk_size,
-            _streaming(result, embedding_dim, chunk_size),
-            weight_np.nbytes >= _PREFETCH_READ_MIN_BYTES,
-            result.numpy(),
-            work=result.numel(),
-        )
-    return result
-
-
-def lookup(
-    weight: torch.Tensor,
-    ids: torch.Tensor,
-    embedding_dim: int,
-    chunk_size: int,
-    random_numbers: torch.Tensor,
-    val_offset: int = 0,
-    hash: str = "paper",
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Fused hash + gather: float32 (N, embedding_dim) rows of int64 ``ids`` (N,) from ``weight`` (m,)."""
-    hash_mode, constants, _ = _hash_setup(hash, random_numbers, weight.shape[0], chunk_size, embedding_dim)
-    weight_np = _weight_np(weight)
-    ids_np = _ids_np(ids)
-    result = _out_rows(out, ids_np.shape[0], embedding_dim)
-    if ids_np.shape[0]:
-        set_kernel_threads()
-        _warm_table(weight_np, result.numel() * 4)
-        _lookup_kernel.for_chunk(chunk_size)(
-            weight_np,
-            ids_np,
-            np.int64(_wrap_int64(val_offset)),
-            embedding_dim,
-            chunk_size,
-            hash_mode,
-            constants,
-            _streaming(result, embedding_dim, chunk_size),
-            weight_np.nbytes >= _PREFETCH_READ_MIN_BYTES,
-            result.numpy(),
-            work=result.numel(),
-        )
-    return result
-
-
-def lookup_bag(
-    weight: torch.Tensor,
-    ids: torch.Tensor,
-    bag_offsets: torch.Tensor,
-    per_sample_weights: torch.Tensor | None,
-    mode: BagMode,
-    embedding_dim: int,
-    chunk_size: int,
-    random_numbers: torch.Tensor,
-    val_offset: int = 0,
-    hash: str = "paper",
-) -> torch.Tensor:
-    """Fused pooled lookup: float32 (B, embedding_dim), like ``F.embedding_bag(..., offsets=bag_offsets)``.
-
-    ``bag_offsets`` int64 (B,) are the start of each bag in ``ids`` (N,) (non-decreasing, first 0, last
-    <= N; a bag runs to the next start or to N). ``per_sample_weights`` float32 (N,) scales each row
-    before pooling (``mode="sum"`` only, as in torch). Empty bags give zeros.
-    """
-    hash_mode, constants, _ = _hash_setup(hash, random_numbers, weight.shape[0], chunk_size, embedding_dim)
-    if mode not in ("sum", "mean"):
-        raise ConfigError(f"mode must be 'sum' or 'mean', got {mode!r}")
-    weight_np = _weight_np(weight)
-    ids_np = _ids_np(ids)
-    if bag_offsets.dtype != torch.int64 or bag_offsets.dim() != 1:
-        raise InvalidInputError("bag offsets must be a 1-D int64 tensor")
-    offsets_np = bag_offsets.contiguous().numpy()
-    if offsets_np.shape[0] and (
-        offsets_np[0] != 0 or offsets_np[-1] > ids_np.shape[0] or np.any(np.diff(offsets_np) < 0)
-    ):
-        raise InvalidInputError("bag offsets must start at 0, be non-decreasing and not exceed len(ids)")
-    if per_sample_weights is None:
-        weights_np = np.empty(0, dtype=np.float32)
-    else:
-        if mode != "sum":
-            raise InvalidInputError("per_sample_weights is only supported with mode='sum'")
-        if per_sample_weights.dtype != torch.float32 or tuple(per_sample_weights.shape) != tuple(ids.shape):
-            raise InvalidInputError("per_sample_weights must be float32 with the shape of ids")
-        weights_np = per_sample_weights.detach().contiguous().numpy()
-    out = _empty((offsets_np.shape[0], embedding_dim), np.float32)
-    if offsets_np.shape[0]:
-        set_kernel_threads()
-        _lookup_bag_kernel(
-            weight_np,
-            ids_np,
-            offsets_np,
-            weights_np,
-            per_sample_weights is not None,
-            mode == "mean",
-            np.int64(_wrap_int64(val_offset)),
-            embedding_dim,
-            chunk_size,
-            hash_mode,
-            constants,
-            weight_np.nbytes >= _PREFETCH_READ_MIN_BYTES,
-            out.numpy(),
-            work=ids_np.shape[0] * embedding_dim,
-        )
-    return out
-
-
-def _scratch(name: str, size: int, dtype: type) -> np.ndarray:
-    """A 1-D scratch array of at least ``size`` elements (contents undefined), kept per thread.
-
-    A fresh multi-megabyte buffer per call costs page faults: glibc hands freed memory back to the kernel,
-    and on this VM that made a 262144-location coalesce 3.6 ms instead of 1.3 ms. Buffers up to
-    ``_SCRATCH_MAX_BYTES`` are kept for the next call of the same thread (kernels run without the GIL,
-    so threads must not share them); bigger ones are allocated each time.
-    """
-    nbytes = size * np.dtype(dtype).itemsize
-    if nbytes > _SCRATCH_MAX_BYTES:
-        return np.empty(size, dtype=dtype)
-    buffers: dict[str, np.ndarray] | None = getattr(_thread_scratch, "buffers", None)
-    if buffers is None:
-        buffers = _thread_scratch.buffers = {}
-    buffer = buffers.get(name)
-    if buffer is None or buffer.shape[0] < size or buffer.dtype != dtype:
-        buffer = buffers[name] = np.empty(size, dtype=dtype)
-    return buffer
-
-
-def _grad_inputs(
-    grad_rows: torch.Tensor, offsets: torch.Tensor, chunk_size: int, keep_int32: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """numpy views for a backward kernel; offsets as int64 unless ``keep_int32`` lets int32 ones through."""
-    if grad_rows.dim() != 2 or offsets.dim() != 2 or grad_rows.shape[0] != offsets.shape[0]:
-        raise InvalidInputError("grad_rows (N, d) and offsets (N, C) must have the same N")
-    if offsets.shape[1] != _num_chunks(grad_rows.shape[1], chunk_size):
-        raise InvalidInputError("offsets must have ceil(d / chunk_size) columns")
-    grads = grad_rows.detach().to(torch.float32).contiguous().numpy()
-    keep = keep_int32 and offsets.dtype == torch.int32
-    return grads, (offsets if keep else offsets.to(torch.int64)).contiguous().numpy()
-
-
-def scatter_grad(grad_rows: torch.Tensor, offsets: torch.Tensor, chunk_size: int, out: torch.Tensor) -> None:
-    """Dense backward, in place: ``out[offsets[n, c] + j] += grad_rows[n, c * Z + j]``; out float32 (m,).
-    ``offsets`` int64 or int32 (as ``chunk_offsets(..., dtype=torch.int32)`` gives them)."""
-    grads, offsets_np = _grad_inputs(grad_rows, offsets, chunk_size, keep_int32=True)
-    if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
-        raise ConfigError("out must be a contiguous 1-D float32 tensor")
-    if grads.shape[0] == 0:
-        return
-    threads = set_kernel_threads()
-    out_np = out.detach().numpy()
-    memory_size = out.shape[0]
-    if threads == 1 or grads.shape[0] < 256:
-        prefetch = out_np.nbytes >= _PREFETCH_WRITE_MIN_BYTES
-        kernel = _scatter_serial_kernel.for_chunk(chunk_size).serial
-        kernel(grads, offsets_np, grads.shape[1], chunk_size, prefetch, out_np)
-    elif memory_size * threads <= _PRIVATE_SCATTER_MAX_FLOATS:
-        kernel = _scatter_private_kernel.for_chunk(chunk_size).parallel
-        kernel(grads, offsets_np, grads.shape[1], chunk_size, out_np, threads)
-    else:
-        _scatter_partitioned_kernel(grads, offsets_np, grads.shape[1], chunk_size, out_np, threads)
-
-
-def coalesce_grad(
-    grad_rows: torch.Tensor, offsets: torch.Tensor, chunk_size: int, memory_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse backward: sorted unique locations int64 (K,) and their summed gradients float32 (K,).
-
-    Uses a dense (m,) scratch buffer when ``memory_size`` is small next to the number of gradient values,
-    and a sort of the chunk starts otherwise, so a huge array never costs O(m) memory or time.
-    """
-    grads, offsets_np = _grad_inputs(grad_rows, offsets, chunk_size)
-    if grads.shape[0] == 0:
-        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
-    if memory_size <= _DENSE_COALESCE_FACTOR * grads.size:
-        values_dense = _scratch("coalesce.values", memory_size, np.float32)
-        coverage = _scratch("coalesce.coverage", memory_size + 1, np.int32)
-        locations, values = _coalesce_dense_kernel(
-            grads, offsets_np, grads.shape[1], chunk_size, memory_size, values_dense, coverage
-        )
-    else:
-        locations, values = _coalesce_sorted_kernel(grads, offsets_np, grads.shape[1], chunk_size)
-    return torch.from_numpy(locations), torch.from_numpy(values)
-
-
-def _step_inputs(
-    weight: torch.Tensor, locations: torch.Tensor, values: torch.Tensor
-) -> tuple[np.ndarray, ...]:
-    if (
-        locations.dtype != torch.int64
-        or locations.dim() != 1
-        or tuple(values.shape) != tuple(locations.shape)
-    ):
-        raise InvalidInputError("locations must be int64 (K,) and values (K,)")
-    return (
-        _weight_np(weight),
-        locations.contiguous().numpy(),
-        values.detach().to(torch.float32).contiguous().numpy(),
-    )
-
-
-def _state_np(state: torch.Tensor, weight: torch.Tensor, name: str) -> np.ndarray:
-    if state.dtype != torch.float32 or state.shape != weight.shape or not state.is_contiguous():
-        raise ConfigError(f"{name} must be a contiguous float32 tensor shaped like weight")
-    return state.detach().numpy()
-
-
-def sgd_step(weight: torch.Tensor, locations: torch.Tensor, values: torch.Tensor, lr: float) -> None:
-    """In place ``weight[loc] -= lr * g`` (like ``torch.optim.SGD``); ``locations`` must be unique."""
-    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
-    set_kernel_threads()
-    _sgd_kernel(weight_np, loc_np, val_np, np.float32(lr), work=loc_np.shape[0])
-
-
-def sgd_nonfinite(weight: torch.Tensor, locations: torch.Tensor, values: torch.Tensor, lr: float) -> int:
-    """How many of ``locations`` ``sgd_step`` would leave non-finite (or have a non-finite gradient);
-    reads only, so a caller can refuse the step before changing anything."""
-    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
-    set_kernel_threads()
-    return int(_sgd_nonfinite_kernel(weight_np, loc_np, val_np, np.float32(lr), work=loc_np.shape[0]))
-
-
-def adagrad_nonfinite(
-    weight: torch.Tensor,
-    state_sum: torch.Tensor,
-    locations: torch.Tensor,
-    values: torch.Tensor,
-    lr: float,
-    eps: float,
-) -> int:
-    """As ``sgd_nonfinite`` for ``adagrad_step`` (its weight and its ``state_sum``)."""
-    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
-    set_kernel_threads()
-    state_np = _state_np(state_sum, weight, "state_sum")
-    work = loc_np.shape[0]
-    return int(
-        _adagrad_nonfinite_kernel(
-            weight_np, state_np, loc_np, val_np, np.float32(lr), np.float32(eps), work=work
-        )
-    )
-
-
-def adam_nonfinite(
-    weight: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    locations: torch.Tensor,
-    values: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    step: int,
-) -> int:
-    """As ``sgd_nonfinite`` for ``adam_step`` (its weight and both moments) taken as step ``step``."""
-    step_size = adam_step_size(lr, beta1, beta2, step)
-    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
-    set_kernel_threads()
-    return int(
-        _adam_nonfinite_kernel(
-            weight_np,
-            _state_np(exp_avg, weight, "exp_avg"),
-            _state_np(exp_avg_sq, weight, "exp_avg_sq"),
-            loc_np,
-            val_np,
-            np.float32(beta1),
-            np.float32(beta2),
-            np.float32(eps),
-            np.float32(step_size),
-            work=loc_np.shape[0],
-        )
-    )
-
-
-def adam_step_size(lr: float, beta1: float, beta2: float, step: int) -> float:
-    """The bias-corrected step size of Adam step number ``step`` (1 for the first update), in float64: the
-    one formula every Adam path (``adam_step``, ``adam_nonfinite``, the small-batch step) must share to stay
-    bit-identical."""
-    if step < 1:
-        raise ConfigError(f"step must be >= 1, got {step}")
-    return lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
-
-
-def adagrad_step(
-    weight: torch.Tensor,
-    state_sum: torch.Tensor,
-    locations: torch.Tensor,
-    values: torch.Tensor,
-    lr: float,
-    eps: float,
-) -> None:
-    """In place Adagrad (``torch.optim.Adagrad``, lr_decay=0): ``sum += g*g; w -= lr*g / (sqrt(sum)+eps)``.
-
-    ``state_sum`` float32 (m,) starts at the initial accumulator value; ``locations`` must be unique.
-    """
-    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
-    set_kernel_threads()
-    _adagrad_kernel(
-        weight_np,
-        _state_np(state_sum, weight, "state_sum"),
-        loc_np,
-        val_np,
-        np.float32(lr),
-        np.float32(eps),
-        work=loc_np.shape[0],
-    )
-
-
-def adam_step(
-    weight: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    locations: torch.Tensor,
-    values: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    step: int,
-) -> None:
-    """In place lazy Adam, as ``torch.optim.SparseAdam``: only ``locations`` (unique) are touched.
-
-    ``step`` is the step number being taken (1 for the first update); the bias corrections use it.
-    """
-    step_size = adam_step_size(lr, beta1, beta2, step)
-    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
-    set_kernel_threads()
-    _adam_kernel(
-        weight_np,
-        _state_np(exp_avg, weight, "exp_avg"),
-        _state_np(exp_avg_sq, weight, "exp_avg_sq"),
-        loc_np,
-        val_np,
-        np.float32(beta1),
-        np.float32(beta2),
-        np.float32(eps),
-        np.float32(step_size),
-        work=loc_np.shape[0],
-    )
