@@ -19,7 +19,7 @@
   gain; the rest is the streaming of rows and gradients, the optimizer step and the fixed costs.
 - :func:`prefetch_comparison` (``python -m benchmarks.core.share --prefetch [--emulate-avx2]``): the
   share stepped under several settings of the kernels' prefetch thresholds in turn, the evidence for the
-  thresholds in ``kernels.py``.
+  thresholds in ``robez_core/kernels/__init__.py``.
 - :func:`adam_comparison` (``python -m benchmarks.core.share --adam [--emulate-avx2]``): the fused share
   stepped with torch's default ``torch.optim.Adam`` and with ``torch.optim.Adam(fused=True)`` in turn, the
   evidence for training the array (and stepping the bench's fused rows) with ``fused=True``.

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import DEFAULT_OUTPUT_DIR
-from robez_core import hostinfo, kernels
+from robez_core import hostinfo
+from robez_core.kernels import serial
 from robez_core.config import OptimizerConfig, OptimizerName, TableConfig
 from robez_core.table import Table
 
@@ -73,7 +74,7 @@ def measure(optimizer: OptimizerName, calls: int, repeats: int, seed: int = 0) -
     # the arithmetic alone: the same serial kernels on prepared arrays, no checks, no set-up
     c = DEMO_CONFIG
     weight = table.weight.numpy()
-    mode, constants, range_size = kernels._hash_setup(
+    mode, constants, range_size = serial.hash_setup(
         c.hash, table.random_numbers, c.memory_size, c.chunk_size, c.embedding_dim
     )
     val_offset = np.int64(c.val_offset)
@@ -84,25 +85,25 @@ def measure(optimizer: OptimizerName, calls: int, repeats: int, seed: int = 0) -
     state = {name: tensor.numpy() for name, tensor in table.state.items()}
     lr = np.float32(1e-3)
 
-    gather = kernels._gather_kernel.for_chunk(c.chunk_size).serial
+    gather = serial.gather_for(c.chunk_size)
 
     def lookup_kernels() -> None:
-        kernels._chunk_offsets_kernel.serial(
+        serial.chunk_offsets(
             one_np, val_offset, c.num_chunks, mode, constants, range_size, offsets_one
         )
         gather(weight, offsets_one, c.embedding_dim, c.chunk_size, False, False, rows)
 
     def update_kernels() -> None:
-        kernels._chunk_offsets_kernel.serial(
+        serial.chunk_offsets(
             ids_np, val_offset, c.num_chunks, mode, constants, range_size, offsets
         )
-        locations, values = kernels._coalesce_sorted_kernel(grads_np, offsets, c.embedding_dim, c.chunk_size)
+        locations, values = serial.coalesce_sorted(grads_np, offsets, c.embedding_dim, c.chunk_size)
         if optimizer == "sgd":
-            kernels._sgd_kernel.serial(weight, locations, values, lr)
+            serial.sgd(weight, locations, values, lr)
         elif optimizer == "adagrad":
-            kernels._adagrad_kernel.serial(weight, state["sum"], locations, values, lr, np.float32(1e-8))
+            serial.adagrad(weight, state["sum"], locations, values, lr, np.float32(1e-8))
         else:
-            kernels._adam_kernel.serial(
+            serial.adam(
                 weight, state["exp_avg"], state["exp_avg_sq"], locations, values,
                 np.float32(0.9), np.float32(0.999), np.float32(1e-8), lr,
             )  # fmt: skip
