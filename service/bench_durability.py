@@ -34,7 +34,7 @@ import torch
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
 
-from .journal import UpdateRecord
+from .store.journal import UpdateRecord
 from .wal import LOG_FILE, WalJournal
 
 

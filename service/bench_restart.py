@@ -36,7 +36,7 @@ from robez_core.table import Table
 
 from .bench_durability import _cpu_model
 from .config import DEMO_OPTIMIZER, DEMO_TABLE_CONFIG, DEMO_TABLE_NAME
-from .journal import UpdateRecord
+from .store.journal import UpdateRecord
 from .wal import LOG_FILE, WalJournal
 
 

@@ -37,7 +37,7 @@ from robez_core.table import Table
 
 from .. import faults
 from ..config import TableSpec
-from ..journal import NullJournal, StorageFullError, is_storage_full
+from ..errors import StorageFullError
 from ..shm import (
     DELETED,
     DELETING,
@@ -54,6 +54,7 @@ from ..shm import (
     shape_numel,
 )
 from .api import TableInfo, validate_table_name
+from .journal import NullJournal, is_storage_full
 from .repair import remove_orphans, write_journal
 
 if TYPE_CHECKING:

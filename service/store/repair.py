@@ -66,7 +66,6 @@ import torch
 from robez_core.errors import CorruptionError
 from robez_core.table import Table
 
-from ..journal import Journal
 from ..shm import (
     DELETED,
     DELETING,
@@ -79,6 +78,7 @@ from ..shm import (
     SharedDirectory,
     TableEntry,
 )
+from .journal import Journal
 
 if TYPE_CHECKING:
     from .tables import TableStore

@@ -47,7 +47,6 @@ from robez_core.table import Table
 
 from .. import faults
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
-from ..journal import Journal, NullJournal, UpdateRecord
 from ..shm import (
     DELETED,
     EXCLUSIVE,
@@ -73,6 +72,7 @@ from .api import (
     UpdateResult,
     validate_table_name,
 )
+from .journal import Journal, NullJournal, UpdateRecord
 from .repair import repair
 
 logger = logging.getLogger("robez.store")

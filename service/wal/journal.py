@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, BinaryIO
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
 from robez_core.table import fsync_dir
 
+from ..errors import StorageFullError
 from ..faults import die_at
-from ..journal import StorageFullError, UpdateRecord, is_storage_full
+from ..store.journal import UpdateRecord, is_storage_full
 
 if TYPE_CHECKING:
     from robez_core.table import Table

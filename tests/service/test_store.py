@@ -18,9 +18,9 @@ from robez_core.errors import ConflictError, InvalidInputError, NotFoundError
 from robez_core.small import SmallPath
 from robez_core.table import Table
 from service.config import Settings, TableSpec
-from service.journal import NullJournal, UpdateRecord
 from service.shm import SharedDirectory, remove_stale_directories
 from service.store import LookupResult, TableStore
+from service.store.journal import NullJournal, UpdateRecord
 from service.wal import LOG_FILE, META_FILE, WalJournal
 
 from .conftest import make_settings
