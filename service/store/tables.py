@@ -95,8 +95,8 @@ class TableStore:
         self.directory = directory
         self.limits = Limits.from_settings(settings)
         self.journal = journal
-        # Testing only (ROBEZ_FAULT_DIE_AFTER_APPEND): die half-way through an update; see _fault_point.
-        self._fault_file = settings.fault_die_after_append
+        # Testing only (service/faults.py): die half-way through an update; see _fault_point.
+        self._fault_file = faults.fault_file()
         # The null journal itself (not a subclass that observes appends): an update appends nothing, so a
         # small one can skip the append and be checked and applied in one compiled call (_apply_small).
         self._small_unjournalled = type(journal) is NullJournal and self._fault_file is None

@@ -18,7 +18,7 @@ from robez_core.errors import ConfigError, ConflictError, CorruptionError, Inval
 from robez_core.table import fsync_dir
 
 from ..errors import StorageFullError
-from ..faults import die_at
+from ..faults import die_at, fault_file
 from ..store.journal import UpdateRecord, is_storage_full
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ class WalJournal:
             snapshot_log_ratio=settings.snapshot_log_ratio,
             snapshot_log_min_bytes=settings.snapshot_log_min_bytes,
         )
-        journal.fault_file = settings.fault_die_after_append
+        journal.fault_file = fault_file()
         return journal
 
     # -- paths -------------------------------------------------------------------------------------------
