@@ -219,7 +219,7 @@ def test_a_worker_killed_in_the_middle_of_a_load(point: Point, worker: Worker, t
         tensor.copy_(torch.rand(tensor.shape, generator=generator) + 10.0)
     checkpoint = tmp_path / "loaded.safetensors"
     loaded.save(checkpoint)
-    stale = worker.store._entry("t")  # what an update that resolved t before the kill holds
+    stale = worker.store.registry.entry("t")  # what an update that resolved t before the kill holds
 
     _kill_worker_at(point.name, worker, tmp_path, str(checkpoint))
 
