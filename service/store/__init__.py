@@ -25,7 +25,7 @@ from .api import (
     UpdateResult,
     validate_table_name,
 )
-from .tables import TableStore
+from .tables import TableStore, apply_record
 
 __all__ = [
     "POOLINGS",
@@ -37,5 +37,6 @@ __all__ = [
     "TableInfo",
     "TableStore",
     "UpdateResult",
+    "apply_record",
     "validate_table_name",
 ]

@@ -39,7 +39,8 @@ from robez_core.errors import (
     InvalidInputError,
     LimitExceededError,
 )
-from robez_core.table import Table
+from robez_core.small import SMALL_BATCH_MAX_IDS
+from robez_core.table import PreparedStep, Table
 
 from .. import faults
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
@@ -278,39 +279,28 @@ class TableStore:
         elsewhere (the caller, on the event loop, then retries from a worker thread)."""
         entry = self.registry.entry(name)
         table = entry.table
-        self.limits.check_request(_count(ids), table.config.embedding_dim)
-        applied_lr = table.optimizer.lr if lr is None else float(lr)
-        if not (applied_lr > 0 and applied_lr != float("inf")):
-            raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
-        if self._small_unjournalled:
+        applied_lr = self._check_request(table, _count(ids), lr)
+        if self._small_unjournalled and _count(ids) <= SMALL_BATCH_MAX_IDS:
             # Nothing to journal: a small batch is hashed, checked and applied in two compiled calls.
             locked = self.registry.acquire(name, blocking)
             if locked is None:
                 return None
             try:
-                result = _apply_small(locked, ids, grads, applied_lr)
+                return self._apply_unjournalled(locked, ids, grads, applied_lr), 0
             finally:
                 locked.lock.release()
-            if result is not None:
-                return result, 0
         ids, grads = _tensor(ids), _tensor(grads)
         start = time.perf_counter()
-        # ``hash`` checks the ids and ``prepare_step`` the gradients (finite, one row of d per id), both
-        # before anything changes.
-        # Hashing reads only the config, so it runs outside the lock; so does coalescing the step.
-        chunk_offsets = table.hash(ids)
-        hashed = time.perf_counter()
-        # also: lr <= the table's max_lr
-        step = table.prepare_step(chunk_offsets, grads, applied_lr, offsets_from_hash=True)
-        prepared = time.perf_counter()
+        # Checked before anything changes; the table's config is all they read, so they run outside the
+        # lock (so does coalescing the step).
+        step, hash_seconds = _prepare(table, ids, grads, applied_lr)
+        prepare_seconds = time.perf_counter() - start - hash_seconds
         with self.registry.try_locked(name, blocking) as locked:
             if locked is None:
                 return None
             if locked is not entry:  # a load switched the table meanwhile (same config: checked again)
                 table = locked.table
-                table.validate_grads(ids, grads)
-                chunk_offsets = table.hash(ids)
-                step = table.prepare_step(chunk_offsets, grads, applied_lr, offsets_from_hash=True)
+                step, _ = _prepare(table, ids, grads, applied_lr)
             version = locked.version + 1
             # Before the log: a step that would leave a non-finite value is refused, nothing changed.
             table.check_step(step)
@@ -323,16 +313,41 @@ class TableStore:
                 locked.set_pending(0)  # a failed append leaves the log as it was
                 raise
             if self._fault_file is not None:
-                self._fault_point(table, chunk_offsets, grads, applied_lr)
-            apply_start = time.perf_counter()
-            table.apply_step(step)  # if it raises, the mark stays
-            applied = time.perf_counter()
+                self._fault_point(table, ids, grads, applied_lr)
+            timings = apply_record(table, ids, grads, applied_lr, step=step)  # if it raises, the mark stays
             locked.set_version(version)
             locked.set_pending(0)
         # The caller waits for durability outside the lock (group commit): the next updates append
         # while this one waits for its flush.
-        apply_seconds = (prepared - hashed) + (applied - apply_start)
-        return UpdateResult(version, hashed - start, apply_seconds), ticket
+        assert timings is not None  # a live push is refused, never skipped
+        return UpdateResult(version, hash_seconds, prepare_seconds + timings[1]), ticket
+
+    def _apply_unjournalled(
+        self, entry: TableEntry, ids: Tensor | np.ndarray, grads: Tensor | np.ndarray, lr: float
+    ) -> UpdateResult:
+        """The next version of ``entry`` (its lock held) with nothing to journal: the whole update under
+        the lock, a small batch in two compiled calls."""
+        version = entry.version + 1
+        entry.set_pending(version)  # as apply_update: a worker that dies mid-step leaves the mark
+        try:
+            timings = apply_record(entry.table, ids, grads, lr)
+        except InvalidInputError:  # refused before anything changed
+            entry.set_pending(0)
+            raise
+        assert timings is not None  # a live push is refused, never skipped
+        entry.set_version(version)
+        entry.set_pending(0)
+        return UpdateResult(version, *timings)
+
+    def _check_request(self, table: Table, num_ids: int, lr: float | None) -> float:
+        """The checks of an update that read neither its ids nor its gradients: the request limits and the
+        lr (positive, finite); returns the lr to apply (the request's, else the table's). The rest of the
+        validation is ``_prepare``'s, and ``check_step``'s under the lock."""
+        self.limits.check_request(num_ids, table.config.embedding_dim)
+        applied_lr = table.optimizer.lr if lr is None else float(lr)
+        if not (applied_lr > 0 and applied_lr != float("inf")):
+            raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
+        return applied_lr
 
     # -- replicated mode: the log decides the order and the versions (service/replication/) ----------
 
@@ -340,24 +355,17 @@ class TableStore:
         """Every check ``apply_update`` makes before it changes anything; returns the lr to apply. A
         replica runs it before publishing, so a bad push is a 4xx and never reaches the log."""
         table = self.registry.entry(name).table
-        self.limits.check_request(int(ids.numel()), table.config.embedding_dim)
-        table.validate_grads(ids, grads)
-        applied_lr = table.optimizer.lr if lr is None else float(lr)
-        if not (applied_lr > 0 and applied_lr != float("inf")):
-            raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
-        # lr <= the table's max_lr, and a step that would leave a non-finite value on the table as this
-        # replica has it now is refused before it is published (apply_logged checks again, at its version).
-        table.check_step(table.prepare_step(table.hash(ids), grads, applied_lr))
+        applied_lr = self._check_request(table, int(ids.numel()), lr)
+        step, _ = _prepare(table, ids, grads, applied_lr)
+        # A step that would leave a non-finite value on the table as this replica has it now is refused
+        # before it is published (apply_logged checks again, at its version).
+        table.check_step(step)
         return applied_lr
 
     def apply_logged(self, record: UpdateRecord) -> UpdateResult | None:
         """Apply the update at log position ``record.version``: the table goes from ``version - 1`` to
         ``version``. None if the table already has it (a replay). A gap is a ``CorruptionError``: the
         caller reads the log from the wrong place. The journal is not called: the log is the journal."""
-        entry = self.registry.entry(record.table)
-        start = time.perf_counter()
-        chunk_offsets = entry.table.hash(record.ids)
-        hashed = time.perf_counter()
         with self.registry.locked(record.table) as locked:
             if locked.version >= record.version:
                 return None
@@ -366,22 +374,12 @@ class TableStore:
                     f"table {record.table!r} is at version {locked.version}; "
                     f"log position {record.version} cannot follow it"
                 )
-            if locked is not entry:
-                chunk_offsets = locked.table.hash(record.ids)
-            apply_start = time.perf_counter()
-            step = locked.table.prepare_step(chunk_offsets, record.grads, record.lr)
-            try:
-                locked.table.check_step(step)
-            except InvalidInputError as error:
-                # Published after a check against an earlier version, but at this version the step would
-                # leave a non-finite value: every replica is at these same bytes, so every replica skips
-                # it alike; the version still advances (an empty update), keeping versions equal.
-                logger.warning("table %r: log entry %d skipped: %s", record.table, record.version, error)
-            else:
-                locked.table.apply_step(step)
-            applied = time.perf_counter()
-            locked.set_version(record.version)
-        return UpdateResult(record.version, hashed - start, applied - apply_start)
+            timings = apply_record(
+                locked.table, record.ids, record.grads, record.lr, logged_as=(record.table, record.version)
+            )
+            locked.set_version(record.version)  # a skipped entry too: versions stay equal on every replica
+        hash_seconds, apply_seconds = (0.0, 0.0) if timings is None else timings
+        return UpdateResult(record.version, hash_seconds, apply_seconds)
 
     def checksum(self, name: str) -> tuple[int, str]:
         """(version, sha256 hex) over the array and optimizer state, taken under the update lock, so the
@@ -415,16 +413,18 @@ class TableStore:
             )
             private = Table(tiny, optimizer)
             private.gather(private.hash(probe))
-            private.apply_gradients(probe, torch.zeros(1, embedding_dim))
+            grads = torch.zeros(1, embedding_dim)
+            private.apply_gradients(probe, grads)  # the small-batch step of the three-part path
+            apply_record(private, probe, grads, optimizer.lr)  # and the checked step in one call
 
-    def _fault_point(self, table: Table, chunk_offsets: Tensor, grads: Tensor, lr: float) -> None:
+    def _fault_point(self, table: Table, ids: Tensor, grads: Tensor, lr: float) -> None:
         """Testing only: once for each time the fault file is created (empty, or naming
         ``update:appended``), apply the first half of the update's rows (a half-applied update) and
         SIGKILL this process before the counter bump."""
         if not faults.armed(self._fault_file, faults.UPDATE_APPENDED):
             return
         half = max(1, int(grads.shape[0]) // 2)
-        table.apply_gradients_at(chunk_offsets[:half], grads[:half], lr)
+        apply_record(table, ids[:half], grads[:half], lr)
         os.kill(os.getpid(), signal.SIGKILL)
 
     @contextmanager
@@ -448,20 +448,68 @@ def _tensor(values: Tensor | np.ndarray) -> Tensor:
     return torch.from_numpy(values) if isinstance(values, np.ndarray) else values
 
 
-def _apply_small(
-    entry: TableEntry, ids: Tensor | np.ndarray, grads: Tensor | np.ndarray, lr: float
-) -> UpdateResult | None:
-    """The next version of ``entry`` (its lock held) by ``Table.try_checked_update``; None, having changed
-    nothing, when the general path must take the update (or report why it is refused)."""
-    version = entry.version + 1
-    entry.set_pending(version)  # as apply_update: a worker that dies mid-step leaves the mark
-    timings = entry.table.try_checked_update(ids, grads, lr)
-    if timings is None:
-        entry.set_pending(0)
-        return None
-    entry.set_version(version)
-    entry.set_pending(0)
-    return UpdateResult(version, *timings)
+def apply_record(
+    table: Table,
+    ids: Tensor | np.ndarray,
+    grads: Tensor | np.ndarray,
+    lr: float,
+    *,
+    step: PreparedStep | None = None,
+    logged_as: tuple[str, int] | None = None,
+) -> tuple[float, float] | None:
+    """Apply one update to ``table``: the one place an update reaches a table's array. Live pushes
+    (``TableStore.apply_update``), records replayed from the write-ahead log (``WalJournal.load`` and
+    ``recover``), entries of the replicated log (``TableStore.apply_logged``) and the applier's private
+    rebuild all come here; ``TableStore`` holds the table's update lock and moves its version around it.
+    The table need not be served (a replay at start-up, a rebuild): nothing here reads the registry.
+
+    Args:
+        table: the table to change.
+        ids: int64 (N,) ids, as sent (duplicates not yet summed); a tensor or a numpy array.
+        grads: float32 (N, d) gradients of their rows; a tensor or a numpy array.
+        lr: the learning rate to apply, resolved (the request's or the table's).
+        step: ``table.prepare_step`` of this very update, already checked (``check_step``) under the
+            lock: only applied. The live path with a journal checks before it appends, so a refused
+            update never reaches the log.
+        logged_as: (table name, version) of the log record this update is. A step that would leave a
+            non-finite value is then skipped with a warning and None returned: the log holds it, so every
+            replica and every replay skips it alike, and the version still advances. Without (a live
+            push, not logged yet) it is refused with ``InvalidInputError``.
+
+    Returns (seconds hashing, seconds coalescing, checking and stepping), or None when skipped. Any other
+    invalid input raises ``InvalidInputError`` before anything changes.
+    """
+    if step is None:
+        # A small batch is hashed, checked and applied in two compiled calls; None: the general path.
+        timings = table.try_checked_update(ids, grads, lr)
+        if timings is not None:
+            return timings
+        start = time.perf_counter()
+        step, hash_seconds = _prepare(table, _tensor(ids), _tensor(grads), lr)
+        try:
+            table.check_step(step)
+        except InvalidInputError as error:
+            if logged_as is None:
+                raise
+            # Published after a check against an earlier version (a replica), but at this version the step
+            # would leave a non-finite value: skipped alike wherever the log is applied.
+            logger.warning("table %r: log entry %d skipped: %s", *logged_as, error)
+            return None
+        table.apply_step(step)
+        return hash_seconds, time.perf_counter() - start - hash_seconds
+    start = time.perf_counter()
+    table.apply_step(step)
+    return 0.0, time.perf_counter() - start
+
+
+def _prepare(table: Table, ids: Tensor, grads: Tensor, lr: float) -> tuple[PreparedStep, float]:
+    """``hash`` (it checks the ids) and ``prepare_step`` (the gradients: finite, one row of d per id; lr
+    <= the table's max_lr) of an update: the checks that read only the table's config, so they need no
+    lock. Returns the coalesced step and the seconds hashing took."""
+    start = time.perf_counter()
+    chunk_offsets = table.hash(ids)
+    hash_seconds = time.perf_counter() - start
+    return table.prepare_step(chunk_offsets, grads, lr, offsets_from_hash=True), hash_seconds
 
 
 def _validate_pooling(
