@@ -24,7 +24,8 @@ lookups read) is written to the data directory again at its version; if not, the
 effect, the data directory already agrees, and the entry is marked replaced or deleted. Shared files no
 published table uses are then removed. A load or delete is acknowledged only after it returns, so
 either outcome is right; what matters is that updates acknowledged afterwards go to the table served.
-Each kill point (``service/faults.py``; tests/service/test_admin_crash.py), what it leaves, and the repair:
+Each kill point (``service/faults.py``; tests/service/store/test_admin_crash.py), what it leaves, and the
+repair:
 
 - ``load:filled`` (new array filled, nothing durable): an orphaned array; old table everywhere. The next
   holder rewrites the old table (a snapshot) and removes the array. Whole-server kill: the old table.

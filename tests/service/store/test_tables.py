@@ -23,7 +23,7 @@ from service.store import LookupResult, TableStore
 from service.store.journal import NullJournal, UpdateRecord
 from service.wal import LOG_FILE, META_FILE, WalJournal
 
-from .conftest import make_settings
+from ..conftest import make_settings
 
 CONFIG = TableConfig(num_embeddings=100, embedding_dim=8, memory_size=1024, chunk_size=4)
 

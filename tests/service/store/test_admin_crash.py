@@ -43,8 +43,8 @@ from service.store import TableStore
 from service.wal import LOG_FILE, META_FILE, WalJournal
 from service.wal.files import _lock_data_dir
 
-from .conftest import make_settings
-from .subprocess_server import RobezServer
+from ..conftest import make_settings
+from ..subprocess_server import RobezServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
