@@ -82,7 +82,7 @@ class TableStore:
         # Testing only (service/faults.py): die half-way through an update; see _fault_point.
         self._fault_file = faults.fault_file()
         # The null journal itself (not a subclass that observes appends): an update appends nothing, so a
-        # small one can skip the append and be checked and applied in one compiled call (_apply_small).
+        # small one can skip the append and be checked and applied in one compiled call (_apply_unjournalled).
         self._small_unjournalled = type(journal) is NullJournal and self._fault_file is None
         # The registry view and the tables' update locks (registry.py); whoever takes a lock its last
         # holder left in the middle of a change repairs the table first (repair.py).

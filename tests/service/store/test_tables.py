@@ -133,7 +133,7 @@ CONFIG_LR = OptimizerConfig().lr
 def test_small_updates_without_a_journal_match_the_journalled_path(
     settings: Settings, directory: SharedDirectory, optimizer: str
 ) -> None:
-    # NullJournal: small updates are checked and applied in one compiled call (_apply_small);
+    # NullJournal: small updates are checked and applied in one compiled call (_apply_unjournalled);
     # RecordingJournal (a subclass that sees every append) keeps the general path.
     fast = TableStore(directory, settings, NullJournal())
     journal = RecordingJournal()
