@@ -27,13 +27,13 @@ from .connections import LIFESPAN_METRICS_KEY
 from .direct import LIFESPAN_DIRECT_KEY, DirectAnswers
 from .errors import install_error_handlers
 from .fastpath import FastPathMiddleware, FastRoutes
-from .journal import Journal, NullJournal
 from .limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware, WorkerLoad
 from .metrics import Metrics, RequestMetricsMiddleware
 from .replication.replica import Replica, local_settings
 from .routes import checksum, durability, health, lookup, oip, tables, update
 from .shm import SharedDirectory
 from .store import TableStore
+from .store.journal import Journal, NullJournal
 from .wal import WalJournal
 
 logger = logging.getLogger("robez.app")

@@ -277,9 +277,9 @@ def _serve_locked(settings: Settings) -> int:
 
     from .app import open_journal
     from .connections import uvicorn_options
-    from .journal import NullJournal
     from .replication.replica import local_settings
     from .store import TableStore
+    from .store.journal import NullJournal
     from .supervisor import run_workers
 
     replicated = settings.nats_url is not None

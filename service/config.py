@@ -165,10 +165,6 @@ class Settings(BaseSettings):
     shm_dir: Path = Field(default=Path("/dev/shm"), description="where shared table memory is created")
     # Set by `robez serve` for its workers: the prepared shared-memory directory to attach to.
     shm_path: Path | None = None
-    # Testing only: a worker that finds this file (empty) after appending an update removes it, applies
-    # half of the update and kills itself (the dead-writer repair test); a file naming another point of
-    # service/faults.py (a load's or a delete's) kills it there. Never set it in production.
-    fault_die_after_append: Path | None = None
 
     @field_validator("log_level")
     @classmethod

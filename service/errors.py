@@ -30,8 +30,6 @@ from robez_core.errors import (
     RobezError,
 )
 
-from .journal import StorageFullError
-
 logger = logging.getLogger("robez.errors")
 
 
@@ -45,6 +43,12 @@ class ForbiddenError(RobezError):
 
 class PayloadTooLargeError(LimitExceededError):
     """The request body is over ``max_body_bytes`` (413); other limits answer 422."""
+
+
+class StorageFullError(RobezError):
+    """The data directory's file system has no room for a write: the update (snapshot, new table, load) is
+    refused and nothing was applied. The server stays up and serves lookups; writes succeed again once
+    space is freed (507 Insufficient Storage)."""
 
 
 # Most specific first: an error takes the status of the first class in its MRO found here.

@@ -1,9 +1,11 @@
 """Testing only: SIGKILL this process at a named point, to test what a crash there leaves behind.
 
-Off unless ``Settings.fault_die_after_append`` (``ROBEZ_FAULT_DIE_AFTER_APPEND``) names a file; never set
-it in production. The file's text names the point ("" or ``update:appended``: the update fault of
-``TableStore._fault_point``); a process that reaches that point removes the file and, if it was the one
-to remove it, dies. So one file kills one process, once, whichever worker gets there first.
+Off unless the environment variable ``ROBEZ_FAULT_DIE_AFTER_APPEND`` names a file (``fault_file``); never
+set it in production. It is read here, not in ``Settings``: no user sets it, and the tests that start
+server processes set it in their environment. The file's text names the point ("" or ``update:appended``:
+the update fault of ``TableStore._fault_point``); a process that reaches that point removes the file and,
+if it was the one to remove it, dies. So one file kills one process, once, whichever worker gets there
+first.
 
 The points (``TableStore.restore`` / ``delete``, ``WalJournal.create`` / ``snapshot`` / ``drop``):
 
@@ -26,6 +28,14 @@ import signal
 from pathlib import Path
 
 UPDATE_APPENDED = "update:appended"
+FAULT_FILE_VARIABLE = "ROBEZ_FAULT_DIE_AFTER_APPEND"
+
+
+def fault_file() -> Path | None:
+    """Testing only: the fault file ``ROBEZ_FAULT_DIE_AFTER_APPEND`` names in this process's environment,
+    or None (no fault point can fire)."""
+    value = os.environ.get(FAULT_FILE_VARIABLE)
+    return Path(value) if value else None
 
 
 def armed(fault_file: Path | None, point: str) -> bool:

@@ -34,7 +34,7 @@ import torch
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.hostinfo import cpu_model
 from robez_core.table import Table
-from service.journal import UpdateRecord
+from service.store.journal import UpdateRecord
 from service.wal import LOG_FILE, WalJournal
 
 

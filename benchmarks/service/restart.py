@@ -35,7 +35,7 @@ import torch
 from robez_core.hostinfo import cpu_model
 from robez_core.table import Table
 from service.config import DEMO_OPTIMIZER, DEMO_TABLE_CONFIG, DEMO_TABLE_NAME
-from service.journal import UpdateRecord
+from service.store.journal import UpdateRecord
 from service.wal import LOG_FILE, WalJournal
 
 

@@ -2,11 +2,11 @@
 
 It follows the catalog (tables created and dropped through the log), creates each table from its newest
 snapshot in the log's snapshot store (or fresh, deterministically seeded), then reads the table's log
-from there on and applies every entry in order with ``TableStore.apply_logged``. It uploads a snapshot
-every ``replica_snapshot_every_updates`` updates, and ``replica_snapshot_interval_s`` after the last upload
-when updates came since (a timer, so a burst followed by silence is uploaded too), and then trims the log
-below it, keeping
-``replica_trim_keep`` entries; a replica whose position was trimmed away restores the snapshot. A worker
+from there on and applies every entry in order with ``TableStore.apply_logged`` (``apply_record``, as
+a private rebuild does too). It uploads a snapshot every ``replica_snapshot_every_updates`` updates, and
+``replica_snapshot_interval_s`` after the last upload when updates came since (a timer, so a burst
+followed by silence is uploaded too), and then trims the log below it, keeping ``replica_trim_keep``
+entries; a replica whose position was trimmed away restores the snapshot. A worker
 that takes over from a dead applier rebuilds every table privately and switches it in (``restore``).
 
 With a data directory it also keeps local snapshots (``localsnap.py``) and starts from whichever of the
@@ -38,7 +38,8 @@ from robez_core.table import Table
 
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
 from ..metrics import Metrics
-from ..store import TableStore
+from ..store import TableStore, apply_record
+from ..store.journal import UpdateRecord
 from .localsnap import LocalSnapshots
 from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog, Snapshot
 from .records import decode_update
@@ -369,7 +370,7 @@ class Applier:
                         # one): applying this entry would skip updates. Start over from the new one.
                         raise LogTrimmedError(entry.name, position, item.position)
                     record = decode_update(entry.name, item.position, item.payload, item.headers)
-                    await anyio.to_thread.run_sync(table.apply_gradients, record.ids, record.grads, record.lr)
+                    await anyio.to_thread.run_sync(_apply_entry, table, record)
                     position = item.position
                     if position >= last:
                         break
@@ -537,3 +538,8 @@ def _snapshot_bytes(store: TableStore, name: str) -> tuple[bytes, int]:
         path = Path(tmp) / "snapshot.safetensors"
         copy.save(path)
         return path.read_bytes(), version
+
+
+def _apply_entry(table: Table, record: UpdateRecord) -> None:
+    """One log entry applied to a table being rebuilt, as ``TableStore.apply_logged`` applies it."""
+    apply_record(table, record.ids, record.grads, record.lr, logged_as=(record.table, record.version))

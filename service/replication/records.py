@@ -12,7 +12,7 @@ from torch import Tensor
 
 from robez_core.errors import CorruptionError
 
-from ..journal import UpdateRecord
+from ..store.journal import UpdateRecord
 
 SHAPE = "Robez-Shape"
 LR = "Robez-Lr"

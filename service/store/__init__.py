@@ -1,14 +1,17 @@
 """The tables of one server in shared memory, and what its workers do with them.
 
-- ``tables.py``: ``TableStore``, the one entry point: the registry view, lookups, updates, the replicated
-  apply, and the table's update lock every change of a table takes.
+- ``tables.py``: ``TableStore``, the one entry point: lookups, updates, the replicated apply.
+- ``registry.py``: ``TableRegistry``, the registry view of one worker (entries, the registry lock,
+  publish) and the table's update lock every change of a table takes; what admin and repair use.
+- ``journal.py``: the ``Journal`` seam the store makes tables durable through (``service/wal/``
+  implements it; ``NullJournal`` keeps nothing).
 - ``admin.py``: ``TableAdmin``, behind ``TableStore.create`` / ``create_from`` / ``delete`` / ``restore`` /
   ``snapshot``: the changes of the registry, arrays and counters.
 - ``repair.py``: what the next holder of a table's lock does when a worker died holding it (an update, a
   load or a delete cut short), and each kill point it covers.
 - ``api.py``: table names, request and capacity limits, the results the routes encode.
 
-Lock order, everywhere: a table's update lock, then ``registry.lock``, then a store's ``_sync_lock``.
+Lock order, everywhere: a table's update lock, then the registry lock (``registry.py``).
 """
 
 from .api import (
@@ -22,7 +25,7 @@ from .api import (
     UpdateResult,
     validate_table_name,
 )
-from .tables import TableStore
+from .tables import TableStore, apply_record
 
 __all__ = [
     "POOLINGS",
@@ -34,5 +37,6 @@ __all__ = [
     "TableInfo",
     "TableStore",
     "UpdateResult",
+    "apply_record",
     "validate_table_name",
 ]

@@ -2,8 +2,8 @@
 
 Tables come and go here: arrays are allocated, filled and released, and the registry is switched, under
 the registry lock (and, for a table that exists, its update lock first). ``TableStore`` keeps one
-``TableAdmin`` and hands its public ``create`` / ``create_from`` / ``delete`` / ``restore`` / ``snapshot``
-to it.
+``TableAdmin`` over its ``TableRegistry`` (``registry.py``), journal and limits, and hands its public
+``create`` / ``create_from`` / ``delete`` / ``restore`` / ``snapshot`` to it.
 
 A load (``restore``) never writes the array lookups read: it fills a new array, makes it durable, then
 switches the registry to it (new uid and counters, generation bumped) under the table's update lock.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ from robez_core.table import Table
 
 from .. import faults
 from ..config import TableSpec
-from ..journal import NullJournal, StorageFullError, is_storage_full
+from ..errors import StorageFullError
 from ..shm import (
     DELETED,
     DELETING,
@@ -53,71 +53,71 @@ from ..shm import (
     layout_bytes,
     shape_numel,
 )
-from .api import TableInfo, validate_table_name
+from .api import Limits, validate_table_name
+from .journal import Journal, NullJournal, is_storage_full
+from .registry import TableRegistry
 from .repair import remove_orphans, write_journal
-
-if TYPE_CHECKING:
-    from .tables import TableStore
 
 logger = logging.getLogger("robez.store")
 
 
 class TableAdmin:
-    """Creates, loads and deletes the tables of ``store`` (its registry, journal and limits)."""
+    """Creates, loads and deletes the tables of ``registry``; ``journal`` makes them durable."""
 
-    def __init__(self, store: TableStore) -> None:
-        self._store = store
+    def __init__(self, registry: TableRegistry, journal: Journal, limits: Limits) -> None:
+        self._registry = registry
+        self._journal = journal
+        self._limits = limits
 
-    def create(self, name: str, spec: TableSpec) -> TableInfo:
+    def create(self, name: str, spec: TableSpec) -> None:
         """Create a table (new zero-version array, or sharing ``spec.share_array_with``'s array)."""
         validate_table_name(name)
         self._check_config_limits(spec.config)
-        with self._store._registry_lock.hold():
-            registry = self._store.directory.read_registry()
+        with self._registry.lock.hold():
+            registry = self._registry.directory.read_registry()
             self._check_room(registry, name)
             if spec.share_array_with is not None:
                 source = self._shared_array_source(registry, spec)
                 self._register(
                     registry, name, spec.config, spec.optimizer, source["array"], source["lock"], version=0
                 )
-        if spec.share_array_with is not None:
-            return self._store.info(name)
-        return self.install(name, spec, source=None, version=0, journal_create=True)
+        if spec.share_array_with is None:
+            self.install(name, spec, source=None, version=0, journal_create=True)
 
-    def create_from(self, name: str, table: Table, version: int = 0) -> TableInfo:
+    def create_from(self, name: str, table: Table, version: int = 0) -> None:
         """Create table ``name`` holding a copy of ``table``'s array and optimizer state (an import) at
         ``version``; journalled like ``create``."""
         validate_table_name(name)
         self._check_config_limits(table.config)
         spec = TableSpec(table.config, table.optimizer)
-        return self.install(name, spec, source=table, version=version, journal_create=True)
+        self.install(name, spec, source=table, version=version, journal_create=True)
 
     def _check_room(self, registry: Registry, name: str) -> None:
         """A new table ``name`` fits the registry: not taken, under ``max_tables``. Caller holds the
         registry lock."""
         if name in registry.tables:
             raise ConflictError(f"table {name!r} already exists")
-        if len(registry.tables) >= self._store.limits.max_tables:
-            raise LimitExceededError(f"there are already max_tables={self._store.limits.max_tables} tables")
+        if len(registry.tables) >= self._limits.max_tables:
+            raise LimitExceededError(f"there are already max_tables={self._limits.max_tables} tables")
 
     def _check_config_limits(self, config: TableConfig) -> None:
-        if config.embedding_dim > self._store.limits.max_embedding_dim:
+        if config.embedding_dim > self._limits.max_embedding_dim:
             raise LimitExceededError(
                 f"embedding_dim {config.embedding_dim} is over the limit "
-                f"max_embedding_dim={self._store.limits.max_embedding_dim}"
+                f"max_embedding_dim={self._limits.max_embedding_dim}"
             )
-        if config.memory_size > self._store.limits.max_memory_size:
+        if config.memory_size > self._limits.max_memory_size:
             raise LimitExceededError(
                 f"memory_size {config.memory_size} is over the limit "
-                f"max_memory_size={self._store.limits.max_memory_size}"
+                f"max_memory_size={self._limits.max_memory_size}"
             )
 
     def _check_memory(self, registry: Registry, nbytes: int, what: str) -> None:
         total = registry.total_bytes() + nbytes
-        if total > self._store.limits.max_total_memory_bytes:
+        if total > self._limits.max_total_memory_bytes:
             raise LimitExceededError(
                 f"{what} needs {nbytes} bytes; with the {registry.total_bytes()} bytes in use "
-                f"that is over the limit max_total_memory_bytes={self._store.limits.max_total_memory_bytes}"
+                f"that is over the limit max_total_memory_bytes={self._limits.max_total_memory_bytes}"
             )
 
     def _shared_array_source(self, registry: Registry, spec: TableSpec) -> dict[str, Any]:
@@ -126,7 +126,7 @@ class TableAdmin:
         source = registry.tables.get(source_name or "")
         if source is None:
             raise NotFoundError(f"share_array_with: no table named {source_name!r}")
-        if not isinstance(self._store.journal, NullJournal):
+        if not isinstance(self._journal, NullJournal):
             raise ConfigError(
                 "share_array_with is not available with a data directory: the write-ahead log is per table"
             )
@@ -155,7 +155,7 @@ class TableAdmin:
         tensors: dict[str, Tensor] = {}
         try:
             for key, (shape, dtype) in layout.items():
-                tensors[key] = self._store.directory.allocate(
+                tensors[key] = self._registry.directory.allocate(
                     f"arrays/{array_id}.{key}", shape_numel(shape), dtype
                 ).view(shape)
             # The core initialises a new array (seeded) or brings a loaded one; both are copied into shared
@@ -176,25 +176,25 @@ class TableAdmin:
 
     def _remove_array(self, array_id: str, layout: dict[str, Any]) -> None:
         for key in layout:
-            (self._store.directory.arrays_dir / f"{array_id}.{key}").unlink(missing_ok=True)
+            (self._registry.directory.arrays_dir / f"{array_id}.{key}").unlink(missing_ok=True)
 
     def install(
         self, name: str, spec: TableSpec, *, source: Table | None, version: int, journal_create: bool
-    ) -> TableInfo:
+    ) -> None:
         """Allocate a new array for ``name``, fill it from ``source`` (or a freshly initialised Table),
         ``journal.create`` it if asked (not for tables loaded from the journal), then publish it."""
         if spec.share_array_with is not None:
             raise ConfigError("a table with its own array cannot also share one")
         nbytes = layout_bytes(array_layout(spec.config, spec.optimizer))
-        with self._store._registry_lock.hold():
-            registry = self._store.directory.read_registry()
+        with self._registry.lock.hold():
+            registry = self._registry.directory.read_registry()
             self._check_room(registry, name)
             self._check_memory(registry, nbytes, "the table")
             array_id, shared = self._new_array(registry, spec.config, spec.optimizer, source)
             journaled = False
             try:
                 if journal_create:
-                    self._store.journal.create(name, shared, version)
+                    self._journal.create(name, shared, version)
                     journaled = True
                 config, optimizer, lock_id = spec.config, spec.optimizer, secrets.token_hex(8)
                 self._register(registry, name, config, optimizer, array_id, lock_id, version=version)
@@ -205,12 +205,11 @@ class TableAdmin:
                     # next start: a failed create must change nothing.
                     self._drop_quietly(name)
                 raise
-        return self._store.info(name)
 
     def _drop_quietly(self, name: str) -> None:
         """Roll back a ``journal.create``; a failure here is logged, the caller's error is what counts."""
         try:
-            self._store.journal.drop(name)
+            self._journal.drop(name)
         except Exception:
             logger.exception("could not remove table %r from the journal after a failed create", name)
 
@@ -227,7 +226,7 @@ class TableAdmin:
     ) -> None:
         """Add (or switch) ``name`` to ``array_id`` with new counters at ``version``, and publish."""
         uid = secrets.token_hex(8)
-        counters = self._store.directory.allocate(f"tables/{uid}.counters", NUM_COUNTERS, torch.int64)
+        counters = self._registry.directory.allocate(f"tables/{uid}.counters", NUM_COUNTERS, torch.int64)
         counters[VERSION] = version
         registry.tables[name] = {
             "uid": uid,
@@ -237,9 +236,9 @@ class TableAdmin:
             "optimizer": optimizer.to_dict(),
         }
         try:
-            self._store._publish(registry)
+            self._registry.publish(registry)
         except BaseException:
-            (self._store.directory.tables_dir / f"{uid}.counters").unlink(missing_ok=True)
+            (self._registry.directory.tables_dir / f"{uid}.counters").unlink(missing_ok=True)
             raise
 
     def delete(self, name: str) -> None:
@@ -249,19 +248,19 @@ class TableAdmin:
         Marked ``DELETING`` first: a worker killed before the registry is published leaves the table
         served but perhaps gone from the data directory; the next holder of the lock writes it back
         (``repair.py``). On an error the mark stays for the same reason."""
-        with self._store._locked(name) as entry, self._store._registry_lock.hold():
-            registry = self._store.directory.read_registry()
+        with self._registry.locked(name) as entry, self._registry.lock.hold():
+            registry = self._registry.directory.read_registry()
             record = registry.tables.get(name)
             if record is None or record["uid"] != entry.uid:  # changes of a table hold its lock
                 raise CorruptionError(f"the registry changed table {name!r} behind its update lock")
-            remove_orphans(self._store.directory, registry)
+            remove_orphans(self._registry.directory, registry)
             entry.set_pending(DELETING)
-            self._store.journal.drop(name)
+            self._journal.drop(name)
             self._die_at("delete:dropped")
             del registry.tables[name]
             if not registry.array_tables(record["array"]):
                 del registry.arrays[record["array"]]
-            self._store._publish(registry)
+            self._registry.publish(registry)
             self._die_at("delete:published")
             entry.counters[STATE] = DELETED  # updates waiting on the lock see this and answer 404
             entry.set_pending(0)
@@ -272,22 +271,21 @@ class TableAdmin:
         and locks once no table of the published ``registry`` uses them. Mappings held by in-flight
         requests stay valid: an unlinked file lives until its last mapping goes."""
         for uid, array_id, lock_id in records:
-            (self._store.directory.tables_dir / f"{uid}.counters").unlink(missing_ok=True)
+            (self._registry.directory.tables_dir / f"{uid}.counters").unlink(missing_ok=True)
             if array_id not in registry.arrays:
-                for path in self._store.directory.arrays_dir.glob(f"{array_id}.*"):
+                for path in self._registry.directory.arrays_dir.glob(f"{array_id}.*"):
                     path.unlink(missing_ok=True)
             if not registry.lock_in_use(lock_id):
-                (self._store.directory.locks_dir / f"{lock_id}.lock").unlink(missing_ok=True)
+                (self._registry.directory.locks_dir / f"{lock_id}.lock").unlink(missing_ok=True)
 
     def _die_at(self, point: str) -> None:
         """Testing only: SIGKILL this process here if the fault file names ``point`` (service/faults.py)."""
-        if self._store._fault_file is not None:
-            faults.die_at(self._store._fault_file, point)
+        faults.die_at(faults.fault_file(), point)
 
     def snapshot(self, name: str) -> int:
         """Journal a snapshot of the table at its current version (no update in between); returns it."""
-        with self._store.exclusive(name) as (table, version):
-            self._store.journal.snapshot(name, table, version)
+        with self._registry.exclusive(name) as (table, version):
+            self._journal.snapshot(name, table, version)
             return version
 
     def restore(self, name: str, source: Table, version: int) -> None:
@@ -303,19 +301,19 @@ class TableAdmin:
         worker dies meanwhile, the next holder of the lock puts the data directory and the shared
         memory back in line with whichever table the registry publishes (``repair.py``).
         """
-        with self._store._locked(name) as entry, self._store._registry_lock.hold():
+        with self._registry.locked(name) as entry, self._registry.lock.hold():
             table = entry.table
             if (source.config, source.optimizer) != (table.config, table.optimizer):
                 raise ConflictError(f"the checkpoint's config or optimizer differs from table {name!r}'s")
-            registry = self._store.directory.read_registry()
+            registry = self._registry.directory.read_registry()
             record = registry.tables.get(name)
             if record is None or record["uid"] != entry.uid:  # changes of a table hold its lock
                 raise CorruptionError(f"the registry changed table {name!r} behind its update lock")
             old_array = record["array"]
-            remove_orphans(self._store.directory, registry)
+            remove_orphans(self._registry.directory, registry)
             self._check_memory(registry, int(registry.arrays[old_array]["nbytes"]), "loading the table")
             sharers = [  # mapped here: this worker may not have synced a sharer created meanwhile
-                self._store.directory.map(
+                self._registry.directory.map(
                     f"tables/{registry.tables[sharer]['uid']}.counters", NUM_COUNTERS, torch.int64
                 )
                 for sharer in registry.array_tables(old_array)
@@ -330,7 +328,7 @@ class TableAdmin:
                 raise
             self._die_at("load:filled")
             try:
-                self._store.journal.snapshot(name, shared, version)
+                self._journal.snapshot(name, shared, version)
             except BaseException as error:
                 self._remove_array(array_id, registry.arrays.pop(array_id)["layout"])
                 # No space: nothing was committed. Any other failure may have come after the commit
@@ -351,7 +349,7 @@ class TableAdmin:
             self._die_at("load:switched")
             self._release(registry, replaced)
             for sharer_name in registry.array_tables(array_id):
-                self._store._entries[sharer_name].set_pending(0)
+                self._registry.entries[sharer_name].set_pending(0)
 
     def _switch(
         self, registry: Registry, old_array: str, array_id: str, name: str, version: int
@@ -361,7 +359,7 @@ class TableAdmin:
         sharers = registry.array_tables(old_array)
         old_records = {table_name: dict(registry.tables[table_name]) for table_name in sharers}
         old_counters = {
-            table_name: self._store.directory.map(
+            table_name: self._registry.directory.map(
                 f"tables/{record['uid']}.counters", NUM_COUNTERS, torch.int64
             )
             for table_name, record in old_records.items()
@@ -371,18 +369,20 @@ class TableAdmin:
         try:
             for table_name in sharers:
                 uid = new_uids[table_name] = secrets.token_hex(8)
-                counters = self._store.directory.allocate(f"tables/{uid}.counters", NUM_COUNTERS, torch.int64)
+                counters = self._registry.directory.allocate(
+                    f"tables/{uid}.counters", NUM_COUNTERS, torch.int64
+                )
                 counters[VERSION] = version if table_name == name else old_counters[table_name][VERSION]
                 counters[PENDING] = LOADING  # until the old array is released (restore clears it)
                 registry.tables[table_name] = {**old_records[table_name], "uid": uid, "array": array_id}
             del registry.arrays[old_array]
-            self._store._publish(registry)
+            self._registry.publish(registry)
             self._die_at("load:published")
         except BaseException:
             registry.tables.update(old_records)
             registry.arrays[old_array] = old_array_record
             for uid in new_uids.values():
-                (self._store.directory.tables_dir / f"{uid}.counters").unlink(missing_ok=True)
+                (self._registry.directory.tables_dir / f"{uid}.counters").unlink(missing_ok=True)
             raise
         # Published: updates still holding the old entries start again on the new ones.
         for counters in old_counters.values():
@@ -393,7 +393,7 @@ class TableAdmin:
         """After a load was made durable but could not be switched to: put the old table back on disk.
         Returns whether it did; if not, the caller leaves the table marked for the next holder to."""
         try:
-            write_journal(self._store.journal, name, table, version)
+            write_journal(self._journal, name, table, version)
         except Exception:
             logger.exception(
                 "table %r: a load was written to the data directory but could not be served, and the old "

@@ -1,7 +1,7 @@
 """Repairing what a worker killed while it held a table's update lock left behind.
 
 Whoever takes a table's lock next and finds its ``pending`` mark set calls ``repair`` first
-(``TableStore._try_locked``), so every update acknowledged afterwards goes to a table whose array, counter,
+(``TableRegistry.acquire``), so every update acknowledged afterwards goes to a table whose array, counter,
 log and data directory agree.
 
 A worker killed while it holds a table's update lock (kill -9, OOM) releases the lock with its update
@@ -24,7 +24,8 @@ lookups read) is written to the data directory again at its version; if not, the
 effect, the data directory already agrees, and the entry is marked replaced or deleted. Shared files no
 published table uses are then removed. A load or delete is acknowledged only after it returns, so
 either outcome is right; what matters is that updates acknowledged afterwards go to the table served.
-Each kill point (``service/faults.py``; tests/service/test_admin_crash.py), what it leaves, and the repair:
+Each kill point (``service/faults.py``; tests/service/store/test_admin_crash.py), what it leaves, and the
+repair:
 
 - ``load:filled`` (new array filled, nothing durable): an orphaned array; old table everywhere. The next
   holder rewrites the old table (a snapshot) and removes the array. Whole-server kill: the old table.
@@ -59,14 +60,12 @@ since every update takes the lock and repairs first.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
 from robez_core.errors import CorruptionError
 from robez_core.table import Table
 
-from ..journal import Journal
 from ..shm import (
     DELETED,
     DELETING,
@@ -79,21 +78,20 @@ from ..shm import (
     SharedDirectory,
     TableEntry,
 )
-
-if TYPE_CHECKING:
-    from .tables import TableStore
+from .journal import Journal
+from .registry import TableRegistry
 
 logger = logging.getLogger("robez.store")
 
 
-def repair(store: TableStore, entry: TableEntry) -> None:
+def repair(registry: TableRegistry, journal: Journal, entry: TableEntry) -> None:
     """Undo what a dead holder of the table's lock left unfinished; caller holds the lock."""
     version, pending = entry.version, entry.pending
     if pending in (LOADING, DELETING):
-        _repair_load_or_delete(store, entry)
+        _repair_load_or_delete(registry, journal, entry)
         return
     what = f"while applying update {pending}" if pending > 0 else "while it held the table's lock"
-    rebuilt = store.journal.recover(entry.name, version)
+    rebuilt = journal.recover(entry.name, version)
     if rebuilt is None:
         logger.warning(
             "table %r: a worker died %s; with no data directory the table keeps whatever part of it "
@@ -114,7 +112,7 @@ def repair(store: TableStore, entry: TableEntry) -> None:
     entry.set_pending(0)
 
 
-def _repair_load_or_delete(store: TableStore, entry: TableEntry) -> None:
+def _repair_load_or_delete(registry: TableRegistry, journal: Journal, entry: TableEntry) -> None:
     """A load or delete of this table died (or failed) under the lock: make the data directory and
     the shared memory agree with what the registry publishes. Caller holds the table's lock.
 
@@ -125,11 +123,11 @@ def _repair_load_or_delete(store: TableStore, entry: TableEntry) -> None:
     replaced or deleted, so whoever holds it goes to the registry again. Either way the shared files
     no published table uses are removed (the dead worker's new or old array, counters, lock)."""
     name, what = entry.name, "loading" if entry.pending == LOADING else "deleting"
-    with store._registry_lock.hold():
-        registry = store.directory.read_registry()
-        record = registry.tables.get(name)
+    with registry.lock.hold():
+        published = registry.directory.read_registry()
+        record = published.tables.get(name)
         if record is not None and record["uid"] == entry.uid:
-            write_journal(store.journal, name, entry.table, entry.version)
+            write_journal(journal, name, entry.table, entry.version)
             logger.warning(
                 "table %r: a worker died (or failed) %s it; the table it left served, version %d, is "
                 "written to the data directory again",
@@ -140,7 +138,7 @@ def _repair_load_or_delete(store: TableStore, entry: TableEntry) -> None:
         else:
             entry.counters[STATE] = DELETED if entry.pending == DELETING else REPLACED
             logger.warning("table %r: a worker died %s it, after the registry published it", name, what)
-        remove_orphans(store.directory, registry)
+        remove_orphans(registry.directory, published)
         entry.set_pending(0)
 
 

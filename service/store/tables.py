@@ -1,9 +1,9 @@
 """``TableStore``: the tables of one server as one worker sees them.
 
 The files, their layout and the per-table counters are in ``shm.py``; this package is what workers do
-with them. This module holds the registry view, the data path (lookups, updates, the replicated apply) and
-the table's update lock that every change takes; creating, loading and deleting tables is ``admin.py``,
-and repairing what a worker killed under a table's lock left is ``repair.py``.
+with them. This module holds the data path (lookups, updates, the replicated apply); the registry view
+and the table's update lock that every change takes are ``registry.py``, creating, loading and deleting
+tables is ``admin.py``, and repairing what a worker killed under a table's lock left is ``repair.py``.
 
 Consistency: updates of an array are serialised by its lock; lookups never take it. A lookup running
 while an update is applied may read a row with some values from before and some from after that update
@@ -14,7 +14,7 @@ version read before it gathered: its rows include at least that many updates.
 An update marks ``pending`` before it appends to the journal and clears it after the version counter is
 bumped; whoever takes the lock next and finds the mark set repairs the table first (``repair.py``).
 
-Lock order, everywhere: a table's update lock, then ``registry.lock``, then a store's ``_sync_lock``.
+Lock order, everywhere: a table's update lock, then the registry lock (``registry.py``).
 """
 
 from __future__ import annotations
@@ -23,44 +23,30 @@ import hashlib
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.config import TableConfig
 from robez_core.errors import (
-    BusyError,
     ConfigError,
     CorruptionError,
     InvalidInputError,
     LimitExceededError,
-    NotFoundError,
 )
-from robez_core.table import Table
+from robez_core.small import SMALL_BATCH_MAX_IDS
+from robez_core.table import PreparedStep, Table
 
 from .. import faults
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
-from ..journal import Journal, NullJournal, UpdateRecord
 from ..shm import (
-    DELETED,
-    EXCLUSIVE,
-    LIVE,
-    NUM_COUNTERS,
-    REPLACED,
-    FileLock,
-    Registry,
-    SharedArray,
     SharedDirectory,
     TableEntry,
-    dtype_from_name,
-    shape_numel,
 )
 from .admin import TableAdmin
 from .api import (
@@ -73,13 +59,11 @@ from .api import (
     UpdateResult,
     validate_table_name,
 )
+from .journal import Journal, NullJournal, UpdateRecord
+from .registry import TableRegistry
 from .repair import repair
 
 logger = logging.getLogger("robez.store")
-
-# An update or snapshot that finds its table replaced by a load starts again; this many loads in a row
-# while it waits means something is wrong.
-_MAX_SWITCHES = 16
 
 
 class TableStore:
@@ -95,22 +79,15 @@ class TableStore:
         self.directory = directory
         self.limits = Limits.from_settings(settings)
         self.journal = journal
-        # Testing only (ROBEZ_FAULT_DIE_AFTER_APPEND): die half-way through an update; see _fault_point.
-        self._fault_file = settings.fault_die_after_append
+        # Testing only (service/faults.py): die half-way through an update; see _fault_point.
+        self._fault_file = faults.fault_file()
         # The null journal itself (not a subclass that observes appends): an update appends nothing, so a
-        # small one can skip the append and be checked and applied in one compiled call (_apply_small).
+        # small one can skip the append and be checked and applied in one compiled call (_apply_unjournalled).
         self._small_unjournalled = type(journal) is NullJournal and self._fault_file is None
-        self._generation = directory.map("generation", 1, torch.int64)
-        self._generation_np = self._generation.numpy()  # read on every request: numpy is cheaper
-        self._registry_lock = FileLock(directory.path / "registry.lock")
-        self._sync_lock = threading.Lock()
-        self._seen_generation = -1
-        self._entries: dict[str, TableEntry] = {}
-        self._arrays: dict[str, SharedArray] = {}
-        self._locks: dict[str, FileLock] = {}
-        self._registry = Registry()
-        self._admin = TableAdmin(self)  # create, load, delete: admin.py
-        self.refresh()
+        # The registry view and the tables' update locks (registry.py); whoever takes a lock its last
+        # holder left in the middle of a change repairs the table first (repair.py).
+        self.registry = TableRegistry(directory, lambda entry: repair(self.registry, journal, entry))
+        self._admin = TableAdmin(self.registry, journal, self.limits)  # create, load, delete: admin.py
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -148,86 +125,31 @@ class TableStore:
             self._admin.install(name, spec, source=table, version=version, journal_create=False)
             logger.info("loaded table %s at version %d from the data directory", name, version)
         for name, spec in specs.items():
-            if name not in self._registry.tables:
+            if name not in self.registry.published.tables:
                 self.create(name, spec)
-        if not self._registry.tables and settings.config is None and settings.default_table:
+        if not self.registry.published.tables and settings.config is None and settings.default_table:
             self.create("demo", demo_table_spec())
-
-    # -- registry ---------------------------------------------------------------------------------
-
-    def refresh(self) -> None:
-        """Map tables created and drop tables deleted by any worker since this worker last looked."""
-        generation = int(self._generation_np[0])
-        if generation == self._seen_generation:
-            return
-        with self._registry_lock.hold(), self._sync_lock:
-            self._sync(self.directory.read_registry(), int(self._generation[0]))
-
-    def _sync(self, registry: Registry, generation: int) -> None:
-        arrays = {aid: a for aid, a in self._arrays.items() if aid in registry.arrays}
-        # Kept across a load's switch: the threads of this process must keep excluding each other.
-        locks = {lid: lock for lid, lock in self._locks.items() if registry.lock_in_use(lid)}
-        entries: dict[str, TableEntry] = {}
-        for name, record in registry.tables.items():
-            current = self._entries.get(name)
-            if current is not None and current.uid == record["uid"]:
-                entries[name] = current
-                continue
-            array_id = record["array"]
-            if array_id not in arrays:
-                arrays[array_id] = self._map_array(array_id, registry.arrays[array_id])
-            array = arrays[array_id]
-            config = TableConfig.from_dict(record["config"])
-            optimizer = OptimizerConfig.from_dict(record["optimizer"])
-            table = Table(config, optimizer, weight=array.weight, state=array.state)
-            counters = self.directory.map(f"tables/{record['uid']}.counters", NUM_COUNTERS, torch.int64)
-            lock_id = record["lock"]
-            if lock_id not in locks:
-                locks[lock_id] = FileLock(self.directory.locks_dir / f"{lock_id}.lock")
-            entries[name] = TableEntry(name, record["uid"], table, array, locks[lock_id], counters)
-        self._arrays, self._entries, self._locks, self._registry = arrays, entries, locks, registry
-        self._seen_generation = generation
-
-    def _map_array(self, array_id: str, record: dict[str, Any]) -> SharedArray:
-        tensors = {
-            key: self.directory.map(
-                f"arrays/{array_id}.{key}", shape_numel(tuple(shape)), dtype_from_name(dtype)
-            ).view(tuple(shape))
-            for key, (shape, dtype) in record["layout"].items()
-        }
-        return SharedArray(array_id, tensors)
-
-    def _publish(self, registry: Registry) -> None:
-        """Write the registry and bump the generation; caller holds the registry lock."""
-        self.directory.write_registry(registry)
-        generation = int(self._generation[0]) + 1
-        self._generation[0] = generation
-        with self._sync_lock:
-            self._sync(registry, generation)
-
-    def _entry(self, name: str) -> TableEntry:
-        self.refresh()
-        entry = self._entries.get(name)
-        if entry is None:
-            raise NotFoundError(f"no table named {name!r}")
-        return entry
 
     # -- tables -----------------------------------------------------------------------------------
 
+    def refresh(self) -> None:
+        """Map tables created and drop tables deleted by any worker since this worker last looked."""
+        self.registry.refresh()
+
     def names(self) -> list[str]:
-        self.refresh()
-        return sorted(self._entries)
+        self.registry.refresh()
+        return sorted(self.registry.entries)
 
     def table(self, name: str) -> Table:
         """The core Table (over shared memory) named ``name``."""
-        return self._entry(name).table
+        return self.registry.entry(name).table
 
     def version(self, name: str) -> int:
-        return self._entry(name).version
+        return self.registry.entry(name).version
 
     def info(self, name: str) -> TableInfo:
-        entry = self._entry(name)
-        registry = self._registry
+        entry = self.registry.entry(name)
+        registry = self.registry.published
         array_record = registry.arrays.get(entry.array.array_id, {})
         return TableInfo(
             name=name,
@@ -243,12 +165,14 @@ class TableStore:
 
     def create(self, name: str, spec: TableSpec) -> TableInfo:
         """Create a table (new zero-version array, or sharing ``spec.share_array_with``'s array)."""
-        return self._admin.create(name, spec)
+        self._admin.create(name, spec)
+        return self.info(name)
 
     def create_from(self, name: str, table: Table, version: int = 0) -> TableInfo:
         """Create table ``name`` holding a copy of ``table``'s array and optimizer state (an import) at
         ``version``; journalled like ``create``."""
-        return self._admin.create_from(name, table, version)
+        self._admin.create_from(name, table, version)
+        return self.info(name)
 
     def delete(self, name: str) -> None:
         """Remove a table; its array goes when no other table reads it (``TableAdmin.delete``)."""
@@ -276,7 +200,7 @@ class TableStore:
         """Rows of ``ids`` (int64 (n,), a tensor or a numpy array) -> float32 (n, d) as a numpy array; with
         ``pooling`` sum/mean, bags delimited by ``offsets`` (int64 (B,), nn.EmbeddingBag style; None = one
         bag) -> (B, d). Never takes a lock."""
-        entry = self._entry(name)
+        entry = self.registry.entry(name)
         table = entry.table
         self.limits.check_request(_count(ids), table.config.embedding_dim)
         if pooling == "none" and offsets is None and per_sample_weights is None:
@@ -310,7 +234,7 @@ class TableStore:
         for item in items:
             num_ids = max(1, _count(item.ids))  # an empty lookup still costs a table resolution
             total_ids += num_ids
-            total_values += num_ids * self._entry(item.table).table.config.embedding_dim
+            total_values += num_ids * self.registry.entry(item.table).table.config.embedding_dim
         self.limits.check_request(total_ids, 0)
         if total_values > self.limits.max_values_per_request:
             raise LimitExceededError(
@@ -353,41 +277,30 @@ class TableStore:
 
         ``blocking=False``: returns None, having changed nothing, when the table's update lock is held
         elsewhere (the caller, on the event loop, then retries from a worker thread)."""
-        entry = self._entry(name)
+        entry = self.registry.entry(name)
         table = entry.table
-        self.limits.check_request(_count(ids), table.config.embedding_dim)
-        applied_lr = table.optimizer.lr if lr is None else float(lr)
-        if not (applied_lr > 0 and applied_lr != float("inf")):
-            raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
-        if self._small_unjournalled:
+        applied_lr = self._check_request(table, _count(ids), lr)
+        if self._small_unjournalled and _count(ids) <= SMALL_BATCH_MAX_IDS:
             # Nothing to journal: a small batch is hashed, checked and applied in two compiled calls.
-            locked = self._acquire(name, blocking)
+            locked = self.registry.acquire(name, blocking)
             if locked is None:
                 return None
             try:
-                result = _apply_small(locked, ids, grads, applied_lr)
+                return self._apply_unjournalled(locked, ids, grads, applied_lr), 0
             finally:
                 locked.lock.release()
-            if result is not None:
-                return result, 0
         ids, grads = _tensor(ids), _tensor(grads)
         start = time.perf_counter()
-        # ``hash`` checks the ids and ``prepare_step`` the gradients (finite, one row of d per id), both
-        # before anything changes.
-        # Hashing reads only the config, so it runs outside the lock; so does coalescing the step.
-        chunk_offsets = table.hash(ids)
-        hashed = time.perf_counter()
-        # also: lr <= the table's max_lr
-        step = table.prepare_step(chunk_offsets, grads, applied_lr, offsets_from_hash=True)
-        prepared = time.perf_counter()
-        with self._try_locked(name, blocking) as locked:
+        # Checked before anything changes; the table's config is all they read, so they run outside the
+        # lock (so does coalescing the step).
+        step, hash_seconds = _prepare(table, ids, grads, applied_lr)
+        prepare_seconds = time.perf_counter() - start - hash_seconds
+        with self.registry.try_locked(name, blocking) as locked:
             if locked is None:
                 return None
             if locked is not entry:  # a load switched the table meanwhile (same config: checked again)
                 table = locked.table
-                table.validate_grads(ids, grads)
-                chunk_offsets = table.hash(ids)
-                step = table.prepare_step(chunk_offsets, grads, applied_lr, offsets_from_hash=True)
+                step, _ = _prepare(table, ids, grads, applied_lr)
             version = locked.version + 1
             # Before the log: a step that would leave a non-finite value is refused, nothing changed.
             table.check_step(step)
@@ -400,42 +313,60 @@ class TableStore:
                 locked.set_pending(0)  # a failed append leaves the log as it was
                 raise
             if self._fault_file is not None:
-                self._fault_point(table, chunk_offsets, grads, applied_lr)
-            apply_start = time.perf_counter()
-            table.apply_step(step)  # if it raises, the mark stays
-            applied = time.perf_counter()
+                self._fault_point(table, ids, grads, applied_lr)
+            timings = apply_record(table, ids, grads, applied_lr, step=step)  # if it raises, the mark stays
             locked.set_version(version)
             locked.set_pending(0)
         # The caller waits for durability outside the lock (group commit): the next updates append
         # while this one waits for its flush.
-        apply_seconds = (prepared - hashed) + (applied - apply_start)
-        return UpdateResult(version, hashed - start, apply_seconds), ticket
+        assert timings is not None  # a live push is refused, never skipped
+        return UpdateResult(version, hash_seconds, prepare_seconds + timings[1]), ticket
+
+    def _apply_unjournalled(
+        self, entry: TableEntry, ids: Tensor | np.ndarray, grads: Tensor | np.ndarray, lr: float
+    ) -> UpdateResult:
+        """The next version of ``entry`` (its lock held) with nothing to journal: the whole update under
+        the lock, a small batch in two compiled calls."""
+        version = entry.version + 1
+        entry.set_pending(version)  # as apply_update: a worker that dies mid-step leaves the mark
+        try:
+            timings = apply_record(entry.table, ids, grads, lr)
+        except InvalidInputError:  # refused before anything changed
+            entry.set_pending(0)
+            raise
+        assert timings is not None  # a live push is refused, never skipped
+        entry.set_version(version)
+        entry.set_pending(0)
+        return UpdateResult(version, *timings)
+
+    def _check_request(self, table: Table, num_ids: int, lr: float | None) -> float:
+        """The checks of an update that read neither its ids nor its gradients: the request limits and the
+        lr (positive, finite); returns the lr to apply (the request's, else the table's). The rest of the
+        validation is ``_prepare``'s, and ``check_step``'s under the lock."""
+        self.limits.check_request(num_ids, table.config.embedding_dim)
+        applied_lr = table.optimizer.lr if lr is None else float(lr)
+        if not (applied_lr > 0 and applied_lr != float("inf")):
+            raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
+        return applied_lr
 
     # -- replicated mode: the log decides the order and the versions (service/replication/) ----------
 
     def validate_update(self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None) -> float:
         """Every check ``apply_update`` makes before it changes anything; returns the lr to apply. A
         replica runs it before publishing, so a bad push is a 4xx and never reaches the log."""
-        table = self._entry(name).table
-        self.limits.check_request(int(ids.numel()), table.config.embedding_dim)
-        table.validate_grads(ids, grads)
-        applied_lr = table.optimizer.lr if lr is None else float(lr)
-        if not (applied_lr > 0 and applied_lr != float("inf")):
-            raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
-        # lr <= the table's max_lr, and a step that would leave a non-finite value on the table as this
-        # replica has it now is refused before it is published (apply_logged checks again, at its version).
-        table.check_step(table.prepare_step(table.hash(ids), grads, applied_lr))
+        table = self.registry.entry(name).table
+        applied_lr = self._check_request(table, int(ids.numel()), lr)
+        step, _ = _prepare(table, ids, grads, applied_lr)
+        # A step that would leave a non-finite value on the table as this replica has it now is refused
+        # before it is published (apply_logged checks again, at its version).
+        table.check_step(step)
         return applied_lr
 
     def apply_logged(self, record: UpdateRecord) -> UpdateResult | None:
         """Apply the update at log position ``record.version``: the table goes from ``version - 1`` to
         ``version``. None if the table already has it (a replay). A gap is a ``CorruptionError``: the
         caller reads the log from the wrong place. The journal is not called: the log is the journal."""
-        entry = self._entry(record.table)
-        start = time.perf_counter()
-        chunk_offsets = entry.table.hash(record.ids)
-        hashed = time.perf_counter()
-        with self._locked(record.table) as locked:
+        with self.registry.locked(record.table) as locked:
             if locked.version >= record.version:
                 return None
             if locked.version != record.version - 1:
@@ -443,22 +374,12 @@ class TableStore:
                     f"table {record.table!r} is at version {locked.version}; "
                     f"log position {record.version} cannot follow it"
                 )
-            if locked is not entry:
-                chunk_offsets = locked.table.hash(record.ids)
-            apply_start = time.perf_counter()
-            step = locked.table.prepare_step(chunk_offsets, record.grads, record.lr)
-            try:
-                locked.table.check_step(step)
-            except InvalidInputError as error:
-                # Published after a check against an earlier version, but at this version the step would
-                # leave a non-finite value: every replica is at these same bytes, so every replica skips
-                # it alike; the version still advances (an empty update), keeping versions equal.
-                logger.warning("table %r: log entry %d skipped: %s", record.table, record.version, error)
-            else:
-                locked.table.apply_step(step)
-            applied = time.perf_counter()
-            locked.set_version(record.version)
-        return UpdateResult(record.version, hashed - start, applied - apply_start)
+            timings = apply_record(
+                locked.table, record.ids, record.grads, record.lr, logged_as=(record.table, record.version)
+            )
+            locked.set_version(record.version)  # a skipped entry too: versions stay equal on every replica
+        hash_seconds, apply_seconds = (0.0, 0.0) if timings is None else timings
+        return UpdateResult(record.version, hash_seconds, apply_seconds)
 
     def checksum(self, name: str) -> tuple[int, str]:
         """(version, sha256 hex) over the array and optimizer state, taken under the update lock, so the
@@ -476,7 +397,7 @@ class TableStore:
         of the same kind (same hash, chunk size and optimizer), so nothing shared changes."""
         probe = torch.zeros(1, dtype=torch.int64)
         kinds = set()
-        for entry in list(self._entries.values()):
+        for entry in list(self.registry.entries.values()):
             table = entry.table
             table.gather(table.hash(probe))
             config = table.config
@@ -492,83 +413,30 @@ class TableStore:
             )
             private = Table(tiny, optimizer)
             private.gather(private.hash(probe))
-            private.apply_gradients(probe, torch.zeros(1, embedding_dim))
+            grads = torch.zeros(1, embedding_dim)
+            private.apply_gradients(probe, grads)  # the small-batch step of the three-part path
+            apply_record(private, probe, grads, optimizer.lr)  # and the checked step in one call
 
-    # -- the table's update lock, held by every change of a table ---------------------------------
-
-    @contextmanager
-    def _locked(self, name: str) -> Iterator[TableEntry]:
-        """The table's current entry, its update lock held: no update, snapshot, load or delete of it runs
-        meanwhile. An entry a load replaced while this waited for the lock is looked up again; one whose
-        last holder died in the middle of an update is repaired first."""
-        with self._try_locked(name, blocking=True) as entry:
-            assert entry is not None
-            yield entry
-
-    @contextmanager
-    def _try_locked(self, name: str, blocking: bool) -> Iterator[TableEntry | None]:
-        """As ``_locked``; with ``blocking=False`` None at once when the lock is held elsewhere."""
-        entry = self._acquire(name, blocking)
-        if entry is None:
-            yield None
-            return
-        try:
-            yield entry
-        finally:
-            entry.lock.release()
-
-    def _acquire(self, name: str, blocking: bool) -> TableEntry | None:
-        """``_try_locked`` without the context manager (the small-update path, where it costs ~2 us of
-        a request): the current entry with its lock taken, which the caller releases
-        (``entry.lock.release()``); None at once with ``blocking=False`` when the lock is held elsewhere."""
-        for _ in range(_MAX_SWITCHES):
-            entry = self._entry(name)
-            if not entry.lock.acquire(blocking):
-                return None
-            try:
-                if entry.pending and entry.state == LIVE:
-                    repair(self, entry)  # may find the dead holder's load or delete published
-                state = entry.state
-                if state == DELETED:
-                    raise NotFoundError(f"no table named {name!r}")
-            except BaseException:
-                entry.lock.release()
-                raise
-            if state != REPLACED:
-                return entry
-            entry.lock.release()
-        raise BusyError(f"table {name!r} was replaced {_MAX_SWITCHES} times in a row; try again")
-
-    def _fault_point(self, table: Table, chunk_offsets: Tensor, grads: Tensor, lr: float) -> None:
+    def _fault_point(self, table: Table, ids: Tensor, grads: Tensor, lr: float) -> None:
         """Testing only: once for each time the fault file is created (empty, or naming
         ``update:appended``), apply the first half of the update's rows (a half-applied update) and
         SIGKILL this process before the counter bump."""
         if not faults.armed(self._fault_file, faults.UPDATE_APPENDED):
             return
         half = max(1, int(grads.shape[0]) // 2)
-        table.apply_gradients_at(chunk_offsets[:half], grads[:half], lr)
+        apply_record(table, ids[:half], grads[:half], lr)
         os.kill(os.getpid(), signal.SIGKILL)
 
     @contextmanager
     def exclusive(self, name: str) -> Iterator[tuple[Table, int]]:
-        """Hold the table's update lock: yields (table, version) with no update running or starting.
-
-        Marked pending meanwhile, like an update: if this worker dies while it holds the lock (in the
-        middle of a snapshot, say), the next holder repairs the table from the journal."""
-        with self._locked(name) as entry:
-            entry.set_pending(EXCLUSIVE)
-            try:
-                yield entry.table, entry.version
-            finally:
-                entry.set_pending(0)
+        """Hold the table's update lock: yields (table, version) with no update running or starting
+        (``TableRegistry.exclusive``: marked pending meanwhile, like an update)."""
+        with self.registry.exclusive(name) as held:
+            yield held
 
     def close(self) -> None:
         """Release this worker's locks and mappings (the shared directory stays; its owner removes it)."""
-        with self._sync_lock:
-            for lock in self._locks.values():
-                lock.close()
-            self._arrays, self._entries, self._locks = {}, {}, {}
-        self._registry_lock.close()
+        self.registry.close()
 
 
 def _count(values: Tensor | np.ndarray) -> int:
@@ -580,20 +448,68 @@ def _tensor(values: Tensor | np.ndarray) -> Tensor:
     return torch.from_numpy(values) if isinstance(values, np.ndarray) else values
 
 
-def _apply_small(
-    entry: TableEntry, ids: Tensor | np.ndarray, grads: Tensor | np.ndarray, lr: float
-) -> UpdateResult | None:
-    """The next version of ``entry`` (its lock held) by ``Table.try_checked_update``; None, having changed
-    nothing, when the general path must take the update (or report why it is refused)."""
-    version = entry.version + 1
-    entry.set_pending(version)  # as apply_update: a worker that dies mid-step leaves the mark
-    timings = entry.table.try_checked_update(ids, grads, lr)
-    if timings is None:
-        entry.set_pending(0)
-        return None
-    entry.set_version(version)
-    entry.set_pending(0)
-    return UpdateResult(version, *timings)
+def apply_record(
+    table: Table,
+    ids: Tensor | np.ndarray,
+    grads: Tensor | np.ndarray,
+    lr: float,
+    *,
+    step: PreparedStep | None = None,
+    logged_as: tuple[str, int] | None = None,
+) -> tuple[float, float] | None:
+    """Apply one update to ``table``: the one place an update reaches a table's array. Live pushes
+    (``TableStore.apply_update``), records replayed from the write-ahead log (``WalJournal.load`` and
+    ``recover``), entries of the replicated log (``TableStore.apply_logged``) and the applier's private
+    rebuild all come here; ``TableStore`` holds the table's update lock and moves its version around it.
+    The table need not be served (a replay at start-up, a rebuild): nothing here reads the registry.
+
+    Args:
+        table: the table to change.
+        ids: int64 (N,) ids, as sent (duplicates not yet summed); a tensor or a numpy array.
+        grads: float32 (N, d) gradients of their rows; a tensor or a numpy array.
+        lr: the learning rate to apply, resolved (the request's or the table's).
+        step: ``table.prepare_step`` of this very update, already checked (``check_step``) under the
+            lock: only applied. The live path with a journal checks before it appends, so a refused
+            update never reaches the log.
+        logged_as: (table name, version) of the log record this update is. A step that would leave a
+            non-finite value is then skipped with a warning and None returned: the log holds it, so every
+            replica and every replay skips it alike, and the version still advances. Without (a live
+            push, not logged yet) it is refused with ``InvalidInputError``.
+
+    Returns (seconds hashing, seconds coalescing, checking and stepping), or None when skipped. Any other
+    invalid input raises ``InvalidInputError`` before anything changes.
+    """
+    if step is None:
+        # A small batch is hashed, checked and applied in two compiled calls; None: the general path.
+        timings = table.try_checked_update(ids, grads, lr)
+        if timings is not None:
+            return timings
+        start = time.perf_counter()
+        step, hash_seconds = _prepare(table, _tensor(ids), _tensor(grads), lr)
+        try:
+            table.check_step(step)
+        except InvalidInputError as error:
+            if logged_as is None:
+                raise
+            # Published after a check against an earlier version (a replica), but at this version the step
+            # would leave a non-finite value: skipped alike wherever the log is applied.
+            logger.warning("table %r: log entry %d skipped: %s", *logged_as, error)
+            return None
+        table.apply_step(step)
+        return hash_seconds, time.perf_counter() - start - hash_seconds
+    start = time.perf_counter()
+    table.apply_step(step)
+    return 0.0, time.perf_counter() - start
+
+
+def _prepare(table: Table, ids: Tensor, grads: Tensor, lr: float) -> tuple[PreparedStep, float]:
+    """``hash`` (it checks the ids) and ``prepare_step`` (the gradients: finite, one row of d per id; lr
+    <= the table's max_lr) of an update: the checks that read only the table's config, so they need no
+    lock. Returns the coalesced step and the seconds hashing took."""
+    start = time.perf_counter()
+    chunk_offsets = table.hash(ids)
+    hash_seconds = time.perf_counter() - start
+    return table.prepare_step(chunk_offsets, grads, lr, offsets_from_hash=True), hash_seconds
 
 
 def _validate_pooling(

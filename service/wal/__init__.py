@@ -1,7 +1,7 @@
 """Durable tables on one machine: per-table snapshots plus a checksummed, append-only log of gradient
 pushes.
 
-``WalJournal`` implements the store's ``Journal`` hook (``service/journal.py``). Layout under the data
+``WalJournal`` implements the store's ``Journal`` hook (``service/store/journal.py``). Layout under the data
 directory, one folder per table (formats and guarantees in docs/durability.md)::
 
     <data_dir>/<name>/meta.json                     the commit point: generation, version, snapshot file

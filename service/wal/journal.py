@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, BinaryIO
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
 from robez_core.table import fsync_dir
 
-from ..faults import die_at
-from ..journal import StorageFullError, UpdateRecord, is_storage_full
+from ..errors import StorageFullError
+from ..faults import die_at, fault_file
+from ..store import apply_record
+from ..store.journal import UpdateRecord, is_storage_full
 
 if TYPE_CHECKING:
     from robez_core.table import Table
@@ -49,7 +51,6 @@ from .records import (
     META_FORMAT_VERSION,
     FsyncPolicy,
     LogScan,
-    _ApplyFn,
     _crc,
     decode_record,
     encode_log_header,
@@ -191,7 +192,7 @@ class WalJournal:
             snapshot_log_ratio=settings.snapshot_log_ratio,
             snapshot_log_min_bytes=settings.snapshot_log_min_bytes,
         )
-        journal.fault_file = settings.fault_die_after_append
+        journal.fault_file = fault_file()
         return journal
 
     # -- paths -------------------------------------------------------------------------------------------
@@ -364,7 +365,7 @@ class WalJournal:
             return None
         self._remove_leftovers(self.table_dir(name), meta)
         table = self._load_snapshot(name, meta)
-        version = self._replay(name, meta, table.apply_gradients, salvage=salvage)
+        version = self._replay(name, meta, table, salvage=salvage)
         self._forget_log(name)
         return table, version
 
@@ -394,7 +395,7 @@ class WalJournal:
                     if span.version > version:
                         break
                     ids, grads = decode_record(buf, span)
-                    table.apply_gradients(ids, grads, span.lr)
+                    apply_record(table, ids, grads, span.lr, logged_as=(name, span.version))
                     cut, reached = span.offset + span.length, span.version
             if reached != version:
                 raise CorruptionError(f"{where}: holds versions up to {reached}, cannot recover {version}")
@@ -600,11 +601,11 @@ class WalJournal:
         self,
         name: str,
         meta: _Meta,
-        apply: _ApplyFn,
+        table: Table,
         *,
         salvage: bool,
     ) -> int:
-        """Check the committed log whole, then ``apply(ids, grads, lr)`` each record in order.
+        """Check the committed log whole, then apply each record to ``table`` in order (``apply_record``).
 
         Returns the version reached. A stale log (older generation) is replaced by an empty one; a torn
         tail is cut off, after a warning.
@@ -625,7 +626,7 @@ class WalJournal:
                     self._check_log_matches(name, scan, meta)
                     for span in scan.records:
                         ids, grads = decode_record(buf, span)
-                        apply(ids, grads, span.lr)
+                        apply_record(table, ids, grads, span.lr, logged_as=(name, span.version))
                         version = span.version
             if not stale and scan.tail_problem is not None:
                 logger.warning(

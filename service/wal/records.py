@@ -6,7 +6,6 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,9 +18,6 @@ if TYPE_CHECKING:
     pass
 
 logger = logging.getLogger("robez.wal")
-
-# What replay calls for each record: ``Table.apply_gradients(ids, grads, lr)``.
-_ApplyFn = Callable[[torch.Tensor, torch.Tensor, float], None]
 
 FsyncPolicy = Literal["always", "interval", "never"]
 FSYNC_POLICIES: tuple[str, ...] = ("always", "interval", "never")

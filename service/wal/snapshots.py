@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from robez_core.errors import NotFoundError
 
-from ..journal import StorageFullError
+from ..errors import StorageFullError
 
 if TYPE_CHECKING:
     from robez_core.table import Table

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
-from service.journal import UpdateRecord
+from service.store.journal import UpdateRecord
 from service.wal import LOG_FILE, WalJournal
 
 from .subprocess_server import RobezServer, free_port

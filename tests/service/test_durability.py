@@ -25,7 +25,7 @@ from robez_core.table import Table
 from service import cli
 from service.app import create_app
 from service.config import Settings
-from service.journal import UpdateRecord
+from service.store.journal import UpdateRecord
 from service.wal import LOG_FILE, LOG_HEADER_SIZE, SnapshotScheduler, WalJournal
 
 DIM, MEMORY, CHUNK = 8, 512, 4

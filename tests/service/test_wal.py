@@ -21,7 +21,8 @@ from torch import Tensor
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConflictError, CorruptionError, InvalidInputError
 from robez_core.table import Table
-from service.journal import StorageFullError, UpdateRecord
+from service.errors import StorageFullError
+from service.store.journal import UpdateRecord
 from service.wal import (
     LOG_FILE,
     LOG_HEADER_SIZE,

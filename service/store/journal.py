@@ -1,6 +1,6 @@
 """The durability hook between the table store and a write-ahead log.
 
-``TableStore`` (``service/store/``) calls a ``Journal`` at fixed points, per docs/architecture.md
+``TableStore`` (``tables.py``) calls a ``Journal`` at fixed points, per docs/architecture.md
 "Journal hook": ``append`` under the table's cross-worker update lock, before the update is applied;
 ``wait_durable`` with the ticket ``append`` returned, after the lock is released and before the response
 is sent (group commit: the writers that come next append meanwhile and share one flush); ``create`` /
@@ -16,18 +16,10 @@ import errno
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from robez_core.errors import RobezError
-
 if TYPE_CHECKING:
     from torch import Tensor
 
     from robez_core.table import Table
-
-
-class StorageFullError(RobezError):
-    """The data directory's file system has no room for a write: the update (snapshot, new table, load) is
-    refused and nothing was applied. The server stays up and serves lookups; writes succeed again once
-    space is freed. Answered 507 Insufficient Storage (``service/errors.py``)."""
 
 
 _NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})

@@ -18,12 +18,12 @@ from robez_core.errors import ConflictError, InvalidInputError, NotFoundError
 from robez_core.small import SmallPath
 from robez_core.table import Table
 from service.config import Settings, TableSpec
-from service.journal import NullJournal, UpdateRecord
 from service.shm import SharedDirectory, remove_stale_directories
 from service.store import LookupResult, TableStore
+from service.store.journal import NullJournal, UpdateRecord
 from service.wal import LOG_FILE, META_FILE, WalJournal
 
-from .conftest import make_settings
+from ..conftest import make_settings
 
 CONFIG = TableConfig(num_embeddings=100, embedding_dim=8, memory_size=1024, chunk_size=4)
 
@@ -70,7 +70,7 @@ def test_update_waiting_for_a_deleted_table_answers_not_found(
 ) -> None:
     store = TableStore(directory, settings, NullJournal())
     store.create("t", TableSpec(CONFIG, OptimizerConfig()))
-    entry = store._entries["t"]
+    entry = store.registry.entries["t"]
     entry.counters[1] = 1  # what delete() sets under the lock before unregistering (state: deleted)
     with pytest.raises(NotFoundError):
         store.update("t", torch.tensor([1]), torch.zeros(1, 8))
@@ -133,7 +133,7 @@ CONFIG_LR = OptimizerConfig().lr
 def test_small_updates_without_a_journal_match_the_journalled_path(
     settings: Settings, directory: SharedDirectory, optimizer: str
 ) -> None:
-    # NullJournal: small updates are checked and applied in one compiled call (_apply_small);
+    # NullJournal: small updates are checked and applied in one compiled call (_apply_unjournalled);
     # RecordingJournal (a subclass that sees every append) keeps the general path.
     fast = TableStore(directory, settings, NullJournal())
     journal = RecordingJournal()
@@ -365,7 +365,7 @@ def test_a_lookup_in_flight_during_a_load_finishes_on_the_old_array(
     # The old array's files are gone (its mapping lived only as long as the lookup's reference).
     assert reader.info("t").array != old_array
     assert not list(directory.arrays_dir.glob(f"{old_array}.*"))
-    assert old_array not in reader._arrays and old_array not in loader._arrays
+    assert old_array not in reader.registry.arrays and old_array not in loader.registry.arrays
     loader.close()
     reader.close()
 
@@ -387,7 +387,7 @@ def test_an_update_waiting_for_a_load_is_applied_to_the_loaded_table(
     loader, writer = TableStore(directory, settings, journal), TableStore(directory, settings, NullJournal())
     loader.create("t", TableSpec(CONFIG, OptimizerConfig("sgd", lr=0.5)))
     writer.refresh()
-    stale = writer._entries["t"]
+    stale = writer.registry.entries["t"]
     new_table = _loaded(CONFIG, OptimizerConfig("sgd", lr=0.5), seed=2)
     expected = _loaded(CONFIG, OptimizerConfig("sgd", lr=0.5), seed=2)
     ids, grads = torch.tensor([1, 2, 3]), torch.ones(3, 8)
@@ -563,7 +563,7 @@ def test_a_writer_that_died_mid_update_is_repaired_by_the_next_one(tmp_path: Pat
             assert worker.update("t", ids, grads).version == len(acknowledged) + 1
             acknowledged.append((ids, grads))
 
-        entry = worker_a._entry("t")
+        entry = worker_a.registry.entry("t")
         dead_ids, dead_grads = torch.arange(10, 16), torch.full((6, 8), 100.0)
         with entry.lock.hold():  # what worker A did before it was killed; the kernel then drops the flock
             entry.set_pending(3)
@@ -610,7 +610,7 @@ def test_a_worker_that_died_in_the_middle_of_a_snapshot_loses_no_later_update(tm
             worker.update("t", ids, grads)
             oracle.apply_gradients(ids, grads)
 
-        entry = worker_b._entry("t")
+        entry = worker_b.registry.entry("t")
         meta = journal_b._require_meta("t")
         with entry.lock.hold():  # worker B's snapshot, up to its commit; then it is killed
             entry.set_pending(_EXCLUSIVE)

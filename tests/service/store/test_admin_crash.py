@@ -43,8 +43,8 @@ from service.store import TableStore
 from service.wal import LOG_FILE, META_FILE, WalJournal
 from service.wal.files import _lock_data_dir
 
-from .conftest import make_settings
-from .subprocess_server import RobezServer
+from ..conftest import make_settings
+from ..subprocess_server import RobezServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -54,6 +54,7 @@ CHILD_SECONDS = 120.0
 
 # The dying worker: attach, then load ``argv[4]`` into table t (or delete t when it is "-").
 _WORKER = """
+import os
 import sys
 from pathlib import Path
 from robez_core.table import Table
@@ -63,9 +64,10 @@ from service.store import TableStore
 from service.wal import WalJournal
 
 shm_path, data_dir, fault, checkpoint = sys.argv[1:]
+os.environ["ROBEZ_FAULT_DIE_AFTER_APPEND"] = fault  # the test hook of service/faults.py
 settings = Settings(
     _env_file=None, shm_dir=Path(shm_path).parent, shm_path=shm_path, data_dir=data_dir,
-    fault_die_after_append=fault, default_table=False, threads_per_worker=1,
+    default_table=False, threads_per_worker=1,
 )
 store = TableStore(SharedDirectory(Path(shm_path)), settings, WalJournal.from_settings(settings))
 if checkpoint == "-":
@@ -217,7 +219,7 @@ def test_a_worker_killed_in_the_middle_of_a_load(point: Point, worker: Worker, t
         tensor.copy_(torch.rand(tensor.shape, generator=generator) + 10.0)
     checkpoint = tmp_path / "loaded.safetensors"
     loaded.save(checkpoint)
-    stale = worker.store._entry("t")  # what an update that resolved t before the kill holds
+    stale = worker.store.registry.entry("t")  # what an update that resolved t before the kill holds
 
     _kill_worker_at(point.name, worker, tmp_path, str(checkpoint))
 
