@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from benchmarks.common import DEFAULT_OUTPUT_DIR
-from robez_core import hostinfo
-from robez_core.kernels import serial
+from robez_core import hostinfo, kernels
 from robez_core.config import OptimizerConfig, OptimizerName, TableConfig
+from robez_core.kernels import serial
 from robez_core.table import Table
 
 LOOKUP_TARGET_US = 5.0
@@ -88,15 +88,11 @@ def measure(optimizer: OptimizerName, calls: int, repeats: int, seed: int = 0) -
     gather = serial.gather_for(c.chunk_size)
 
     def lookup_kernels() -> None:
-        serial.chunk_offsets(
-            one_np, val_offset, c.num_chunks, mode, constants, range_size, offsets_one
-        )
+        serial.chunk_offsets(one_np, val_offset, c.num_chunks, mode, constants, range_size, offsets_one)
         gather(weight, offsets_one, c.embedding_dim, c.chunk_size, False, False, rows)
 
     def update_kernels() -> None:
-        serial.chunk_offsets(
-            ids_np, val_offset, c.num_chunks, mode, constants, range_size, offsets
-        )
+        serial.chunk_offsets(ids_np, val_offset, c.num_chunks, mode, constants, range_size, offsets)
         locations, values = serial.coalesce_sorted(grads_np, offsets, c.embedding_dim, c.chunk_size)
         if optimizer == "sgd":
             serial.sgd(weight, locations, values, lr)

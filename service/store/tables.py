@@ -39,8 +39,9 @@ from robez_core.errors import (
     InvalidInputError,
     LimitExceededError,
 )
+from robez_core.optim import PreparedStep
 from robez_core.small import SMALL_BATCH_MAX_IDS
-from robez_core.table import PreparedStep, Table
+from robez_core.table import Table
 
 from .. import faults
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
