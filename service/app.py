@@ -23,12 +23,12 @@ from robez_core.allocator import keep_freed_buffers
 from . import codec
 from . import oip as oip_codec
 from .config import Settings
-from .connections import LIFESPAN_METRICS_KEY
-from .direct import LIFESPAN_DIRECT_KEY, DirectAnswers
 from .errors import install_error_handlers
-from .fastpath import FastPathMiddleware, FastRoutes
+from .http.direct import LIFESPAN_DIRECT_KEY, DirectAnswers
+from .http.fastpath import FastPathMiddleware, FastRoutes
+from .http.middleware import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware, WorkerLoad
+from .http.protocol import LIFESPAN_METRICS_KEY
 from .journal import Journal, NullJournal
-from .limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware, WorkerLoad
 from .metrics import Metrics, RequestMetricsMiddleware
 from .replication.replica import Replica, local_settings
 from .routes import checksum, durability, health, lookup, oip, tables, update
@@ -85,7 +85,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             await app.state.replica.start()
         logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())
         try:
-            # uvicorn hands the lifespan state to each connection (service/connections.py counts there and
+            # uvicorn hands the lifespan state to each connection (service/http/protocol.py counts there and
             # answers hot routes directly).
             state: dict[str, Any] = {LIFESPAN_METRICS_KEY: app.state.metrics}
             if settings.direct_answers:

@@ -237,7 +237,7 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 class AnswerStatus:
-    """The status a request is counted under (``RequestMetricsMiddleware`` and ``service/direct.py``):
+    """The status a request is counted under (``RequestMetricsMiddleware`` and ``service/http/direct.py``):
     ``send`` records the one its response starts with (or set ``status`` when a response is written
     another way); ``final`` gives it, or, with no response started, 499 when the app returned (its client
     went away) and 500 when it raised (the server error handler answers 500)."""

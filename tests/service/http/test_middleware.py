@@ -15,7 +15,7 @@ import orjson
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from service.limits import (
+from service.http.middleware import (
     BodyDeadlines,
     BodyLimits,
     BodyTimeout,
@@ -25,8 +25,8 @@ from service.limits import (
 )
 from service.metrics import Metrics
 
-from .served import raw_connection, read_until_closed
-from .subprocess_server import RobezServer, serve
+from ..served import raw_connection, read_until_closed
+from ..subprocess_server import RobezServer, serve
 
 OCTET = {"content-type": "application/octet-stream"}
 

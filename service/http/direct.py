@@ -1,9 +1,9 @@
 """Direct answers: hot-route requests that arrive whole are answered in the connection's own callback.
 
 uvicorn gives every request an asyncio task and passes it through the app's whole middleware stack. For
-the hot routes (``service/fastpath.py``) that machinery costs more than the work: on this project's
+the hot routes (``service/http/fastpath.py``) that machinery costs more than the work: on this project's
 machine a one-id lookup's hash and gather take ~3 us, the task, FastAPI's outer layers and robez's three
-limit and metrics middlewares ~25 us (docs/loadtest/). So ``connections.RobezHttpProtocol`` asks
+limit and metrics middlewares ~25 us (docs/loadtest/). So ``protocol.RobezHttpProtocol`` asks
 ``DirectAnswers`` when a request's headers are in whether it may answer the request itself:
 
 - yes when its method and path match a hot route (``FastRoutes``), its body has a ``Content-Length``
@@ -37,9 +37,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from ..metrics import AnswerStatus, Metrics, table_label
 from .fastpath import FastRoute, FastRoutes, respond
-from .limits import UNLIMITED_PATHS, BodyLimits, WorkerLoad
-from .metrics import AnswerStatus, Metrics, table_label
+from .middleware import UNLIMITED_PATHS, BodyLimits, WorkerLoad
 
 logger = logging.getLogger("robez.direct")
 

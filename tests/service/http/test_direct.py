@@ -1,7 +1,7 @@
-"""Direct answers (``service/direct.py``): a connection answers hot-route requests that arrive whole in
+"""Direct answers (``service/http/direct.py``): a connection answers hot-route requests that arrive whole in
 its own callback, and every answer, metric and limit is the one the middleware stack gives.
 
-Each test drives ``robez serve``'s own HTTP protocol (``connections.RobezHttpProtocol``) over an
+Each test drives ``robez serve``'s own HTTP protocol (``protocol.RobezHttpProtocol``) over an
 in-memory transport, with the app's lifespan started as uvicorn starts it: once with direct answers (the
 default) and once with ``direct_answers=False`` (every request through an ASGI task and the stack), and
 compares the two byte for byte apart from the date and measured durations.
@@ -29,10 +29,10 @@ from uvicorn.server import ServerState
 
 from loadtest.hotpath import MemoryTransport
 from service.app import create_app
-from service.connections import uvicorn_options
+from service.http.protocol import uvicorn_options
 from service.store import TableStore
 
-from .conftest import make_settings
+from ..conftest import make_settings
 
 OCTET = "application/octet-stream"
 KEY = "direct-test-key"

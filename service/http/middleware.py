@@ -1,6 +1,6 @@
 """Request limits that act before a route runs: the body (size: 413, time: 408, client gone: counted) and
 saturation (503 + Retry-After). Connection-level limits (idle connections, connections per worker) are in
-``service/connections.py``.
+``service/http/protocol.py``.
 
 Per-request id counts, table counts and memory limits are checked by ``TableStore`` (``store.Limits``),
 which knows the table's dimension.
@@ -16,10 +16,10 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .codec import OCTET_STREAM
-from .config import Settings
-from .errors import error_response
-from .metrics import Metrics
+from ..codec import OCTET_STREAM
+from ..config import Settings
+from ..errors import error_response
+from ..metrics import Metrics
 
 # Probes and scrapes must answer even when the data path is saturated.
 UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
@@ -60,7 +60,7 @@ class BodyLimits:
 @dataclass
 class WorkerLoad:
     """What one worker holds at once, shared by the limit middlewares and the direct answers
-    (``service/direct.py``): requests admitted and not yet answered, and bytes of request bodies held.
+    (``service/http/direct.py``): requests admitted and not yet answered, and bytes of request bodies held.
     One event loop per worker: no lock needed."""
 
     in_flight: int = 0
