@@ -8,7 +8,7 @@ requests a connection answers itself) both ask one ``Admission`` per worker:
   Retry-After);
 - a request takes one of ``max_in_flight`` slots until it is answered, unless it is a probe or a scrape
   (``UNLIMITED_PATHS``); none free: 503 + Retry-After;
-- every request is counted and timed by route template, method, table and status (``observe``): 499 when
+- every request is counted and timed by route template, method, table and status (``finish``): 499 when
   its client left before an answer, 500 when it raised;
 - an error no handler took is answered by the app's handler for ``Exception``: in the stack by
   Starlette's ``ServerErrorMiddleware`` (outermost, always), in a direct answer by ``unexpected``.
@@ -76,6 +76,8 @@ class AnswerStatus:
     or, with no response started, 499 when the app returned (its client went away) and 500 when it raised
     (the handler for ``Exception`` answers 500)."""
 
+    __slots__ = ("_send", "start", "status")
+
     def __init__(self, send: Send) -> None:
         self._send = send
         self.status: int | None = None
@@ -137,9 +139,14 @@ class Admission:
     def admits(self, path: str, size: int, content_type: bytes | None) -> bool:
         """Whether a request whose headers are in, with a body of ``size`` bytes (declared), passes every
         rule now: the stack would refuse none of it."""
-        if self.saturated(path):
+        # saturated(), body_limit() and over_held() written out: this runs for every direct answer.
+        if path not in UNLIMITED_PATHS and self.in_flight >= self.max_in_flight:
             return False
-        return size == 0 or (size <= self.body_limit(content_type)[0] and not self.over_held(size))
+        if size == 0:
+            return True
+        limits = self.limits
+        max_bytes, _ = limits.max_bytes_for(content_type.decode("latin-1") if content_type else "")
+        return size <= max_bytes and self.held_bytes + size <= limits.max_held_bytes
 
     # -- what an admitted request holds --------------------------------------------------------------------
 
@@ -209,8 +216,21 @@ class Admission:
 
     # -- every request -------------------------------------------------------------------------------------
 
-    def observe(self, endpoint: str, scope: Scope, answer: AnswerStatus, raised: bool) -> None:
-        """Count and time a request that is over (``raised``: by an error)."""
+    def finish(
+        self,
+        endpoint: str,
+        scope: Scope,
+        answer: AnswerStatus,
+        raised: bool,
+        slot: bool = False,
+        size: int = 0,
+    ) -> None:
+        """A request is over (``raised``: by an error): give back its in-flight slot (if ``slot``) and the
+        ``size`` bytes of body it held (as ``release``), then count and time it under ``endpoint`` (its
+        route template), its method, table and final status."""
+        if slot:
+            self.in_flight -= 1
+        self.held_bytes -= size
         self.metrics.observe_request(
             endpoint,
             scope["method"],

@@ -104,20 +104,17 @@ class DirectAnswers:
         raised = True
         slot = admission.admit(scope["path"], size)
         try:
-            try:
-                response = await respond(scope, receive, route, parameter)
-                if write(response):
-                    answer.status = response.status_code
-                else:
-                    await response(scope, receive, answer.send)
-            finally:
-                admission.release(slot, size)
+            response = await respond(scope, receive, route, parameter)
+            if write(response):
+                answer.status = response.status_code
+            else:
+                await response(scope, receive, answer.send)
             raised = False
         except Exception as exc:
             await admission.unexpected(scope, receive, answer, exc)
             raise
         finally:
-            admission.observe(route.path, scope, answer, raised)
+            admission.finish(route.path, scope, answer, raised, slot, size)
 
 
 class _Resume:

@@ -246,4 +246,4 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, answer.send)
             raised = False
         finally:
-            self.admission.observe(endpoint(scope), scope, answer, raised)
+            self.admission.finish(endpoint(scope), scope, answer, raised)

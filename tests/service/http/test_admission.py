@@ -57,3 +57,21 @@ def test_refusals_are_counted_with_the_one_error_body() -> None:
         if sample.name.endswith("_total")
     }
     assert counts == {"saturated": 1.0, "bodies_held": 1.0, "body_timeout": 1.0}
+
+
+def test_admits_is_the_rules_written_out() -> None:
+    """``admits`` writes the three rules out for speed: it must agree with them everywhere."""
+    admission = _admission(max_in_flight=2, held=100)
+
+    def rules(path: str, size: int, content_type: bytes | None) -> bool:
+        if admission.saturated(path):
+            return False
+        return size == 0 or (size <= admission.body_limit(content_type)[0] and not admission.over_held(size))
+
+    for path in (LOOKUP, "/healthz"):
+        for in_flight in (0, 1, 2, 3):
+            for held in (0, 50, 100):
+                for size in (0, 1, 16, 17, 50, 51, 64, 65):
+                    for content_type in (None, b"", OCTET, b"application/json", b"text/plain"):
+                        admission.in_flight, admission.held_bytes = in_flight, held
+                        assert admission.admits(path, size, content_type) == rules(path, size, content_type)
