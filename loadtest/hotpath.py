@@ -1,7 +1,7 @@
 """Per-request server CPU of the small hot requests, through uvicorn's own HTTP protocol, without sockets.
 
 ``python -m loadtest.hotpath`` feeds whole HTTP/1.1 requests to uvicorn's httptools protocol object (the
-class ``robez serve`` runs, ``service.connections.RobezHttpProtocol``; the floor gets uvicorn's plain
+class ``robez serve`` runs, ``service.http.protocol.RobezHttpProtocol``; the floor gets uvicorn's plain
 one, as ``robez serve`` and ``python -m loadtest.floor`` run them) over an in-memory transport, one
 keep-alive connection per scenario, one request at a time, and measures this process's CPU time per
 request. Scenarios run in alternating rounds in one process pinned to one core, so machine load hits
@@ -53,7 +53,7 @@ _TARGET_KEYS = {
 
 class MemoryTransport(asyncio.Transport):
     """A connection's transport in memory: what the protocol writes collects in ``written``; ``close``
-    only marks it closed. Also the transport of tests/service/test_direct.py."""
+    only marks it closed. Also the transport of tests/service/http/test_direct.py."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -172,7 +172,7 @@ async def _serve_apps() -> tuple[dict[str, tuple[Any, Any, Any]], list[Any]]:
 
     from service.app import create_app
     from service.config import Settings
-    from service.connections import uvicorn_options
+    from service.http.protocol import uvicorn_options
 
     from .floor import app as floor_app
 

@@ -26,7 +26,7 @@ _INTERESTING = (
     "service/store",
     "service/codec",
     "service/metrics",
-    "service/limits",
+    "service/http",
     "service/auth",
     "robez_core/",
     "anyio/",

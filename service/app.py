@@ -23,12 +23,13 @@ from robez_core.allocator import keep_freed_buffers
 from . import codec
 from . import oip as oip_codec
 from .config import Settings
-from .connections import LIFESPAN_METRICS_KEY
-from .direct import LIFESPAN_DIRECT_KEY, DirectAnswers
 from .errors import install_error_handlers
-from .fastpath import FastPathMiddleware, FastRoutes
-from .limits import BodyLimits, InFlightLimitMiddleware, RequestBodyMiddleware, WorkerLoad
-from .metrics import Metrics, RequestMetricsMiddleware
+from .http.admission import Admission
+from .http.direct import LIFESPAN_DIRECT_KEY, DirectAnswers
+from .http.fastpath import FastPathMiddleware, FastRoutes
+from .http.middleware import InFlightLimitMiddleware, RequestBodyMiddleware, RequestMetricsMiddleware
+from .http.protocol import LIFESPAN_METRICS_KEY
+from .metrics import Metrics
 from .replication.replica import Replica, local_settings
 from .routes import checksum, durability, health, lookup, oip, tables, update
 from .shm import SharedDirectory
@@ -85,7 +86,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             await app.state.replica.start()
         logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())
         try:
-            # uvicorn hands the lifespan state to each connection (service/connections.py counts there and
+            # uvicorn hands the lifespan state to each connection (service/http/protocol.py counts there and
             # answers hot routes directly).
             state: dict[str, Any] = {LIFESPAN_METRICS_KEY: app.state.metrics}
             if settings.direct_answers:
@@ -147,20 +148,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     fast_routes = FastRoutes(
         [*health.fast_routes, *lookup.fast_routes, *update.fast_routes, *oip.fast_routes]
     )
-    load = WorkerLoad()  # in-flight requests and held body bytes, for the limits and the direct answers
-    body_limits = BodyLimits.from_settings(settings)
+    # One admission (limits, in-flight, body bytes, metrics) for the stack and the direct answers.
+    admission = Admission.from_settings(settings, metrics)
+    app.state.admission = admission
     app.add_middleware(FastPathMiddleware, routes=fast_routes)
-    app.add_middleware(
-        InFlightLimitMiddleware,
-        max_in_flight=settings.max_in_flight,
-        retry_after_s=settings.retry_after_s,
-        metrics=metrics,
-        load=load,
-    )
-    app.add_middleware(RequestBodyMiddleware, limits=body_limits, metrics=metrics, load=load)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
-    # The same hot routes, limits and metrics for the requests connections answer themselves.
-    app.state.direct = DirectAnswers(app, fast_routes, metrics, load, body_limits, settings.max_in_flight)
+    app.add_middleware(InFlightLimitMiddleware, admission=admission)
+    app.add_middleware(RequestBodyMiddleware, admission=admission)
+    app.add_middleware(RequestMetricsMiddleware, admission=admission)
+    # The same hot routes and admission for the requests connections answer themselves.
+    app.state.direct = DirectAnswers(app, fast_routes, admission)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

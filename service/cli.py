@@ -276,7 +276,7 @@ def _serve_locked(settings: Settings) -> int:
     import uvicorn
 
     from .app import open_journal
-    from .connections import uvicorn_options
+    from .http.protocol import uvicorn_options
     from .replication.replica import local_settings
     from .store import TableStore
     from .store.journal import NullJournal

@@ -95,7 +95,7 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None
     read_api_key: SecretStr | None = None
 
-    # Bodies are received whole before a request is admitted (service/limits.py); binary is the bulk
+    # Bodies are received whole before a request is admitted (service/http/middleware.py); binary is the bulk
     # format, JSON takes 5-37x its size while decoded into Python objects, hence its own, smaller bound.
     max_body_bytes: int = Field(default=64 * MiB, ge=1, description="any request body; larger: 413")
     max_json_body_bytes: int = Field(default=4 * MiB, ge=1, description="non-binary bodies; larger: 413")
@@ -107,7 +107,7 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(
         default=30.0, gt=0, description="a request's whole body must arrive within this; else 408, closed"
     )
-    # Connections (service/connections.py): uvicorn itself never closes one that sends no request.
+    # Connections (service/http/protocol.py): uvicorn itself never closes one that sends no request.
     header_timeout_s: float = Field(
         default=10.0,
         gt=0,
@@ -121,7 +121,7 @@ class Settings(BaseSettings):
     direct_answers: bool = Field(
         default=True,
         description="small hot-route requests are answered by the connection itself, without an ASGI task "
-        "and the middleware stack (same answers, metrics and limits; service/direct.py)",
+        "and the middleware stack (same answers, metrics and limits; service/http/direct.py)",
     )
     max_ids_per_request: int = Field(default=1 << 18, ge=1)
     # Bounds the (n, d) rows a request may ask for or push, whatever d is.

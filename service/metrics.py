@@ -7,7 +7,6 @@ workers start) and ``/metrics`` through any worker sums them all.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
 # Stage times run from a few microseconds (small hash) to seconds (a huge JSON request).
 _STAGE_BUCKETS = (
@@ -230,62 +229,3 @@ def set_table_label(request: Request, table: str) -> None:
 def table_label(scope: Scope) -> str:
     """The table label ``set_table_label`` gave this request ("" if none)."""
     return str(scope.get("state", {}).get("table", ""))
-
-
-# nginx's status for "the client closed the connection before the server answered"; never sent.
-CLIENT_CLOSED_REQUEST = 499
-
-
-class AnswerStatus:
-    """The status a request is counted under (``RequestMetricsMiddleware`` and ``service/direct.py``):
-    ``send`` records the one its response starts with (or set ``status`` when a response is written
-    another way); ``final`` gives it, or, with no response started, 499 when the app returned (its client
-    went away) and 500 when it raised (the server error handler answers 500)."""
-
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self.status: int | None = None
-
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.status = int(message["status"])
-        await self._send(message)
-
-    def final(self, raised: bool) -> int:
-        if self.status is not None:
-            return self.status
-        return 500 if raised else CLIENT_CLOSED_REQUEST
-
-
-class RequestMetricsMiddleware:
-    """Counts and times every HTTP request by route template, method, table and status (pure ASGI);
-    requests whose client left before any answer count under status 499.
-
-    The table label is set only by routes that resolved an existing table (``request.state.table``), so
-    requests for unknown names cannot grow the label set.
-    """
-
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        answer = AnswerStatus(send)
-        raised = True
-        try:
-            await self.app(scope, receive, answer.send)
-            raised = False
-        finally:
-            route: Any = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
-            self.metrics.observe_request(
-                endpoint,
-                scope["method"],
-                table_label(scope),
-                answer.final(raised),
-                time.perf_counter() - start,
-            )

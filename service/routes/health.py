@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from ..codec import JSONBytesResponse, RawResponse
-from ..fastpath import FastRoute
+from ..http.fastpath import FastRoute
 from .deps import MetricsDep
 
 router = APIRouter(tags=["health"])

@@ -29,7 +29,7 @@ from ..codec import (
     split_ids,
 )
 from ..consistency import MIN_VERSION_HEADER, parse_min_versions, wait_min_versions
-from ..fastpath import FastRoute
+from ..http.fastpath import FastRoute
 from ..metrics import Metrics, lookup_server_timing, set_table_label
 from ..store import LookupRequestItem, LookupResult, TableStore
 from .deps import (

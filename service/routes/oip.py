@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from ..auth import ReadAccess, require_read_key
 from ..codec import OCTET_STREAM, VERSION_HEADER, JSONBytesResponse
-from ..fastpath import FastRoute
+from ..http.fastpath import FastRoute
 from ..metrics import Metrics, server_timing
 from ..oip import (
     HEADER_LENGTH,

@@ -23,7 +23,7 @@ from ..codec import (
     json_bytes,
     update_json,
 )
-from ..fastpath import FastRoute
+from ..http.fastpath import FastRoute
 from ..metrics import Metrics, server_timing, set_table_label, update_server_timing
 from ..store import TableStore, UpdateResult
 from .deps import (

@@ -108,7 +108,7 @@ def test_the_connection_protocol_pickles_into_spawned_workers() -> None:
     """uvicorn pickles its Config (with the ``http`` protocol factory) into each spawned worker."""
     import pickle
 
-    from service.connections import RobezHttpProtocol, uvicorn_options
+    from service.http.protocol import RobezHttpProtocol, uvicorn_options
 
     settings = Settings(_env_file=None, header_timeout_s=2.5, max_connections=7)  # type: ignore[call-arg]
     factory = pickle.loads(pickle.dumps(uvicorn_options(settings)["http"]))

@@ -1,6 +1,9 @@
-"""Request limits that act before a route runs: the body (size: 413, time: 408, client gone: counted) and
-saturation (503 + Retry-After). Connection-level limits (idle connections, connections per worker) are in
-``service/connections.py``.
+"""The ASGI middlewares every request passes that a connection does not answer itself (``direct.py``),
+outermost first: ``RequestMetricsMiddleware`` (counts and times every answer),
+``RequestBodyMiddleware`` (the body: size 413, time 408, client gone: counted, bodies held 503),
+``InFlightLimitMiddleware`` (saturation: 503 + Retry-After). The rules are ``admission.Admission``'s,
+shared with the direct answers. Connection-level limits (idle connections, connections per worker) are in
+``protocol.py``.
 
 Per-request id counts, table counts and memory limits are checked by ``TableStore`` (``store.Limits``),
 which knows the table's dimension.
@@ -10,61 +13,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .codec import OCTET_STREAM
-from .config import Settings
-from .errors import error_response
-from .metrics import Metrics
-
-# Probes and scrapes must answer even when the data path is saturated.
-UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
-
-
-@dataclass(frozen=True)
-class BodyLimits:
-    """How a request body must arrive: within ``timeout_s`` of its headers and within a size that depends
-    on its type (binary is the bulk format; JSON takes 5-37x its size while decoded into Python objects,
-    docs/benchmarks/body-memory-2026-11-22.md)."""
-
-    max_body_bytes: int
-    max_json_body_bytes: int
-    timeout_s: float
-    max_held_bytes: int  # bodies one worker holds at once, received or arriving, until answered
-    retry_after_s: int = 1
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> BodyLimits:
-        return cls(
-            settings.max_body_bytes,
-            settings.max_json_body_bytes,
-            settings.body_timeout_s,
-            settings.max_body_bytes_held,
-            settings.retry_after_s,
-        )
-
-    def max_bytes_for(self, content_type: str) -> tuple[int, str]:
-        """(limit, the setting's name) for a body of ``content_type``: every body that is not
-        ``application/octet-stream`` is parsed as JSON by the routes, so it gets the JSON limit."""
-        if content_type.split(";")[0].strip().lower() == OCTET_STREAM:
-            return self.max_body_bytes, "max_body_bytes"
-        if self.max_json_body_bytes < self.max_body_bytes:
-            return self.max_json_body_bytes, "max_json_body_bytes"
-        return self.max_body_bytes, "max_body_bytes"
-
-
-@dataclass
-class WorkerLoad:
-    """What one worker holds at once, shared by the limit middlewares and the direct answers
-    (``service/direct.py``): requests admitted and not yet answered, and bytes of request bodies held.
-    One event loop per worker: no lock needed."""
-
-    in_flight: int = 0
-    held_bytes: int = 0
+from .admission import Admission, AnswerStatus, endpoint
 
 
 class BodyTooLarge(Exception):
@@ -161,12 +114,6 @@ async def read_body(
         deadlines.remove(task)
 
 
-def _too_large(setting: str, max_bytes: int) -> Response:
-    return error_response(
-        413, f"request body is over the limit {setting}={max_bytes}", "PayloadTooLargeError"
-    )
-
-
 class RequestBodyMiddleware:
     """Receive each request's whole body before the app sees the request.
 
@@ -182,14 +129,10 @@ class RequestBodyMiddleware:
     a request counts against ``max_in_flight`` only once its body is here.
     """
 
-    def __init__(
-        self, app: ASGIApp, limits: BodyLimits, metrics: Metrics, load: WorkerLoad | None = None
-    ) -> None:
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
         self.app = app
-        self.limits = limits
-        self.metrics = metrics
-        self.load = load if load is not None else WorkerLoad()
-        self.deadlines = BodyDeadlines(check_s=min(1.0, limits.timeout_s / 4))
+        self.admission = admission
+        self.deadlines = BodyDeadlines(check_s=min(1.0, admission.limits.timeout_s / 4))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -206,55 +149,36 @@ class RequestBodyMiddleware:
         if length is None and chunked is None:
             await self.app(scope, receive, send)  # no body (RFC 9112 6.3): nothing to wait for
             return
-        max_bytes, setting = self.limits.max_bytes_for(content_type.decode("latin-1") if content_type else "")
+        admission = self.admission
+        max_bytes, setting = admission.body_limit(content_type)
         declared = int(length) if length is not None and length.isdigit() else 0
         if declared > max_bytes:
-            await _too_large(setting, max_bytes)(scope, receive, send)
+            await admission.too_large(setting, max_bytes)(scope, receive, send)
             return
-        load = self.load
-        if load.held_bytes + declared > self.limits.max_held_bytes:
-            await self._worker_full(scope, receive, send, close=False)
+        if admission.over_held(declared):
+            await admission.refuse_bodies_held(close=False)(scope, receive, send)
             return
         held = 0
 
         def hold(size: int) -> None:
             nonlocal held
-            if load.held_bytes + size > self.limits.max_held_bytes:
+            if not admission.hold(size):
                 raise WorkerFull()
-            load.held_bytes += size
             held += size
 
         try:
-            body = await read_body(receive, max_bytes, self.limits.timeout_s, hold, self.deadlines)
+            body = await read_body(receive, max_bytes, admission.limits.timeout_s, hold, self.deadlines)
             await self.app(scope, _replay(body, receive), send)
         except BodyTooLarge:
-            await _too_large(setting, max_bytes)(scope, receive, send)
+            await admission.too_large(setting, max_bytes)(scope, receive, send)
         except WorkerFull:
-            await self._worker_full(scope, receive, send, close=True)
+            await admission.refuse_bodies_held(close=True)(scope, receive, send)
         except BodyTimeout:
-            self.metrics.rejected_total.labels("body_timeout").inc()
-            timeout = error_response(
-                408,
-                f"the request body did not arrive within body_timeout_s={self.limits.timeout_s:g}",
-                "RequestTimeoutError",
-                {"Connection": "close"},
-            )
-            await timeout(scope, receive, send)
+            await admission.refuse_body_timeout()(scope, receive, send)
         except ClientGone:
-            self.metrics.client_disconnects_total.inc()
+            admission.client_gone()
         finally:
-            load.held_bytes -= held
-
-    async def _worker_full(self, scope: Scope, receive: Receive, send: Send, *, close: bool) -> None:
-        self.metrics.rejected_total.labels("bodies_held").inc()
-        headers = {"Retry-After": str(self.limits.retry_after_s)}
-        if close:  # part of the body is unread and will not be
-            headers["Connection"] = "close"
-        message = (
-            f"server busy: this worker holds {self.load.held_bytes} bytes of request bodies "
-            f"(max_body_bytes_held={self.limits.max_held_bytes})"
-        )
-        await error_response(503, message, "BusyError", headers)(scope, receive, send)
+            admission.release(slot=False, size=held)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -278,37 +202,48 @@ class InFlightLimitMiddleware:
     unbounded queue would grow every request's latency and memory.
     """
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        max_in_flight: int,
-        retry_after_s: int,
-        metrics: Metrics,
-        load: WorkerLoad | None = None,
-    ) -> None:
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
         self.app = app
-        self.max_in_flight = max_in_flight
-        self.retry_after_s = retry_after_s
-        self.metrics = metrics
-        self.load = load if load is not None else WorkerLoad()
+        self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNLIMITED_PATHS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        load = self.load
-        if load.in_flight >= self.max_in_flight:
-            self.metrics.rejected_total.labels("saturated").inc()
-            response = error_response(
-                503,
-                f"server saturated: {load.in_flight} requests in flight (max_in_flight={self.max_in_flight})",
-                "BusyError",
-                {"Retry-After": str(self.retry_after_s)},
-            )
-            await response(scope, receive, send)
+        admission = self.admission
+        path = scope["path"]
+        if admission.saturated(path):
+            await admission.refuse_saturated()(scope, receive, send)
             return
-        load.in_flight += 1
+        slot = admission.admit(path, 0)
         try:
             await self.app(scope, receive, send)
         finally:
-            load.in_flight -= 1
+            admission.release(slot, 0)
+
+
+class RequestMetricsMiddleware:
+    """Counts and times every HTTP request by route template, method, table and status (pure ASGI);
+    requests whose client left before any answer count under status 499, those that raised under 500
+    (Starlette's ``ServerErrorMiddleware``, outside it, answers them with the app's handler for
+    ``Exception``).
+
+    The table label is set only by routes that resolved an existing table (``request.state.table``), so
+    requests for unknown names cannot grow the label set.
+    """
+
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        answer = AnswerStatus(send)
+        raised = True
+        try:
+            await self.app(scope, receive, answer.send)
+            raised = False
+        finally:
+            self.admission.finish(endpoint(scope), scope, answer, raised)

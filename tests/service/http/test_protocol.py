@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
-from .served import raw_connection, read_response, read_until_closed
-from .subprocess_server import serve
+from ..served import raw_connection, read_response, read_until_closed
+from ..subprocess_server import serve
 
 pytestmark = pytest.mark.slow
 

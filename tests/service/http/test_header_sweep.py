@@ -1,4 +1,4 @@
-"""The per-worker header sweep (service/connections.py): connections waiting for headers past the timeout
+"""The per-worker header sweep (service/http/protocol.py): connections waiting for headers past the timeout
 are closed, ones that started waiting later or are not waiting are left alone, and the sweep stops once
 nothing waits."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from service.connections import HeaderSweep
+from service.http.protocol import HeaderSweep
 
 
 class _Connection:

@@ -7,7 +7,7 @@ code as their FastAPI endpoints (each route module's ``fast_routes``):
 
 - ``FastPathMiddleware`` sits innermost among the app's middlewares, so metrics, the in-flight limit and
   the body size limit see these requests exactly as any other. Small ones that arrive whole are
-  answered before the stack, by the connection itself (``service/direct.py``), with the same
+  answered before the stack, by the connection itself (``service/http/direct.py``), with the same
   ``FastRoutes`` and ``serve``.
 - A request is taken here only when its method and path match a hot route exactly (and, for routes
   with query parameters, it has no query string); anything else (405s, trailing slashes, query
@@ -124,8 +124,8 @@ async def serve(scope: Scope, receive: Receive, send: Send, route: FastRoute, pa
 
 
 async def respond(scope: Scope, receive: Receive, route: FastRoute, parameter: str) -> Response:
-    """The response to a request ``FastRoutes.match`` gave to ``route`` (here and in
-    ``service/direct.py``): its handler's, or the app's exception handlers' for what the handler raised."""
+    """The response to a request ``FastRoutes.match`` gave to ``route`` (here and in ``direct.py``): its
+    handler's, or the app's exception handlers' for what the handler raised."""
     scope["route"] = route.route
     request = Request(scope, receive)
     try:

@@ -9,10 +9,10 @@
 - at most ``max_connections`` connections per worker: one more is closed as soon as it is accepted, so
   idle or slow clients cannot take every file descriptor of the process;
 - small hot-route requests that arrive whole are answered in the protocol's own callback, without an
-  ASGI task (``service/direct.py`` says when and how; the hooks are ``_start_asgi_task``,
+  ASGI task (``service/http/direct.py`` says when and how; the hooks are ``_start_asgi_task``,
   ``on_message_complete`` and ``data_received``).
 
-A stalled request *body* is the business of ``limits.RequestBodyMiddleware`` (``body_timeout_s``).
+A stalled request *body* is the business of ``middleware.RequestBodyMiddleware`` (``body_timeout_s``).
 ``uvicorn_options(settings)`` gives ``uvicorn.run`` all of this.
 """
 
@@ -37,8 +37,8 @@ from uvicorn.protocols.http.httptools_impl import (
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 from uvicorn.server import ServerState
 
-from .codec import RawResponse
-from .config import Settings
+from ..codec import RawResponse
+from ..config import Settings
 from .direct import LIFESPAN_DIRECT_KEY, DirectAnswers, resume
 from .fastpath import FastRoute
 
@@ -129,7 +129,7 @@ class RobezHttpProtocol(HttpToolsProtocol):
             )
             setattr(server_state, _SWEEP_ATTRIBUTE, sweep)
         self._sweep: HeaderSweep = sweep
-        # Direct answers (service/direct.py): the app's, unless uvicorn wraps the app in a logger.
+        # Direct answers (service/http/direct.py): the app's, unless uvicorn wraps the app in a logger.
         direct = app_state.get(LIFESPAN_DIRECT_KEY)
         self._direct: DirectAnswers | None = direct if self.logger.level > TRACE_LOG_LEVEL else None
         self._at_headers = False  # inside on_headers_complete

@@ -1,7 +1,7 @@
-"""Direct answers (``service/direct.py``): a connection answers hot-route requests that arrive whole in
+"""Direct answers (``service/http/direct.py``): a connection answers hot-route requests that arrive whole in
 its own callback, and every answer, metric and limit is the one the middleware stack gives.
 
-Each test drives ``robez serve``'s own HTTP protocol (``connections.RobezHttpProtocol``) over an
+Each test drives ``robez serve``'s own HTTP protocol (``protocol.RobezHttpProtocol``) over an
 in-memory transport, with the app's lifespan started as uvicorn starts it: once with direct answers (the
 default) and once with ``direct_answers=False`` (every request through an ASGI task and the stack), and
 compares the two byte for byte apart from the date and measured durations.
@@ -29,10 +29,10 @@ from uvicorn.server import ServerState
 
 from loadtest.hotpath import MemoryTransport
 from service.app import create_app
-from service.connections import uvicorn_options
+from service.http.protocol import uvicorn_options
 from service.store import TableStore
 
-from .conftest import make_settings
+from ..conftest import make_settings
 
 OCTET = "application/octet-stream"
 KEY = "direct-test-key"
@@ -322,7 +322,7 @@ def test_a_request_that_waits_finishes_in_a_task_once(run: Run, tmp_path: Path) 
     async def scenario() -> None:
         async with serving(tmp_path, min_version_wait_ms=5000) as served:
             waiting, writer = served.connect(), served.connect()
-            load = served.app.state.direct.load
+            admission = served.app.state.admission
             assert (
                 waiting.send(
                     request(
@@ -332,7 +332,7 @@ def test_a_request_that_waits_finishes_in_a_task_once(run: Run, tmp_path: Path) 
                 == []
             )
             await asyncio.sleep(0.05)
-            assert load.in_flight == 1 and waiting.send(b"") == []
+            assert admission.in_flight == 1 and waiting.send(b"") == []
             grads = np.ones((1, 64), dtype="<f4").tobytes()
             (pushed,), at_once = await writer.exchange(
                 request(
@@ -348,7 +348,7 @@ def test_a_request_that_waits_finishes_in_a_task_once(run: Run, tmp_path: Path) 
             rows = np.frombuffer(answer.body, dtype="<f4")
             assert rows.shape == (64,)
             np.testing.assert_array_equal(rows, served.store.lookup("demo", torch.tensor([7])).rows[0])
-            assert load.in_flight == 0 and load.held_bytes == 0
+            assert admission.in_flight == 0 and admission.held_bytes == 0
             await asyncio.sleep(0.05)
             assert waiting.send(b"") == [] and not waiting.transport.closed  # answered once, still open
 
@@ -404,25 +404,48 @@ def test_a_body_in_pieces_or_pipelined_requests(run: Run, tmp_path: Path) -> Non
 
 
 def test_limits_answer_through_the_stack(run: Run, tmp_path: Path) -> None:
-    """A request the limits would refuse is not answered directly; the stack refuses it as before."""
+    """A request the admission would refuse is not answered directly; the stack refuses it as before, with
+    the same answer (status, headers, error body) and the same counts as without direct answers."""
 
     async def scenario() -> None:
-        async with both(tmp_path, max_json_body_bytes=64, max_in_flight=2) as (direct, stack):
-            large = request("POST", "/v1/tables/demo/lookup", b'{"ids": [%s]}' % b",".join([b"1"] * 40), JSON)
+        limits = {"max_json_body_bytes": 64, "max_in_flight": 2, "retry_after_s": 3}
+        async with both(tmp_path, **limits) as (direct, stack):
+            ids = b'{"ids": [%s]}' % b",".join([b"1"] * 40)
+            large = request("POST", "/v1/tables/demo/lookup", ids, JSON)
+            lookup = request("POST", "/v1/tables/demo/lookup", _ids(1), BINARY)
+            health = request("GET", "/healthz")
+            answers = []
             for served in (direct, stack):
-                (answer,), at_once = await served.connect().exchange(large)
-                assert answer.status == 413 and not at_once
-            fast, slow = direct.connect(), stack.connect()
-            saturated = request("POST", "/v1/tables/demo/lookup", _ids(1), BINARY)
-            for served, connection in ((direct, fast), (stack, slow)):
-                served.app.state.direct.load.in_flight = 2  # two requests in flight elsewhere
-                (answer,), _ = await connection.exchange(saturated)
-                assert answer.status == 503 and answer.header("retry-after") == "1"
-                (health,), _ = await connection.exchange(request("GET", "/healthz"))
-                assert health.status == 200  # probes are never limited
-                served.app.state.direct.load.in_flight = 0
+                admission = served.app.state.admission
+                connection = served.connect()
+                (too_large,), at_once = await connection.exchange(large)
+                assert too_large.status == 413 and not at_once
+                admission.in_flight = 2  # two requests in flight elsewhere
+                (saturated,), _ = await connection.exchange(lookup)
+                (probe,), _ = await connection.exchange(health)  # probes are never limited
+                admission.in_flight = 0
+                admission.held_bytes = admission.limits.max_held_bytes - 4  # bodies held elsewhere
+                (held,), _ = await connection.exchange(lookup)
+                admission.held_bytes = 0
+                assert [saturated.status, probe.status, held.status] == [503, 200, 503]
+                assert saturated.header("retry-after") == held.header("retry-after") == "3"
+                answers.append([normalized(a) for a in (too_large, saturated, probe, held)])
+                assert admission.in_flight == 0 and admission.held_bytes == 0
+            assert answers[0] == answers[1]
+            assert _request_counts(direct) == _request_counts(stack)
+            rejected = {"saturated": 1.0, "bodies_held": 1.0}
+            assert _rejected_counts(direct) == _rejected_counts(stack) == rejected
 
     run(scenario())
+
+
+def _rejected_counts(served: Served) -> dict[str, float]:
+    return {
+        sample.labels["reason"]: sample.value
+        for metric in served.app.state.metrics.rejected_total.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }
 
 
 def test_an_unexpected_error_is_answered_as_the_stack_does(
@@ -448,6 +471,8 @@ def test_an_unexpected_error_is_answered_as_the_stack_does(
 
     run(scenario())
     assert "kernel exploded" in caplog.text
+    # The app's handler for Exception saw (and logged) it once on each path.
+    assert caplog.text.count("unexpected error on POST /v1/tables/demo/lookup") == 2
 
 
 def test_connection_close_is_honoured(run: Run, tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ import orjson
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from service.limits import (
+from service.http.admission import Admission, BodyLimits
+from service.http.middleware import (
     BodyDeadlines,
-    BodyLimits,
     BodyTimeout,
     InFlightLimitMiddleware,
     RequestBodyMiddleware,
@@ -25,8 +25,8 @@ from service.limits import (
 )
 from service.metrics import Metrics
 
-from .served import raw_connection, read_until_closed
-from .subprocess_server import RobezServer, serve
+from ..served import raw_connection, read_until_closed
+from ..subprocess_server import RobezServer, serve
 
 OCTET = {"content-type": "application/octet-stream"}
 
@@ -43,7 +43,8 @@ def test_saturated_worker_answers_503_with_retry_after() -> None:
         await send({"type": "http.response.body", "body": b"ok"})
 
     metrics = Metrics()
-    app = InFlightLimitMiddleware(slow_app, max_in_flight=1, retry_after_s=3, metrics=metrics)
+    limits = BodyLimits(1 << 20, 1 << 20, timeout_s=30.0, max_held_bytes=1 << 30, retry_after_s=3)
+    app = InFlightLimitMiddleware(slow_app, Admission(limits, max_in_flight=1, metrics=metrics))
 
     async def scenario() -> None:
         transport = httpx.ASGITransport(app=app)
@@ -99,8 +100,8 @@ def _stack(
     limits = BodyLimits(
         max_body_bytes=1 << 20, max_json_body_bytes=1 << 10, timeout_s=timeout_s, max_held_bytes=held
     )
-    inner = InFlightLimitMiddleware(app, max_in_flight=max_in_flight, retry_after_s=1, metrics=metrics)
-    return RequestBodyMiddleware(inner, limits, metrics)
+    admission = Admission(limits, max_in_flight=max_in_flight, metrics=metrics)
+    return RequestBodyMiddleware(InFlightLimitMiddleware(app, admission), admission)
 
 
 def _scope(content_type: bytes = b"application/octet-stream", length: int = 1000) -> dict[str, Any]:
@@ -257,7 +258,7 @@ def test_a_worker_holds_at_most_max_body_bytes_held_of_bodies() -> None:
         assert b"max_body_bytes_held=100" in refused[1]["body"]
     assert (b"connection", b"close") in sent["streamed"][0]["headers"]
     assert _status(sent["after"]) == 200
-    assert app.load.held_bytes == 0  # everything given back
+    assert app.admission.held_bytes == 0  # everything given back
     assert _sample(metrics, "robez_rejected_total", reason="bodies_held") == 2.0
 
 

@@ -1,22 +1,23 @@
 """Direct answers: hot-route requests that arrive whole are answered in the connection's own callback.
 
 uvicorn gives every request an asyncio task and passes it through the app's whole middleware stack. For
-the hot routes (``service/fastpath.py``) that machinery costs more than the work: on this project's
+the hot routes (``service/http/fastpath.py``) that machinery costs more than the work: on this project's
 machine a one-id lookup's hash and gather take ~3 us, the task, FastAPI's outer layers and robez's three
-limit and metrics middlewares ~25 us (docs/loadtest/). So ``connections.RobezHttpProtocol`` asks
+limit and metrics middlewares ~25 us (docs/loadtest/). So ``protocol.RobezHttpProtocol`` asks
 ``DirectAnswers`` when a request's headers are in whether it may answer the request itself:
 
-- yes when its method and path match a hot route (``FastRoutes``), its body has a ``Content-Length``
-  within the body limit of its media type, the worker has room for it under ``max_in_flight`` and
-  ``max_body_bytes_held``, and nothing about it needs uvicorn's proxy-header rewriting;
+- yes when its method and path match a hot route (``FastRoutes``), its body has a ``Content-Length`` of
+  at most ``MAX_DIRECT_BODY_BYTES``, it passes the worker's admission now (``Admission.admits``: body
+  limit of its media type, room under ``max_in_flight`` and ``max_body_bytes_held``), and nothing about
+  it needs uvicorn's proxy-header rewriting; what the admission would refuse, the stack refuses;
 - the protocol then holds the request until its body is complete. If the body is not complete by the
   end of the bytes the connection just read, the request goes the usual way (a task and the whole stack,
   with its body timeout), so a stalled body never waits here.
 - A complete request runs in the callback: uvicorn's own request cycle (``run_asgi``: its response
   writer, access log, keep-alive and error handling) around ``DirectAnswers.serve``, which does what the
-  middleware stack does for a hot route: counts and times the request in the same metrics, holds its
-  in-flight slot and body bytes, answers with the fast route's handler and the app's exception handlers,
-  and answers an unexpected error as ``ServerErrorMiddleware`` would.
+  middleware stack does for a hot route, through the same ``Admission``: counts and times the request,
+  holds its in-flight slot and body bytes, answers with the fast route's handler and the app's exception
+  handlers, and answers an unexpected error 500.
 - A handler that has to wait (a lookup that waits for a version, work sent to a thread, a write that
   waits for the disk) continues in a task of its own from where it stopped (``resume``), so no request
   runs twice and every path answers exactly as the stack would. Small requests on a table whose journal
@@ -28,18 +29,15 @@ limit and metrics middlewares ~25 us (docs/loadtest/). So ``connections.RobezHtt
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from .admission import Admission, AnswerStatus
 from .fastpath import FastRoute, FastRoutes, respond
-from .limits import UNLIMITED_PATHS, BodyLimits, WorkerLoad
-from .metrics import AnswerStatus, Metrics, table_label
 
 logger = logging.getLogger("robez.direct")
 
@@ -54,25 +52,14 @@ _PROXY_HEADERS = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwar
 class DirectAnswers:
     """Which requests a connection may answer itself (``take``) and how (``serve``): module docstring."""
 
-    def __init__(
-        self,
-        app: Starlette,
-        routes: FastRoutes,
-        metrics: Metrics,
-        load: WorkerLoad,
-        body_limits: BodyLimits,
-        max_in_flight: int,
-    ) -> None:
+    def __init__(self, app: Starlette, routes: FastRoutes, admission: Admission) -> None:
         self.app = app
         self.routes = routes
-        self.metrics = metrics
-        self.load = load
-        self.body_limits = body_limits
-        self.max_in_flight = max_in_flight
+        self.admission = admission
 
     def take(self, scope: Scope) -> tuple[FastRoute, str, int] | None:
         """The hot route to answer the request of ``scope`` (headers complete) with, its path parameter and
-        the body's size; None: the stack answers it."""
+        the body's size; None: the stack answers it (and refuses it, if the admission would)."""
         matched = self.routes.match(scope)
         if matched is None:
             return None
@@ -84,20 +71,15 @@ class DirectAnswers:
                 content_type = value
             elif name == b"transfer-encoding" or name in _PROXY_HEADERS:
                 return None
-        load = self.load
-        if scope["path"] not in UNLIMITED_PATHS and load.in_flight >= self.max_in_flight:
-            return None  # the stack answers 503
         size = 0
         if length is not None:
             if not length.isdigit():
                 return None
             size = int(length)
-            media = content_type.decode("latin-1") if content_type is not None else ""
-            max_bytes, _ = self.body_limits.max_bytes_for(media)
-            if size > min(max_bytes, MAX_DIRECT_BODY_BYTES):
-                return None  # large (or over the limit: the stack answers 413)
-            if load.held_bytes + size > self.body_limits.max_held_bytes:
-                return None  # the stack answers 503
+            if size > MAX_DIRECT_BODY_BYTES:
+                return None
+        if not self.admission.admits(scope["path"], size, content_type):
+            return None
         return matched[0], matched[1], size
 
     async def serve(
@@ -112,48 +94,27 @@ class DirectAnswers:
         write: Callable[[Response], bool],
     ) -> None:
         """Answer a request ``take`` gave to ``route``, whose body (``size`` bytes) has arrived, as the
-        middleware stack would: metrics (``RequestMetricsMiddleware``), held body bytes
-        (``RequestBodyMiddleware``), an in-flight slot (``InFlightLimitMiddleware``), the handler and the
-        app's exception handlers (``fastpath.respond``), unexpected errors (``ServerErrorMiddleware``).
-        ``write(response)`` may write a response itself, as ``send`` would (True), or leave it to ``send``."""
-        start = time.perf_counter()
-        scope["app"] = self.app
+        middleware stack would, with the same ``Admission``: counted and timed, holding its body bytes and
+        an in-flight slot, answered by the handler and the app's exception handlers (``fastpath.respond``),
+        an unexpected error answered 500. ``write(response)`` may write a response itself, as ``send``
+        would (True), or leave it to ``send``."""
+        admission = self.admission
         answer = AnswerStatus(send)
+        scope["app"] = self.app
         raised = True
-        load = self.load
-        limited = scope["path"] not in UNLIMITED_PATHS
-        load.held_bytes += size
-        if limited:
-            load.in_flight += 1
+        slot = admission.admit(scope["path"], size)
         try:
-            try:
-                response = await respond(scope, receive, route, parameter)
-                if write(response):
-                    answer.status = response.status_code
-                else:
-                    await response(scope, receive, answer.send)
-            except Exception as exc:
-                # What ServerErrorMiddleware does with an error no handler took: the app's handler for
-                # Exception answers (unless an answer has started), and the error goes on up (logged).
-                handler = self.app.exception_handlers.get(Exception)
-                if handler is not None:
-                    response = await handler(Request(scope), exc)
-                    if answer.status is None:
-                        await response(scope, receive, answer.send)
-                raise
-            finally:
-                if limited:
-                    load.in_flight -= 1
-                load.held_bytes -= size
+            response = await respond(scope, receive, route, parameter)
+            if write(response):
+                answer.status = response.status_code
+            else:
+                await response(scope, receive, answer.send)
             raised = False
+        except Exception as exc:
+            await admission.unexpected(scope, receive, answer, exc)
+            raise
         finally:
-            self.metrics.observe_request(
-                route.path,
-                scope["method"],
-                table_label(scope),
-                answer.final(raised),
-                time.perf_counter() - start,
-            )
+            admission.finish(route.path, scope, answer, raised, slot, size)
 
 
 class _Resume:
