@@ -72,6 +72,7 @@ _PUBLISH_RETRY_PAUSE_S = 0.05
 # A reader that has seen nothing for this long asks the stream whether it missed something (its
 # consumer may have lived on a node that died) and starts a new consumer if so.
 _READ_IDLE_S = 1.0
+_READ_CHECK_TIMEOUT_S = 2.0
 _WATCH_RESYNC_S = 5.0
 # A snapshot download that has waited this long for its next chunk checks whether the object was replaced
 # meanwhile (then it reads the new one, at most this many times in a row).
@@ -506,9 +507,12 @@ class JetStreamLog:
                     logger.debug("unsubscribing the reader failed", exc_info=True)
 
     async def _bounds_or_unknown(self, entry: CatalogEntry) -> tuple[int | None, int | None]:
+        # Briefly: a request sent to a server that hung gets no answer even after the connection moved
+        # on, and entries delivered meanwhile wait behind it (measured: 5 s of a push's apply wait).
         try:
-            first, last = await self.bounds(entry)
-        except BusyError:
+            async with asyncio.timeout(_READ_CHECK_TIMEOUT_S):
+                first, last = await self.bounds(entry)
+        except (BusyError, TimeoutError):
             return None, None
         return first, last
 
