@@ -114,8 +114,8 @@ def test_a_4xx_is_never_sent_again(status: int) -> None:
             status, json={"error": "no", "error_type": "Refused"}, headers={"Retry-After": "0"}
         )
 
-    with RobezClient(transport=httpx.MockTransport(handler), busy_retries=3) as client:
-        with pytest.raises(RobezClientError) as raised:
-            client.update("t", [1], torch.ones(1, 4))
+    client = RobezClient(transport=httpx.MockTransport(handler), busy_retries=3)
+    with client, pytest.raises(RobezClientError) as raised:
+        client.update("t", [1], torch.ones(1, 4))
     assert raised.value.status == status
     assert len(calls) == 1
