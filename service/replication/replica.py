@@ -181,9 +181,13 @@ class Replica:
             try:
                 await self.log.check_writable(timeout_s=2 * interval)
                 self._write_acked = time.monotonic()
+                self._write_problem = "no write check was acknowledged recently"
             except BusyError as exc:
-                if self.write_problem() is None or self._write_problem != str(exc):
-                    logger.warning("write check failed: %s", exc)
+                # Once per change; before the first ack (a health stream just created has no leader
+                # for a moment) only at INFO.
+                if self._write_problem != str(exc):
+                    level = logging.WARNING if self._write_acked > -float("inf") else logging.INFO
+                    logger.log(level, "write check failed: %s", exc)
                 self._write_problem = str(exc)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
