@@ -5,7 +5,9 @@ this, or from ``PATH``. Every node listens on 127.0.0.1 only; its store lives un
 Nodes are stopped by pid (``NatsCluster.stop`` / ``kill``), never by name.
 
 The nodes run with ``sync_interval: always``: JetStream fsyncs every message before it counts towards
-the quorum, the setting docs/replication.md's power-loss promise rests on.
+the quorum, the setting docs/replication.md's power-loss promise rests on; and with ``max_payload`` 8 MiB
+(``NATS_MAX_PAYLOAD``) instead of NATS's 1 MiB, so a push of a few thousand ids x 128 fits in one log entry
+(docs/replication.md, "How big a push can be").
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# What robez ships in every NATS config it writes or starts (deploy/cluster/nats.conf too): one log entry
+# holds one push, ids * 8 + ids * dim * 4 bytes plus headers. NATS allows up to 64 MiB but warns above 8.
+NATS_MAX_PAYLOAD = 8 * 1024 * 1024
 
 
 def nats_server_binary() -> str:
@@ -70,10 +76,12 @@ class NatsNode:
 
 @dataclass
 class NatsCluster:
-    """``size`` JetStream nodes on loopback, stores under ``directory``; ``start`` / ``stop`` / ``kill``."""
+    """``size`` JetStream nodes on loopback, stores under ``directory``; ``start`` / ``stop`` / ``kill`` /
+    ``freeze``. ``max_payload``: the largest message (payload + headers, bytes) the nodes accept."""
 
     directory: Path
     size: int = 3
+    max_payload: int = NATS_MAX_PAYLOAD
     nodes: list[NatsNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -112,6 +120,7 @@ class NatsCluster:
         return (
             f'server_name: "{node.name}"\n'
             f'listen: "127.0.0.1:{node.client_port}"\n'
+            f"max_payload: {self.max_payload}\n"
             f'jetstream {{ store_dir: "{node.store_dir}", sync_interval: "always" }}\n'
             f"{cluster}\n"
         )
@@ -150,11 +159,24 @@ class NatsCluster:
             os.kill(node.process.pid, signal.SIGKILL)
             node.process.wait(timeout=10)
 
+    def freeze(self, node: NatsNode) -> None:
+        """SIGSTOP one node (by its pid): a hung server whose sockets stay open. ``thaw`` undoes it."""
+        if node.running:
+            assert node.process is not None
+            os.kill(node.process.pid, signal.SIGSTOP)
+
+    def thaw(self, node: NatsNode) -> None:
+        """SIGCONT one node (by its pid)."""
+        if node.running:
+            assert node.process is not None
+            os.kill(node.process.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         """SIGTERM every running node (by pid); kill -9 what does not exit within 10 s."""
         for node in self.nodes:
             if node.running:
                 assert node.process is not None
+                node.process.send_signal(signal.SIGCONT)  # a frozen node could not act on SIGTERM
                 node.process.terminate()
         for node in self.nodes:
             if node.process is not None:

@@ -49,11 +49,14 @@ VERSION_HEADER = "X-Robez-Version"
 MIN_VERSION_HEADER = "X-Robez-Min-Version"  # read-your-writes: wait until the server has this version
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 REPLICA_HEADER = "X-Robez-Replica"  # set by replicas, which apply a resent Idempotency-Key once
+# On a replica's 413 for a push over one log entry: the largest update body that fits (the client splits).
+MAX_UPDATE_BYTES_HEADER = "X-Robez-Max-Update-Bytes"
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_BUSY_RETRIES = 2
 _BUSY_BACKOFF_S = 0.1
 _MAX_BUSY_DELAY_S = 5.0
+_MAX_SPLITS = 3  # a push is split again only when a 413 names a smaller limit than the one it was split by
 # Explicit byte orders: the wire format is little-endian whatever the host is.
 _IDS_DTYPE = np.dtype("<i8")
 _ROWS_DTYPE = np.dtype("<f4")
@@ -71,16 +74,24 @@ class RobezClientError(Exception):
         error: the server's message (``body["error"]``), or the raw body text when it is not JSON.
         error_type: the server's error class name (``body["error_type"]``, e.g. ``"NotFoundError"``).
         retry_after: seconds from a ``Retry-After`` header (503 when the server is saturated), or None.
+        max_update_bytes: from a replica's 413 for a push over one log entry, the largest update body
+            (ids * 8 + ids * dim * 4 bytes) it takes; None otherwise.
     """
 
     def __init__(
-        self, status: int, error: str, error_type: str | None = None, retry_after: float | None = None
+        self,
+        status: int,
+        error: str,
+        error_type: str | None = None,
+        retry_after: float | None = None,
+        max_update_bytes: int | None = None,
     ):
         super().__init__(f"{status} {error_type or 'error'}: {error}")
         self.status = status
         self.error = error
         self.error_type = error_type
         self.retry_after = retry_after
+        self.max_update_bytes = max_update_bytes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,7 +206,9 @@ def _error_from_response(response: httpx.Response) -> RobezClientError:
             retry_after = float(response.headers["Retry-After"])
         except ValueError:
             retry_after = None
-    return RobezClientError(response.status_code, error, error_type, retry_after)
+    hint = response.headers.get(MAX_UPDATE_BYTES_HEADER, "")
+    max_update_bytes = int(hint) if hint.isdigit() else None
+    return RobezClientError(response.status_code, error, error_type, retry_after, max_update_bytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,15 +317,49 @@ def _lookup_many_call(requests: Mapping[str, IdsLike]) -> _Call[dict[str, Tensor
     )
 
 
-def _update_call(table: str, ids: IdsLike, grads: Tensor | np.ndarray, lr: float | None) -> _Call[int]:
-    body, shape = encode_update(ids, grads)
+def _update_calls(
+    table: str,
+    ids: IdsLike,
+    grads: Tensor | np.ndarray,
+    lr: float | None,
+    key: str,
+    max_update_bytes: int | None,
+) -> list[_Call[int]]:
+    """The requests of one push: one, or (a body over ``max_update_bytes``) consecutive parts of the ids
+    in order, each with its own key derived from ``key`` (``f"{key}.{i}"``)."""
+    ids_body, num_ids = encode_ids(ids)
+    grads_body, (grad_rows, dim) = encode_rows(grads)
+    if grad_rows != num_ids:
+        raise ValueError(f"grads has {grad_rows} rows for {num_ids} ids")
+    row_bytes = _IDS_DTYPE.itemsize + dim * _ROWS_DTYPE.itemsize
+    if max_update_bytes is None or num_ids * row_bytes <= max_update_bytes:
+        return [_update_call(table, ids_body + grads_body, f"{num_ids},{dim}", lr, key)]
+    per_part = max_update_bytes // row_bytes
+    if per_part == 0:
+        raise RobezClientError(
+            413,
+            f"one id x {dim} is over the server's {max_update_bytes}-byte update limit",
+            "UpdateTooLargeError",
+        )
+    calls = []
+    for index, start in enumerate(range(0, num_ids, per_part)):
+        stop = min(num_ids, start + per_part)
+        body = (
+            ids_body[start * _IDS_DTYPE.itemsize : stop * _IDS_DTYPE.itemsize]
+            + grads_body[start * dim * _ROWS_DTYPE.itemsize : stop * dim * _ROWS_DTYPE.itemsize]
+        )
+        calls.append(_update_call(table, body, f"{stop - start},{dim}", lr, f"{key}.{index}"))
+    return calls
+
+
+def _update_call(table: str, body: bytes, shape: str, lr: float | None, key: str) -> _Call[int]:
     return _Call(
         "POST",
         _table_path(table, "/update"),
         _parse_version,
         content=body,
         # A fresh key per push: a resend of this call (after a lost answer) is applied once by a replica.
-        headers={"Content-Type": OCTET_STREAM, SHAPE_HEADER: shape, IDEMPOTENCY_HEADER: uuid.uuid4().hex},
+        headers={"Content-Type": OCTET_STREAM, SHAPE_HEADER: shape, IDEMPOTENCY_HEADER: key},
         params=_lr_params(lr),
         resend_safe=True,
     )
@@ -354,6 +401,19 @@ class _ClientBase:
         self.last_version: int | None = None
         """The table version reported by the last response that carried one."""
         self._server_dedups = False
+        self.max_update_bytes: int | None = None
+        """The largest update body the server takes in one request, once a 413 told it (a replica's
+        log entry limit); larger pushes are then split before sending."""
+
+    def _split_limit(self, error: RobezClientError, tried: int | None, parts_sent: int) -> int | None:
+        """The update size to split a push by after ``error``, or None to raise it: only a 413 that
+        names a smaller limit, and only while no part of the push was applied (a resplit would give the
+        same part keys other contents)."""
+        hint = error.max_update_bytes
+        if error.status != 413 or hint is None or parts_sent or (tried is not None and hint >= tried):
+            return None
+        self.max_update_bytes = hint
+        return hint
 
     def _request_kwargs(self, call: _Call[Any]) -> dict[str, Any]:
         return {
@@ -525,15 +585,34 @@ class RobezClient(_ClientBase):
     def update(self, table: str, ids: IdsLike, grads: Tensor | np.ndarray, lr: float | None = None) -> int:
         """Pushes gradients of rows (binary path); the server applies the table's optimizer.
 
+        A push over what the server takes in one update (a replica's 413 names it; remembered in
+        ``max_update_bytes``) is sent as consecutive parts of the ids, each its own update and version;
+        duplicates of an id in two parts are then two optimizer steps.
+
         Args:
             ids: (n,) ids; duplicates have their gradients summed by the server.
             grads: (n, d) float gradients dLoss/dRow.
             lr: overrides the table's learning rate for this update only.
 
         Returns:
-            The table version this update produced.
+            The table version this update (its last part) produced.
         """
-        return self._send(_update_call(table, ids, grads, lr))
+        key, limit = uuid.uuid4().hex, self.max_update_bytes
+        for _ in range(_MAX_SPLITS):
+            sent = 0
+            try:
+                version = 0
+                for call in _update_calls(table, ids, grads, lr, key, limit):
+                    version = self._send(call)
+                    sent += 1
+                return version
+            except RobezClientError as error:
+                limit = self._split_limit(error, limit, sent)
+                if limit is None:
+                    raise
+        raise RobezClientError(
+            413, f"the server lowered its update limit {_MAX_SPLITS} times", "UpdateTooLargeError"
+        )
 
 
 class AsyncRobezClient(_ClientBase):
@@ -622,7 +701,22 @@ class AsyncRobezClient(_ClientBase):
     async def update(
         self, table: str, ids: IdsLike, grads: Tensor | np.ndarray, lr: float | None = None
     ) -> int:
-        return await self._send(_update_call(table, ids, grads, lr))
+        key, limit = uuid.uuid4().hex, self.max_update_bytes
+        for _ in range(_MAX_SPLITS):
+            sent = 0
+            try:
+                version = 0
+                for call in _update_calls(table, ids, grads, lr, key, limit):
+                    version = await self._send(call)
+                    sent += 1
+                return version
+            except RobezClientError as error:
+                limit = self._split_limit(error, limit, sent)
+                if limit is None:
+                    raise
+        raise RobezClientError(
+            413, f"the server lowered its update limit {_MAX_SPLITS} times", "UpdateTooLargeError"
+        )
 
 
 # --------------------------------------------------------------------------------------------------

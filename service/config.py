@@ -145,6 +145,14 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="Idempotency-Key retries within this window are applied once"
     )
     nats_publish_timeout_s: float = Field(default=10.0, gt=0, description="wait for a JetStream ack")
+    # A hung NATS server keeps its socket open: it is noticed by unanswered pings (about their product).
+    nats_ping_interval_s: float = Field(default=2.0, gt=0, description="ping the NATS server this often")
+    nats_max_outstanding_pings: int = Field(
+        default=2, ge=1, description="unanswered pings before the NATS server is taken for hung"
+    )
+    nats_write_check_interval_s: float = Field(
+        default=1.0, gt=0, description="/readyz?writes=true: publish a tiny write-check message this often"
+    )
     apply_wait_s: float = Field(default=10.0, gt=0, description="wait for an acked update to be applied")
     min_version_wait_ms: float = Field(
         default=1000.0, ge=0, description="X-Robez-Min-Version: wait this long for the version, then 503"

@@ -51,6 +51,24 @@ class StorageFullError(RobezError):
     space is freed (507 Insufficient Storage)."""
 
 
+# On a 413 for a push over what one replicated log entry holds: the largest binary update body
+# (ids * 8 + ids * dim * 4 bytes) that fits, so a client can split the push (service/client.py does).
+MAX_UPDATE_BYTES_HEADER = "X-Robez-Max-Update-Bytes"
+
+
+class UpdateTooLargeError(PayloadTooLargeError):
+    """A push bigger than one entry of the replicated log takes (413, never retried as it is).
+
+    Args:
+        message: names the sizes, the limit and the setting that raises it.
+        max_update_bytes: the largest binary update body that fits (sent as ``X-Robez-Max-Update-Bytes``).
+    """
+
+    def __init__(self, message: str, max_update_bytes: int) -> None:
+        super().__init__(message)
+        self.max_update_bytes = max_update_bytes
+
+
 # Most specific first: an error takes the status of the first class in its MRO found here.
 STATUS_BY_ERROR: Mapping[type[RobezError], int] = {
     UnauthorizedError: 401,
@@ -103,6 +121,8 @@ def _headers_for(error: RobezError, request: Request) -> dict[str, str]:
         return {"WWW-Authenticate": "Bearer"}
     if isinstance(error, BusyError):
         return {"Retry-After": str(request.app.state.settings.retry_after_s)}
+    if isinstance(error, UpdateTooLargeError):
+        return {MAX_UPDATE_BYTES_HEADER: str(error.max_update_bytes)}
     return {}
 
 

@@ -140,7 +140,14 @@ class Metrics:
         # Replicated mode (service/replication/): set by the worker that applies the log.
         self.replication_lag_versions = Gauge(
             "robez_replication_lag_versions",
-            "Log entries stored but not yet applied by this replica",
+            "The log's last position minus the version this replica applied",
+            ["table"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.replication_lag_seconds = Gauge(
+            "robez_replication_lag_seconds",
+            "Age (upper bound) of the oldest log entry this replica has not applied; 0 when caught up",
             ["table"],
             registry=self.registry,
             multiprocess_mode="mostrecent",

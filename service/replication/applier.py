@@ -49,6 +49,10 @@ logger = logging.getLogger("robez.replication")
 STATUS_FILE = "replication.json"
 _CONNECT_RETRY_S = 0.5
 _STATUS_EVERY_S = 0.5
+# The lag figures cost one stream info per table per period; a log that does not answer within the
+# timeout keeps the previous figures (``/readyz?writes=true`` tells that the log is unreachable).
+_LAG_EVERY_S = 1.0
+_LAG_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,13 @@ class Applier:
         self._caught_up: dict[str, bool] = {}
         self._catalog_loaded = False
         self._progress = asyncio.Condition()
+        # Lag: the log's last position minus the version applied here (entries), and an upper bound on
+        # the age of the oldest entry not applied yet (s), from the log time of the last entry applied
+        # (``_applied_log_time``) and when the table was last seen caught up (``_caught_up_at``).
         self._lag: dict[str, int] = {}
+        self._lag_seconds: dict[str, float] = {}
+        self._applied_log_time: dict[str, float] = {}
+        self._caught_up_at: dict[str, float] = {}
         self._last_apply: dict[str, float] = {}
         previous = ReplicaStatus.read(status_path)
         self._incarnations: dict[str, str] = (
@@ -103,6 +113,7 @@ class Applier:
         if previous is not None and self._rebuild:
             logger.warning("taking over from applier %d: rebuilding %s", previous.applier_pid, self._rebuild)
         self._status_task: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
         self._upload_task: asyncio.Task[None] | None = None
         # Updates applied since the last snapshot upload, when that upload was (monotonic), and one lock
         # per table so the count trigger and the timer never upload the same table at once.
@@ -133,7 +144,7 @@ class Applier:
         for entry, _ in self._tasks.values():
             if self._since_local.get(entry.name, 0) > 0:
                 await self._local_snapshot(entry)
-        for background in (self._status_task, self._upload_task):
+        for background in (self._status_task, self._lag_task, self._upload_task):
             if background is not None:
                 background.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -144,6 +155,7 @@ class Applier:
     async def run(self) -> None:
         self._write_status()
         self._status_task = asyncio.create_task(self._status_loop())
+        self._lag_task = asyncio.create_task(self._lag_loop(), name="robez-replication-lag")
         if self.settings.replica_snapshot_interval_s > 0:
             self._upload_task = asyncio.create_task(self._upload_timer(), name="robez-snapshot-timer")
         await self._create_configured_tables()
@@ -232,7 +244,8 @@ class Applier:
                 await current[1]
         self._caught_up.pop(name, None)
         self._incarnations.pop(name, None)
-        self._lag.pop(name, None)
+        for figures in (self._lag, self._lag_seconds, self._applied_log_time, self._caught_up_at):
+            figures.pop(name, None)
         self._since_upload.pop(name, None)
         self._last_upload.pop(name, None)
         self._since_local.pop(name, None)
@@ -302,7 +315,7 @@ class Applier:
                 self.metrics.replication_apply_delay_seconds.labels(name).observe(
                     max(0.0, now - item.timestamp)
                 )
-            self._lag[name] = item.pending
+                self._applied_log_time[name] = item.timestamp
             self._last_apply[name] = now
             if not self._caught_up.get(name) and (position >= target or item.pending == 0):
                 self._caught_up[name] = True
@@ -495,6 +508,7 @@ class Applier:
                 "incarnation": self._incarnations.get(name, ""),
                 "version": self.store.version(name),
                 "lag": self._lag.get(name, 0),
+                "lag_seconds": round(self._lag_seconds.get(name, 0.0), 3),
                 "last_apply": self._last_apply.get(name, 0.0),
                 "source": self._sources.get(name, "kept"),
             }
@@ -505,14 +519,54 @@ class Applier:
     async def _status_loop(self) -> None:
         while True:
             await asyncio.sleep(_STATUS_EVERY_S)
-            for name, lag in self._lag.items():
-                self.metrics.replication_lag_versions.labels(name).set(lag)
             for name, when in self._last_apply.items():
                 self.metrics.replication_last_apply_timestamp.labels(name).set(when)
             try:
                 self._write_status()
             except (OSError, RobezError):
                 logger.debug("could not write the replication status", exc_info=True)
+
+    async def _lag_loop(self) -> None:
+        """``robez_replication_lag_versions`` and ``_seconds`` of every table, every ``_LAG_EVERY_S``.
+
+        Measured against the log's last position, not the reader's view of it: an applier stalled in an
+        apply, an upload or a dead consumer shows its lag growing (the consumer's own pending count stays
+        at what it was when the last entry was delivered)."""
+        while True:
+            await asyncio.sleep(_LAG_EVERY_S)
+            tables = [(name, entry) for name, (entry, task) in self._tasks.items() if not task.done()]
+            lasts = await asyncio.gather(*(self._log_last(entry) for _, entry in tables))
+            now = time.time()
+            for (name, _), last in zip(tables, lasts, strict=True):
+                try:
+                    version = self.store.version(name)
+                except NotFoundError:
+                    continue  # being created or dropped
+                if last is None:
+                    continue
+                lag = max(0, last - version)
+                if lag == 0:
+                    self._caught_up_at[name] = now
+                    seconds = 0.0
+                else:
+                    # The oldest entry not applied was stored after the last one applied, and after the
+                    # last time none was pending: its age is at most the time since the later of the two.
+                    since = max(
+                        self._applied_log_time.get(name, 0.0), self._caught_up_at.setdefault(name, now)
+                    )
+                    seconds = max(0.0, now - since)
+                self._lag[name], self._lag_seconds[name] = lag, seconds
+                self.metrics.replication_lag_versions.labels(name).set(lag)
+                self.metrics.replication_lag_seconds.labels(name).set(seconds)
+
+    async def _log_last(self, entry: CatalogEntry) -> int | None:
+        """The log's last position of the table, None when the log does not tell within the timeout."""
+        try:
+            async with asyncio.timeout(_LAG_TIMEOUT_S):
+                _, last = await self.log.bounds(entry)
+        except (TimeoutError, RobezError):
+            return None
+        return last
 
 
 def _same_spec(entry: CatalogEntry, config: TableConfig, optimizer: OptimizerConfig) -> bool:

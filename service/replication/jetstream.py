@@ -11,9 +11,16 @@ What lives where, for prefix ``robez`` (``ROBEZ_NATS_PREFIX``):
 - snapshots: Object Store bucket ``robez_snapshots``, object ``<table>.<incarnation>`` (the newest one
   uploaded), its position in the object's description.
 
+- write health: stream ``robez_health`` (memory storage, one message per subject, a minute's age), where
+  ``check_writable`` publishes a tiny message: its ack says a quorum is reachable through this connection.
+
 A publish is acknowledged by the stream leader once a quorum of the stream's replicas stored it
 (Raft); each node fsyncs per its ``sync_interval`` (docs/replication.md says which setting the promises
 need).
+
+A hung server (SIGSTOP, a frozen VM) keeps its sockets open: the connection notices it by its pings
+(``ping_interval_s`` x ``max_outstanding_pings``) and moves to another node; a publish waiting there is
+sent again on the new connection with the same ``Nats-Msg-Id``, which JetStream stores at most once.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import hashlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -36,6 +44,7 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
+    DiscardPolicy,
     KeyValueConfig,
     ObjectInfo,
     ObjectMeta,
@@ -49,13 +58,21 @@ from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, O
 from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError
 
 from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, Snapshot
+from .records import SHAPE, update_too_large
 
 logger = logging.getLogger("robez.replication.jetstream")
 
 _MSG_ID = "Nats-Msg-Id"
+_EXPECTED_STREAM = "Nats-Expected-Stream"  # what ``js.publish(stream=...)`` adds
+_HEADER_LINE = len(b"NATS/1.0\r\n")
+# A publish without an ack after this share of the publish timeout is sent again (same Nats-Msg-Id): its
+# stream's leader may have hung, and a new one be elected meanwhile.
+_PUBLISH_ATTEMPTS = 3
+_PUBLISH_RETRY_PAUSE_S = 0.05
 # A reader that has seen nothing for this long asks the stream whether it missed something (its
 # consumer may have lived on a node that died) and starts a new consumer if so.
 _READ_IDLE_S = 1.0
+_READ_CHECK_TIMEOUT_S = 2.0
 _WATCH_RESYNC_S = 5.0
 # A snapshot download that has waited this long for its next chunk checks whether the object was replaced
 # meanwhile (then it reads the new one, at most this many times in a row).
@@ -76,7 +93,9 @@ class JetStreamLog:
         prefix: stream / bucket / subject prefix, so several robez clusters can share one NATS.
         dedup_window_s: how long an append's key suppresses a second append with it.
         client_name: shown by the NATS server's monitoring (the replica name).
-        timeout_s: per JetStream API request and per publish.
+        timeout_s: per JetStream API request and per publish (all its attempts together).
+        ping_interval_s, max_outstanding_pings: a server that answers no ping for about their product is
+            taken for hung and the connection moves to another node.
     """
 
     def __init__(
@@ -88,6 +107,8 @@ class JetStreamLog:
         dedup_window_s: float = 600.0,
         client_name: str | None = None,
         timeout_s: float = 10.0,
+        ping_interval_s: float = 2.0,
+        max_outstanding_pings: int = 2,
     ) -> None:
         self.urls = urls
         self.replicas = replicas
@@ -95,6 +116,11 @@ class JetStreamLog:
         self.dedup_window_s = dedup_window_s
         self.client_name = client_name
         self.timeout_s = timeout_s
+        self.ping_interval_s = ping_interval_s
+        self.max_outstanding_pings = max_outstanding_pings
+        self._health_subject = f"{prefix}.health.{secrets.token_hex(6)}"
+        # Set (and replaced) at every reconnect: a publish waiting for its ack on the old server resends.
+        self._reconnected = asyncio.Event()
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._kv: KeyValue | None = None
@@ -113,6 +139,12 @@ class JetStreamLog:
                 reconnect_time_wait=0.25,
                 max_reconnect_attempts=-1,
                 allow_reconnect=True,
+                ping_interval=self.ping_interval_s,
+                max_outstanding_pings=self.max_outstanding_pings,
+                reconnected_cb=self._on_reconnected,
+            )
+            logger.info(
+                "connected to NATS at %s; max_payload %d bytes", self.connected_to(), self._nc.max_payload
             )
             self._js = self._nc.jetstream(timeout=self.timeout_s)
             self._kv = await self._js.create_key_value(
@@ -128,9 +160,39 @@ class JetStreamLog:
                 f"{self.prefix}_snapshots",
                 config=ObjectStoreConfig(replicas=self.replicas, storage=StorageType.FILE),
             )
+            await self._js.add_stream(
+                StreamConfig(
+                    name=f"{self.prefix}_health",
+                    subjects=[f"{self.prefix}.health.>"],
+                    num_replicas=self.replicas,
+                    storage=StorageType.MEMORY,
+                    max_msgs_per_subject=1,
+                    max_age=60.0,
+                    discard=DiscardPolicy.OLD,
+                )
+            )
         except (TimeoutError, nats.errors.Error, OSError) as exc:
             await self.close()
             raise _unavailable("connect", exc) from exc
+
+    async def _on_reconnected(self) -> None:
+        logger.info("reconnected to NATS at %s", self.connected_to())
+        moved, self._reconnected = self._reconnected, asyncio.Event()
+        moved.set()
+
+    def connected_to(self) -> str | None:
+        url = self._nc.connected_url if self._nc is not None else None
+        return url.netloc if url is not None else None
+
+    async def check_writable(self, timeout_s: float) -> None:
+        if self._nc is None or not self._nc.is_connected:
+            raise BusyError("not connected to NATS")
+        try:
+            await self.js.publish(
+                self._health_subject, b"", timeout=timeout_s, stream=f"{self.prefix}_health"
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("write check", exc) from exc
 
     async def close(self) -> None:
         if self._nc is not None and not self._nc.is_closed:
@@ -308,27 +370,90 @@ class JetStreamLog:
 
     # -- updates ------------------------------------------------------------------------------------
 
+    def max_entry_bytes(self) -> int:
+        # The connected server's, from its INFO: it may differ from node to node (a config change).
+        return int(self._nc.max_payload) if self._nc is not None and self._nc.is_connected else 0
+
+    def entry_bytes(self, entry: CatalogEntry, payload_bytes: int, headers: dict[str, str], key: str) -> int:
+        # nats-py's header block: "NATS/1.0\r\n", "Key: value\r\n" each, "\r\n"; the server counts it
+        # with the payload against max_payload (and closes the connection of a client that sends more).
+        sent = {**headers, _MSG_ID: key, _EXPECTED_STREAM: self.stream_name(entry)}
+        block = _HEADER_LINE + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in sent.items()) + 2
+        return payload_bytes + block
+
     async def append(
         self, entry: CatalogEntry, payload: bytes, headers: dict[str, str], key: str
     ) -> Appended:
-        try:
-            ack = await self.js.publish(
+        deadline = time.monotonic() + self.timeout_s
+        failure: BaseException = TimeoutError(f"no ack within {self.timeout_s} s")
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                ack = await self._publish_once(
+                    entry,
+                    payload,
+                    {**headers, _MSG_ID: key},
+                    min(remaining, self.timeout_s / _PUBLISH_ATTEMPTS),
+                )
+                return Appended(int(ack.seq), bool(ack.duplicate))
+            except nats.errors.MaxPayloadError as exc:
+                # The pre-check (``Replica.update``) passed against another server's limit.
+                raise self._too_large(entry, payload, headers, key) from exc
+            except nats.js.errors.NotFoundError as exc:
+                raise NotFoundError(f"no table named {entry.name!r}") from exc
+            except nats.errors.NoRespondersError as exc:
+                # No stream listens on the subject: dropped, or (briefly) no leader.
+                try:
+                    if await self.get_table(entry.name) != entry:
+                        raise NotFoundError(f"no table named {entry.name!r}") from exc
+                except BusyError:
+                    pass
+                failure = exc
+            except nats.js.errors.APIError as exc:
+                if not isinstance(exc, nats.js.errors.ServiceUnavailableError):
+                    raise _unavailable("publish", exc) from exc
+                failure = exc
+            except (TimeoutError, nats.errors.Error) as exc:
+                failure = exc  # no ack (hung server or leader), or the connection is moving: send again
+            await asyncio.sleep(min(_PUBLISH_RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
+        raise _unavailable("publish", failure)
+
+    async def _publish_once(
+        self, entry: CatalogEntry, payload: bytes, headers: dict[str, str], timeout_s: float
+    ) -> Any:
+        """One publish; ``ConnectionReconnectingError`` as soon as the connection moved to another server
+        meanwhile (the ack cannot come back on it)."""
+        moved = self._reconnected
+        publish = asyncio.ensure_future(
+            self.js.publish(
                 self.subject(entry),
                 payload,
-                timeout=self.timeout_s,
+                timeout=timeout_s,
                 stream=self.stream_name(entry),
-                headers={**headers, _MSG_ID: key},
+                headers=headers,
             )
-        except nats.js.errors.NotFoundError as exc:
-            raise NotFoundError(f"no table named {entry.name!r}") from exc
-        except nats.errors.NoRespondersError as exc:
-            # No stream listens on the subject: dropped, or (briefly) no leader.
-            if await self.get_table(entry.name) != entry:
-                raise NotFoundError(f"no table named {entry.name!r}") from exc
-            raise _unavailable("publish", exc) from exc
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise _unavailable("publish", exc) from exc
-        return Appended(int(ack.seq), bool(ack.duplicate))
+        )
+        reconnect = asyncio.ensure_future(moved.wait())
+        try:
+            await asyncio.wait({publish, reconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            reconnect.cancel()
+            if not publish.done():
+                publish.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await publish
+        if publish.cancelled():
+            raise nats.errors.ConnectionReconnectingError()
+        return publish.result()
+
+    def _too_large(
+        self, entry: CatalogEntry, payload: bytes, headers: dict[str, str], key: str
+    ) -> BaseException:
+        try:
+            num_rows, dim = (int(part) for part in headers[SHAPE].split(","))
+        except (KeyError, ValueError):
+            num_rows, dim = 0, 0
+        size = self.entry_bytes(entry, len(payload), headers, key)
+        return update_too_large(entry.name, num_rows, dim, size, self.max_entry_bytes(), size - len(payload))
 
     async def read(self, entry: CatalogEntry, after: int) -> AsyncGenerator[LogEntry, None]:
         position = after
@@ -382,9 +507,12 @@ class JetStreamLog:
                     logger.debug("unsubscribing the reader failed", exc_info=True)
 
     async def _bounds_or_unknown(self, entry: CatalogEntry) -> tuple[int | None, int | None]:
+        # Briefly: a request sent to a server that hung gets no answer even after the connection moved
+        # on, and entries delivered meanwhile wait behind it (measured: 5 s of a push's apply wait).
         try:
-            first, last = await self.bounds(entry)
-        except BusyError:
+            async with asyncio.timeout(_READ_CHECK_TIMEOUT_S):
+                first, last = await self.bounds(entry)
+        except (BusyError, TimeoutError):
             return None, None
         return first, last
 

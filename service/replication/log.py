@@ -106,11 +106,21 @@ class ReplicatedLog(Protocol):
         ...
 
     # -- updates --
+    def max_entry_bytes(self) -> int:
+        """The largest entry (payload and headers, bytes) the log takes now; 0 when not known."""
+        ...
+
+    def entry_bytes(self, entry: CatalogEntry, payload_bytes: int, headers: dict[str, str], key: str) -> int:
+        """What an append of a payload of ``payload_bytes`` with ``headers`` and ``key`` counts against
+        ``max_entry_bytes``."""
+        ...
+
     async def append(
         self, entry: CatalogEntry, payload: bytes, headers: dict[str, str], key: str
     ) -> Appended:
         """Returns once the entry is durable in the log (a quorum has it). ``key``: an append with the
-        key of an earlier one (within the dedup window) is not added again."""
+        key of an earlier one (within the dedup window) is not added again. An entry over
+        ``max_entry_bytes`` raises ``UpdateTooLargeError``."""
         ...
 
     def read(self, entry: CatalogEntry, after: int) -> AsyncGenerator[LogEntry, None]:
@@ -125,6 +135,16 @@ class ReplicatedLog(Protocol):
 
     async def trim(self, entry: CatalogEntry, below: int) -> None:
         """Forget entries at positions below ``below``."""
+        ...
+
+    # -- health --
+    async def check_writable(self, timeout_s: float) -> None:
+        """Returns once the log acknowledged a tiny write through this replica's connection (a quorum is
+        reachable); ``BusyError`` after ``timeout_s`` or when not connected."""
+        ...
+
+    def connected_to(self) -> str | None:
+        """The log server this replica talks to now (host:port), None while disconnected."""
         ...
 
     # -- snapshots --

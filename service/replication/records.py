@@ -12,12 +12,35 @@ from torch import Tensor
 
 from robez_core.errors import CorruptionError
 
+from ..errors import UpdateTooLargeError
 from ..store.journal import UpdateRecord
 
 SHAPE = "Robez-Shape"
 LR = "Robez-Lr"
 _IDS = np.dtype("<i8")
 _GRADS = np.dtype("<f4")
+# Room left in the 413's hint for the longer Idempotency-Key of a split part (``f"{key}.{i}"``).
+_PART_KEY_ROOM = 32
+
+
+def payload_bytes(num_rows: int, dim: int) -> int:
+    """Bytes of the payload of a push of ``num_rows`` ids x ``dim``: the binary update body's size too."""
+    return num_rows * (_IDS.itemsize + dim * _GRADS.itemsize)
+
+
+def update_too_large(
+    table: str, num_rows: int, dim: int, size: int, limit: int, overhead: int
+) -> UpdateTooLargeError:
+    """The 413 of a push whose log entry (``size`` bytes, ``overhead`` of them headers) is over ``limit``."""
+    max_update_bytes = max(0, limit - overhead - _PART_KEY_ROOM)
+    fit = max_update_bytes // payload_bytes(1, dim)
+    return UpdateTooLargeError(
+        f"table {table!r}: a push of {num_rows} ids x {dim} is {size:,} bytes as a replicated log entry "
+        f"(ids*8 + ids*dim*4 + {overhead} bytes of headers), over the {limit:,}-byte limit of one entry: "
+        f"at most {fit} ids fit in one push at dim {dim}. Split the push (the Python client does), or "
+        "raise max_payload in the NATS servers' configuration (robez ships 8 MiB; NATS allows 64 MiB)",
+        max_update_bytes,
+    )
 
 
 def encode_update(ids: Tensor, grads: Tensor, lr: float) -> tuple[bytes, dict[str, str]]:

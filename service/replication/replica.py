@@ -28,13 +28,16 @@ from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
 from .applier import STATUS_FILE, Applier, ReplicaStatus
 from .log import CatalogEntry, ReplicatedLog
-from .records import encode_update
+from .records import encode_update, update_too_large
 
 logger = logging.getLogger("robez.replication")
 
 LOCK_FILE = "applier.lock"
 _ELECTION_POLL_S = 0.5
 _CONNECT_RETRY_S = 0.5
+# Writes count as possible while the last write check was acknowledged within this many check intervals;
+# each check waits at most two of them for its ack.
+_WRITE_CHECK_FRESH = 4
 
 
 def local_settings(settings: Settings) -> Settings:
@@ -55,6 +58,8 @@ def open_log(settings: Settings) -> ReplicatedLog:
         dedup_window_s=settings.nats_dedup_window_s,
         client_name=replica_name(settings),
         timeout_s=settings.nats_publish_timeout_s,
+        ping_interval_s=settings.nats_ping_interval_s,
+        max_outstanding_pings=settings.nats_max_outstanding_pings,
     )
 
 
@@ -96,6 +101,9 @@ class Replica:
         self._lock_fd: int | None = None
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._write_check_task: asyncio.Task[None] | None = None
+        self._write_acked = -float("inf")  # monotonic time of the last acknowledged write check
+        self._write_problem = "not connected to the replicated log yet"
         self.applier: Applier | None = None
         self._entries: dict[str, CatalogEntry] = {}
 
@@ -107,10 +115,11 @@ class Replica:
         self._task.add_done_callback(_log_failure)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        for task in (self._write_check_task, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if self.applier is not None:
             await self.applier.stop()
         await self.log.close()
@@ -128,6 +137,7 @@ class Replica:
                 await asyncio.sleep(_CONNECT_RETRY_S)
         self._connected.set()
         logger.info("replica %s connected to the log", replica_name(self.settings))
+        self._write_check_task = asyncio.create_task(self._check_writes(), name="robez-write-check")
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         while True:
             try:
@@ -148,6 +158,38 @@ class Replica:
     def ready(self) -> bool:
         status = self.status()
         return status is not None and status.ready and self._connected.is_set()
+
+    def write_problem(self) -> str | None:
+        """Why this worker could not get a write acknowledged now (``/readyz?writes=true``), or None: its
+        last write check (``_check_writes``) must be fresh."""
+        interval = self.settings.nats_write_check_interval_s
+        if time.monotonic() - self._write_acked <= _WRITE_CHECK_FRESH * interval:
+            return None
+        return self._write_problem
+
+    def log_server(self) -> str | None:
+        """The log server this worker's connection is on now (host:port)."""
+        return self.log.connected_to()
+
+    async def _check_writes(self) -> None:
+        """Publish a tiny message every ``nats_write_check_interval_s``: its ack (a quorum stored it)
+        through this worker's own connection is what ``write_problem`` trusts, so a hung server, a lost
+        quorum or a lost connection shows within a few intervals."""
+        interval = self.settings.nats_write_check_interval_s
+        while True:
+            started = time.monotonic()
+            try:
+                await self.log.check_writable(timeout_s=2 * interval)
+                self._write_acked = time.monotonic()
+                self._write_problem = "no write check was acknowledged recently"
+            except BusyError as exc:
+                # Once per change; before the first ack (a health stream just created has no leader
+                # for a moment) only at INFO.
+                if self._write_problem != str(exc):
+                    level = logging.WARNING if self._write_acked > -float("inf") else logging.INFO
+                    logger.log(level, "write check failed: %s", exc)
+                self._write_problem = str(exc)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     # -- writes -------------------------------------------------------------------------------------
 
@@ -188,6 +230,7 @@ class Replica:
             # The cached catalog entry may be of an incarnation dropped since: then the append finds no
             # stream, and the second attempt reads the catalog again.
             entry = await self._wait_local(name, fresh=attempt > 0)
+            self._check_entry_size(entry, payload, headers, key, grads)
             start = time.perf_counter()
             try:
                 appended = await self.log.append(entry, payload, headers, key)
@@ -208,6 +251,18 @@ class Replica:
         return ReplicatedUpdate(
             appended.position, acked - start, time.perf_counter() - acked, appended.duplicate
         )
+
+    def _check_entry_size(
+        self, entry: CatalogEntry, payload: bytes, headers: dict[str, str], key: str, grads: Tensor
+    ) -> None:
+        """413 before publishing when the entry is over the connected server's limit: NATS would refuse
+        it (and a retry would never pass), so the client learns the limit and splits instead."""
+        limit = self.log.max_entry_bytes()
+        size = self.log.entry_bytes(entry, len(payload), headers, key)
+        if limit and size > limit:
+            num_rows = int(grads.shape[0]) if grads.dim() == 2 else 0
+            dim = int(grads.shape[1]) if grads.dim() == 2 else 0
+            raise update_too_large(entry.name, num_rows, dim, size, limit, size - len(payload))
 
     def _local_incarnation(self, name: str) -> str | None:
         status = self.status()

@@ -51,12 +51,18 @@ async def _healthz_fast(request: Request, _: str) -> Response:
     "/readyz",
     summary="Readiness: 200 once this worker has its tables mapped (a replica: caught up with the log), "
     "else 503; with writes=true also 503 "
-    "while the data directory is full (lookups are still served)",
+    "while the data directory is full, or (a replica) while it cannot get a write acknowledged by the "
+    "replicated log (lookups are still served)",
 )
 async def readyz(
     request: Request,
     writes: Annotated[
-        bool, Query(description="check writes too: 503 while updates are refused for lack of disk space")
+        bool,
+        Query(
+            description="check writes too: 503 while updates are refused for lack of disk space, or while "
+            "a replica's last write check was not acknowledged by the log (no connection, no quorum, its "
+            "NATS server hung)"
+        ),
     ] = False,
 ) -> Response:
     store = getattr(request.app.state, "store", None)
@@ -70,6 +76,9 @@ async def readyz(
         return JSONBytesResponse({"status": "catching up", "replication": tables}, status_code=503)
     body: dict[str, Any] = {"status": "ready", "tables": len(store.names()), "writable": True}
     problem = store.journal.write_problem()
+    if replica is not None:
+        body["log_server"] = replica.log_server()
+        problem = replica.write_problem()
     if problem is not None:
         body.update(writable=False, write_problem=problem)
         if writes:

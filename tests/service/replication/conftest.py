@@ -32,9 +32,10 @@ START_TIMEOUT_S = 90.0
 
 
 @contextlib.contextmanager
-def running_cluster(directory: Path, size: int) -> Iterator[NatsCluster]:
-    """A ``size``-node JetStream cluster with its stores under ``directory``, stopped on leaving."""
-    cluster = NatsCluster(directory, size=size)
+def running_cluster(directory: Path, size: int, **options: Any) -> Iterator[NatsCluster]:
+    """A ``size``-node JetStream cluster with its stores under ``directory`` (``options``: the other
+    ``NatsCluster`` fields, e.g. ``max_payload``), stopped on leaving."""
+    cluster = NatsCluster(directory, size=size, **options)
     try:
         cluster.start()
         cluster.wait_for_jetstream()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from devtools.natscluster import nats_server_binary
+from devtools.natscluster import NATS_MAX_PAYLOAD, nats_server_binary
 from service.config import Settings
 
 CLUSTER = Path(__file__).resolve().parents[3] / "deploy" / "cluster"
@@ -44,6 +44,8 @@ def test_three_nats_three_replicas_and_a_load_balancer() -> None:
 def test_nats_config_is_valid_and_fsyncs_every_message() -> None:
     config = CLUSTER / "nats.conf"
     assert re.search(r"sync_interval:\s*always", config.read_text())
+    # The same push limit as the dev/test cluster's, so a push that works under `make cluster` works here.
+    assert re.search(rf"^max_payload:\s*{NATS_MAX_PAYLOAD}$", config.read_text(), re.MULTILINE)
     result = subprocess.run(
         [nats_server_binary(), "-t", "-c", str(config)],
         env={**os.environ, "SERVER_NAME": "nats1"},
