@@ -69,6 +69,31 @@ class UpdateTooLargeError(PayloadTooLargeError):
         self.max_update_bytes = max_update_bytes
 
 
+class RefusedUpdateError(InvalidInputError):
+    """An update that fails one of the checks every update gets (``service/store/tables.py``): a live
+    push answers 422; a logged one is applied as an empty version. ``reason`` names the check, one of
+    ``SKIP_REASONS`` (the label of ``robez_replication_skipped_total``)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# Why an entry of a log was applied as an empty version: its headers, its payload's length, its lr (not
+# positive, not finite, over the table's max_lr), its ids, its gradients (shape, dtype, NaN or Inf), a step
+# that would leave a non-finite value, and a load whose checkpoint object is missing or damaged.
+SKIP_REASONS = (
+    "bad_headers",
+    "bad_payload",
+    "bad_lr",
+    "bad_ids",
+    "bad_grads",
+    "non_finite_step",
+    "load_missing",
+    "load_corrupt",
+)
+
+
 # Most specific first: an error takes the status of the first class in its MRO found here.
 STATUS_BY_ERROR: Mapping[type[RobezError], int] = {
     UnauthorizedError: 401,

@@ -159,6 +159,14 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="mostrecent",
         )
+        self.replication_skipped_total = Counter(
+            "robez_replication_skipped",
+            "Log entries this replica applied as empty versions (the version advanced, the table did not "
+            "change) because they failed a check, by reason: bad_headers, bad_payload, bad_lr, bad_ids, "
+            "bad_grads, non_finite_step, load_missing, load_corrupt",
+            ["table", "reason"],
+            registry=self.registry,
+        )
         self.replication_publish_ack_seconds = Histogram(
             "robez_replication_publish_ack_seconds",
             "Time from publishing an update to the log's acknowledgement (quorum stored it)",

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
 import json
 import logging
 import math
@@ -38,11 +40,12 @@ from robez_core.table import Table
 
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
 from ..metrics import Metrics
-from ..store import TableStore, apply_record
-from ..store.journal import UpdateRecord
+from ..store import TableStore, UpdateResult
+from ..store.journal import SkippedRecord
+from ..store.tables import apply_logged_record, skipped
 from .localsnap import LocalSnapshots
 from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog, Snapshot
-from .records import decode_update
+from .records import LoadRecord, decode_entry
 
 logger = logging.getLogger("robez.replication")
 
@@ -53,6 +56,11 @@ _STATUS_EVERY_S = 0.5
 # timeout keeps the previous figures (``/readyz?writes=true`` tells that the log is unreachable).
 _LAG_EVERY_S = 1.0
 _LAG_TIMEOUT_S = 2.0
+# Loaded checkpoints are looked for this often (tables with one, or just started) and deleted once the log
+# no longer holds the entry naming them (a snapshot is past it); one no entry names (its append failed)
+# once it is older than this and the dedup window.
+_LOAD_CLEANUP_EVERY_S = 2.0
+_ORPHAN_LOAD_AGE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,9 @@ class Applier:
         self.local = LocalSnapshots(settings.data_dir) if settings.data_dir is not None else None
         self._since_local: dict[str, int] = {}
         self._sources: dict[str, str] = {}
+        # Tables that may have loaded checkpoints in the log's store (``_forget_loads``).
+        self._loads_seen: set[str] = set()
+        self._load_cleanup_task: asyncio.Task[None] | None = None
 
     async def wait_progress(self, timeout_s: float) -> None:
         async with self._progress:
@@ -144,7 +155,7 @@ class Applier:
         for entry, _ in self._tasks.values():
             if self._since_local.get(entry.name, 0) > 0:
                 await self._local_snapshot(entry)
-        for background in (self._status_task, self._lag_task, self._upload_task):
+        for background in (self._status_task, self._lag_task, self._upload_task, self._load_cleanup_task):
             if background is not None:
                 background.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -156,6 +167,7 @@ class Applier:
         self._write_status()
         self._status_task = asyncio.create_task(self._status_loop())
         self._lag_task = asyncio.create_task(self._lag_loop(), name="robez-replication-lag")
+        self._load_cleanup_task = asyncio.create_task(self._forget_loads(), name="robez-load-cleanup")
         if self.settings.replica_snapshot_interval_s > 0:
             self._upload_task = asyncio.create_task(self._upload_timer(), name="robez-snapshot-timer")
         await self._create_configured_tables()
@@ -250,6 +262,7 @@ class Applier:
         self._last_upload.pop(name, None)
         self._since_local.pop(name, None)
         self._sources.pop(name, None)
+        self._loads_seen.discard(name)
         with contextlib.suppress(NotFoundError):
             await anyio.to_thread.run_sync(self.store.delete, name)
             logger.info("dropped table %s", name)
@@ -298,17 +311,24 @@ class Applier:
         self._since_upload[name] = 0
         self._since_local[name] = 0
         self._last_upload[name] = time.monotonic()
+        self._loads_seen.add(name)  # unknown after a start: looked for once
         async for item in self.log.read(entry, position):
             if item.position != position + 1:
                 position = await self._restore_snapshot(entry, need=item.position - 1)
                 if item.position != position + 1:
                     raise CorruptionError(f"table {name!r}: log jumps from {position} to {item.position}")
-            record = decode_update(name, item.position, item.payload, item.headers)
-            result = await anyio.to_thread.run_sync(self.store.apply_logged, record)
+            record = decode_entry(name, item.position, item.payload, item.headers)
+            if isinstance(record, LoadRecord):
+                result = await self._apply_load(entry, record)
+            else:
+                result = await anyio.to_thread.run_sync(self.store.apply_logged, record)
             position = item.position
             now = time.time()
-            if result is not None:
+            if isinstance(result, SkippedRecord):
+                self.metrics.replication_skipped_total.labels(name, result.reason).inc()
+            elif result is not None:
                 self.metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
+            if result is not None:
                 self._since_upload[name] = self._since_upload.get(name, 0) + 1
                 self._since_local[name] = self._since_local.get(name, 0) + 1
             if item.timestamp:
@@ -382,13 +402,119 @@ class Applier:
                         # Trimmed past the snapshot since it was read (another replica uploaded a newer
                         # one): applying this entry would skip updates. Start over from the new one.
                         raise LogTrimmedError(entry.name, position, item.position)
-                    record = decode_update(entry.name, item.position, item.payload, item.headers)
-                    await anyio.to_thread.run_sync(_apply_entry, table, record)
+                    record = decode_entry(entry.name, item.position, item.payload, item.headers)
+                    outcome: tuple[float, float] | SkippedRecord | None
+                    if isinstance(record, LoadRecord):
+                        loaded = await self._load_checkpoint(entry, record)
+                        outcome = skipped(loaded) if isinstance(loaded, SkippedRecord) else None
+                        table = loaded if isinstance(loaded, Table) else table
+                    else:
+                        outcome = await anyio.to_thread.run_sync(apply_logged_record, table, record)
+                    if isinstance(outcome, SkippedRecord):
+                        self.metrics.replication_skipped_total.labels(entry.name, outcome.reason).inc()
                     position = item.position
                     if position >= last:
                         break
         await anyio.to_thread.run_sync(self.store.restore, entry.name, table, position)
         logger.warning("table %s: rebuilt from the log at version %d", entry.name, position)
+
+    # -- loads ----------------------------------------------------------------------------------------
+
+    async def _apply_load(
+        self, entry: CatalogEntry, record: LoadRecord
+    ) -> UpdateResult | SkippedRecord | None:
+        """Switch the table to the checkpoint a load entry names, at its position (``restore``); an entry
+        whose checkpoint is missing or does not check out is an empty version (``apply_logged``)."""
+        loaded = await self._load_checkpoint(entry, record)
+        if isinstance(loaded, SkippedRecord):
+            return await anyio.to_thread.run_sync(self.store.apply_logged, loaded)
+        start = time.perf_counter()
+        restore = functools.partial(self.store.restore, after=record.version - 1)
+        if not await anyio.to_thread.run_sync(restore, entry.name, loaded, record.version):
+            return None
+        self._loads_seen.add(entry.name)
+        logger.info(
+            "table %s: loaded the checkpoint %s at version %d", entry.name, record.object_name, record.version
+        )
+        return UpdateResult(record.version, 0.0, time.perf_counter() - start)
+
+    async def _load_checkpoint(self, entry: CatalogEntry, record: LoadRecord) -> Table | SkippedRecord:
+        """The table a load entry names, or why it cannot be loaded: the checkpoint is not in the store
+        (``load_missing``), or its bytes, format or config do not match (``load_corrupt``). Decided by
+        the entry and the object alone, so every replica decides alike; the log being unreachable is a
+        ``BusyError`` (retried), never a skip."""
+        # Recorded before it is read: the checkpoint is deleted only once the log no longer holds this
+        # entry (``_forget_loads``).
+        await self.log.set_load_position(entry, record.object_name, record.version)
+        data = await self.log.get_load(entry, record.object_name)
+        if data is None:
+            return SkippedRecord(
+                entry.name,
+                record.version,
+                "load_missing",
+                f"no checkpoint {record.object_name!r} in the store",
+            )
+        digest = await anyio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest())
+        if digest != record.sha256:
+            return SkippedRecord(
+                entry.name,
+                record.version,
+                "load_corrupt",
+                f"checkpoint {record.object_name!r} has SHA-256 {digest}, the entry names {record.sha256}",
+            )
+        try:
+            table = await anyio.to_thread.run_sync(_table_from_checkpoint, data)
+        except (RobezError, ValueError) as exc:
+            return SkippedRecord(
+                entry.name, record.version, "load_corrupt", f"checkpoint {record.object_name!r}: {exc}"
+            )
+        wanted = (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
+        if (table.config, table.optimizer) != wanted:
+            return SkippedRecord(
+                entry.name,
+                record.version,
+                "load_corrupt",
+                f"checkpoint {record.object_name!r} has another config or optimizer than the table",
+            )
+        return table
+
+    async def _forget_loads(self) -> None:
+        """Delete the loaded checkpoints nothing needs any more, every ``_LOAD_CLEANUP_EVERY_S``."""
+        while True:
+            await asyncio.sleep(_LOAD_CLEANUP_EVERY_S)
+            for name in list(self._loads_seen):
+                current = self._tasks.get(name)
+                if current is None:
+                    self._loads_seen.discard(name)
+                    continue
+                try:
+                    await self._forget_loads_of(current[0])
+                except (RobezError, OSError) as exc:
+                    logger.info("table %s: cleaning up loaded checkpoints failed (%s); later", name, exc)
+
+    async def _forget_loads_of(self, entry: CatalogEntry) -> None:
+        """A checkpoint goes once the log starts past the entry naming it: every replica that still has
+        to apply that entry restores a snapshot at or past it instead. One no entry names (recorded
+        by each replica before it applies the entry) goes once this replica applied the whole log as it
+        was before the listing, and it is older than any append of it could be."""
+        first, last = await self.log.bounds(entry)
+        applied_all = self.store.version(entry.name) >= last
+        stored = await self.log.loads(entry)
+        if not stored:
+            self._loads_seen.discard(entry.name)
+            return
+        orphan_age = max(self.settings.nats_dedup_window_s, _ORPHAN_LOAD_AGE_S)
+        for load in stored:
+            trimmed = 0 < load.position < first
+            orphan = load.position == 0 and applied_all and load.age_s > orphan_age
+            if trimmed or orphan:
+                await self.log.delete_load(entry, load.name)
+                logger.info(
+                    "table %s: deleted the loaded checkpoint %s (%s)",
+                    entry.name,
+                    load.name,
+                    "a snapshot is past it" if trimmed else "no log entry names it",
+                )
 
     async def _restore_snapshot(self, entry: CatalogEntry, need: int) -> int:
         """The log was trimmed past this replica's position: load the snapshot (at >= ``need``)."""
@@ -594,6 +720,8 @@ def _snapshot_bytes(store: TableStore, name: str) -> tuple[bytes, int]:
         return path.read_bytes(), version
 
 
-def _apply_entry(table: Table, record: UpdateRecord) -> None:
-    """One log entry applied to a table being rebuilt, as ``TableStore.apply_logged`` applies it."""
-    apply_record(table, record.ids, record.grads, record.lr, logged_as=(record.table, record.version))
+def _table_from_checkpoint(data: bytes) -> Table:
+    from ..wal import read_checkpoint
+
+    table, _ = read_checkpoint(data, format="robez")
+    return table

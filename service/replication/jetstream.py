@@ -10,6 +10,8 @@ What lives where, for prefix ``robez`` (``ROBEZ_NATS_PREFIX``):
   append's key is its ``Nats-Msg-Id``), no age or size limits: only ``trim`` removes entries.
 - snapshots: Object Store bucket ``robez_snapshots``, object ``<table>.<incarnation>`` (the newest one
   uploaded), its position in the object's description.
+- loads: the same bucket, object ``load.<table>.<incarnation>.<random>`` per ``POST .../load``, the
+  position of the log entry naming it in its description once a replica applied it.
 
 - write health: stream ``robez_health`` (memory storage, one message per subject, a minute's age), where
   ``check_writable`` publishes a tiny message: its ack says a quorum is reachable through this connection.
@@ -34,6 +36,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator
+from datetime import datetime
 from typing import Any
 
 import nats
@@ -53,11 +56,16 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.kv import KeyValue
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore
+from nats.js.object_store import (
+    OBJ_CHUNKS_PRE_TEMPLATE,
+    OBJ_META_PRE_TEMPLATE,
+    OBJ_STREAM_TEMPLATE,
+    ObjectStore,
+)
 
 from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError
 
-from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, Snapshot
+from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, Snapshot, StoredLoad
 from .records import SHAPE, update_too_large
 
 logger = logging.getLogger("robez.replication.jetstream")
@@ -309,6 +317,11 @@ class JetStreamLog:
         await self._delete_stream(entry)
         with contextlib.suppress(TimeoutError, nats.errors.Error):  # no snapshot yet
             await self.obs.delete(f"{name}.{entry.incarnation}")
+        try:
+            for stored in await self.loads(entry):
+                await self.delete_load(entry, stored.name)
+        except BusyError as exc:
+            logger.warning("table %s dropped; its loaded checkpoints could not be deleted: %s", name, exc)
 
     async def _delete_stream(self, entry: CatalogEntry) -> None:
         try:
@@ -629,3 +642,124 @@ class JetStreamLog:
         if info is None:
             return 0
         return int(json.loads(info.description or "{}").get("position", 0))
+
+    # -- loads ----------------------------------------------------------------------------------------
+
+    def _load_prefix(self, entry: CatalogEntry) -> str:
+        return f"load.{entry.name}.{entry.incarnation}."
+
+    async def put_load(self, entry: CatalogEntry, data: bytes) -> str:
+        # A new name per load: an object is never replaced, so a replica reading it never sees it change.
+        name = f"{self._load_prefix(entry)}{secrets.token_hex(8)}"
+        try:
+            await self.obs.put(
+                name, data, meta=ObjectMeta(name=name, description=json.dumps({"position": 0}))
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("upload checkpoint", exc) from exc
+        return name
+
+    async def _load_info(self, name: str) -> ObjectInfo | None:
+        try:
+            info = await self.obs.get_info(name)
+        except nats.js.errors.NotFoundError:  # ObjectNotFoundError too
+            return None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("checkpoint info", exc) from exc
+        return None if info.deleted else info
+
+    async def get_load(self, entry: CatalogEntry, name: str) -> bytes | None:
+        if not name.startswith(self._load_prefix(entry)):
+            return None  # not a checkpoint of this table: a forged entry
+        info = await self._load_info(name)
+        if info is None:
+            return None
+        if not info.size:
+            return b""
+        bucket = f"{self.prefix}_snapshots"
+        try:
+            sub = await self.js.subscribe(
+                OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid),
+                stream=OBJ_STREAM_TEMPLATE.format(bucket=bucket),
+                ordered_consumer=True,
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("download checkpoint", exc) from exc
+        data = bytearray()
+        received, idle = 0, 0.0
+        try:
+            while received < (info.chunks or 0):
+                try:
+                    msg = await sub.next_msg(timeout=_SNAPSHOT_CHUNK_IDLE_S)
+                except nats.errors.TimeoutError:
+                    if await self._load_info(name) is None:
+                        return None  # deleted meanwhile
+                    idle += _SNAPSHOT_CHUNK_IDLE_S
+                    if idle >= self.timeout_s:
+                        raise BusyError(f"checkpoint {name}: no chunk for {idle:.0f} s; try again") from None
+                    continue
+                except nats.errors.Error as exc:
+                    raise _unavailable("download checkpoint", exc) from exc
+                idle = 0.0
+                received += 1
+                data += msg.data
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return bytes(data)
+
+    async def set_load_position(self, entry: CatalogEntry, name: str, position: int) -> None:
+        info = await self._load_info(name)
+        if info is None or _described_position(info) >= position:
+            return
+        try:
+            await self.obs.update_meta(
+                name, ObjectMeta(name=name, description=json.dumps({"position": position}))
+            )
+        except nats.js.errors.NotFoundError:  # deleted meanwhile: nothing to record
+            return
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("record checkpoint position", exc) from exc
+
+    async def loads(self, entry: CatalogEntry) -> list[StoredLoad]:
+        prefix = self._load_prefix(entry)
+        try:
+            listed = await self.obs.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:  # an empty bucket
+            return []
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("list checkpoints", exc) from exc
+        now = time.time()
+        return [
+            StoredLoad(info.name, _described_position(info), max(0.0, now - _mtime(info)))
+            for info in listed
+            if info.name and info.name.startswith(prefix) and not info.deleted
+        ]
+
+    async def delete_load(self, entry: CatalogEntry, name: str) -> None:
+        # The object store's delete keeps a meta message per name (a tombstone): purged too, so that
+        # nothing of a load outlives it.
+        bucket = f"{self.prefix}_snapshots"
+        meta_subject = OBJ_META_PRE_TEMPLATE.format(
+            bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode()
+        )
+        try:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self.obs.delete(name)
+            await self.js.purge_stream(OBJ_STREAM_TEMPLATE.format(bucket=bucket), subject=meta_subject)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("delete checkpoint", exc) from exc
+
+
+def _described_position(info: ObjectInfo) -> int:
+    try:
+        return int(json.loads(info.description or "{}").get("position", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0
+
+
+def _mtime(info: ObjectInfo) -> float:
+    try:
+        return datetime.fromisoformat(info.mtime or "").timestamp()
+    except ValueError:
+        return time.time()  # unknown: counted as new

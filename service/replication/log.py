@@ -77,6 +77,16 @@ class Snapshot:
     data: bytes
 
 
+@dataclass(frozen=True)
+class StoredLoad:
+    """A checkpoint stored for a load: its name, the position of the (last) load entry naming it as
+    recorded by the replicas that applied it (0: none yet), and its age (s)."""
+
+    name: str
+    position: int
+    age_s: float
+
+
 class ReplicatedLog(Protocol):
     """A totally ordered, durable, replicated log per table, plus a catalog of tables and a snapshot
     store. Every method may raise ``RobezError`` (``ConflictError``, ``NotFoundError``, ``BusyError``
@@ -146,6 +156,25 @@ class ReplicatedLog(Protocol):
     def connected_to(self) -> str | None:
         """The log server this replica talks to now (host:port), None while disconnected."""
         ...
+
+    # -- loads: checkpoints a ``POST .../load`` put beside the log, named by a load entry --
+    async def put_load(self, entry: CatalogEntry, data: bytes) -> str:
+        """Store a checkpoint (robez safetensors bytes) under a new name; returns the name."""
+        ...
+
+    async def get_load(self, entry: CatalogEntry, name: str) -> bytes | None:
+        """The checkpoint's bytes; None if there is none (never stored, or deleted)."""
+        ...
+
+    async def set_load_position(self, entry: CatalogEntry, name: str, position: int) -> None:
+        """Record that the load entry at ``position`` names the checkpoint (kept: the highest)."""
+        ...
+
+    async def loads(self, entry: CatalogEntry) -> list[StoredLoad]:
+        """The checkpoints stored for this incarnation of the table."""
+        ...
+
+    async def delete_load(self, entry: CatalogEntry, name: str) -> None: ...
 
     # -- snapshots --
     async def put_snapshot(self, entry: CatalogEntry, snapshot: Snapshot) -> None: ...

@@ -2,25 +2,43 @@
 
 Payload: n little-endian int64 ids, then n*d little-endian float32 gradients. Headers: ``Robez-Shape:
 n,d`` and ``Robez-Lr`` (``float.hex``, so every replica applies exactly the same lr).
+
+A load (``Robez-Kind: load``) has no payload: ``Robez-Object`` names the checkpoint in the Object Store
+and ``Robez-Sha256`` its bytes' digest; every replica switches the table to it at that position.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from robez_core.errors import CorruptionError
-
 from ..errors import UpdateTooLargeError
-from ..store.journal import UpdateRecord
+from ..store.journal import SkippedRecord, UpdateRecord
 
 SHAPE = "Robez-Shape"
 LR = "Robez-Lr"
+KIND = "Robez-Kind"
+OBJECT = "Robez-Object"
+SHA256 = "Robez-Sha256"
+UPDATE, LOAD = "update", "load"
 _IDS = np.dtype("<i8")
 _GRADS = np.dtype("<f4")
 # Room left in the 413's hint for the longer Idempotency-Key of a split part (``f"{key}.{i}"``).
 _PART_KEY_ROOM = 32
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """A load at log position ``version``: the table becomes the checkpoint ``object_name`` of the
+    Object Store (SHA-256 ``sha256``, hex) at that version."""
+
+    table: str
+    version: int
+    object_name: str
+    sha256: str
 
 
 def payload_bytes(num_rows: int, dim: int) -> int:
@@ -54,17 +72,37 @@ def encode_update(ids: Tensor, grads: Tensor, lr: float) -> tuple[bytes, dict[st
     return payload, {SHAPE: f"{num_rows},{dim}", LR: float(lr).hex()}
 
 
-def decode_update(table: str, position: int, payload: bytes, headers: dict[str, str]) -> UpdateRecord:
-    """The ``UpdateRecord`` at log position ``position`` (= the version it produces)."""
+def encode_load(object_name: str, sha256: str) -> tuple[bytes, dict[str, str]]:
+    """(payload, headers) of a load: the checkpoint is the Object Store's object ``object_name``, whose
+    bytes have SHA-256 ``sha256`` (hex)."""
+    return b"", {KIND: LOAD, OBJECT: object_name, SHA256: sha256}
+
+
+def decode_entry(
+    table: str, position: int, payload: bytes, headers: dict[str, str]
+) -> UpdateRecord | LoadRecord | SkippedRecord:
+    """The record at log position ``position`` (= the version it produces). An entry whose headers or
+    payload do not decode (it reached the log by a direct publish, or was damaged) is a
+    ``SkippedRecord``, never an error: applied as an empty version alike on every replica."""
+    kind = headers.get(KIND, UPDATE)
+    if kind == LOAD:
+        object_name, sha256 = headers.get(OBJECT, ""), headers.get(SHA256, "")
+        if not object_name or len(sha256) != 64 or payload:
+            return SkippedRecord(table, position, "bad_headers", f"a load entry with headers {headers}")
+        return LoadRecord(table, position, object_name, sha256.lower())
+    if kind != UPDATE:
+        return SkippedRecord(table, position, "bad_headers", f"unknown {KIND} {kind!r}")
     try:
         num_rows, dim = (int(part) for part in headers[SHAPE].split(","))
         lr = float.fromhex(headers[LR])
     except (KeyError, ValueError) as exc:
-        raise CorruptionError(f"table {table!r}: log entry {position} has bad headers {headers}") from exc
+        return SkippedRecord(table, position, "bad_headers", f"headers {headers}: {exc!r}")
+    if num_rows < 0 or dim < 0:
+        return SkippedRecord(table, position, "bad_headers", f"shape {num_rows},{dim}")
     ids_bytes = num_rows * _IDS.itemsize
     if len(payload) != ids_bytes + num_rows * dim * _GRADS.itemsize:
-        raise CorruptionError(
-            f"table {table!r}: log entry {position} has {len(payload)} bytes for {num_rows}x{dim}"
+        return SkippedRecord(
+            table, position, "bad_payload", f"{len(payload)} bytes of payload for {num_rows}x{dim}"
         )
     ids = torch.from_numpy(np.frombuffer(payload, dtype=_IDS, count=num_rows).astype(np.int64))
     grads = torch.from_numpy(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import secrets
@@ -28,7 +29,7 @@ from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
 from .applier import STATUS_FILE, Applier, ReplicaStatus
 from .log import CatalogEntry, ReplicatedLog
-from .records import encode_update, update_too_large
+from .records import encode_load, encode_update, update_too_large
 
 logger = logging.getLogger("robez.replication")
 
@@ -244,6 +245,34 @@ class Replica:
         if not await self.wait_version(name, appended.position, self.settings.apply_wait_s):
             raise BusyError(
                 f"update stored in the log at version {appended.position} but not yet applied by this "
+                "replica; retry with the same Idempotency-Key"
+            )
+        if self._local_incarnation(name) != entry.incarnation:
+            raise BusyError(f"table {name!r} was dropped or re-created meanwhile; try again")
+        return ReplicatedUpdate(
+            appended.position, acked - start, time.perf_counter() - acked, appended.duplicate
+        )
+
+    async def load(self, name: str, data: bytes, key: str | None) -> ReplicatedUpdate:
+        """Load a checkpoint (robez safetensors bytes, validated against the table) on every replica:
+        it goes to the log's store, then a load entry naming it and its SHA-256 is appended; returns
+        once this replica switched to it (the version is the entry's position). ``key`` as in
+        ``update``: a retry appends nothing and its own copy of the checkpoint is deleted."""
+        sha256 = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+        entry = await self._wait_local(name, fresh=False)
+        start = time.perf_counter()
+        object_name = await self.log.put_load(entry, data)
+        payload, headers = encode_load(object_name, sha256)
+        # A failed append may still have reached the log: the checkpoint stays (the applier deletes it
+        # once no entry can name it, ``Applier._forget_loads``).
+        appended = await self.log.append(entry, payload, headers, key or secrets.token_hex(16))
+        if appended.duplicate:
+            with contextlib.suppress(BusyError):
+                await self.log.delete_load(entry, object_name)
+        acked = time.perf_counter()
+        if not await self.wait_version(name, appended.position, self.settings.apply_wait_s):
+            raise BusyError(
+                f"load stored in the log at version {appended.position} but not yet applied by this "
                 "replica; retry with the same Idempotency-Key"
             )
         if self._local_incarnation(name) != entry.incarnation:

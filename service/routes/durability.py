@@ -10,7 +10,7 @@ import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, BinaryIO
 
@@ -23,9 +23,12 @@ from robez_core.table import Table
 
 from ..auth import WriteAccess
 from ..codec import OCTET_STREAM, VERSION_HEADER, TableInfoResponse, table_info_json
+from ..config import TableSpec
+from ..replication.replica import Replica
 from ..store import TableStore
 from ..wal import CheckpointFormat, SnapshotScheduler, WalJournal, align_checkpoint, read_checkpoint
 from .deps import StoreDep, compute
+from .update import IDEMPOTENCY_HEADER
 
 logger = logging.getLogger("robez.durability")
 
@@ -101,19 +104,14 @@ async def load(
     optimizer: Annotated[OptimizerName | None, Query(description="paper, new table: its optimizer")] = None,
     lr: Annotated[float | None, Query(gt=0, description="paper, new table: the optimizer's lr")] = None,
 ) -> dict[str, Any]:
-    if request.app.state.replica is not None:
-        raise ConflictError(
-            "loading a checkpoint into a replica is not supported: it would bypass the replicated log; "
-            "see docs/replication.md"
-        )
     default_optimizer = OptimizerConfig()
     new_optimizer = OptimizerConfig(
         name=optimizer or default_optimizer.name, lr=lr if lr is not None else default_optimizer.lr
     )
     body = await request.body()
 
-    def work() -> dict[str, Any]:
-        imported, kind = read_checkpoint(
+    def read() -> tuple[Table, str]:
+        return read_checkpoint(
             body,
             format=format,
             num_embeddings=num_embeddings,
@@ -122,11 +120,41 @@ async def load(
             prefix=prefix,
             optimizer=new_optimizer,
         )
+
+    request.state.table = name
+    replica = request.app.state.replica
+    if replica is not None:
+        return await _load_replicated(request, store, replica, name, read)
+
+    def work() -> dict[str, Any]:
+        imported, kind = read()
         return table_info_json(store.info(_install(store, name, imported, from_paper=kind == "paper")))
 
-    info = await compute(request, work)
-    request.state.table = name
-    return info
+    return await compute(request, work)
+
+
+async def _load_replicated(
+    request: Request, store: TableStore, replica: Replica, name: str, read: Callable[[], tuple[Table, str]]
+) -> dict[str, Any]:
+    """A load on a replica: checked here like on a single server (a bad checkpoint is a 4xx and
+    nothing is published), then the checkpoint as the table will hold it goes through the log
+    (``Replica.load``): every replica switches to it at the same version. A new table is created
+    through the log first, with the checkpoint's config and optimizer."""
+    imported, kind = await compute(request, read)
+    try:
+        store.table(name)
+    except NotFoundError:
+        with contextlib.suppress(ConflictError):  # created by another request meanwhile: load into it
+            await replica.create_table(name, TableSpec(imported.config, imported.optimizer))
+
+    def checkpoint() -> bytes:
+        aligned = align_checkpoint(imported, store.table(name), keep_optimizer_state=kind != "paper")
+        return checkpoint_bytes(aligned)
+
+    data = await compute(request, checkpoint)
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    await replica.load(name, data, key)
+    return table_info_json(store.info(name))
 
 
 def _install(store: TableStore, name: str, imported: Table, *, from_paper: bool) -> str:
@@ -159,6 +187,15 @@ async def checkpoint(name: str, request: Request, store: StoreDep, _: WriteAcces
         "Content-Disposition": f'attachment; filename="{name}-v{version}.safetensors"',
     }
     return StreamingResponse(_chunks(handle), media_type=OCTET_STREAM, headers=headers)
+
+
+def checkpoint_bytes(table: Table) -> bytes:
+    """``table`` as a robez checkpoint (safetensors), in memory."""
+    with tempfile.TemporaryDirectory(prefix="robez-load-") as tmp:
+        path = os.path.join(tmp, "checkpoint.safetensors")
+        table.save(path)
+        with open(path, "rb") as handle:
+            return handle.read()
 
 
 def _open_checkpoint(store: TableStore, name: str) -> tuple[BinaryIO, int]:

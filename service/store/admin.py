@@ -288,9 +288,12 @@ class TableAdmin:
             self._journal.snapshot(name, table, version)
             return version
 
-    def restore(self, name: str, source: Table, version: int) -> None:
+    def restore(self, name: str, source: Table, version: int, *, after: int | None = None) -> bool:
         """Replace the table's array and optimizer state by a copy of ``source`` (same config and
-        optimizer) at ``version``, atomically for lookups (see the module docstring).
+        optimizer) at ``version``, atomically for lookups (see the module docstring). ``after``: only if
+        the table is at that version (a load at a log position follows the one before it): False,
+        nothing changed, if it is past it already (a replay), a ``CorruptionError`` on a gap. Returns
+        True once switched.
 
         Under the table's update lock: a new array is filled from ``source`` and made durable first
         (``journal.snapshot``: snapshot + empty log), then the registry is switched to it. If any step
@@ -303,6 +306,12 @@ class TableAdmin:
         """
         with self._registry.locked(name) as entry, self._registry.lock.hold():
             table = entry.table
+            if after is not None and entry.version != after:
+                if entry.version > after:
+                    return False
+                raise CorruptionError(
+                    f"table {name!r} is at version {entry.version}; a load at {version} cannot follow it"
+                )
             if (source.config, source.optimizer) != (table.config, table.optimizer):
                 raise ConflictError(f"the checkpoint's config or optimizer differs from table {name!r}'s")
             registry = self._registry.directory.read_registry()
@@ -350,6 +359,7 @@ class TableAdmin:
             self._release(registry, replaced)
             for sharer_name in registry.array_tables(array_id):
                 self._registry.entries[sharer_name].set_pending(0)
+        return True
 
     def _switch(
         self, registry: Registry, old_array: str, array_id: str, name: str, version: int

@@ -54,6 +54,24 @@ class UpdateRecord:
     lr: float
 
 
+@dataclass(frozen=True)
+class SkippedRecord:
+    """A logged entry that fails a check: applied as an empty version (the table's version moves to
+    ``version``, its arrays stay as they were), alike wherever the log is applied.
+
+    Attributes:
+        table: table name.
+        version: the version (log position) the entry would have produced.
+        reason: the check it failed, one of ``service.errors.SKIP_REASONS``.
+        detail: that check's message.
+    """
+
+    table: str
+    version: int
+    reason: str
+    detail: str
+
+
 @runtime_checkable
 class Journal(Protocol):
     """Where the store makes tables and their updates durable; every method may raise ``RobezError``."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import signal
 import time
@@ -45,6 +46,7 @@ from robez_core.table import Table
 
 from .. import faults
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
+from ..errors import RefusedUpdateError
 from ..shm import (
     SharedDirectory,
     TableEntry,
@@ -60,7 +62,7 @@ from .api import (
     UpdateResult,
     validate_table_name,
 )
-from .journal import Journal, NullJournal, UpdateRecord
+from .journal import Journal, NullJournal, SkippedRecord, UpdateRecord
 from .registry import TableRegistry
 from .repair import repair
 
@@ -183,10 +185,11 @@ class TableStore:
         """Journal a snapshot of the table at its current version (no update in between); returns it."""
         return self._admin.snapshot(name)
 
-    def restore(self, name: str, source: Table, version: int) -> None:
+    def restore(self, name: str, source: Table, version: int, *, after: int | None = None) -> bool:
         """Replace the table's array and optimizer state by a copy of ``source`` (same config and
-        optimizer) at ``version``, atomically for lookups (``TableAdmin.restore``)."""
-        self._admin.restore(name, source, version)
+        optimizer) at ``version``, atomically for lookups (``TableAdmin.restore``); ``after``: only if
+        the table is at that version (False if past it, a gap is a ``CorruptionError``)."""
+        return self._admin.restore(name, source, version, after=after)
 
     # -- data path --------------------------------------------------------------------------------
 
@@ -304,7 +307,7 @@ class TableStore:
                 step, _ = _prepare(table, ids, grads, applied_lr)
             version = locked.version + 1
             # Before the log: a step that would leave a non-finite value is refused, nothing changed.
-            table.check_step(step)
+            _check_step(table, step)
             # Marked before the append, cleared after the bump: a worker that dies in between leaves the
             # mark for the next holder of the lock to repair (see repair.py).
             locked.set_pending(version)
@@ -320,7 +323,7 @@ class TableStore:
             locked.set_pending(0)
         # The caller waits for durability outside the lock (group commit): the next updates append
         # while this one waits for its flush.
-        assert timings is not None  # a live push is refused, never skipped
+        assert isinstance(timings, tuple)  # a live push is refused, never skipped
         return UpdateResult(version, hash_seconds, prepare_seconds + timings[1]), ticket
 
     def _apply_unjournalled(
@@ -335,19 +338,18 @@ class TableStore:
         except InvalidInputError:  # refused before anything changed
             entry.set_pending(0)
             raise
-        assert timings is not None  # a live push is refused, never skipped
+        assert isinstance(timings, tuple)  # a live push is refused, never skipped
         entry.set_version(version)
         entry.set_pending(0)
         return UpdateResult(version, *timings)
 
     def _check_request(self, table: Table, num_ids: int, lr: float | None) -> float:
         """The checks of an update that read neither its ids nor its gradients: the request limits and the
-        lr (positive, finite); returns the lr to apply (the request's, else the table's). The rest of the
-        validation is ``_prepare``'s, and ``check_step``'s under the lock."""
+        lr (``_check_lr``); returns the lr to apply (the request's, else the table's). The rest of the
+        validation is ``_prepare``'s, and ``_check_step``'s under the lock."""
         self.limits.check_request(num_ids, table.config.embedding_dim)
         applied_lr = table.optimizer.lr if lr is None else float(lr)
-        if not (applied_lr > 0 and applied_lr != float("inf")):
-            raise InvalidInputError(f"lr must be a positive finite number, got {lr}")
+        _check_lr(table, applied_lr)
         return applied_lr
 
     # -- replicated mode: the log decides the order and the versions (service/replication/) ----------
@@ -360,13 +362,16 @@ class TableStore:
         step, _ = _prepare(table, ids, grads, applied_lr)
         # A step that would leave a non-finite value on the table as this replica has it now is refused
         # before it is published (apply_logged checks again, at its version).
-        table.check_step(step)
+        _check_step(table, step)
         return applied_lr
 
-    def apply_logged(self, record: UpdateRecord) -> UpdateResult | None:
-        """Apply the update at log position ``record.version``: the table goes from ``version - 1`` to
-        ``version``. None if the table already has it (a replay). A gap is a ``CorruptionError``: the
-        caller reads the log from the wrong place. The journal is not called: the log is the journal."""
+    def apply_logged(self, record: UpdateRecord | SkippedRecord) -> UpdateResult | SkippedRecord | None:
+        """Apply the entry at log position ``record.version``: the table goes from ``version - 1`` to
+        ``version``. None if the table already has it (a replay). An entry that fails a check (decoding
+        it, or ``apply_record``'s) is an empty version: the ``SkippedRecord`` is returned. A gap is a
+        ``CorruptionError``: the caller reads the log from the wrong place. The journal is not called:
+        the log is the journal. The request limits are not applied: they are this server's settings,
+        and a log must be applied alike everywhere."""
         with self.registry.locked(record.table) as locked:
             if locked.version >= record.version:
                 return None
@@ -375,12 +380,11 @@ class TableStore:
                     f"table {record.table!r} is at version {locked.version}; "
                     f"log position {record.version} cannot follow it"
                 )
-            timings = apply_record(
-                locked.table, record.ids, record.grads, record.lr, logged_as=(record.table, record.version)
-            )
+            outcome = apply_logged_record(locked.table, record)
             locked.set_version(record.version)  # a skipped entry too: versions stay equal on every replica
-        hash_seconds, apply_seconds = (0.0, 0.0) if timings is None else timings
-        return UpdateResult(record.version, hash_seconds, apply_seconds)
+        if isinstance(outcome, SkippedRecord):
+            return outcome
+        return UpdateResult(record.version, *outcome)
 
     def checksum(self, name: str) -> tuple[int, str]:
         """(version, sha256 hex) over the array and optimizer state, taken under the update lock, so the
@@ -457,7 +461,7 @@ def apply_record(
     *,
     step: PreparedStep | None = None,
     logged_as: tuple[str, int] | None = None,
-) -> tuple[float, float] | None:
+) -> tuple[float, float] | SkippedRecord:
     """Apply one update to ``table``: the one place an update reaches a table's array. Live pushes
     (``TableStore.apply_update``), records replayed from the write-ahead log (``WalJournal.load`` and
     ``recover``), entries of the replicated log (``TableStore.apply_logged``) and the applier's private
@@ -469,48 +473,97 @@ def apply_record(
         ids: int64 (N,) ids, as sent (duplicates not yet summed); a tensor or a numpy array.
         grads: float32 (N, d) gradients of their rows; a tensor or a numpy array.
         lr: the learning rate to apply, resolved (the request's or the table's).
-        step: ``table.prepare_step`` of this very update, already checked (``check_step``) under the
+        step: ``table.prepare_step`` of this very update, already checked (``_check_step``) under the
             lock: only applied. The live path with a journal checks before it appends, so a refused
             update never reaches the log.
-        logged_as: (table name, version) of the log record this update is. A step that would leave a
-            non-finite value is then skipped with a warning and None returned: the log holds it, so every
-            replica and every replay skips it alike, and the version still advances. Without (a live
-            push, not logged yet) it is refused with ``InvalidInputError``.
+        logged_as: (table name, version) of the log record this update is. Every check is then made
+            here (the lr too) and an update that fails one (``RefusedUpdateError``: bad lr, ids or
+            gradients, or a step that would leave a non-finite value) is skipped with one warning and a
+            ``SkippedRecord`` returned: the log holds it, so every replica and every replay skips it
+            alike, and the version still advances. Without (a live push, not logged yet, its lr checked
+            by the caller) it is refused with the error.
 
-    Returns (seconds hashing, seconds coalescing, checking and stepping), or None when skipped. Any other
-    invalid input raises ``InvalidInputError`` before anything changes.
+    Returns (seconds hashing, seconds coalescing, checking and stepping), or the ``SkippedRecord``.
     """
-    if step is None:
+    if step is not None:
+        start = time.perf_counter()
+        table.apply_step(step)
+        return 0.0, time.perf_counter() - start
+    try:
+        if logged_as is not None:
+            _check_lr(table, lr)
         # A small batch is hashed, checked and applied in two compiled calls; None: the general path.
         timings = table.try_checked_update(ids, grads, lr)
         if timings is not None:
             return timings
         start = time.perf_counter()
         step, hash_seconds = _prepare(table, _tensor(ids), _tensor(grads), lr)
-        try:
-            table.check_step(step)
-        except InvalidInputError as error:
-            if logged_as is None:
-                raise
-            # Published after a check against an earlier version (a replica), but at this version the step
-            # would leave a non-finite value: skipped alike wherever the log is applied.
-            logger.warning("table %r: log entry %d skipped: %s", *logged_as, error)
-            return None
-        table.apply_step(step)
-        return hash_seconds, time.perf_counter() - start - hash_seconds
-    start = time.perf_counter()
+        _check_step(table, step)
+    except RefusedUpdateError as error:
+        if logged_as is None:
+            raise
+        return skipped(SkippedRecord(*logged_as, error.reason, str(error)))
     table.apply_step(step)
-    return 0.0, time.perf_counter() - start
+    return hash_seconds, time.perf_counter() - start
+
+
+def apply_logged_record(
+    table: Table, record: UpdateRecord | SkippedRecord
+) -> tuple[float, float] | SkippedRecord:
+    """One entry of the replicated log applied to ``table`` (served, under its lock, or a private
+    rebuild): ``apply_record``, or nothing for an entry that could not even be decoded."""
+    if isinstance(record, SkippedRecord):
+        return skipped(record)
+    return apply_record(table, record.ids, record.grads, record.lr, logged_as=(record.table, record.version))
+
+
+def skipped(record: SkippedRecord) -> SkippedRecord:
+    """Log the one warning a skipped entry gets wherever it is applied; returns it."""
+    logger.warning(
+        "table %r: log entry %d applied as an empty version (%s): %s",
+        record.table,
+        record.version,
+        record.reason,
+        record.detail,
+    )
+    return record
+
+
+def _check_lr(table: Table, lr: float) -> None:
+    """The lr of an update, resolved: positive, finite and at most the table's ``max_lr``."""
+    if not (isinstance(lr, float | int) and lr > 0 and math.isfinite(lr)):
+        raise RefusedUpdateError(f"lr must be a positive finite number, got {lr}", "bad_lr")
+    if lr > table.optimizer.max_lr:
+        raise RefusedUpdateError(
+            f"lr {lr:g} is over this table's max_lr={table.optimizer.max_lr:g} (its optimizer config)",
+            "bad_lr",
+        )
 
 
 def _prepare(table: Table, ids: Tensor, grads: Tensor, lr: float) -> tuple[PreparedStep, float]:
     """``hash`` (it checks the ids) and ``prepare_step`` (the gradients: finite, one row of d per id; lr
     <= the table's max_lr) of an update: the checks that read only the table's config, so they need no
-    lock. Returns the coalesced step and the seconds hashing took."""
+    lock. Returns the coalesced step and the seconds hashing took. ``RefusedUpdateError`` names the
+    check that failed."""
     start = time.perf_counter()
-    chunk_offsets = table.hash(ids)
+    try:
+        chunk_offsets = table.hash(ids)
+    except InvalidInputError as error:
+        raise RefusedUpdateError(str(error), "bad_ids") from error
     hash_seconds = time.perf_counter() - start
-    return table.prepare_step(chunk_offsets, grads, lr, offsets_from_hash=True), hash_seconds
+    try:
+        step = table.prepare_step(chunk_offsets, grads, lr, offsets_from_hash=True)
+    except InvalidInputError as error:
+        raise RefusedUpdateError(str(error), "bad_grads") from error
+    return step, hash_seconds
+
+
+def _check_step(table: Table, step: PreparedStep) -> None:
+    """``table.check_step`` (under the update lock): the step leaves every value it touches finite."""
+    try:
+        table.check_step(step)
+    except InvalidInputError as error:
+        raise RefusedUpdateError(str(error), "non_finite_step") from error
 
 
 def _validate_pooling(

@@ -5,9 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from robez_core.errors import CorruptionError, InvalidInputError
+from robez_core.errors import InvalidInputError
 from service.consistency import parse_min_versions
-from service.replication.records import LR, SHAPE, decode_update, encode_update
+from service.replication.records import (
+    KIND,
+    LR,
+    SHAPE,
+    LoadRecord,
+    decode_entry,
+    encode_load,
+    encode_update,
+)
+from service.store.journal import SkippedRecord, UpdateRecord
 
 
 def test_update_round_trips_bit_exactly() -> None:
@@ -16,7 +25,8 @@ def test_update_round_trips_bit_exactly() -> None:
     grads[1, 2] = 1e-42  # a subnormal survives too
     lr = 0.1 + 1e-17  # not a "nice" float: sent as float.hex
     payload, headers = encode_update(ids, grads, lr)
-    record = decode_update("t", 7, payload, headers)
+    record = decode_entry("t", 7, payload, headers)
+    assert isinstance(record, UpdateRecord)
     assert (record.table, record.version, record.lr) == ("t", 7, lr)
     assert torch.equal(record.ids, ids)
     assert torch.equal(record.grads.view(torch.int32), grads.view(torch.int32))
@@ -24,18 +34,32 @@ def test_update_round_trips_bit_exactly() -> None:
 
 def test_empty_update_round_trips() -> None:
     payload, headers = encode_update(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 4), 0.5)
-    record = decode_update("t", 1, payload, headers)
+    record = decode_entry("t", 1, payload, headers)
+    assert isinstance(record, UpdateRecord)
     assert record.ids.shape == (0,) and record.grads.shape == (0, 4)
 
 
 @pytest.mark.parametrize(
-    "headers, cut",
-    [({SHAPE: "2,3", LR: "0x1p-1"}, 1), ({SHAPE: "two,3", LR: "0x1p-1"}, 0), ({SHAPE: "2,3"}, 0)],
+    "headers, cut, reason",
+    [
+        ({SHAPE: "2,3", LR: "0x1p-1"}, 1, "bad_payload"),
+        ({SHAPE: "two,3", LR: "0x1p-1"}, 0, "bad_headers"),
+        ({SHAPE: "2,3"}, 0, "bad_headers"),
+        ({SHAPE: "-1,-8", LR: "0x1p-1"}, 0, "bad_headers"),
+        ({SHAPE: "2,3", LR: "0x1p-1", KIND: "delete"}, 0, "bad_headers"),
+        ({KIND: "load", "Robez-Object": "x"}, 0, "bad_headers"),
+    ],
 )
-def test_damaged_entries_are_corruption(headers: dict[str, str], cut: int) -> None:
+def test_damaged_entries_are_skipped_records(headers: dict[str, str], cut: int, reason: str) -> None:
     payload, _ = encode_update(torch.tensor([1, 2]), torch.zeros(2, 3), 0.5)
-    with pytest.raises(CorruptionError):
-        decode_update("t", 1, payload[: len(payload) - cut], headers)
+    record = decode_entry("t", 4, payload[: len(payload) - cut], headers)
+    assert isinstance(record, SkippedRecord)
+    assert (record.table, record.version, record.reason) == ("t", 4, reason)
+
+
+def test_load_entry_round_trips() -> None:
+    payload, headers = encode_load("load.t.abc.1", "AB" * 32)
+    assert decode_entry("t", 9, payload, headers) == LoadRecord("t", 9, "load.t.abc.1", "ab" * 32)
 
 
 def test_min_version_header() -> None:

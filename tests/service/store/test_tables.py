@@ -20,7 +20,7 @@ from robez_core.table import Table
 from service.config import Settings, TableSpec
 from service.shm import SharedDirectory, remove_stale_directories
 from service.store import LookupResult, TableStore
-from service.store.journal import NullJournal, UpdateRecord
+from service.store.journal import NullJournal, SkippedRecord, UpdateRecord
 from service.wal import LOG_FILE, META_FILE, WalJournal
 
 from ..conftest import make_settings
@@ -678,3 +678,41 @@ def test_a_load_that_failed_after_its_commit_is_written_back_by_the_next_holder(
         store.close()
         journal.close()
         directory.remove()
+
+
+@pytest.mark.parametrize(
+    "ids, grads, lr, reason",
+    [
+        ([1, 2], torch.ones(2, 8), -5.0, "bad_lr"),
+        ([1, 2], torch.ones(2, 8), float("nan"), "bad_lr"),
+        ([1, 2], torch.ones(2, 8), float("inf"), "bad_lr"),
+        ([1, 2], torch.ones(2, 8), 1e9, "bad_lr"),  # over max_lr
+        ([1, 2], torch.ones(2, 7), 0.1, "bad_grads"),
+        ([1, 2], torch.tensor([[float("inf")] * 8, [0.0] * 8]), 0.1, "bad_grads"),
+        (list(range(300)), torch.full((300, 8), float("nan")), 0.1, "bad_grads"),  # the general path
+        ([1, 2], torch.full((2, 8), 3e38), 1000.0, "non_finite_step"),
+    ],
+)
+def test_a_logged_update_that_fails_a_check_is_an_empty_version(
+    settings: Settings,
+    directory: SharedDirectory,
+    ids: list[int],
+    grads: torch.Tensor,
+    lr: float,
+    reason: str,
+) -> None:
+    """The replicated apply never raises for an entry's content: it advances the version and changes
+    nothing, with the check that failed as the reason; the same push live is refused (422)."""
+    store = TableStore(directory, settings, NullJournal())
+    store.create("t", TableSpec(CONFIG, OptimizerConfig("sgd")))
+    store.update("t", torch.tensor([3]), torch.ones(1, 8))
+    before = store.checksum("t")[1]
+    id_tensor = torch.tensor(ids, dtype=torch.int64)
+    with pytest.raises(InvalidInputError):
+        store.validate_update("t", id_tensor, grads, lr)
+    result = store.apply_logged(UpdateRecord("t", 2, id_tensor, grads, lr))
+    assert isinstance(result, SkippedRecord) and result.reason == reason, result
+    assert store.checksum("t") == (2, before)
+    applied = store.apply_logged(UpdateRecord("t", 3, torch.tensor([4]), torch.ones(1, 8), 0.1))
+    assert applied is not None and not isinstance(applied, SkippedRecord)
+    assert store.checksum("t")[0] == 3 and store.checksum("t")[1] != before
