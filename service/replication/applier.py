@@ -28,6 +28,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -390,31 +391,8 @@ class Applier:
             config = TableConfig.from_dict(entry.config)
             table = Table(config, OptimizerConfig.from_dict(entry.optimizer))
             position = 0
-        first, last = await self.log.bounds(entry)
-        if first > position + 1:
-            raise CorruptionError(
-                f"table {entry.name!r}: the log starts at {first}, the snapshot at {position}"
-            )
-        if last > position:
-            async with contextlib.aclosing(self.log.read(entry, position)) as entries:
-                async for item in entries:
-                    if item.position != position + 1:
-                        # Trimmed past the snapshot since it was read (another replica uploaded a newer
-                        # one): applying this entry would skip updates. Start over from the new one.
-                        raise LogTrimmedError(entry.name, position, item.position)
-                    record = decode_entry(entry.name, item.position, item.payload, item.headers)
-                    outcome: tuple[float, float] | SkippedRecord | None
-                    if isinstance(record, LoadRecord):
-                        loaded = await self._load_checkpoint(entry, record)
-                        outcome = skipped(loaded) if isinstance(loaded, SkippedRecord) else None
-                        table = loaded if isinstance(loaded, Table) else table
-                    else:
-                        outcome = await anyio.to_thread.run_sync(apply_logged_record, table, record)
-                    if isinstance(outcome, SkippedRecord):
-                        self.metrics.replication_skipped_total.labels(entry.name, outcome.reason).inc()
-                    position = item.position
-                    if position >= last:
-                        break
+        _, last = await self.log.bounds(entry)
+        table, position = await replay_log(self.log, entry, table, position, last, self._count_skip)
         await anyio.to_thread.run_sync(self.store.restore, entry.name, table, position)
         logger.warning("table %s: rebuilt from the log at version %d", entry.name, position)
 
@@ -425,7 +403,7 @@ class Applier:
     ) -> UpdateResult | SkippedRecord | None:
         """Switch the table to the checkpoint a load entry names, at its position (``restore``); an entry
         whose checkpoint is missing or does not check out is an empty version (``apply_logged``)."""
-        loaded = await self._load_checkpoint(entry, record)
+        loaded = await load_checkpoint(self.log, entry, record)
         if isinstance(loaded, SkippedRecord):
             return await anyio.to_thread.run_sync(self.store.apply_logged, loaded)
         start = time.perf_counter()
@@ -438,45 +416,8 @@ class Applier:
         )
         return UpdateResult(record.version, 0.0, time.perf_counter() - start)
 
-    async def _load_checkpoint(self, entry: CatalogEntry, record: LoadRecord) -> Table | SkippedRecord:
-        """The table a load entry names, or why it cannot be loaded: the checkpoint is not in the store
-        (``load_missing``), or its bytes, format or config do not match (``load_corrupt``). Decided by
-        the entry and the object alone, so every replica decides alike; the log being unreachable is a
-        ``BusyError`` (retried), never a skip."""
-        # Recorded before it is read: the checkpoint is deleted only once the log no longer holds this
-        # entry (``_forget_loads``).
-        await self.log.set_load_position(entry, record.object_name, record.version)
-        data = await self.log.get_load(entry, record.object_name)
-        if data is None:
-            return SkippedRecord(
-                entry.name,
-                record.version,
-                "load_missing",
-                f"no checkpoint {record.object_name!r} in the store",
-            )
-        digest = await anyio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest())
-        if digest != record.sha256:
-            return SkippedRecord(
-                entry.name,
-                record.version,
-                "load_corrupt",
-                f"checkpoint {record.object_name!r} has SHA-256 {digest}, the entry names {record.sha256}",
-            )
-        try:
-            table = await anyio.to_thread.run_sync(_table_from_checkpoint, data)
-        except (RobezError, ValueError) as exc:
-            return SkippedRecord(
-                entry.name, record.version, "load_corrupt", f"checkpoint {record.object_name!r}: {exc}"
-            )
-        wanted = (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
-        if (table.config, table.optimizer) != wanted:
-            return SkippedRecord(
-                entry.name,
-                record.version,
-                "load_corrupt",
-                f"checkpoint {record.object_name!r} has another config or optimizer than the table",
-            )
-        return table
+    def _count_skip(self, record: SkippedRecord) -> None:
+        self.metrics.replication_skipped_total.labels(record.table, record.reason).inc()
 
     async def _forget_loads(self) -> None:
         """Delete the loaded checkpoints nothing needs any more, every ``_LOAD_CLEANUP_EVERY_S``."""
@@ -693,6 +634,87 @@ class Applier:
         except (TimeoutError, RobezError):
             return None
         return last
+
+
+async def load_checkpoint(
+    log: ReplicatedLog, entry: CatalogEntry, record: LoadRecord
+) -> Table | SkippedRecord:
+    """The table a load entry names, or why it cannot be loaded: the checkpoint is not in the store
+    (``load_missing``), or its bytes, format or config do not match (``load_corrupt``). Decided by
+    the entry and the object alone, so every replica decides alike; the log being unreachable is a
+    ``BusyError`` (retried), never a skip."""
+    # Recorded before it is read: the checkpoint is deleted only once the log no longer holds this
+    # entry (``_forget_loads``).
+    await log.set_load_position(entry, record.object_name, record.version)
+    data = await log.get_load(entry, record.object_name)
+    if data is None:
+        return SkippedRecord(
+            entry.name,
+            record.version,
+            "load_missing",
+            f"no checkpoint {record.object_name!r} in the store",
+        )
+    digest = await anyio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest())
+    if digest != record.sha256:
+        return SkippedRecord(
+            entry.name,
+            record.version,
+            "load_corrupt",
+            f"checkpoint {record.object_name!r} has SHA-256 {digest}, the entry names {record.sha256}",
+        )
+    try:
+        table = await anyio.to_thread.run_sync(_table_from_checkpoint, data)
+    except (RobezError, ValueError) as exc:
+        return SkippedRecord(
+            entry.name, record.version, "load_corrupt", f"checkpoint {record.object_name!r}: {exc}"
+        )
+    wanted = (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
+    if (table.config, table.optimizer) != wanted:
+        return SkippedRecord(
+            entry.name,
+            record.version,
+            "load_corrupt",
+            f"checkpoint {record.object_name!r} has another config or optimizer than the table",
+        )
+    return table
+
+
+async def replay_log(
+    log: ReplicatedLog,
+    entry: CatalogEntry,
+    table: Table,
+    position: int,
+    until: int,
+    on_skip: Callable[[SkippedRecord], None] | None = None,
+) -> tuple[Table, int]:
+    """Apply the log's entries after ``position`` up to ``until`` to the private ``table`` (at
+    ``position``), as the applier applies them to the served one; returns the table (a load replaces
+    it) and the position reached. ``LogTrimmedError`` if the log no longer goes on from ``position``."""
+    first, _ = await log.bounds(entry)
+    if first > position + 1:
+        raise LogTrimmedError(entry.name, position, first)
+    if until <= position:
+        return table, position
+    async with contextlib.aclosing(log.read(entry, position)) as entries:
+        async for item in entries:
+            if item.position != position + 1:
+                # Trimmed past ``position`` since the bounds were read (another replica uploaded a newer
+                # snapshot): applying this entry would skip updates.
+                raise LogTrimmedError(entry.name, position, item.position)
+            record = decode_entry(entry.name, item.position, item.payload, item.headers)
+            outcome: tuple[float, float] | SkippedRecord | None
+            if isinstance(record, LoadRecord):
+                loaded = await load_checkpoint(log, entry, record)
+                outcome = skipped(loaded) if isinstance(loaded, SkippedRecord) else None
+                table = loaded if isinstance(loaded, Table) else table
+            else:
+                outcome = await anyio.to_thread.run_sync(apply_logged_record, table, record)
+            if isinstance(outcome, SkippedRecord) and on_skip is not None:
+                on_skip(outcome)
+            position = item.position
+            if position >= until:
+                break
+    return table, position
 
 
 def _same_spec(entry: CatalogEntry, config: TableConfig, optimizer: OptimizerConfig) -> bool:

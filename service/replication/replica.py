@@ -22,13 +22,15 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from robez_core.errors import BusyError, ConfigError, NotFoundError
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.errors import BusyError, ConfigError, ConflictError, NotFoundError
+from robez_core.table import Table
 
 from ..config import Settings, TableSpec
 from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
-from .applier import STATUS_FILE, Applier, ReplicaStatus
-from .log import CatalogEntry, ReplicatedLog
+from .applier import STATUS_FILE, Applier, ReplicaStatus, replay_log
+from .log import CatalogEntry, LogTrimmedError, ReplicatedLog
 from .records import encode_load, encode_update, update_too_large
 
 logger = logging.getLogger("robez.replication")
@@ -281,6 +283,36 @@ class Replica:
             appended.position, acked - start, time.perf_counter() - acked, appended.duplicate
         )
 
+    async def table_at(self, name: str, version: int) -> Table:
+        """A private copy of the table as it was at ``version`` (before a load, say): the stored
+        snapshot, or a fresh table, and the log up to there. ``ConflictError`` once that state is no
+        longer kept (the snapshot is past it and the log trimmed below it) or not reached yet."""
+        entry = await self._wait_local(name, fresh=False)
+        applied = self.store.version(name)
+        if version > applied:
+            raise ConflictError(f"table {name!r} is at version {applied} here, not yet at {version}")
+        snapshot = await self.log.get_snapshot(entry)
+        if snapshot is not None and snapshot.position <= version:
+            table = await asyncio.to_thread(_table_from_checkpoint, snapshot.data)
+            position = snapshot.position
+        else:
+            config, optimizer = (
+                TableConfig.from_dict(entry.config),
+                OptimizerConfig.from_dict(entry.optimizer),
+            )
+            table, position = Table(config, optimizer), 0
+        gone = ConflictError(
+            f"table {name!r}: version {version} is no longer kept (the snapshot is at "
+            f"{snapshot.position if snapshot is not None else 0} and the log was trimmed below it)"
+        )
+        try:
+            table, position = await replay_log(self.log, entry, table, position, version)
+        except LogTrimmedError as exc:
+            raise gone from exc
+        if position != version:
+            raise gone
+        return table
+
     def _check_entry_size(
         self, entry: CatalogEntry, payload: bytes, headers: dict[str, str], key: str, grads: Tensor
     ) -> None:
@@ -352,6 +384,13 @@ class Replica:
                 return
             await asyncio.sleep(0.01)
         raise BusyError(f"table {name!r} was dropped from the log but this replica still has it")
+
+
+def _table_from_checkpoint(data: bytes) -> Table:
+    from ..wal import read_checkpoint
+
+    table, _ = read_checkpoint(data, format="robez")
+    return table
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -177,7 +177,30 @@ def _install(store: TableStore, name: str, imported: Table, *, from_paper: bool)
     responses={200: {"content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}},
     summary="Download the table as a robez checkpoint (safetensors), snapshotted now",
 )
-async def checkpoint(name: str, request: Request, store: StoreDep, _: WriteAccess) -> Response:
+async def checkpoint(
+    name: str,
+    request: Request,
+    store: StoreDep,
+    _: WriteAccess,
+    version: Annotated[
+        int | None,
+        Query(ge=0, description="replicas: the table as it was at this version, while the log keeps it"),
+    ] = None,
+) -> Response:
+    replica = request.app.state.replica
+    if version is not None and version != store.version(name):
+        if replica is None:
+            raise ConflictError(
+                f"table {name!r} is at version {store.version(name)}; only replicas keep older ones"
+            )
+        table = await replica.table_at(name, version)
+        data = await compute(request, lambda: checkpoint_bytes(table))
+        request.state.table = name
+        headers = {
+            VERSION_HEADER: str(version),
+            "Content-Disposition": f'attachment; filename="{name}-v{version}.safetensors"',
+        }
+        return Response(data, media_type=OCTET_STREAM, headers=headers)
     handle, version = await compute(request, lambda: _open_checkpoint(store, name))
     request.state.table = name
     size = os.fstat(handle.fileno()).st_size

@@ -27,6 +27,7 @@ from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
 from service.client import OCTET_STREAM, SHAPE_HEADER, encode_update
 from service.replication.records import KIND, LR, OBJECT, SHA256, SHAPE
+from service.wal import read_checkpoint
 
 from .conftest import SMALL, ReplicaServer, create_table, push_grads, replay_checksum, stream_bounds
 
@@ -38,7 +39,9 @@ SNAPSHOT_EVERY = 12
 
 
 @pytest.fixture(scope="module")
-def pair(nats_cluster: NatsCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ReplicaServer]]:
+def pair(
+    nats_cluster: NatsCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[ReplicaServer]]:
     """Two replicas that upload a snapshot every few updates and keep one entry below it, so a loaded
     checkpoint's entry is trimmed away soon after."""
     workdir = tmp_path_factory.mktemp("skips")
@@ -129,6 +132,16 @@ def checkpoint_of(seeds: list[int]) -> tuple[bytes, str]:
         path.unlink(missing_ok=True)
 
 
+def checksum_of(checkpoint: bytes) -> str:
+    """The /checksum digest of a table downloaded as a robez checkpoint."""
+    table, _ = read_checkpoint(checkpoint, format="robez")
+    digest = hashlib.sha256()
+    for key, tensor in sorted(table.tensors().items()):
+        digest.update(key.encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def converged(servers: list[ReplicaServer], table: str, version: int) -> str:
     """Both replicas at ``version`` with one checksum; returns it."""
     sums = set()
@@ -205,6 +218,11 @@ def test_a_load_through_one_replica_is_seen_bitwise_on_the_other(
     version = int(response.json()["version"])
     assert version == 4  # the load entry's position, answered once replica a applied it
     assert converged(pair, table, version) == loaded_sha
+    # The state before the load stays downloadable (snapshot + log) until a snapshot is past it.
+    previous = httpx.get(f"{b.url}/v1/tables/{table}/checkpoint?version={version - 1}", timeout=60)
+    assert previous.status_code == 200, previous.text
+    assert previous.headers["X-Robez-Version"] == str(version - 1)
+    assert checksum_of(previous.content) == replay_checksum([0, 1, 2])
 
     # Forged loads naming the real checkpoint with a wrong digest, or another table's name, are skipped.
     [stored] = load_objects(nats_cluster, table)
@@ -232,10 +250,12 @@ def test_a_load_through_one_replica_is_seen_bitwise_on_the_other(
         assert time.monotonic() < deadline, f"the loaded checkpoint was never deleted:\n{a.log()}"
         time.sleep(0.5)
     assert stream_bounds(nats_cluster, PREFIX, table)[0] > version
+    gone = httpx.get(f"{a.url}/v1/tables/{table}/checkpoint?version={version - 1}", timeout=60)
+    assert gone.status_code == 409, gone.text
 
 
 def test_a_load_into_a_new_table_creates_it_on_every_replica(pair: list[ReplicaServer]) -> None:
-    a, b = pair
+    b = pair[1]
     data, loaded_sha = checkpoint_of([7])
     response = httpx.post(f"{b.url}/v1/tables/fromload/load", content=data, timeout=60)
     assert response.status_code == 200, response.text
