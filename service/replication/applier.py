@@ -9,6 +9,11 @@ followed by silence is uploaded too), and then trims the log below it, keeping `
 entries; a replica whose position was trimmed away restores the snapshot. A worker
 that takes over from a dead applier rebuilds every table privately and switches it in (``restore``).
 
+An entry that fails a check (``records.decode_entry``, ``apply_record``, a load's checkpoint) is applied
+as an empty version, alike on every replica, and counted in ``robez_replication_skipped_total``. A load
+entry names a checkpoint in the log's store: the table is switched to it at that position (``restore``),
+and the checkpoint is deleted once the log no longer holds the entry (``_forget_loads``).
+
 With a data directory it also keeps local snapshots (``localsnap.py``) and starts from whichever of the
 local and the Object Store snapshot is newer and still reaches the log.
 
