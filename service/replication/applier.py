@@ -653,6 +653,11 @@ async def load_checkpoint(
     await log.set_load_position(entry, record.object_name, record.version)
     data = await log.get_load(entry, record.object_name)
     if data is None:
+        first, _ = await log.bounds(entry)
+        if first > record.version:
+            # Deleted because a snapshot is past this entry (this replica got it just before the trim):
+            # the snapshot, not a skip, is what the other replicas have.
+            raise LogTrimmedError(entry.name, record.version - 1, first)
         return SkippedRecord(
             entry.name,
             record.version,

@@ -709,6 +709,8 @@ class JetStreamLog:
         return bytes(data)
 
     async def set_load_position(self, entry: CatalogEntry, name: str, position: int) -> None:
+        if not name.startswith(self._load_prefix(entry)):
+            return  # not a checkpoint of this table: a forged entry, which must not touch another's
         info = await self._load_info(name)
         if info is None or _described_position(info) >= position:
             return

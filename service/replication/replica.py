@@ -255,13 +255,17 @@ class Replica:
             appended.position, acked - start, time.perf_counter() - acked, appended.duplicate
         )
 
-    async def load(self, name: str, data: bytes, key: str | None) -> ReplicatedUpdate:
-        """Load a checkpoint (robez safetensors bytes, validated against the table) on every replica:
-        it goes to the log's store, then a load entry naming it and its SHA-256 is appended; returns
-        once this replica switched to it (the version is the entry's position). ``key`` as in
-        ``update``: a retry appends nothing and its own copy of the checkpoint is deleted."""
-        sha256 = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+    async def load(self, name: str, table: Table, data: bytes, key: str | None) -> ReplicatedUpdate:
+        """Load a checkpoint on every replica: ``table`` aligned to the table, ``data`` it as robez
+        safetensors bytes. It goes to the log's store, then a load entry naming it and its SHA-256 is
+        appended; returns once this replica switched to it (the version is the entry's position).
+        ``key`` as in ``update``: a retry appends nothing and its own copy of the checkpoint is
+        deleted."""
         entry = await self._wait_local(name, fresh=False)
+        wanted = (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
+        if (table.config, table.optimizer) != wanted:  # what every applier checks: refused, not skipped
+            raise ConflictError(f"the checkpoint's config or optimizer differs from table {name!r}'s")
+        sha256 = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         start = time.perf_counter()
         object_name = await self.log.put_load(entry, data)
         payload, headers = encode_load(object_name, sha256)
@@ -282,6 +286,11 @@ class Replica:
         return ReplicatedUpdate(
             appended.position, acked - start, time.perf_counter() - acked, appended.duplicate
         )
+
+    async def wait_serving(self, name: str) -> None:
+        """Returns once this replica serves the catalog's incarnation of the table (``BusyError``
+        after ``apply_wait_s``, ``NotFoundError`` if there is none)."""
+        await self._wait_local(name, fresh=False)
 
     async def table_at(self, name: str, version: int) -> Table:
         """A private copy of the table as it was at ``version`` (before a load, say): the stored

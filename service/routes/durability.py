@@ -146,14 +146,15 @@ async def _load_replicated(
     except NotFoundError:
         with contextlib.suppress(ConflictError):  # created by another request meanwhile: load into it
             await replica.create_table(name, TableSpec(imported.config, imported.optimizer))
+        await replica.wait_serving(name)
 
-    def checkpoint() -> bytes:
+    def checkpoint() -> tuple[Table, bytes]:
         aligned = align_checkpoint(imported, store.table(name), keep_optimizer_state=kind != "paper")
-        return checkpoint_bytes(aligned)
+        return aligned, checkpoint_bytes(aligned)
 
-    data = await compute(request, checkpoint)
+    aligned, data = await compute(request, checkpoint)
     key = request.headers.get(IDEMPOTENCY_HEADER)
-    await replica.load(name, data, key)
+    await replica.load(name, aligned, data, key)
     return table_info_json(store.info(name))
 
 

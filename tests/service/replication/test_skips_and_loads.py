@@ -254,11 +254,20 @@ def test_a_load_through_one_replica_is_seen_bitwise_on_the_other(
     assert gone.status_code == 409, gone.text
 
 
-def test_a_load_into_a_new_table_creates_it_on_every_replica(pair: list[ReplicaServer]) -> None:
-    b = pair[1]
+def test_a_load_into_a_new_table_creates_it_on_every_replica(
+    pair: list[ReplicaServer], nats_cluster: NatsCluster
+) -> None:
+    """... and a retry with the same Idempotency-Key (through the other replica) loads once and leaves
+    one stored checkpoint."""
     data, loaded_sha = checkpoint_of([7])
-    response = httpx.post(f"{b.url}/v1/tables/fromload/load", content=data, timeout=60)
-    assert response.status_code == 200, response.text
-    version = int(response.json()["version"])
-    assert version == 1
-    assert converged(pair, "fromload", version) == loaded_sha
+    for server in reversed(pair):
+        response = httpx.post(
+            f"{server.url}/v1/tables/fromload/load",
+            content=data,
+            headers={"Idempotency-Key": "k1"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        assert int(response.json()["version"]) == 1
+    assert converged(pair, "fromload", 1) == loaded_sha
+    assert len(load_objects(nats_cluster, "fromload")) == 1
