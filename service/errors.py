@@ -74,6 +74,9 @@ class RefusedUpdateError(InvalidInputError):
     push answers 422; a logged one is applied as an empty version. ``reason`` names the check, one of
     ``SKIP_REASONS`` (the label of ``robez_replication_skipped_total``)."""
 
+    # Clients see the InvalidInputError it always was; the reason is for the log's skips.
+    error_type = "InvalidInputError"
+
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
@@ -183,7 +186,8 @@ async def _robez_error(request: Request, exc: Exception) -> Response:
         _storage_full_log.refused(request, exc)
     elif status >= 500:
         logger.error("%s on %s %s: %s", type(exc).__name__, request.method, request.url.path, exc)
-    return error_response(status, str(exc), type(exc).__name__, _headers_for(exc, request))
+    error_type = getattr(exc, "error_type", None) or type(exc).__name__
+    return error_response(status, str(exc), error_type, _headers_for(exc, request))
 
 
 async def _request_validation_error(request: Request, exc: Exception) -> Response:

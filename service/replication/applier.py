@@ -331,7 +331,7 @@ class Applier:
             position = item.position
             now = time.time()
             if isinstance(result, SkippedRecord):
-                self.metrics.replication_skipped_total.labels(name, result.reason).inc()
+                self._count_skip(result)
             elif result is not None:
                 self.metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
             if result is not None:
