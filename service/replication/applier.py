@@ -673,7 +673,7 @@ async def load_checkpoint(
             f"checkpoint {record.object_name!r} has SHA-256 {digest}, the entry names {record.sha256}",
         )
     try:
-        table = await anyio.to_thread.run_sync(_table_from_checkpoint, data)
+        table = await anyio.to_thread.run_sync(table_from_checkpoint, data)
     except (RobezError, ValueError) as exc:
         return SkippedRecord(
             entry.name, record.version, "load_corrupt", f"checkpoint {record.object_name!r}: {exc}"
@@ -752,7 +752,8 @@ def _snapshot_bytes(store: TableStore, name: str) -> tuple[bytes, int]:
         return path.read_bytes(), version
 
 
-def _table_from_checkpoint(data: bytes) -> Table:
+def table_from_checkpoint(data: bytes) -> Table:
+    """A private table from robez checkpoint bytes (a load's, a snapshot's)."""
     from ..wal import read_checkpoint
 
     table, _ = read_checkpoint(data, format="robez")

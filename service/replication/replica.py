@@ -29,7 +29,7 @@ from robez_core.table import Table
 from ..config import Settings, TableSpec
 from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
-from .applier import STATUS_FILE, Applier, ReplicaStatus, replay_log
+from .applier import STATUS_FILE, Applier, ReplicaStatus, replay_log, table_from_checkpoint
 from .log import CatalogEntry, LogTrimmedError, ReplicatedLog
 from .records import encode_load, encode_update, update_too_large
 
@@ -302,14 +302,14 @@ class Replica:
             raise ConflictError(f"table {name!r} is at version {applied} here, not yet at {version}")
         snapshot = await self.log.get_snapshot(entry)
         if snapshot is not None and snapshot.position <= version:
-            table = await asyncio.to_thread(_table_from_checkpoint, snapshot.data)
+            table = await asyncio.to_thread(table_from_checkpoint, snapshot.data)
             position = snapshot.position
         else:
             config, optimizer = (
                 TableConfig.from_dict(entry.config),
                 OptimizerConfig.from_dict(entry.optimizer),
             )
-            table, position = Table(config, optimizer), 0
+            table, position = await asyncio.to_thread(Table, config, optimizer), 0
         gone = ConflictError(
             f"table {name!r}: version {version} is no longer kept (the snapshot is at "
             f"{snapshot.position if snapshot is not None else 0} and the log was trimmed below it)"
@@ -393,13 +393,6 @@ class Replica:
                 return
             await asyncio.sleep(0.01)
         raise BusyError(f"table {name!r} was dropped from the log but this replica still has it")
-
-
-def _table_from_checkpoint(data: bytes) -> Table:
-    from ..wal import read_checkpoint
-
-    table, _ = read_checkpoint(data, format="robez")
-    return table
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

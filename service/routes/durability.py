@@ -12,7 +12,7 @@ import os
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, BinaryIO
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from starlette.responses import Response, StreamingResponse
@@ -24,11 +24,13 @@ from robez_core.table import Table
 from ..auth import WriteAccess
 from ..codec import OCTET_STREAM, VERSION_HEADER, TableInfoResponse, table_info_json
 from ..config import TableSpec
-from ..replication.replica import Replica
 from ..store import TableStore
 from ..wal import CheckpointFormat, SnapshotScheduler, WalJournal, align_checkpoint, read_checkpoint
 from .deps import StoreDep, compute
 from .update import IDEMPOTENCY_HEADER
+
+if TYPE_CHECKING:
+    from ..replication.replica import Replica
 
 logger = logging.getLogger("robez.durability")
 
