@@ -258,7 +258,7 @@ def test_a_load_into_a_new_table_creates_it_on_every_replica(
     pair: list[ReplicaServer], nats_cluster: NatsCluster
 ) -> None:
     """... and a retry with the same Idempotency-Key (through the other replica) loads once and leaves
-    one stored checkpoint."""
+    one stored checkpoint, which goes with the table."""
     data, loaded_sha = checkpoint_of([7])
     for server in reversed(pair):
         response = httpx.post(
@@ -271,3 +271,6 @@ def test_a_load_into_a_new_table_creates_it_on_every_replica(
         assert int(response.json()["version"]) == 1
     assert converged(pair, "fromload", 1) == loaded_sha
     assert len(load_objects(nats_cluster, "fromload")) == 1
+    # Dropping the table deletes its loaded checkpoint too.
+    assert httpx.delete(f"{pair[0].url}/v1/tables/fromload", timeout=30).status_code == 204
+    assert load_objects(nats_cluster, "fromload") == []
