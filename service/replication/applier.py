@@ -651,33 +651,39 @@ async def load_checkpoint(
     # Recorded before it is read: the checkpoint is deleted only once the log no longer holds this
     # entry (``_forget_loads``).
     await log.set_load_position(entry, record.object_name, record.version)
-    data = await log.get_load(entry, record.object_name)
-    if data is None:
-        first, _ = await log.bounds(entry)
-        if first > record.version:
-            # Deleted because a snapshot is past this entry (this replica got it just before the trim):
-            # the snapshot, not a skip, is what the other replicas have.
-            raise LogTrimmedError(entry.name, record.version - 1, first)
-        return SkippedRecord(
-            entry.name,
-            record.version,
-            "load_missing",
-            f"no checkpoint {record.object_name!r} in the store",
-        )
-    digest = await anyio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest())
-    if digest != record.sha256:
-        return SkippedRecord(
-            entry.name,
-            record.version,
-            "load_corrupt",
-            f"checkpoint {record.object_name!r} has SHA-256 {digest}, the entry names {record.sha256}",
-        )
-    try:
-        table = await anyio.to_thread.run_sync(table_from_checkpoint, data)
-    except (RobezError, ValueError) as exc:
-        return SkippedRecord(
-            entry.name, record.version, "load_corrupt", f"checkpoint {record.object_name!r}: {exc}"
-        )
+    with tempfile.TemporaryDirectory(prefix="robez-load-") as tmp:
+        path = Path(tmp) / "checkpoint.safetensors"
+        with path.open("wb") as handle:
+            found = await log.get_load(entry, record.object_name, handle)
+        if not found:
+            first, _ = await log.bounds(entry)
+            if first > record.version:
+                # Deleted because a snapshot is past this entry (this replica got it just before the
+                # trim): the snapshot, not a skip, is what the other replicas have.
+                raise LogTrimmedError(entry.name, record.version - 1, first)
+            return SkippedRecord(
+                entry.name,
+                record.version,
+                "load_missing",
+                f"no checkpoint {record.object_name!r} in the store",
+            )
+        digest = await anyio.to_thread.run_sync(_sha256_of, path)
+        if digest != record.sha256:
+            return SkippedRecord(
+                entry.name,
+                record.version,
+                "load_corrupt",
+                f"checkpoint {record.object_name!r} has SHA-256 {digest}, the entry names {record.sha256}",
+            )
+        try:
+            table = await anyio.to_thread.run_sync(Table.load, path)
+        except OSError:
+            raise  # this machine's trouble (retried), not the checkpoint's
+        except Exception as exc:  # any reader's error: the same bytes fail alike everywhere
+            reason = str(exc).replace(str(path), "(the checkpoint)")
+            return SkippedRecord(
+                entry.name, record.version, "load_corrupt", f"checkpoint {record.object_name!r}: {reason}"
+            )
     wanted = (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
     if (table.config, table.optimizer) != wanted:
         return SkippedRecord(
@@ -750,6 +756,14 @@ def _snapshot_bytes(store: TableStore, name: str) -> tuple[bytes, int]:
         path = Path(tmp) / "snapshot.safetensors"
         copy.save(path)
         return path.read_bytes(), version
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def table_from_checkpoint(data: bytes) -> Table:

@@ -37,7 +37,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator
 from datetime import datetime
-from typing import Any
+from typing import Any, BinaryIO
 
 import nats
 import nats.errors
@@ -668,14 +668,14 @@ class JetStreamLog:
             raise _unavailable("checkpoint info", exc) from exc
         return None if info.deleted else info
 
-    async def get_load(self, entry: CatalogEntry, name: str) -> bytes | None:
+    async def get_load(self, entry: CatalogEntry, name: str, into: BinaryIO) -> bool:
         if not name.startswith(self._load_prefix(entry)):
-            return None  # not a checkpoint of this table: a forged entry
+            return False  # not a checkpoint of this table: a forged entry
         info = await self._load_info(name)
         if info is None:
-            return None
+            return False
         if not info.size:
-            return b""
+            return True
         bucket = f"{self.prefix}_snapshots"
         try:
             sub = await self.js.subscribe(
@@ -685,7 +685,6 @@ class JetStreamLog:
             )
         except (TimeoutError, nats.errors.Error) as exc:
             raise _unavailable("download checkpoint", exc) from exc
-        data = bytearray()
         received, idle = 0, 0.0
         try:
             while received < (info.chunks or 0):
@@ -693,7 +692,7 @@ class JetStreamLog:
                     msg = await sub.next_msg(timeout=_SNAPSHOT_CHUNK_IDLE_S)
                 except nats.errors.TimeoutError:
                     if await self._load_info(name) is None:
-                        return None  # deleted meanwhile
+                        return False  # deleted meanwhile
                     idle += _SNAPSHOT_CHUNK_IDLE_S
                     if idle >= self.timeout_s:
                         raise BusyError(f"checkpoint {name}: no chunk for {idle:.0f} s; try again") from None
@@ -702,11 +701,11 @@ class JetStreamLog:
                     raise _unavailable("download checkpoint", exc) from exc
                 idle = 0.0
                 received += 1
-                data += msg.data
+                into.write(msg.data)  # a chunk (128 KiB) to the page cache: no need to leave the loop
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        return bytes(data)
+        return True
 
     async def set_load_position(self, entry: CatalogEntry, name: str, position: int) -> None:
         if not name.startswith(self._load_prefix(entry)):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from robez_core.errors import RobezError
 
@@ -162,8 +162,9 @@ class ReplicatedLog(Protocol):
         """Store a checkpoint (robez safetensors bytes) under a new name; returns the name."""
         ...
 
-    async def get_load(self, entry: CatalogEntry, name: str) -> bytes | None:
-        """The checkpoint's bytes; None if there is none (never stored, or deleted)."""
+    async def get_load(self, entry: CatalogEntry, name: str, into: BinaryIO) -> bool:
+        """Write the checkpoint's bytes to ``into`` (chunk by chunk: a large table is never whole in
+        memory); False if there is none (never stored, or deleted)."""
         ...
 
     async def set_load_position(self, entry: CatalogEntry, name: str, position: int) -> None:
