@@ -667,7 +667,7 @@ async def load_checkpoint(
                 "load_missing",
                 f"no checkpoint {record.object_name!r} in the store",
             )
-        digest = await anyio.to_thread.run_sync(_sha256_of, path)
+        digest = await anyio.to_thread.run_sync(file_sha256, path)
         if digest != record.sha256:
             return SkippedRecord(
                 entry.name,
@@ -758,7 +758,8 @@ def _snapshot_bytes(store: TableStore, name: str) -> tuple[bytes, int]:
         return path.read_bytes(), version
 
 
-def _sha256_of(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 (hex) of a file, read 1 MiB at a time."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while chunk := handle.read(1 << 20):

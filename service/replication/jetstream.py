@@ -31,6 +31,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import secrets
@@ -648,7 +649,7 @@ class JetStreamLog:
     def _load_prefix(self, entry: CatalogEntry) -> str:
         return f"load.{entry.name}.{entry.incarnation}."
 
-    async def put_load(self, entry: CatalogEntry, data: bytes) -> str:
+    async def put_load(self, entry: CatalogEntry, data: io.BufferedIOBase) -> str:
         # A new name per load: an object is never replaced, so a replica reading it never sees it change.
         name = f"{self._load_prefix(entry)}{secrets.token_hex(8)}"
         try:

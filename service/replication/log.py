@@ -12,6 +12,7 @@ snapshot but never renumbers). A table dropped and created again is a new *incar
 
 from __future__ import annotations
 
+import io
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
@@ -158,8 +159,9 @@ class ReplicatedLog(Protocol):
         ...
 
     # -- loads: checkpoints a ``POST .../load`` put beside the log, named by a load entry --
-    async def put_load(self, entry: CatalogEntry, data: bytes) -> str:
-        """Store a checkpoint (robez safetensors bytes) under a new name; returns the name."""
+    async def put_load(self, entry: CatalogEntry, data: io.BufferedIOBase) -> str:
+        """Store a checkpoint (robez safetensors, read from ``data`` chunk by chunk) under a new name;
+        returns the name."""
         ...
 
     async def get_load(self, entry: CatalogEntry, name: str, into: BinaryIO) -> bool:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
 import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import Tensor
 
@@ -29,7 +29,14 @@ from robez_core.table import Table
 from ..config import Settings, TableSpec
 from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
-from .applier import STATUS_FILE, Applier, ReplicaStatus, replay_log, table_from_checkpoint
+from .applier import (
+    STATUS_FILE,
+    Applier,
+    ReplicaStatus,
+    file_sha256,
+    replay_log,
+    table_from_checkpoint,
+)
 from .log import CatalogEntry, LogTrimmedError, ReplicatedLog
 from .records import encode_load, encode_update, update_too_large
 
@@ -255,9 +262,9 @@ class Replica:
             appended.position, acked - start, time.perf_counter() - acked, appended.duplicate
         )
 
-    async def load(self, name: str, table: Table, data: bytes, key: str | None) -> ReplicatedUpdate:
-        """Load a checkpoint on every replica: ``table`` aligned to the table, ``data`` it as robez
-        safetensors bytes. It goes to the log's store, then a load entry naming it and its SHA-256 is
+    async def load(self, name: str, table: Table, path: Path, key: str | None) -> ReplicatedUpdate:
+        """Load a checkpoint on every replica: ``table`` aligned to the table, saved at ``path`` (robez
+        safetensors). It goes to the log's store, then a load entry naming it and its SHA-256 is
         appended; returns once this replica switched to it (the version is the entry's position).
         ``key`` as in ``update``: a retry appends nothing and its own copy of the checkpoint is
         deleted."""
@@ -265,9 +272,10 @@ class Replica:
         wanted = (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
         if (table.config, table.optimizer) != wanted:  # what every applier checks: refused, not skipped
             raise ConflictError(f"the checkpoint's config or optimizer differs from table {name!r}'s")
-        sha256 = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+        sha256 = await asyncio.to_thread(file_sha256, path)
         start = time.perf_counter()
-        object_name = await self.log.put_load(entry, data)
+        with path.open("rb") as handle:
+            object_name = await self.log.put_load(entry, handle)
         payload, headers = encode_load(object_name, sha256)
         # A failed append may still have reached the log: the checkpoint stays (the applier deletes it
         # once no entry can name it, ``Applier._forget_loads``).

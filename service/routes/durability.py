@@ -12,6 +12,7 @@ import os
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 from fastapi import APIRouter, FastAPI, Query, Request
@@ -150,13 +151,17 @@ async def _load_replicated(
             await replica.create_table(name, TableSpec(imported.config, imported.optimizer))
         await replica.wait_serving(name)
 
-    def checkpoint() -> tuple[Table, bytes]:
-        aligned = align_checkpoint(imported, store.table(name), keep_optimizer_state=kind != "paper")
-        return aligned, checkpoint_bytes(aligned)
-
-    aligned, data = await compute(request, checkpoint)
     key = request.headers.get(IDEMPOTENCY_HEADER)
-    await replica.load(name, aligned, data, key)
+    with tempfile.TemporaryDirectory(prefix="robez-load-") as tmp:
+        path = Path(tmp) / "checkpoint.safetensors"
+
+        def checkpoint() -> Table:
+            aligned = align_checkpoint(imported, store.table(name), keep_optimizer_state=kind != "paper")
+            aligned.save(path)
+            return aligned
+
+        aligned = await compute(request, checkpoint)
+        await replica.load(name, aligned, path, key)
     return table_info_json(store.info(name))
 
 
@@ -197,7 +202,7 @@ async def checkpoint(
                 f"table {name!r} is at version {store.version(name)}; only replicas keep older ones"
             )
         table = await replica.table_at(name, version)
-        data = await compute(request, lambda: checkpoint_bytes(table))
+        data = await compute(request, lambda: _checkpoint_bytes(table))
         request.state.table = name
         headers = {
             VERSION_HEADER: str(version),
@@ -215,7 +220,7 @@ async def checkpoint(
     return StreamingResponse(_chunks(handle), media_type=OCTET_STREAM, headers=headers)
 
 
-def checkpoint_bytes(table: Table) -> bytes:
+def _checkpoint_bytes(table: Table) -> bytes:
     """``table`` as a robez checkpoint (safetensors), in memory."""
     with tempfile.TemporaryDirectory(prefix="robez-load-") as tmp:
         path = os.path.join(tmp, "checkpoint.safetensors")
