@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
+import ssl
 import subprocess
 import time
 import tomllib
@@ -28,7 +30,8 @@ from service.supervisor import _STOP_WAIT_S
 
 KUBERNETES = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 OVERLAYS = ("single", "cluster")
-COMPONENTS = ("service-monitor",)
+# Optional components, and the overlays each applies to.
+COMPONENTS = {"service-monitor": OVERLAYS, "nats-tls": ("cluster",)}
 # The oldest minor release the upstream project still patches when this was written, and the newest the
 # schema package has: the manifests use nothing newer than the first, nothing removed by the second.
 SCHEMA_VERSIONS = ("1.31.0", kubernetes_validate.latest_version())
@@ -109,8 +112,8 @@ def test_every_overlay_and_component_renders_and_validates(
     rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     cases = dict(rendered)
-    for component in COMPONENTS:
-        for overlay in OVERLAYS:
+    for component, overlays in COMPONENTS.items():
+        for overlay in overlays:
             folder = tmp_path / f"{overlay}-{component}"
             folder.mkdir()
             cases[f"{overlay}+{component}"] = with_component(folder, overlay, component)
@@ -313,8 +316,9 @@ def test_cluster_nats_fsyncs_authenticates_and_nats_server_accepts_it(
     assert re.search(r"store_dir:\s*/data\b", conf)
 
     # nats-server itself parses the rendered file with that environment (-t: check and exit).
+    for name, text in config_map(objects, "nats-config")["data"].items():  # nats.conf and its includes
+        (tmp_path / name).write_text(text)
     path = tmp_path / "nats.conf"
-    path.write_text(conf)
     check = subprocess.run(
         [nats_server_binary(), "-c", str(path), "-t"], env=env, capture_output=True, text=True, timeout=60
     )
@@ -363,18 +367,52 @@ def test_base_tables_file_matches_the_compose_one() -> None:
     assert base == compose
 
 
+def make_certificates(folder: Path, names: list[str]) -> None:
+    """A CA (ca.crt) and one certificate for server and client use (tls.crt, tls.key) naming ``names`` and
+    127.0.0.1: the layout of the Secrets the nats-tls component mounts (cert-manager's)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    folder.mkdir()
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    (folder / "ext.cnf").write_text(
+        "subjectAltName="
+        + ",".join([*(f"DNS:{n}" for n in names), "IP:127.0.0.1"])
+        + "\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    for command in (
+        ["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=test-ca"],
+        ["req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=nats"],
+        ["x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "tls.crt", "-days", "2", "-extfile", "ext.cnf"],
+    ):  # fmt: skip
+        subprocess.run([openssl, *command], cwd=folder, check=True, capture_output=True, timeout=60)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("tls", [False, True], ids=["password", "password+nats-tls"])
 def test_cluster_nats_config_forms_an_authenticated_jetstream_cluster(
-    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path, tls: bool
 ) -> None:
-    """The rendered nats.conf, run for real: 3 nodes on loopback (its listen addresses and store moved
-    there, nothing else changed) form a cluster over password-authenticated routes; a client with the
-    Secret's login stores in an R3 stream, one without it or with a wrong password is refused."""
-    objects = rendered["cluster"]
+    """The rendered NATS configuration, run for real: 3 nodes on loopback (listen addresses, store and the
+    TLS files' folder moved there, nothing else changed) form a cluster over authenticated routes; a client
+    with the Secret's login stores in an R3 stream, one without it or with a wrong password is refused.
+    With the nats-tls component the routes are mutual TLS and clients need a certificate too."""
+    if tls:
+        (tmp_path / "render").mkdir()
+        objects = with_component(tmp_path / "render", "cluster", "nats-tls")
+    else:
+        objects = rendered["cluster"]
     (nats_set,) = [w for w in workloads(objects) if w["metadata"]["name"] == "nats"]
-    template = config_map(objects, "nats-config")["data"]["nats.conf"]
+    files = config_map(objects, "nats-config")["data"]
     env = nats_environment(container(nats_set, "nats"))
     size = nats_set["spec"]["replicas"]
+    certificates = tmp_path / "tls"
+    if tls:
+        assert "/etc/nats/tls/" in files["tls.conf"] and "/etc/nats/tls/" in files["cluster-tls.conf"]
+        make_certificates(certificates, [f"nats-{i}.nats" for i in range(size)])
+    else:
+        assert "tls {" not in files["tls.conf"] + files["cluster-tls.conf"]
     ports = free_ports(3 * size)
     client, route, monitor = ports[:size], ports[size : 2 * size], ports[2 * size :]
     for index in range(size):  # the route URLs, with the Secret's route login, at the loopback ports
@@ -384,14 +422,16 @@ def test_cluster_nats_config_forms_an_authenticated_jetstream_cluster(
         for index in range(size):
             node = tmp_path / f"nats-{index}"
             node.mkdir()
-            conf = (
-                template.replace("0.0.0.0:4222", f"127.0.0.1:{client[index]}")
-                .replace("0.0.0.0:6222", f"127.0.0.1:{route[index]}")
-                .replace("0.0.0.0:8222", f"127.0.0.1:{monitor[index]}")
-                .replace("store_dir: /data", f'store_dir: "{node / "data"}"')
-            )
-            assert "0.0.0.0" not in conf
-            (node / "nats.conf").write_text(conf)
+            for name, text in files.items():
+                text = (
+                    text.replace("0.0.0.0:4222", f"127.0.0.1:{client[index]}")
+                    .replace("0.0.0.0:6222", f"127.0.0.1:{route[index]}")
+                    .replace("0.0.0.0:8222", f"127.0.0.1:{monitor[index]}")
+                    .replace("store_dir: /data", f'store_dir: "{node / "data"}"')
+                    .replace("/etc/nats/tls/", f"{certificates}/")
+                )
+                assert "0.0.0.0" not in text
+                (node / name).write_text(text)
             with (node / "nats.log").open("wb") as log:
                 processes.append(
                     subprocess.Popen(
@@ -402,7 +442,11 @@ def test_cluster_nats_config_forms_an_authenticated_jetstream_cluster(
                     )
                 )
         urls = [f"nats://127.0.0.1:{port}" for port in client]
-        asyncio.run(_authenticated_cluster(urls, env["NATS_USER"], env["NATS_PASSWORD"], size))
+        context = None
+        if tls:
+            context = ssl.create_default_context(cafile=str(certificates / "ca.crt"))
+            context.load_cert_chain(str(certificates / "tls.crt"), str(certificates / "tls.key"))
+        asyncio.run(_authenticated_cluster(urls, env["NATS_USER"], env["NATS_PASSWORD"], size, context))
     finally:
         for process in processes:
             process.terminate()
@@ -414,19 +458,30 @@ def test_cluster_nats_config_forms_an_authenticated_jetstream_cluster(
                 process.wait(timeout=10)
 
 
-async def _authenticated_cluster(urls: list[str], user: str, password: str, size: int) -> None:
+async def _authenticated_cluster(
+    urls: list[str], user: str, password: str, size: int, context: ssl.SSLContext | None
+) -> None:
     import nats
     import nats.errors
 
-    # Refused: no login, and a wrong password.
-    for login in ({}, {"user": user, "password": password + "-wrong"}):
-        with pytest.raises((nats.errors.Error, OSError)):
-            await nats.connect(servers=urls[:1], connect_timeout=2, max_reconnect_attempts=0,
-                               allow_reconnect=False, **login)  # fmt: skip
+    # Refused: no login, and a wrong password; with TLS, the right login without a client certificate.
+    logins: list[dict[str, Any]] = [
+        {"tls": context},
+        {"user": user, "password": password + "-wrong", "tls": context},
+    ]
+    if context is not None:
+        bare = ssl.create_default_context()  # TLS, but no client certificate
+        bare.check_hostname, bare.verify_mode = False, ssl.CERT_NONE
+        logins.append({"user": user, "password": password, "tls": bare})
+    for login in logins:
+        with pytest.raises((nats.errors.Error, OSError, TimeoutError)):
+            nc = await nats.connect(servers=urls[:1], connect_timeout=2, max_reconnect_attempts=0,
+                                    allow_reconnect=False, **login)  # fmt: skip
+            await nc.flush(timeout=2)
     # Accepted, and the routes joined: a stream replicated on every node takes and acknowledges a message
     # (the meta leader and the stream's peers need the whole cluster, over the authenticated routes).
     deadline = time.monotonic() + 90
-    nc = await nats.connect(servers=urls, user=user, password=password, connect_timeout=2)
+    nc = await nats.connect(servers=urls, user=user, password=password, connect_timeout=2, tls=context)
     try:
         js = nc.jetstream(timeout=5)
         while True:
