@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: setup test lint typecheck pytest bench bench-quick serve cluster loadtest quality clean \
-	container-test container-clean
+	container-test container-clean k8s-test
 
 setup: $(STAMP)
 
@@ -65,3 +65,9 @@ container-clean:
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+
+# Render deploy/kubernetes's single overlay and run it for real with `podman kube play` (the container
+# test's Podman and image), checking readiness, a lookup, a push and that it survives a new pod. Needs
+# root and minutes, so not part of `test`. ARGS="--record docs/kubernetes.md" writes the run's summary.
+k8s-test: $(STAMP)
+	PYTHONPATH=deploy $(BIN)/python -m k8s_test --state $(CONTAINER_STATE) $(ARGS)
