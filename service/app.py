@@ -84,8 +84,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         if replicated:
             app.state.replica = Replica(store, settings, app.state.metrics)
             await app.state.replica.start()
+        grpc_server: Any = None  # a grpc.aio.Server when --grpc-port is set
         logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())
         try:
+            if settings.grpc_port is not None:
+                from .grpc.server import start_grpc  # grpc is imported only when it is served
+
+                grpc_server, app.state.grpc_port = await start_grpc(app, settings)
             # uvicorn hands the lifespan state to each connection (service/http/protocol.py counts there and
             # answers hot routes directly).
             state: dict[str, Any] = {LIFESPAN_METRICS_KEY: app.state.metrics}
@@ -93,6 +98,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
                 state[LIFESPAN_DIRECT_KEY] = app.state.direct
             yield state
         finally:
+            if grpc_server is not None:
+                from .grpc.server import stop_grpc
+
+                await stop_grpc(grpc_server)
             if app.state.replica is not None:
                 await app.state.replica.stop()
                 app.state.replica = None

@@ -45,6 +45,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    grpc_port: int | None = Field(
+        default=None, ge=0, le=65535, description="gRPC inference protocol port (every worker); None: off"
+    )
     workers: int = Field(default=1, ge=1, le=256, description="uvicorn worker processes")
     config: Path | None = Field(default=None, description="tables file (TOML); see docs/api.md")
     data_dir: Path | None = Field(default=None, description="durable tables (WAL + snapshots); None = memory")
