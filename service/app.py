@@ -20,7 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from robez_core import buffers
 from robez_core.allocator import keep_freed_buffers
 
-from . import codec
+from . import codec, tracing
 from . import oip as oip_codec
 from .config import Settings
 from .errors import install_error_handlers
@@ -68,6 +68,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     torch.set_num_threads(settings.kernel_threads())
     keep_freed_buffers(settings.malloc_mmap_threshold_mb)
     buffers.set_max_bytes(settings.output_pool_mb << 20)
+    tracing.configure(settings)  # this worker's tracer, when OTEL_* ask for one
     replicated = settings.nats_url is not None
     # A replica's journal is the replicated log (service/replication/), not a local one.
     journal = NullJournal() if replicated else open_journal(settings)
@@ -111,6 +112,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         journal.close()
         if owned is not None:
             owned.remove()
+        tracing.shutdown()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

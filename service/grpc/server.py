@@ -36,6 +36,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from robez_core.errors import InvalidInputError, RobezError
 
+from .. import tracing
 from ..auth import check_read_access
 from ..config import Settings
 from ..errors import grpc_code_for, status_for
@@ -164,6 +165,13 @@ class InferenceServicer:
             admission = state.admission
             size = len(body)
             slot, held, table, status = False, 0, "", 200
+            trace = None
+            if tracing.TRACER is not None:
+                trace = tracing.start_request(
+                    path[1:],
+                    _trace_carrier(context),
+                    {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": name},
+                )
             try:
                 refused = admission.refusal(path, size)
                 if refused is not None:
@@ -179,6 +187,10 @@ class InferenceServicer:
             finally:
                 admission.release(slot, held)
                 state.metrics.observe_request(path, "GRPC", table, status, time.perf_counter() - start)
+                if trace is not None:
+                    code = grpc.StatusCode[grpc_code_for(status)] if status >= 400 else grpc.StatusCode.OK
+                    attributes = {"rpc.grpc.status_code": code.value[0], tracing.TABLE: table}
+                    tracing.end_request(trace, None, attributes, status >= 500)
 
         return call
 
@@ -239,6 +251,15 @@ class InferenceServicer:
                 work, limiter=self.app.state.compute_limiter
             )
         return encode_response(name, inference.request_id, inference, result), name
+
+
+def _trace_carrier(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The W3C trace headers among a call's metadata."""
+    return {
+        key: value if isinstance(value, str) else value.decode("latin-1")
+        for key, value in context.invocation_metadata() or ()
+        if key in (tracing.TRACEPARENT, tracing.TRACESTATE)
+    }
 
 
 def _status(exc: Exception, path: str) -> tuple[int, str]:

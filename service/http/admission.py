@@ -31,6 +31,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from robez_core.errors import BusyError, RobezError
 
+from .. import tracing
 from ..codec import OCTET_STREAM
 from ..config import Settings
 from ..errors import PayloadTooLargeError, error_response
@@ -88,14 +89,22 @@ class AnswerStatus:
     """The status a request is counted under, and when it started: ``send`` records the status its
     response starts with (or set ``status`` when a response is written another way); ``final`` gives it,
     or, with no response started, 499 when the app returned (its client went away) and 500 when it raised
-    (the handler for ``Exception`` answers 500)."""
+    (the handler for ``Exception`` answers 500). With tracing on, the request's span starts here (a child
+    of its ``traceparent``) and ``Admission.finish`` ends it."""
 
-    __slots__ = ("_send", "start", "status")
+    __slots__ = ("_send", "start", "status", "trace")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, scope: Scope) -> None:
         self._send = send
         self.status: int | None = None
         self.start = time.perf_counter()
+        self.trace: Any = None
+        if tracing.TRACER is not None:
+            self.trace = tracing.start_request(
+                scope["method"],
+                tracing.carrier_of(scope["headers"]),
+                {"http.request.method": scope["method"], "url.path": scope["path"]},
+            )
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -263,13 +272,14 @@ class Admission:
         if slot:
             self.in_flight -= 1
         self.held_bytes -= size
+        status = answer.final(raised)
+        table = table_label(scope)
         self.metrics.observe_request(
-            endpoint,
-            scope["method"],
-            table_label(scope),
-            answer.final(raised),
-            time.perf_counter() - answer.start,
+            endpoint, scope["method"], table, status, time.perf_counter() - answer.start
         )
+        if answer.trace is not None:
+            attributes = {"http.route": endpoint, "http.response.status_code": status, tracing.TABLE: table}
+            tracing.end_request(answer.trace, f"{scope['method']} {endpoint}", attributes, status >= 500)
 
     async def unexpected(self, scope: Scope, receive: Receive, answer: AnswerStatus, exc: Exception) -> None:
         """What Starlette's ``ServerErrorMiddleware`` does with an error no handler took, for a request

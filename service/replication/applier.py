@@ -36,6 +36,7 @@ from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError, RobezError
 from robez_core.table import Table
 
+from .. import tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
 from ..metrics import Metrics
 from ..store import TableStore, apply_record
@@ -304,7 +305,12 @@ class Applier:
                 if item.position != position + 1:
                     raise CorruptionError(f"table {name!r}: log jumps from {position} to {item.position}")
             record = decode_update(name, item.position, item.payload, item.headers)
-            result = await anyio.to_thread.run_sync(self.store.apply_logged, record)
+            if tracing.TRACER is None:
+                result = await anyio.to_thread.run_sync(self.store.apply_logged, record)
+            else:  # a span of the trace the push's headers carry, on every replica
+                parent = tracing.from_headers(item.headers)
+                with tracing.span("apply", name, int(record.ids.numel()), item.position, parent=parent):
+                    result = await anyio.to_thread.run_sync(self.store.apply_logged, record)
             position = item.position
             now = time.time()
             if result is not None:
