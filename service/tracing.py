@@ -85,9 +85,9 @@ def configure(settings: Settings) -> None:
         exporter = OTLPSpanExporter()
     else:
         exporter = ConsoleSpanExporter()
-    # Resource.create reads OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, which win over this default.
-    resource = Resource({"service.name": "robez"}).merge(Resource.create())
-    if resource.attributes.get("service.name") == "unknown_service":
+    # Resource.create reads OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES; without a name there, "robez".
+    resource = Resource.create()
+    if str(resource.attributes.get("service.name", "unknown_service")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "robez"}))
     _provider = TracerProvider(resource=resource)
     _provider.add_span_processor(BatchSpanProcessor(exporter))
