@@ -25,6 +25,7 @@ Spans (every helper below is called only while ``TRACER`` is set):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -141,6 +142,8 @@ def stage(name: str, table: str, ids: int, version: int, seconds: float, ended_n
     current one; returns its start (ns), where the stage before it ended."""
     end = time.time_ns() if ended_ns is None else ended_ns
     start = end - int(seconds * 1e9)
+    if not _trace_api.get_current_span().is_recording():  # the request was not sampled: nor are its stages
+        return start
     span = TRACER.start_span(name, start_time=start, attributes={TABLE: table, IDS: ids, VERSION: version})
     span.end(end_time=end)
     return start
@@ -149,6 +152,8 @@ def stage(name: str, table: str, ids: int, version: int, seconds: float, ended_n
 def span(name: str, table: str, ids: int, version: int | None = None, parent: Any = None) -> Any:
     """A child span of the current one (or of ``parent``, a context) as a context manager; set the
     version on it later when it is known only at the end."""
+    if parent is None and not (current := _trace_api.get_current_span()).is_recording():
+        return contextlib.nullcontext(current)  # an unsampled request: its stages are not recorded either
     attributes: dict[str, Any] = {TABLE: table, IDS: ids}
     if version is not None:
         attributes[VERSION] = version
