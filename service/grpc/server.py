@@ -34,7 +34,7 @@ from fastapi import FastAPI
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from robez_core.errors import InvalidInputError, RobezError
+from robez_core.errors import BusyError, InvalidInputError, RobezError
 
 from .. import tracing
 from ..auth import check_read_access
@@ -196,8 +196,8 @@ class InferenceServicer:
 
     def _store(self) -> TableStore:
         store: TableStore | None = getattr(self.app.state, "store", None)
-        if store is None:
-            raise RobezError("the tables are not ready")
+        if store is None:  # only between a worker's start and its tables being mapped, or at its stop
+            raise BusyError("the tables are not ready")
         return store
 
     def _check_read(self, context: grpc.aio.ServicerContext) -> None:
