@@ -1,7 +1,7 @@
 """The Open Inference Protocol v2 (KServe / Triton) over robez tables: decoding, the inference, encoding.
 
 The protocol's rules live here once, for both transports: ``inference_from`` checks a request's tensors,
-parameters and outputs however they arrived, ``lookup`` runs it; ``decode_infer`` / ``encode_infer`` are
+parameters and outputs however they arrived, ``infer`` runs it; ``decode_infer`` / ``encode_infer`` are
 the REST body's (``routes/oip.py``), ``service/grpc/`` has the protobuf's.
 
 A table is a model. Its inference takes the input ``ids`` (INT64, shape [N]) and gives the output
