@@ -80,11 +80,14 @@ def test_grpc_answers_equal_v1_bit_for_bit(grpc_server: Callable[..., tuple[_Ser
         request.parameters["binary_data_output"].bool_param = True
         bag = request.inputs.add(name="offsets", datatype="INT64", shape=[2])
         bag.contents.int64_contents.extend([0, 3])
+        weights = [0.5, -1.0, 2.0, 0.25, 1.0, 3.0, -0.5, 1.5]
+        weighted = request.inputs.add(name="per_sample_weights", datatype="FP32", shape=[ids.size])
+        weighted.contents.fp32_contents.extend(weights)
         pooled = stub.ModelInfer(request)
     bags = np.frombuffer(pooled.raw_output_contents[0], dtype="<f4").reshape(2, _DIM)
     reply = httpx.post(
         f"{server.url}/v1/tables/demo/lookup",
-        json={"ids": ids.tolist(), "offsets": [0, 3], "pooling": "sum"},
+        json={"ids": ids.tolist(), "offsets": [0, 3], "pooling": "sum", "per_sample_weights": weights},
         headers={"accept": "application/octet-stream"},
     )
     assert reply.status_code == 200, reply.text
