@@ -15,6 +15,9 @@ machine: use it to see what a change to the request path buys, then confirm with
 Scenarios (robez's demo table, d = 64, Z = 32): the bare Starlette floor (``loadtest.floor``),
 ``/healthz``, a 1-id binary and JSON lookup, an 8-id binary gradient push without a data directory.
 ``--profile`` adds each robez scenario's heaviest functions (cProfile, which inflates small functions).
+With tracing configured the standard way (e.g. ``OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318``),
+every robez scenario also runs traced (a ``traceparent``, spans exported by the SDK's batch thread, whose
+CPU this process time includes) in the same rounds: what tracing costs per request, on vs off.
 The report goes to ``docs/loadtest/hotpath-<date>.md`` with the machine and the load average.
 """
 
@@ -193,18 +196,46 @@ async def _serve_apps() -> tuple[dict[str, tuple[Any, Any, Any]], list[Any]]:
     return served, lifespans
 
 
+TRACED = " traced"  # the suffix of a robez scenario run with tracing on (when OTEL_* configure it)
+
+
+def _traced_scenarios(scenarios: dict[str, tuple[str, bytes]]) -> dict[str, tuple[str, bytes]]:
+    """Each robez scenario again, to run with tracing on: the same request with a W3C traceparent."""
+    traced = {}
+    for name, (app_name, request) in scenarios.items():
+        if app_name == "robez":
+            head, _, body = request.partition(b"\r\n\r\n")
+            parent = b"traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            traced[name + TRACED] = (app_name, head + b"\r\n" + parent + b"\r\n\r\n" + body)
+    return traced
+
+
 async def measure(rounds: int, requests: int, profile: bool) -> list[HotpathResult]:
+    """Per-request CPU of every scenario. With tracing configured (``OTEL_*``), every robez scenario also
+    runs traced (``<name> traced``), in the same alternating rounds: the untraced ones run with the
+    tracer set aside (``service.tracing.TRACER`` None, as in a server without ``OTEL_*``)."""
     from uvicorn.server import ServerState
 
+    from service import tracing
+
     served, lifespans = await _serve_apps()
+    tracer = tracing.TRACER
+    scenarios = scenario_requests()
+    if tracer is not None:
+        scenarios.update(_traced_scenarios(scenarios))
+
+    def tracing_for(name: str) -> None:
+        tracing.TRACER = tracer if name.endswith(TRACED) else None
+
     loop = asyncio.get_running_loop()
     connections: dict[str, _Connection] = {}
-    for name, (app_name, request) in scenario_requests().items():
+    for name, (app_name, request) in scenarios.items():
         config, lifespan, protocol_class = served[app_name]
         protocol = protocol_class(
             config=config, server_state=ServerState(), app_state=lifespan.state, _loop=loop
         )
         connection = connections[name] = _Connection(protocol, request)
+        tracing_for(name)
         for _ in range(min(requests, 500)):  # warm: kernels, caches, the first-call paths
             await connection.one()
         status = connection.transport.last.split(b"\r\n", 1)[0].decode()
@@ -213,6 +244,7 @@ async def measure(rounds: int, requests: int, profile: bool) -> list[HotpathResu
     times: dict[str, list[float]] = {name: [] for name in connections}
     for _ in range(rounds):
         for name, connection in connections.items():
+            tracing_for(name)
             start = time.process_time()
             for _ in range(requests):
                 await connection.one()
@@ -222,6 +254,7 @@ async def measure(rounds: int, requests: int, profile: bool) -> list[HotpathResu
         for name, connection in connections.items():
             if name == "floor":
                 continue
+            tracing_for(name)
             profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(requests):
@@ -230,6 +263,7 @@ async def measure(rounds: int, requests: int, profile: bool) -> list[HotpathResu
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
             profiles[name] = _trim_profile(text.getvalue())
+    tracing.TRACER = tracer  # the lifespan's shutdown flushes and stops it
     for lifespan in lifespans:
         await lifespan.shutdown()
     return [
@@ -286,7 +320,7 @@ def render(results: list[HotpathResult], args: argparse.Namespace, load_before: 
     for result in results:
         ratio = floor.us_per_request / result.us_per_request
         goal, reading = "", ""
-        key = _TARGET_KEYS.get(result.scenario)
+        key = None if result.scenario.endswith(TRACED) else _TARGET_KEYS.get(result.scenario)
         if key is not None and key in targets:
             what, threshold = targets[key]
             goal = f">= {threshold:.2f} ({what})"
@@ -300,6 +334,26 @@ def render(results: list[HotpathResult], args: argparse.Namespace, load_before: 
             f"| {result.scenario} | {result.us_per_request:.1f} | {result.min_us:.1f} / "
             f"{result.max_us:.1f} | {ratio:.2f} | {goal} | {reading} |"
         )
+    by_name = {result.scenario: result for result in results}
+    traced = [r for r in results if r.scenario.endswith(TRACED) and r.scenario[: -len(TRACED)] in by_name]
+    if traced:
+        lines += [
+            "",
+            "## Tracing on vs off",
+            "",
+            "The same requests, with a W3C `traceparent`, in the same rounds with tracing configured "
+            f"(`OTEL_EXPORTER_OTLP_ENDPOINT={os.environ.get('OTEL_EXPORTER_OTLP_ENDPOINT', '')}`): the "
+            "request span, its stage spans and the batch exporter's thread (its CPU is this process's).",
+            "",
+            "| scenario | off: CPU us / request | on: CPU us / request | tracing adds (us) |",
+            "|---|---:|---:|---:|",
+        ]
+        for result in traced:
+            off = by_name[result.scenario[: -len(TRACED)]]
+            lines.append(
+                f"| {off.scenario} | {off.us_per_request:.1f} | {result.us_per_request:.1f} | "
+                f"{result.us_per_request - off.us_per_request:+.1f} |"
+            )
     profiled = [r for r in results if r.profile]
     if profiled:
         lines += ["", "## Profiles (cProfile, heaviest own time first; it inflates small functions)", ""]

@@ -29,8 +29,10 @@ import numpy as np
 from .scenarios import RequestTemplate, ScenarioContext, build_requests, check_response
 from .stats import Summary, rate
 from .transport import (
+    GRPC,
     RESP,
     TRANSPORTS,
+    GrpcConnection,
     HttpxConnection,
     PreparedRequest,
     RawConnection,
@@ -71,8 +73,8 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.mode not in LOAD_SHAPES:
             raise ValueError(f"mode must be one of {LOAD_SHAPES}, got {self.mode!r}")
-        if self.transport not in (*TRANSPORTS, RESP):
-            raise ValueError(f"transport must be one of {(*TRANSPORTS, RESP)}, got {self.transport!r}")
+        if self.transport not in (*TRANSPORTS, RESP, GRPC):
+            raise ValueError(f"transport must be one of {(*TRANSPORTS, RESP, GRPC)}, got {self.transport!r}")
         if self.processes < 1 or self.concurrency < self.processes:
             raise ValueError("need processes >= 1 and concurrency >= processes (one connection each)")
         if self.mode == "open" and not self.rate > 0:
@@ -218,12 +220,15 @@ def merge_results(spec: RunSpec, embedding_dim: int, parts: list[ClientResult]) 
     )
 
 
+_AnyConnection = RawConnection | HttpxConnection | RespConnection | GrpcConnection
+
+
 class _ConnectionPool:
     """``size`` connections handed out one request at a time; waiting for one counts as latency."""
 
     def __init__(self, context: ScenarioContext, transport: str, size: int, timeout_s: float) -> None:
-        self._idle: asyncio.Queue[RawConnection | HttpxConnection | RespConnection] = asyncio.Queue()
-        self._all: list[RawConnection | HttpxConnection | RespConnection] = []
+        self._idle: asyncio.Queue[_AnyConnection] = asyncio.Queue()
+        self._all: list[_AnyConnection] = []
         if transport == "httpx":
             shared = HttpxConnection(context.target, size, timeout_s)
             self._all.append(shared)
@@ -231,9 +236,15 @@ class _ConnectionPool:
                 self._idle.put_nowait(shared)
         else:
             for _ in range(size):
-                connection = (
-                    RespConnection(context.target) if transport == RESP else RawConnection(context.target)
-                )
+                connection: _AnyConnection
+                if transport == GRPC:
+                    if context.grpc_target is None:
+                        raise ValueError("the grpc transport needs the server's gRPC port (grpc_target)")
+                    connection = GrpcConnection(context.grpc_target)
+                elif transport == RESP:
+                    connection = RespConnection(context.target)
+                else:
+                    connection = RawConnection(context.target)
                 self._all.append(connection)
                 self._idle.put_nowait(connection)
 
@@ -293,7 +304,7 @@ class _Recorder:
         result.rows += template.rows
         result.response_bytes += len(response.body)
         result.latency_ms.append((finished - started) * 1e3)
-        if template.kind not in ("healthz", "peer", "floor"):
+        if template.kind not in ("healthz", "peer", "floor", "grpc"):
             timing = parse_server_timing(response.headers.get("server-timing"))
             result.hash_ms.append(timing.get("hash", math.nan))
             result.lookup_ms.append(timing.get("lookup", timing.get("apply", math.nan)))

@@ -14,6 +14,8 @@ Scenarios (``SCENARIOS``):
 - ``update``   POST /v1/tables/{t}/update, binary: n int64 ids then n x d float32 gradients.
 - ``mix``      95% binary lookups, 5% binary updates of the same batch size (exactly 1 in 20).
 - ``oip``      POST /v2/models/{t}/infer (Open Inference Protocol v2), binary tensor data both ways.
+- ``grpc``     the same inference over gRPC (``GRPCInferenceService/ModelInfer``, raw_input_contents and
+               raw_output_contents), sent with the ``grpc`` transport to ``ScenarioContext.grpc_target``.
 - ``floor``    GET / on a bare Starlette app (one route returning "ok") under the same uvicorn: the
                framework floor the small-request scenarios are compared with. With it the sweep also
                runs ``floor_rows``: the binary lookup's request sent to the same app's
@@ -42,6 +44,7 @@ SCENARIOS: tuple[str, ...] = (
     "update",
     "mix",
     "oip",
+    "grpc",
     "floor",
     "redis",
 )
@@ -79,6 +82,7 @@ class ScenarioContext:
     zipf_exponent: float = 1.05
     bag_size: int = 32
     api_key: str | None = None
+    grpc_target: Target | None = None  # the server's gRPC port, for the grpc scenario
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,11 @@ class RequestTemplate:
     """
 
     request: PreparedRequest
-    kind: str  # "lookup" | "update" | "healthz" | "peer" (Redis) | "floor" (/rows): no Server-Timing read
+    # "lookup" | "update" | "healthz"; no Server-Timing read: "peer" (Redis), "floor" (/rows), "grpc"
+    kind: str
     ids: int
     rows: int
-    response: str  # "binary" | "json" | "multi" | "status" | "oip" | "rows" (bytes of rows, no header)
+    response: str  # "binary" | "json" | "multi" | "status" | "oip" | "grpc" | "rows" (bytes of rows only)
 
 
 def build_requests(
@@ -133,6 +138,8 @@ def build_requests(
             templates.append(_multi_lookup(context, ids))
         elif scenario == "oip":
             templates.append(_oip_infer(context, ids))
+        elif scenario == "grpc":
+            templates.append(_grpc_infer(context, ids))
         elif scenario == "redis":
             templates.append(_redis_get(context, ids))
         elif scenario == PEER_UPDATE:
@@ -234,6 +241,40 @@ def _oip_infer(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate:
     return RequestTemplate(request, "lookup", ids.size, ids.size, "oip")
 
 
+GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def _grpc_infer(context: ScenarioContext, ids: np.ndarray) -> RequestTemplate:
+    """The ``oip`` request over gRPC: the ids as raw_input_contents, as Triton's gRPC client sends them."""
+    from tritonclient.grpc import service_pb2
+
+    message = service_pb2.ModelInferRequest(model_name=context.table)
+    message.inputs.add(name="ids", datatype="INT64", shape=[int(ids.size)])
+    message.raw_input_contents.append(ids.astype("<i8").tobytes())
+    metadata = tuple(_auth(context).items())
+    body = message.SerializeToString()
+    request = PreparedRequest("GRPC", GRPC_INFER_METHOD, metadata, body, body)  # the message is the wire
+    return RequestTemplate(request, "grpc", ids.size, ids.size, "grpc")
+
+
+def _check_grpc(template: RequestTemplate, response: Response, embedding_dim: int) -> str | None:
+    from google.protobuf.message import DecodeError
+    from tritonclient.grpc import service_pb2
+
+    try:
+        message = service_pb2.ModelInferResponse.FromString(bytes(response.body))
+    except DecodeError:
+        return "the gRPC answer is not a ModelInferResponse"
+    if len(message.outputs) != 1 or list(message.outputs[0].shape) != [template.rows, embedding_dim]:
+        shapes = [list(output.shape) for output in message.outputs]
+        return f"gRPC outputs {shapes}, expected [{template.rows}, {embedding_dim}]"
+    expected = template.rows * embedding_dim * 4
+    raw = message.raw_output_contents
+    if len(raw) != 1 or len(raw[0]) != expected:
+        return f"gRPC raw_output_contents {[len(r) for r in raw]} bytes, expected [{expected}]"
+    return None
+
+
 def redis_key(row_id: int) -> bytes:
     return REDIS_KEY_PREFIX + str(row_id).encode()
 
@@ -275,6 +316,8 @@ def check_response(template: RequestTemplate, response: Response, embedding_dim:
         )
     if template.response == "oip":
         return _check_oip(template, response, embedding_dim)
+    if template.response == "grpc":
+        return _check_grpc(template, response, embedding_dim)
     if template.response == "binary":
         expected = template.rows * embedding_dim * 4
         if len(response.body) != expected:

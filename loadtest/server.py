@@ -73,6 +73,7 @@ class ServerProcess:
     workers: int
     cores: tuple[int, ...] | None
     log_path: Path
+    grpc_target: Target | None = None  # its gRPC port, when started with one
 
     def log_tail(self, limit: int = 2000) -> str:
         try:
@@ -92,8 +93,10 @@ def start_server(
     *,
     env: dict[str, str] | None = None,
     ready_timeout_s: float = 120.0,
+    grpc: bool = False,
 ) -> ServerProcess:
     """Start ``robez serve --workers N`` on a free loopback port pinned to ``cores``; wait for /readyz.
+    ``grpc``: also serve the inference protocol over gRPC, on another free port.
 
     Raises:
         RuntimeError: the server exited or was not ready in time (the message carries its log's tail).
@@ -112,6 +115,9 @@ def start_server(
         str(workers),
     ]
     command += ["--config", str(config_path)]
+    grpc_target = Target("127.0.0.1", free_loopback_port()) if grpc else None
+    if grpc_target is not None:
+        command += ["--grpc-port", str(grpc_target.port)]
     server_env = {**os.environ, "ROBEZ_LOG_LEVEL": "warning", **(env or {})}
     log_path = workdir / f"server-{workers}w-{port}.log"
     log = log_path.open("wb")
@@ -121,7 +127,7 @@ def start_server(
             command, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True
         )
     log.close()
-    server = ServerProcess(Target("127.0.0.1", port), process, workers, cores, log_path)
+    server = ServerProcess(Target("127.0.0.1", port), process, workers, cores, log_path, grpc_target)
     try:
         _wait_ready(server, ready_timeout_s)
     except BaseException:
@@ -182,11 +188,11 @@ def _stop_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def running_server(
-    workers: int, cores: tuple[int, ...] | None, *, env: dict[str, str] | None = None
+    workers: int, cores: tuple[int, ...] | None, *, env: dict[str, str] | None = None, grpc: bool = False
 ) -> Iterator[ServerProcess]:
     """``start_server`` in a temporary directory, stopped on exit."""
     with tempfile.TemporaryDirectory(prefix="robez-loadtest-") as workdir:
-        server = start_server(workers, cores, Path(workdir), env=env)
+        server = start_server(workers, cores, Path(workdir), env=env, grpc=grpc)
         try:
             yield server
         finally:

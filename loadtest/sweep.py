@@ -46,7 +46,7 @@ from .server import (
     tree_cpu_seconds,
     tree_rss_bytes,
 )
-from .transport import RESP, Target, resp_command
+from .transport import GRPC, RESP, Target, resp_command
 
 REFERENCE_BATCH = 4096  # the binary-lookup target batch
 # Binary batches the framework floor also answers with the lookup's bytes (1 worker, next to the lookup).
@@ -219,7 +219,7 @@ class Sweep:
             from .transport import loopback_target
 
             target = loopback_target(config.url)
-            self._against(target, server_cores=None, server_pid=config.server_pid, first=True)
+            self._against(target, None, server_cores=None, server_pid=config.server_pid, first=True)
         else:
             total_cores = sorted(os.sched_getaffinity(0))
             for number, workers in enumerate(config.cpus):
@@ -228,9 +228,11 @@ class Sweep:
                     continue
                 server_cores = tuple(total_cores[:workers])
                 self.progress(f"starting robez serve --workers {workers} on cores {list(server_cores)}")
-                with running_server(workers, server_cores, env=config.server_env) as server:
+                grpc = "grpc" in config.scenarios
+                with running_server(workers, server_cores, env=config.server_env, grpc=grpc) as server:
                     self._against(
                         server.target,
+                        server.grpc_target,
                         server_cores=server_cores,
                         server_pid=server.process.pid,
                         first=number == 0,
@@ -276,7 +278,13 @@ class Sweep:
         return cores, self.config.clients or len(cores), shared
 
     def _against(
-        self, target: Target, *, server_cores: tuple[int, ...] | None, server_pid: int | None, first: bool
+        self,
+        target: Target,
+        grpc_target: Target | None,
+        *,
+        server_cores: tuple[int, ...] | None,
+        server_pid: int | None,
+        first: bool,
     ) -> None:
         config = self.config
         table = config.table or ("demo" if config.url else MAIN_TABLE)
@@ -293,6 +301,7 @@ class Sweep:
             zipf_exponent=config.zipf_exponent,
             bag_size=config.bag_size,
             api_key=config.api_key,
+            grpc_target=grpc_target,
         )
         client_cores, processes, shared = self._client_layout(server_cores)
         workers = len(server_cores) if server_cores else 1
@@ -348,6 +357,13 @@ class Sweep:
                 for batch in sorted({1, REFERENCE_BATCH} & set(config.batch_sizes)) or [1]:
                     label = "OIP v2 infer (binary tensors)"
                     measure(replace(base, label=label, scenario="oip", batch_size=batch))
+            if "grpc" in wanted and grpc_target is None:
+                self.result.notes.append("the gRPC runs were skipped: with --url the gRPC port is unknown")
+            elif "grpc" in wanted:
+                for batch in sorted({1, REFERENCE_BATCH} & set(config.batch_sizes)) or [1]:
+                    label = "OIP v2 infer over gRPC (raw tensors)"
+                    spec = replace(base, label=label, scenario="grpc", batch_size=batch, transport=GRPC)
+                    measure(spec)
             labels = {
                 "pooled": f"pooled lookup, sum over bags of {config.bag_size}",
                 "multi": f"multi-table lookup over {len(multi_tables)} table(s)",

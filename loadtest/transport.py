@@ -8,6 +8,8 @@ Two interchangeable clients send the same pre-built requests:
   2-core machine httpx's AsyncClient spent ~1 ms of client CPU per request (about 900 req/s from one
   saturated process against a trivial endpoint) while this client sent 5 600 req/s at 27% CPU; with
   httpx the client, not the server, would be what a run measures.
+- ``grpc`` (``GrpcConnection``, for the ``grpc`` scenario): one ``grpc.aio`` channel per connection,
+  sending the pre-serialized message as raw bytes (no protobuf work in the measured loop).
 - ``httpx``: ``httpx.AsyncClient``, the library the project's own client uses; kept to cross-check
   the raw client and to show the cost of a full-featured client (the report runs both on /healthz).
 
@@ -27,6 +29,17 @@ from urllib.parse import urlsplit
 TRANSPORTS: tuple[str, ...] = ("raw", "httpx")
 # The peer baseline's wire (Redis's RESP2); chosen by the sweep for its Redis runs, not by --transport.
 RESP = "resp"
+# gRPC (the inference protocol's GRPCInferenceService); chosen by the sweep for its gRPC runs.
+GRPC = "grpc"
+# gRPC status code name -> the HTTP status the server's error table gives it (service/errors.py).
+_STATUS_BY_GRPC_CODE = {
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 413,
+    "INVALID_ARGUMENT": 422,
+    "UNAVAILABLE": 503,
+}
 _SERVER_TIMING_ENTRY = re.compile(r"([A-Za-z0-9_.-]+)\s*;[^,]*?dur\s*=\s*([0-9.eE+-]+)")
 
 
@@ -479,3 +492,41 @@ class HttpxConnection:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+class GrpcConnection:
+    """One gRPC channel (one HTTP/2 connection) behind the ``Connection`` interface: ``request.path`` is
+    the method (``/inference.GRPCInferenceService/ModelInfer``), ``request.body`` the serialized message,
+    ``request.headers`` the metadata. An answer is status 200 with the serialized response as body; an
+    error status maps to the HTTP status of the server's error table (500 for the rest), its details as
+    body. grpc is imported when the first such connection is made."""
+
+    def __init__(self, target: Target) -> None:
+        self._target = target
+        self._channel: object | None = None
+        self._calls: dict[str, object] = {}
+
+    async def send(self, request: PreparedRequest) -> Response:
+        import grpc
+
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(f"{self._target.host}:{self._target.port}")
+        call = self._calls.get(request.path)
+        if call is None:
+            channel = cast(grpc.aio.Channel, self._channel)
+            call = self._calls[request.path] = channel.unary_unary(request.path)
+        metadata = tuple((name.lower(), value) for name, value in request.headers)
+        try:
+            body = await call(request.body, metadata=metadata)  # type: ignore[operator]
+        except grpc.aio.AioRpcError as error:
+            status = _STATUS_BY_GRPC_CODE.get(error.code().name, 500)
+            if error.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (error.details() or "").lower():
+                raise TransportError(f"UNAVAILABLE: {error.details()}") from error
+            return Response(status, {}, (error.details() or "").encode())
+        return Response(200, {}, body)
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        self._calls.clear()
+        if channel is not None:
+            await channel.close()  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from robez_core import buffers
 from robez_core.allocator import keep_freed_buffers
 
-from . import codec
+from . import codec, tracing
 from . import oip as oip_codec
 from .config import Settings
 from .errors import install_error_handlers
@@ -68,6 +68,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     torch.set_num_threads(settings.kernel_threads())
     keep_freed_buffers(settings.malloc_mmap_threshold_mb)
     buffers.set_max_bytes(settings.output_pool_mb << 20)
+    tracing.configure(settings)  # this worker's tracer, when OTEL_* ask for one
     replicated = settings.nats_url is not None
     # A replica's journal is the replicated log (service/replication/), not a local one.
     journal = NullJournal() if replicated else open_journal(settings)
@@ -84,8 +85,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         if replicated:
             app.state.replica = Replica(store, settings, app.state.metrics)
             await app.state.replica.start()
+        grpc_server: Any = None  # a grpc.aio.Server when --grpc-port is set
         logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())
         try:
+            if settings.grpc_port is not None:
+                from .grpc.server import start_grpc  # grpc is imported only when it is served
+
+                grpc_server, app.state.grpc_port = await start_grpc(app, settings)
             # uvicorn hands the lifespan state to each connection (service/http/protocol.py counts there and
             # answers hot routes directly).
             state: dict[str, Any] = {LIFESPAN_METRICS_KEY: app.state.metrics}
@@ -93,6 +99,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
                 state[LIFESPAN_DIRECT_KEY] = app.state.direct
             yield state
         finally:
+            if grpc_server is not None:
+                from .grpc.server import stop_grpc
+
+                await stop_grpc(grpc_server)
             if app.state.replica is not None:
                 await app.state.replica.stop()
                 app.state.replica = None
@@ -102,6 +112,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         journal.close()
         if owned is not None:
             owned.remove()
+        tracing.shutdown()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

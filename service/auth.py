@@ -12,11 +12,11 @@ from typing import Annotated
 from fastapi import Depends, Request
 from pydantic import SecretStr
 
+from .config import Settings
 from .errors import ForbiddenError, UnauthorizedError
 
 
-def _bearer_token(request: Request) -> str | None:
-    header = request.headers.get("authorization")
+def _bearer_token(header: str | None) -> str | None:
     if header is None:
         return None
     scheme, _, token = header.partition(" ")
@@ -29,10 +29,10 @@ def _matches(token: str, key: SecretStr) -> bool:
     return hmac.compare_digest(token.encode(), key.get_secret_value().encode())
 
 
-def _check(request: Request, accepted: list[SecretStr]) -> None:
+def _check(header: str | None, accepted: list[SecretStr]) -> None:
     if not accepted:
         return
-    token = _bearer_token(request)
+    token = _bearer_token(header)
     if token is None:
         raise UnauthorizedError("this endpoint needs 'Authorization: Bearer <key>'")
     # Compare with every accepted key (no early exit) so timing does not tell which one nearly matched.
@@ -41,10 +41,22 @@ def _check(request: Request, accepted: list[SecretStr]) -> None:
         raise ForbiddenError("the bearer key is not valid for this endpoint")
 
 
+def check_read_access(settings: Settings, authorization: str | None) -> None:
+    """Raise ``UnauthorizedError`` / ``ForbiddenError`` unless ``authorization`` (the value of an
+    ``Authorization`` header or gRPC metadata, or None) grants reads: the read key (or the write key) when
+    a read key is set. Transport-free: HTTP and gRPC check the same way."""
+    if settings.read_api_key is None:
+        return
+    accepted = [settings.read_api_key]
+    if settings.api_key is not None:
+        accepted.append(settings.api_key)
+    _check(authorization, accepted)
+
+
 async def require_write_key(request: Request) -> None:
     """Dependency of create, delete, update and snapshot: the write key when one is set."""
     settings = request.app.state.settings
-    _check(request, [settings.api_key] if settings.api_key is not None else [])
+    _check(request.headers.get("authorization"), [settings.api_key] if settings.api_key is not None else [])
 
 
 async def require_read_key(request: Request) -> None:
@@ -52,10 +64,7 @@ async def require_read_key(request: Request) -> None:
     settings = request.app.state.settings
     if settings.read_api_key is None:
         return
-    accepted = [settings.read_api_key]
-    if settings.api_key is not None:
-        accepted.append(settings.api_key)
-    _check(request, accepted)
+    check_read_access(settings, request.headers.get("authorization"))
 
 
 WriteAccess = Annotated[None, Depends(require_write_key)]

@@ -30,6 +30,7 @@ _APP = "service.app:create_app_from_env"  # uvicorn's factory: each worker build
 _SERVE_OPTIONS = (
     "host",
     "port",
+    "grpc_port",
     "workers",
     "config",
     "data_dir",
@@ -56,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", help="bind address (default 127.0.0.1; ROBEZ_HOST)")
     serve.add_argument("--port", type=int, help="TCP port (default 8000; ROBEZ_PORT)")
+    serve.add_argument(
+        "--grpc-port",
+        dest="grpc_port",
+        type=int,
+        help="also serve the inference protocol v2 over gRPC on this port, from every worker "
+        "(default: off; ROBEZ_GRPC_PORT); see docs/api.md",
+    )
     serve.add_argument(
         "--workers",
         type=int,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from robez_core.config import OptimizerConfig, TableConfig
@@ -41,10 +41,23 @@ def available_cpus() -> int:
 class Settings(BaseSettings):
     """Everything the server can be told, with defaults; env prefix ``ROBEZ_``."""
 
-    model_config = SettingsConfigDict(env_prefix="ROBEZ_", extra="ignore", validate_default=True)
+    model_config = SettingsConfigDict(
+        env_prefix="ROBEZ_", extra="ignore", validate_default=True, populate_by_name=True
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    # OpenTelemetry's own variables (no ROBEZ_ prefix), read here only to decide whether to trace; the SDK
+    # reads the rest itself (service/tracing.py, docs/observability.md).
+    otel_traces_exporter: str | None = Field(default=None, validation_alias="OTEL_TRACES_EXPORTER")
+    otel_exporter_otlp_endpoint: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    )
+    otel_sdk_disabled: bool = Field(default=False, validation_alias="OTEL_SDK_DISABLED")
+    grpc_port: int | None = Field(
+        default=None, ge=0, le=65535, description="gRPC inference protocol port (every worker); None: off"
+    )
     workers: int = Field(default=1, ge=1, le=256, description="uvicorn worker processes")
     config: Path | None = Field(default=None, description="tables file (TOML); see docs/api.md")
     data_dir: Path | None = Field(default=None, description="durable tables (WAL + snapshots); None = memory")

@@ -1,4 +1,4 @@
-"""Errors -> HTTP responses, in one table and one set of handlers.
+"""Errors -> HTTP responses (and gRPC status codes), in one table and one set of handlers.
 
 Every error body is ``{"error": <message>, "error_type": <name>}``: core ``RobezError`` subclasses,
 request validation errors, unknown routes and unexpected failures alike.
@@ -113,6 +113,20 @@ STATUS_BY_ERROR: Mapping[type[RobezError], int] = {
     RobezError: 500,
 }
 
+# The gRPC status code (grpc.StatusCode's name) of each HTTP status above: the gRPC server answers an
+# error with the code of the status HTTP would answer it with (docs/api.md, gRPC).
+GRPC_CODE_BY_STATUS: Mapping[int, str] = {
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    409: "ALREADY_EXISTS",
+    413: "RESOURCE_EXHAUSTED",
+    422: "INVALID_ARGUMENT",
+    503: "UNAVAILABLE",
+    507: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+}
+
 _MAX_VALIDATION_ERRORS_SHOWN = 5
 
 
@@ -123,6 +137,11 @@ def status_for(error: RobezError) -> int:
         if status is not None:
             return status
     return 500
+
+
+def grpc_code_for(status: int) -> str:
+    """The gRPC status code name (``grpc.StatusCode[name]``) of an HTTP error status."""
+    return GRPC_CODE_BY_STATUS.get(status, "INTERNAL" if status >= 500 else "INVALID_ARGUMENT")
 
 
 def error_response(

@@ -1,4 +1,8 @@
-"""The Open Inference Protocol v2 (KServe / Triton REST) over robez tables: decoding and encoding.
+"""The Open Inference Protocol v2 (KServe / Triton) over robez tables: decoding, the inference, encoding.
+
+The protocol's rules live here once, for both transports: ``inference_from`` checks a request's tensors,
+parameters and outputs however they arrived, ``infer`` runs it; ``decode_infer`` / ``encode_infer`` are
+the REST body's (``routes/oip.py``), ``service/grpc/`` has the protobuf's.
 
 A table is a model. Its inference takes the input ``ids`` (INT64, shape [N]) and gives the output
 ``embeddings`` (FP32, shape [N, d]); with the request parameter ``pooling`` ("sum" | "mean") and the
@@ -15,6 +19,7 @@ response carries the same header.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +33,8 @@ from robez_core.errors import InvalidInputError
 
 from .codec import rows_view
 from .errors import summarize_validation_errors
-from .store import LookupResult, Pooling
+from .metrics import Metrics
+from .store import LookupResult, Pooling, TableStore
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 IDS, OFFSETS, WEIGHTS, EMBEDDINGS = "ids", "offsets", "per_sample_weights", "embeddings"
@@ -36,6 +42,8 @@ _INPUT_TYPES = {IDS: "INT64", OFFSETS: "INT64", WEIGHTS: "FP32"}
 _DTYPES: dict[str, np.dtype[Any]] = {"INT64": np.dtype("<i8"), "FP32": np.dtype("<f4")}
 _POOLINGS: tuple[str, ...] = ("none", "sum", "mean")
 _REQUEST_PARAMETERS = frozenset({"pooling", "binary_data_output"})
+SERVER_METADATA = {"name": "robez", "version": "1", "extensions": ["binary_tensor_data"]}
+PLATFORM = "robez"
 
 
 class _Model(BaseModel):
@@ -117,7 +125,7 @@ def model_metadata(name: str, embedding_dim: int) -> dict[str, Any]:
     """``GET /v2/models/{name}``: the inputs and output of a table of dimension ``embedding_dim``."""
     return {
         "name": name,
-        "platform": "robez",
+        "platform": PLATFORM,
         "inputs": [
             {"name": IDS, "datatype": "INT64", "shape": [-1]},
             {"name": OFFSETS, "datatype": "INT64", "shape": [-1]},
@@ -133,57 +141,138 @@ def _flag(value: Any, what: str) -> bool:
     return value
 
 
-def _tensor(tensor: InferTensor, binary: memoryview, position: int) -> tuple[np.ndarray, int]:
-    """The tensor's values (1-D, little-endian) and the position after its bytes in ``binary``."""
-    expected = _INPUT_TYPES.get(tensor.name)
+@dataclass(frozen=True)
+class TensorInput:
+    """One input tensor as a transport hands it over: its values either as ``raw`` little-endian bytes
+    (HTTP's binary tensor data, gRPC's ``raw_input_contents``) or as ``data``, a flat row-major sequence
+    (JSON's ``data``, gRPC's typed ``contents``)."""
+
+    name: str
+    datatype: str
+    shape: Sequence[int]
+    data: Sequence[Any] | None = None
+    raw: bytes | memoryview | None = None
+
+
+def _checked_type(name: str, datatype: str, shape: Sequence[int]) -> tuple[str, int]:
+    """The input's datatype and element count, after the checks every transport shares."""
+    expected = _INPUT_TYPES.get(name)
     if expected is None:
-        raise InvalidInputError(
-            f"unknown input {tensor.name!r}; the inputs are {', '.join(sorted(_INPUT_TYPES))}"
-        )
-    if tensor.datatype != expected:
-        raise InvalidInputError(f"input {tensor.name!r} must be {expected}, got {tensor.datatype!r}")
-    if len(tensor.shape) != 1 or tensor.shape[0] < 0:
-        raise InvalidInputError(f"input {tensor.name!r} must have shape [n], got {tensor.shape}")
-    count = tensor.shape[0]
+        raise InvalidInputError(f"unknown input {name!r}; the inputs are {', '.join(sorted(_INPUT_TYPES))}")
+    if datatype != expected:
+        raise InvalidInputError(f"input {name!r} must be {expected}, got {datatype!r}")
+    if len(shape) != 1 or shape[0] < 0:
+        raise InvalidInputError(f"input {name!r} must have shape [n], got {list(shape)}")
+    return expected, int(shape[0])
+
+
+def _values(tensor: TensorInput) -> np.ndarray:
+    """The tensor's values (1-D, little-endian), checked against its name, datatype and shape."""
+    name = tensor.name
+    expected, count = _checked_type(name, tensor.datatype, tensor.shape)
     dtype = _DTYPES[expected]
+    if tensor.raw is not None:
+        size = len(tensor.raw)
+        if size != count * dtype.itemsize:
+            raise InvalidInputError(
+                f"input {name!r}: {size} bytes of raw data, but shape [{count}] of {expected} is "
+                f"{count * dtype.itemsize} ({count} x {dtype.itemsize} bytes)"
+            )
+        return np.frombuffer(tensor.raw, dtype=dtype, count=count)
+    data = tensor.data
+    if data is None:
+        raise InvalidInputError(f"input {name!r} needs data (or binary data)")
+    if len(data) != count:
+        raise InvalidInputError(f"input {name!r}: shape [{count}] but {len(data)} values (flat)")
+    if expected == "INT64":
+        if not all(type(value) is int for value in data):
+            raise InvalidInputError(f"input {name!r}: INT64 data must be a flat list of integers")
+        try:
+            return np.array(data, dtype=np.int64)
+        except OverflowError:
+            raise InvalidInputError(f"input {name!r}: a value is outside the int64 range") from None
+    if not all(type(value) in (int, float) for value in data):
+        raise InvalidInputError(f"input {name!r}: FP32 data must be a flat list of numbers")
+    with np.errstate(over="ignore"):  # beyond float32's range: Inf, which the lookup rejects
+        return np.array(data, dtype=np.float64).astype(np.float32)
+
+
+def inference_from(
+    tensors: Sequence[TensorInput],
+    parameters: Mapping[str, Any],
+    outputs: Sequence[tuple[str, Mapping[str, Any]]],
+    request_id: str | None,
+    *,
+    binary_by_default: bool = False,
+) -> Inference:
+    """An infer request from its parts, checked the same way whatever transport carried it: the inputs,
+    the request ``parameters``, the outputs asked for (name, parameters) and the request id.
+    ``binary_by_default``: the answer is binary unless a parameter says otherwise (gRPC with raw inputs)."""
+    unknown = set(parameters) - _REQUEST_PARAMETERS
+    if unknown:
+        raise InvalidInputError(
+            f"unknown request parameters {sorted(unknown)}; known: {sorted(_REQUEST_PARAMETERS)}"
+        )
+    pooling = parameters.get("pooling", "none")
+    if pooling not in _POOLINGS:
+        raise InvalidInputError(f"parameter pooling must be one of {_POOLINGS}, got {pooling!r}")
+    binary_output = binary_by_default
+    if "binary_data_output" in parameters:
+        binary_output = _flag(parameters["binary_data_output"], "parameter binary_data_output")
+    for output_name, output_parameters in outputs:
+        if output_name != EMBEDDINGS:
+            raise InvalidInputError(f"unknown output {output_name!r}; the output is {EMBEDDINGS!r}")
+        if set(output_parameters) - {"binary_data"}:
+            raise InvalidInputError(f"output {EMBEDDINGS!r}: the only parameter is binary_data")
+        if "binary_data" in output_parameters:
+            binary_output = _flag(output_parameters["binary_data"], "output parameter binary_data")
+    arrays: dict[str, np.ndarray] = {}
+    for tensor in tensors:
+        if tensor.name in arrays:
+            raise InvalidInputError(f"input {tensor.name!r} is given twice")
+        arrays[tensor.name] = _values(tensor)
+    if IDS not in arrays:
+        raise InvalidInputError(f"the input {IDS!r} (INT64, shape [n]) is required")
+    offsets, weights = arrays.get(OFFSETS), arrays.get(WEIGHTS)
+    return Inference(
+        ids=arrays[IDS].astype(np.int64),
+        offsets=None if offsets is None else torch.from_numpy(offsets.astype(np.int64)),
+        pooling=pooling,
+        per_sample_weights=None if weights is None else torch.from_numpy(weights.astype(np.float32)),
+        request_id=request_id,
+        binary_output=binary_output,
+    )
+
+
+def _json_tensor(tensor: InferTensor, binary: memoryview, position: int) -> tuple[TensorInput, int]:
+    """A JSON input as a ``TensorInput`` (its raw bytes sliced from ``binary`` at ``position`` when it
+    says ``binary_data_size``), and the position after its bytes."""
     parameters = tensor.parameters or {}
     unknown = set(parameters) - {"binary_data_size"}
     if unknown:
         raise InvalidInputError(f"input {tensor.name!r}: unknown parameters {sorted(unknown)}")
     size = parameters.get("binary_data_size")
-    if size is not None:
-        if tensor.data is not None:
-            raise InvalidInputError(f"input {tensor.name!r} has both data and binary_data_size")
-        if type(size) is not int or size != count * dtype.itemsize:
-            raise InvalidInputError(
-                f"input {tensor.name!r}: binary_data_size must be {count * dtype.itemsize} "
-                f"({count} x {dtype.itemsize} bytes), got {size!r}"
-            )
-        if position + size > len(binary):
-            raise InvalidInputError(
-                f"input {tensor.name!r}: the body holds {len(binary) - position} more bytes, not {size}"
-            )
-        return np.frombuffer(binary, dtype=dtype, count=count, offset=position), position + size
-    if tensor.data is None:
-        raise InvalidInputError(f"input {tensor.name!r} needs data (or binary_data_size with binary data)")
-    data = tensor.data
-    if len(data) != count:
-        raise InvalidInputError(f"input {tensor.name!r}: shape [{count}] but {len(data)} values (flat)")
-    if expected == "INT64":
-        if not all(type(value) is int for value in data):
-            raise InvalidInputError(f"input {tensor.name!r}: INT64 data must be a flat list of integers")
-        try:
-            return np.array(data, dtype=np.int64), position
-        except OverflowError:
-            raise InvalidInputError(f"input {tensor.name!r}: a value is outside the int64 range") from None
-    if not all(type(value) in (int, float) for value in data):
-        raise InvalidInputError(f"input {tensor.name!r}: FP32 data must be a flat list of numbers")
-    with np.errstate(over="ignore"):  # beyond float32's range: Inf, which the lookup rejects
-        return np.array(data, dtype=np.float64).astype(np.float32), position
+    if size is None:
+        return TensorInput(tensor.name, tensor.datatype, tensor.shape, data=tensor.data), position
+    expected, count = _checked_type(tensor.name, tensor.datatype, tensor.shape)
+    itemsize = _DTYPES[expected].itemsize
+    if tensor.data is not None:
+        raise InvalidInputError(f"input {tensor.name!r} has both data and binary_data_size")
+    if type(size) is not int or size != count * itemsize:
+        raise InvalidInputError(
+            f"input {tensor.name!r}: binary_data_size must be {count * itemsize} "
+            f"({count} x {itemsize} bytes), got {size!r}"
+        )
+    if position + size > len(binary):
+        raise InvalidInputError(
+            f"input {tensor.name!r}: the body holds {len(binary) - position} more bytes, not {size}"
+        )
+    raw = binary[position : position + size]
+    return TensorInput(tensor.name, tensor.datatype, tensor.shape, raw=raw), position + size
 
 
 def decode_infer(body: bytes, header_length: str | None) -> Inference:
-    """An infer request from its body (and ``Inference-Header-Content-Length`` in binary mode)."""
+    """An infer request from its HTTP body (and ``Inference-Header-Content-Length`` in binary mode)."""
     if header_length is None:
         json_part, binary = body, memoryview(b"")
     else:
@@ -198,43 +287,31 @@ def decode_infer(body: bytes, header_length: str | None) -> Inference:
         request = InferRequest.model_validate_json(json_part)
     except ValidationError as exc:
         raise InvalidInputError(summarize_validation_errors(list(exc.errors()))) from exc
-    parameters = request.parameters or {}
-    unknown = set(parameters) - _REQUEST_PARAMETERS
-    if unknown:
-        raise InvalidInputError(
-            f"unknown request parameters {sorted(unknown)}; known: {sorted(_REQUEST_PARAMETERS)}"
-        )
-    pooling = parameters.get("pooling", "none")
-    if pooling not in _POOLINGS:
-        raise InvalidInputError(f"parameter pooling must be one of {_POOLINGS}, got {pooling!r}")
-    binary_output = _flag(parameters.get("binary_data_output", False), "parameter binary_data_output")
-    for output in request.outputs or []:
-        if output.name != EMBEDDINGS:
-            raise InvalidInputError(f"unknown output {output.name!r}; the output is {EMBEDDINGS!r}")
-        output_parameters = output.parameters or {}
-        if set(output_parameters) - {"binary_data"}:
-            raise InvalidInputError(f"output {EMBEDDINGS!r}: the only parameter is binary_data")
-        if "binary_data" in output_parameters:
-            binary_output = _flag(output_parameters["binary_data"], "output parameter binary_data")
-    arrays: dict[str, np.ndarray] = {}
+    tensors = []
     position = 0
     for tensor in request.inputs:
-        if tensor.name in arrays:
-            raise InvalidInputError(f"input {tensor.name!r} is given twice")
-        arrays[tensor.name], position = _tensor(tensor, binary, position)
+        decoded, position = _json_tensor(tensor, binary, position)
+        tensors.append(decoded)
+    outputs = [(output.name, output.parameters or {}) for output in request.outputs or []]
+    inference = inference_from(tensors, request.parameters or {}, outputs, request.id)
     if position != len(binary):
         raise InvalidInputError(f"the body has {len(binary) - position} bytes no input claims")
-    if IDS not in arrays:
-        raise InvalidInputError(f"the input {IDS!r} (INT64, shape [n]) is required")
-    offsets, weights = arrays.get(OFFSETS), arrays.get(WEIGHTS)
-    return Inference(
-        ids=arrays[IDS].astype(np.int64),
-        offsets=None if offsets is None else torch.from_numpy(offsets.astype(np.int64)),
-        pooling=pooling,
-        per_sample_weights=None if weights is None else torch.from_numpy(weights.astype(np.float32)),
-        request_id=request.id,
-        binary_output=binary_output,
+    return inference
+
+
+def infer(
+    store: TableStore, metrics: Metrics, name: str, decode: Callable[[], Inference]
+) -> tuple[Inference, LookupResult]:
+    """The inference, for every transport (the REST route and the gRPC servicer call this): the request
+    ``decode`` gives, looked up in table ``name`` (rows, or pooled bags), its stage times recorded."""
+    inference = decode()
+    result = store.lookup(
+        name, inference.ids, inference.offsets, inference.pooling, inference.per_sample_weights
     )
+    stages = metrics.stages(name)
+    stages.hash_seconds.observe(result.hash_seconds)
+    stages.lookup_seconds.observe(result.lookup_seconds)
+    return inference, result
 
 
 def encode_infer(name: str, inference: Inference, result: LookupResult) -> tuple[bytes, int | None]:

@@ -13,6 +13,8 @@ requests a connection answers itself) both ask one ``Admission`` per worker:
 - an error no handler took is answered by the app's handler for ``Exception``: in the stack by
   Starlette's ``ServerErrorMiddleware`` (outermost, always), in a direct answer by ``unexpected``.
 
+gRPC (``service/grpc/``) asks the same rules of a whole message at once (``refusal``).
+
 The stack refuses what breaks a rule; direct answers take only what passes them all (``admits``) and
 leave the rest to the stack, so a refusal always comes from one place.
 """
@@ -27,13 +29,26 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from robez_core.errors import BusyError, RobezError
+
+from .. import tracing
 from ..codec import OCTET_STREAM
 from ..config import Settings
-from ..errors import error_response
+from ..errors import PayloadTooLargeError, error_response
 from ..metrics import Metrics, table_label
 
 # Probes and scrapes must answer even when the data path is saturated.
-UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
+UNLIMITED_PATHS = frozenset(
+    {
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/inference.GRPCInferenceService/ServerLive",
+        "/inference.GRPCInferenceService/ServerReady",
+    }
+)
 # nginx's status for "the client closed the connection before the server answered"; never sent.
 CLIENT_CLOSED_REQUEST = 499
 
@@ -74,14 +89,22 @@ class AnswerStatus:
     """The status a request is counted under, and when it started: ``send`` records the status its
     response starts with (or set ``status`` when a response is written another way); ``final`` gives it,
     or, with no response started, 499 when the app returned (its client went away) and 500 when it raised
-    (the handler for ``Exception`` answers 500)."""
+    (the handler for ``Exception`` answers 500). With tracing on, the request's span starts here (a child
+    of its ``traceparent``) and ``Admission.finish`` ends it."""
 
-    __slots__ = ("_send", "start", "status")
+    __slots__ = ("_send", "start", "status", "trace")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, scope: Scope) -> None:
         self._send = send
         self.status: int | None = None
         self.start = time.perf_counter()
+        self.trace: Any = None
+        if tracing.TRACER is not None:
+            self.trace = tracing.start_request(
+                scope["method"],
+                tracing.carrier_of(scope["headers"]),
+                {"http.request.method": scope["method"], "url.path": scope["path"]},
+            )
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -186,20 +209,38 @@ class Admission:
         headers = {"Retry-After": str(self.limits.retry_after_s)}
         if close:
             headers["Connection"] = "close"
-        message = (
-            f"server busy: this worker holds {self.held_bytes} bytes of request bodies "
-            f"(max_body_bytes_held={self.limits.max_held_bytes})"
-        )
-        return error_response(503, message, "BusyError", headers)
+        return error_response(503, self._bodies_held_message(), "BusyError", headers)
 
     def refuse_saturated(self) -> Response:
         self.metrics.rejected_total.labels("saturated").inc()
         return error_response(
-            503,
-            f"server saturated: {self.in_flight} requests in flight (max_in_flight={self.max_in_flight})",
-            "BusyError",
-            {"Retry-After": str(self.limits.retry_after_s)},
+            503, self._saturated_message(), "BusyError", {"Retry-After": str(self.limits.retry_after_s)}
         )
+
+    def refusal(self, path: str, size: int) -> RobezError | None:
+        """For a request whose whole message (``size`` bytes) is in hand, as gRPC gives it: the error the
+        rules refuse it with (``PayloadTooLargeError``, or ``BusyError`` counted as the stack counts its
+        503s), or None when it may be admitted (``admit``). The same rules and messages as HTTP's."""
+        if size > self.limits.max_body_bytes:
+            return PayloadTooLargeError(
+                f"request body is over the limit max_body_bytes={self.limits.max_body_bytes}"
+            )
+        if self.saturated(path):
+            self.metrics.rejected_total.labels("saturated").inc()
+            return BusyError(self._saturated_message())
+        if self.over_held(size):
+            self.metrics.rejected_total.labels("bodies_held").inc()
+            return BusyError(self._bodies_held_message())
+        return None
+
+    def _bodies_held_message(self) -> str:
+        return (
+            f"server busy: this worker holds {self.held_bytes} bytes of request bodies "
+            f"(max_body_bytes_held={self.limits.max_held_bytes})"
+        )
+
+    def _saturated_message(self) -> str:
+        return f"server saturated: {self.in_flight} requests in flight (max_in_flight={self.max_in_flight})"
 
     def refuse_body_timeout(self) -> Response:
         self.metrics.rejected_total.labels("body_timeout").inc()
@@ -231,13 +272,14 @@ class Admission:
         if slot:
             self.in_flight -= 1
         self.held_bytes -= size
+        status = answer.final(raised)
+        table = table_label(scope)
         self.metrics.observe_request(
-            endpoint,
-            scope["method"],
-            table_label(scope),
-            answer.final(raised),
-            time.perf_counter() - answer.start,
+            endpoint, scope["method"], table, status, time.perf_counter() - answer.start
         )
+        if answer.trace is not None:
+            attributes = {"http.route": endpoint, "http.response.status_code": status, tracing.TABLE: table}
+            tracing.end_request(answer.trace, f"{scope['method']} {endpoint}", attributes, status >= 500)
 
     async def unexpected(self, scope: Scope, receive: Receive, answer: AnswerStatus, exc: Exception) -> None:
         """What Starlette's ``ServerErrorMiddleware`` does with an error no handler took, for a request

@@ -240,7 +240,7 @@ class RequestMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        answer = AnswerStatus(send)
+        answer = AnswerStatus(send, scope)
         raised = True
         try:
             await self.app(scope, receive, answer.send)

@@ -44,10 +44,11 @@ from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError, RobezError
 from robez_core.table import Table
 
+from .. import tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
 from ..metrics import Metrics
 from ..store import TableStore, UpdateResult
-from ..store.journal import SkippedRecord
+from ..store.journal import SkippedRecord, UpdateRecord
 from ..store.tables import apply_logged_record, skipped
 from .localsnap import LocalSnapshots
 from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog, Snapshot
@@ -326,8 +327,13 @@ class Applier:
             record = decode_entry(name, item.position, item.payload, item.headers)
             if isinstance(record, LoadRecord):
                 result = await self._apply_load(entry, record)
-            else:
+            elif tracing.TRACER is None:
                 result = await anyio.to_thread.run_sync(self.store.apply_logged, record)
+            else:  # a span of the trace the push's headers carry, on every replica
+                parent = tracing.from_headers(item.headers)
+                count = int(record.ids.numel()) if isinstance(record, UpdateRecord) else 0
+                with tracing.span("apply", name, count, item.position, parent=parent):
+                    result = await anyio.to_thread.run_sync(self.store.apply_logged, record)
             position = item.position
             now = time.time()
             if isinstance(result, SkippedRecord):

@@ -1,7 +1,8 @@
 """How an update travels in the log: the binary wire format of a push, plus its lr.
 
 Payload: n little-endian int64 ids, then n*d little-endian float32 gradients. Headers: ``Robez-Shape:
-n,d`` and ``Robez-Lr`` (``float.hex``, so every replica applies exactly the same lr).
+n,d`` and ``Robez-Lr`` (``float.hex``, so every replica applies exactly the same lr); with tracing on,
+also the push's W3C ``traceparent`` (and ``tracestate``), so every replica's apply joins its trace.
 
 A load (``Robez-Kind: load``) has no payload: ``Robez-Object`` names the checkpoint in the Object Store
 and ``Robez-Sha256`` its bytes' digest; every replica switches the table to it at that position.
@@ -9,6 +10,7 @@ and ``Robez-Sha256`` its bytes' digest; every replica switches the table to it a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,15 +63,18 @@ def update_too_large(
     )
 
 
-def encode_update(ids: Tensor, grads: Tensor, lr: float) -> tuple[bytes, dict[str, str]]:
-    """(payload, headers) of one validated push: ids int64 (n,), grads float32 (n, d)."""
+def encode_update(
+    ids: Tensor, grads: Tensor, lr: float, trace: Mapping[str, str] | None = None
+) -> tuple[bytes, dict[str, str]]:
+    """(payload, headers) of one validated push: ids int64 (n,), grads float32 (n, d); ``trace``: the
+    W3C trace headers of the push (``tracing.inject``), carried as they are."""
     num_rows = int(ids.numel())
     dim = int(grads.shape[1]) if grads.dim() == 2 else 0
     payload = (
         ids.reshape(-1).numpy().astype(_IDS, copy=False).tobytes()
         + grads.reshape(num_rows, dim).numpy().astype(_GRADS, copy=False).tobytes()
     )
-    return payload, {SHAPE: f"{num_rows},{dim}", LR: float(lr).hex()}
+    return payload, {SHAPE: f"{num_rows},{dim}", LR: float(lr).hex(), **(trace or {})}
 
 
 def encode_load(object_name: str, sha256: str) -> tuple[bytes, dict[str, str]]:

@@ -26,6 +26,7 @@ from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import BusyError, ConfigError, ConflictError, NotFoundError
 from robez_core.table import Table
 
+from .. import tracing
 from ..config import Settings, TableSpec
 from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
@@ -37,7 +38,7 @@ from .applier import (
     replay_log,
     table_from_checkpoint,
 )
-from .log import CatalogEntry, LogTrimmedError, ReplicatedLog
+from .log import Appended, CatalogEntry, LogTrimmedError, ReplicatedLog
 from .records import encode_load, encode_update, update_too_large
 
 logger = logging.getLogger("robez.replication")
@@ -234,21 +235,12 @@ class Replica:
 
         ``key`` (the request's Idempotency-Key): a second append with it, within the dedup window,
         is not added to the log; its answer is the first one's version."""
-        payload, headers = encode_update(ids, grads, lr)
-        key = key or secrets.token_hex(16)
-        for attempt in range(2):
-            # The cached catalog entry may be of an incarnation dropped since: then the append finds no
-            # stream, and the second attempt reads the catalog again.
-            entry = await self._wait_local(name, fresh=attempt > 0)
-            self._check_entry_size(entry, payload, headers, key, grads)
-            start = time.perf_counter()
-            try:
-                appended = await self.log.append(entry, payload, headers, key)
-                break
-            except NotFoundError:
-                self._entries.pop(name, None)
-                if attempt:
-                    raise
+        if tracing.TRACER is None:
+            appended, entry, start = await self._publish(name, ids, grads, lr, key, None)
+        else:
+            with tracing.span("publish", name, int(ids.numel())) as span:
+                appended, entry, start = await self._publish(name, ids, grads, lr, key, tracing.inject())
+                span.set_attribute(tracing.VERSION, appended.position)
         acked = time.perf_counter()
         self.metrics.replication_publish_ack_seconds.labels(name).observe(acked - start)
         if not await self.wait_version(name, appended.position, self.settings.apply_wait_s):
@@ -329,6 +321,27 @@ class Replica:
         if position != version:
             raise gone
         return table
+
+    async def _publish(
+        self, name: str, ids: Tensor, grads: Tensor, lr: float, key: str | None, trace: dict[str, str] | None
+    ) -> tuple[Appended, CatalogEntry, float]:
+        """Append the push to the table's log: (the append's answer, the catalog entry it went to, when
+        the publish started)."""
+        payload, headers = encode_update(ids, grads, lr, trace)
+        key = key or secrets.token_hex(16)
+        for attempt in range(2):
+            # The cached catalog entry may be of an incarnation dropped since: then the append finds no
+            # stream, and the second attempt reads the catalog again.
+            entry = await self._wait_local(name, fresh=attempt > 0)
+            self._check_entry_size(entry, payload, headers, key, grads)
+            start = time.perf_counter()
+            try:
+                return await self.log.append(entry, payload, headers, key), entry, start
+            except NotFoundError:
+                self._entries.pop(name, None)
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")  # the second attempt returned or raised
 
     def _check_entry_size(
         self, entry: CatalogEntry, payload: bytes, headers: dict[str, str], key: str, grads: Tensor

@@ -18,6 +18,7 @@ from ..http.fastpath import FastRoute
 from ..metrics import Metrics, server_timing
 from ..oip import (
     HEADER_LENGTH,
+    SERVER_METADATA,
     Inference,
     InferResponse,
     ModelMetadata,
@@ -26,12 +27,14 @@ from ..oip import (
     encode_infer,
     model_metadata,
 )
+from ..oip import (
+    infer as run_inference,
+)
 from ..store import LookupResult, TableStore
 from .deps import INLINE_MAX_BODY_BYTES, TableNameParam, body_doc, compute, read_body
 
 router = APIRouter(prefix="/v2", tags=["inference protocol v2"])
 
-_SERVER_METADATA = {"name": "robez", "version": "1", "extensions": ["binary_tensor_data"]}
 _BINARY_INFER = (
     f"binary tensor data extension: the JSON header ({HEADER_LENGTH}: its length in bytes), then the "
     "little-endian bytes of every input with parameters.binary_data_size, in order"
@@ -62,7 +65,7 @@ async def ready(request: Request) -> Response:
 
 @router.get("", response_model=ServerMetadata, summary="Server metadata (protocol v2)")
 async def server_metadata() -> Response:
-    return _timed(_SERVER_METADATA, time.perf_counter())
+    return _timed(SERVER_METADATA, time.perf_counter())
 
 
 @router.get("/models/{name}", response_model=ModelMetadata, summary="A table as a model: inputs, output")
@@ -103,17 +106,10 @@ async def infer_one(request: Request, name: str) -> Response:
     header_length = request.headers.get(HEADER_LENGTH)
 
     def work() -> tuple[Inference, LookupResult]:
-        inference = decode_infer(body, header_length)
-        result = store.lookup(
-            name, inference.ids, inference.offsets, inference.pooling, inference.per_sample_weights
-        )
-        return inference, result
+        return run_inference(store, metrics, name, lambda: decode_infer(body, header_length))
 
     inference, result = await compute(request, work, inline=len(body) <= INLINE_MAX_BODY_BYTES)
     request.state.table = name
-    stages = metrics.stages(name)
-    stages.hash_seconds.observe(result.hash_seconds)
-    stages.lookup_seconds.observe(result.lookup_seconds)
     content, json_length = encode_infer(name, inference, result)
     total = time.perf_counter() - start
     headers = {

@@ -44,7 +44,7 @@ from robez_core.optim import PreparedStep
 from robez_core.small import SMALL_BATCH_MAX_IDS
 from robez_core.table import Table
 
-from .. import faults
+from .. import faults, tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
 from ..errors import RefusedUpdateError
 from ..shm import (
@@ -214,6 +214,8 @@ class TableStore:
             else:
                 tensor_rows, hash_seconds, lookup_seconds = table.lookup_timed(ids)
                 rows = tensor_rows.numpy()
+            if tracing.TRACER is not None:
+                _trace_lookup(name, _count(ids), version, hash_seconds, lookup_seconds)
             return LookupResult(rows, version, hash_seconds, lookup_seconds)
         if isinstance(ids, np.ndarray):
             ids = torch.from_numpy(ids)
@@ -229,6 +231,8 @@ class TableStore:
                 positions, bag_rows, bag_offsets, mode=pooling, per_sample_weights=weights
             )
             lookup_seconds += time.perf_counter() - start
+        if tracing.TRACER is not None:
+            _trace_lookup(name, _count(ids), version, hash_seconds, lookup_seconds)
         return LookupResult(bag_rows.numpy(), version, hash_seconds, lookup_seconds)
 
     def lookup_many(self, items: list[LookupRequestItem]) -> list[LookupResult]:
@@ -290,9 +294,12 @@ class TableStore:
             if locked is None:
                 return None
             try:
-                return self._apply_unjournalled(locked, ids, grads, applied_lr), 0
+                result = self._apply_unjournalled(locked, ids, grads, applied_lr)
             finally:
                 locked.lock.release()
+            if tracing.TRACER is not None:
+                _trace_update(name, _count(ids), result)
+            return result, 0
         ids, grads = _tensor(ids), _tensor(grads)
         start = time.perf_counter()
         # Checked before anything changes; the table's config is all they read, so they run outside the
@@ -312,7 +319,11 @@ class TableStore:
             # mark for the next holder of the lock to repair (see repair.py).
             locked.set_pending(version)
             try:
-                ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
+                if tracing.TRACER is None:
+                    ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
+                else:
+                    with tracing.span("log-append", name, int(ids.numel()), version):
+                        ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
             except BaseException:
                 locked.set_pending(0)  # a failed append leaves the log as it was
                 raise
@@ -324,7 +335,10 @@ class TableStore:
         # The caller waits for durability outside the lock (group commit): the next updates append
         # while this one waits for its flush.
         assert isinstance(timings, tuple)  # a live push is refused, never skipped
-        return UpdateResult(version, hash_seconds, prepare_seconds + timings[1]), ticket
+        result = UpdateResult(version, hash_seconds, prepare_seconds + timings[1])
+        if tracing.TRACER is not None:
+            _trace_update(name, int(ids.numel()), result)
+        return result, ticket
 
     def _apply_unjournalled(
         self, entry: TableEntry, ids: Tensor | np.ndarray, grads: Tensor | np.ndarray, lr: float
@@ -451,6 +465,18 @@ def _count(values: Tensor | np.ndarray) -> int:
 
 def _tensor(values: Tensor | np.ndarray) -> Tensor:
     return torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+
+
+def _trace_lookup(name: str, ids: int, version: int, hash_seconds: float, gather_seconds: float) -> None:
+    """A lookup's ``hash`` and ``gather`` spans, from its own stage timers (it just ended)."""
+    gather_start = tracing.stage("gather", name, ids, version, gather_seconds)
+    tracing.stage("hash", name, ids, version, hash_seconds, ended_ns=gather_start)
+
+
+def _trace_update(name: str, ids: int, result: UpdateResult) -> None:
+    """An update's ``hash`` and ``apply`` spans, from its own stage timers (it just ended)."""
+    apply_start = tracing.stage("apply", name, ids, result.version, result.apply_seconds)
+    tracing.stage("hash", name, ids, result.version, result.hash_seconds, ended_ns=apply_start)
 
 
 def apply_record(
