@@ -19,6 +19,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConfigError
 
+from .replication.natsauth import NatsAuth
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -92,6 +94,11 @@ class Settings(BaseSettings):
         default=0, ge=0, le=4096, description="robez_core.buffers pool per worker, MiB (0: off)"
     )
 
+    # HTTPS on the port (uvicorn's TLS); a client CA makes client certificates required. docs/security.md.
+    tls_cert: Path | None = Field(default=None, description="server certificate (PEM); set: HTTPS")
+    tls_key: Path | None = Field(default=None, description="the certificate's private key (PEM)")
+    tls_client_ca: Path | None = Field(default=None, description="require client certificates from this CA")
+
     api_key: SecretStr | None = None
     read_api_key: SecretStr | None = None
 
@@ -137,6 +144,14 @@ class Settings(BaseSettings):
     # through a NATS JetStream log. None = the single-machine mode above.
     nats_url: str | None = Field(default=None, description="NATS server URL(s), comma-separated")
     nats_replicas: int = Field(default=3, ge=1, le=5, description="JetStream replication factor")
+    # Who robez is to NATS and how it checks NATS (service/replication/natsauth.py, docs/security.md).
+    nats_user: str | None = Field(default=None, description="NATS user (with nats_password)")
+    nats_password: SecretStr | None = Field(default=None, description="NATS user's password")
+    nats_creds: Path | None = Field(default=None, description="NATS .creds file (JWT + nkey seed)")
+    nats_nkey: Path | None = Field(default=None, description="NATS nkey seed file")
+    nats_tls_ca: Path | None = Field(default=None, description="CA bundle of the NATS servers")
+    nats_tls_cert: Path | None = Field(default=None, description="client certificate for NATS (mutual TLS)")
+    nats_tls_key: Path | None = Field(default=None, description="... and its private key")
     replica_name: str | None = Field(default=None, description="this replica's name; default host:port")
     nats_prefix: str = Field(
         default="robez", pattern=r"^[A-Za-z0-9_-]{1,32}$", description="names of streams and buckets"
@@ -191,6 +206,19 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _tls_is_consistent(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (client certificates need HTTPS)")
+        return self
+
+    @model_validator(mode="after")
+    def _nats_auth_is_consistent(self) -> Settings:
+        self.nats_auth()  # raises ValueError on a half-given credential
+        return self
+
+    @model_validator(mode="after")
     def _one_body_fits_in_the_bodies_held(self) -> Settings:
         if self.max_body_bytes > self.max_body_bytes_held:
             raise ValueError(
@@ -198,6 +226,19 @@ class Settings(BaseSettings):
                 f"({self.max_body_bytes_held}): no body that large could ever be accepted"
             )
         return self
+
+    def nats_auth(self) -> NatsAuth:
+        """The NATS credentials and TLS material these settings name."""
+        password = self.nats_password.get_secret_value() if self.nats_password is not None else None
+        return NatsAuth(
+            user=self.nats_user,
+            password=password,
+            creds=self.nats_creds,
+            nkey=self.nats_nkey,
+            tls_ca=self.nats_tls_ca,
+            tls_cert=self.nats_tls_cert,
+            tls_key=self.nats_tls_key,
+        )
 
     def kernel_threads(self) -> int:
         """Kernel threads each worker uses: the setting, or the CPUs shared out over the workers."""
