@@ -208,6 +208,16 @@ def snapshot_offline(
     journal = WalJournal(data_dir, exclusive=True)
     done: list[tuple[str, int, int]] = []
     try:
+        if salvage:
+            for name in journal.damaged():
+                if names is None or name in names:
+                    aside = journal.set_aside(name)
+                    logger.warning(
+                        "skipped table %r: its folder has no meta.json, so it cannot be loaded; set aside as "
+                        "%s with every file in it",
+                        name,
+                        aside,
+                    )
         for name in names if names is not None else journal.names():
             before = journal.snapshot_version(name)
             loaded = journal.load(name, salvage=salvage)
