@@ -121,6 +121,7 @@ async def load(
             val_offset=val_offset,
             prefix=prefix,
             optimizer=new_optimizer,
+            max_tensor_bytes=store.limits.max_checkpoint_bytes(),
         )
         return table_info_json(store.info(_install(store, name, imported, from_paper=kind == "paper")))
 
