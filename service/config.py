@@ -172,6 +172,12 @@ class Settings(BaseSettings):
     min_version_wait_ms: float = Field(
         default=1000.0, ge=0, description="X-Robez-Min-Version: wait this long for the version, then 503"
     )
+    max_version_waiters: int = Field(
+        default=32,
+        ge=1,
+        description="lookups per worker waiting for a version at once (they hold no max_in_flight slot); "
+        "more: 503",
+    )
     replica_snapshot_every_updates: int = Field(
         default=10_000, ge=0, description="upload a snapshot to the Object Store after this many updates"
     )
