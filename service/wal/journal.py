@@ -36,6 +36,7 @@ from .files import (
     _write_all,
     _write_file_durably,
     _write_temp_file,
+    open_private,
     remove_creation_leftovers,
     validate_table_name,
 )
@@ -588,7 +589,7 @@ class WalJournal:
         try:
             table.save(snapshot_file)  # atomic and fsynced, folder included
             crc, size = _file_crc(snapshot_file)
-            with open(new_log, "wb") as handle:
+            with open_private(new_log) as handle:
                 handle.write(encode_log_header(embedding_dim, generation, version))
                 handle.flush()
                 os.fsync(handle.fileno())
