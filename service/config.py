@@ -100,6 +100,7 @@ class Settings(BaseSettings):
     tls_client_ca: Path | None = Field(default=None, description="require client certificates from this CA")
 
     api_key: SecretStr | None = None
+    read_api_key: SecretStr | None = None
     max_metric_tables: int = Field(
         default=64, ge=1, description="tables with their own metrics label per worker; the rest: _other"
     )
@@ -108,7 +109,6 @@ class Settings(BaseSettings):
         default=False,
         description="require the read key (or the write key) for /metrics, /docs, /openapi.json, GET /v2",
     )
-    read_api_key: SecretStr | None = None
 
     # Bodies are received whole before a request is admitted (service/http/middleware.py); binary is the bulk
     # format, JSON takes 5-37x its size while decoded into Python objects, hence its own, smaller bound.
