@@ -148,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 process.wait()
 
     print(f"# /metrics after a history of {args.cycles} tables ({datetime.date.today().isoformat()})\n")
-    print(f"- command: `python -m benchmarks.service.metrics_history {' '.join(argv or sys.argv[1:])}`")
+    command = " ".join(["python -m benchmarks.service.metrics_history", *(argv or sys.argv[1:])])
+    print(f"- command: `{command}`")
     print(f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}")
     print(f"- load average before: {load_before[0]:.2f} (a shared machine: compare rows of one run)")
     print("- server: `robez serve`, 1 worker, 1 kernel thread, the demo table, default MAX_METRIC_TABLES")
