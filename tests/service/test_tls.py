@@ -47,16 +47,23 @@ def test_lookups_over_https_and_what_is_refused(tmp_path: Path) -> None:
         with RobezClient(server.url, verify=ca_file, cert=client_tls) as client:
             rows = client.lookup("demo", ids)
         assert rows.shape == (3, 64)
-        embedding = RemoteEmbedding(RobezClient(server.url, verify=ca_file, cert=client_tls), "demo")
-        with torch.no_grad():
-            assert torch.equal(embedding(ids), rows)
+        with RobezClient(server.url, verify=ca_file, cert=client_tls) as client:
+            embedding = RemoteEmbedding(client, "demo")
+            with torch.no_grad():
+                assert torch.equal(embedding(ids), rows)
 
         plain = server.url.replace("https://", "http://")
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{plain}/readyz", timeout=10)
-        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-            RobezClient(server.url, cert=client_tls).lookup("demo", ids)  # the system's CAs only
-        with pytest.raises(httpx.TransportError):  # the server requires a client certificate
-            RobezClient(server.url, verify=ca_file, busy_retries=0).lookup("demo", ids)
+        with (
+            RobezClient(server.url, cert=client_tls) as client,  # the system's CAs only
+            pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"),
+        ):
+            client.lookup("demo", ids)
+        with (
+            RobezClient(server.url, verify=ca_file, timeout=10, busy_retries=0) as client,
+            pytest.raises(httpx.TransportError),  # the server requires a client certificate
+        ):
+            client.lookup("demo", ids)
     finally:
         server.stop()
