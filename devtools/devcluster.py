@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             command += ["--nats", ",".join(cluster.urls), "--replica-name", f"replica{index + 1}"]
             if args.config is not None:
                 command += ["--config", str(args.config)]
-            env = {**os.environ, "ROBEZ_THREADS_PER_WORKER": os.environ.get("ROBEZ_THREADS_PER_WORKER", "1")}
+            env = {
+                **os.environ,
+                "ROBEZ_THREADS_PER_WORKER": os.environ.get("ROBEZ_THREADS_PER_WORKER", "1"),
+                **cluster.robez_env(),
+            }
             replicas.append(subprocess.Popen(command, env=env))
             urls.append(f"http://127.0.0.1:{port}")
         for url, process in zip(urls, replicas, strict=True):
@@ -79,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\nrobez replicas (same tables, writes at any of them):")
         for url in urls:
             print(f"  {url}")
+        if cluster.secrets is not None:
+            print(
+                "\nNATS requires TLS and a login; CA, certificates, robez's password and the monitor user's"
+            )
+            print(f"nkey seed: {cluster.secrets.directory} (docs/security.md)")
         print("\nCtrl-C stops everything.")
         while not stop and all(process.poll() is None for process in replicas):
             time.sleep(0.5)

@@ -22,6 +22,7 @@ from robez_core.allocator import keep_freed_buffers
 
 from . import codec, tracing
 from . import oip as oip_codec
+from .auth import PrivateAccess
 from .config import Settings
 from .errors import install_error_handlers
 from .http.admission import Admission
@@ -134,6 +135,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """The robez HTTP API over ``settings`` (default: read from ``ROBEZ_*``). Tables are attached (or
     prepared) when the app starts, i.e. inside ``with TestClient(app)`` or under uvicorn."""
     settings = settings if settings is not None else Settings()
+    # Private: FastAPI's own docs routes (which take no dependency) are replaced by guarded ones below.
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if settings.private_endpoints else {}
     app = FastAPI(
         title="robez",
         version=API_VERSION,
@@ -142,13 +145,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # robez reports its own Prometheus metrics and configures no OpenTelemetry provider; FastAPI's
         # native telemetry would still look for one on every request (~5 us).
         telemetry={"tracing": False, "metrics": False, "logs": False},
+        **docs,  # type: ignore[arg-type]
     )
     app.state.settings = settings
     app.state.replica = None  # a Replica in replicated mode (--nats), set at start-up
     metrics_dir = (
         settings.shm_path / "metrics" if settings.shm_path is not None and settings.workers > 1 else None
     )
-    metrics = Metrics(metrics_dir)
+    metrics = Metrics(metrics_dir, settings.max_metric_tables)
     app.state.metrics = metrics
     install_error_handlers(app)
     for module in (health, tables, lookup, update, durability, checksum, oip):
@@ -169,7 +173,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # The same hot routes and admission for the requests connections answer themselves.
     app.state.direct = DirectAnswers(app, fast_routes, admission)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    if settings.private_endpoints:
+        _add_private_docs(app)
     return app
+
+
+def _add_private_docs(app: FastAPI) -> None:
+    """``/openapi.json`` and ``/docs`` behind the read key (``private_endpoints``)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.responses import HTMLResponse, JSONResponse
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(_: PrivateAccess) -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(_: PrivateAccess) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="robez")
 
 
 def create_app_from_env() -> FastAPI:

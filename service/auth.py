@@ -67,5 +67,16 @@ async def require_read_key(request: Request) -> None:
     check_read_access(settings, request.headers.get("authorization"))
 
 
+async def require_key_if_private(request: Request) -> None:
+    """Dependency of ``/metrics``, ``/docs``, ``/openapi.json`` and ``GET /v2``: open, unless
+    ``private_endpoints`` is set; then the read key or the write key (whichever are set)."""
+    settings = request.app.state.settings
+    if not settings.private_endpoints:
+        return
+    accepted = [key for key in (settings.read_api_key, settings.api_key) if key is not None]
+    _check(request.headers.get("authorization"), accepted)
+
+
 WriteAccess = Annotated[None, Depends(require_write_key)]
+PrivateAccess = Annotated[None, Depends(require_key_if_private)]
 ReadAccess = Annotated[None, Depends(require_read_key)]

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +40,15 @@ _SERVE_OPTIONS = (
     "nats_url",
     "nats_replicas",
     "replica_name",
+    "nats_user",
+    "nats_creds",
+    "nats_nkey",
+    "nats_tls_ca",
+    "nats_tls_cert",
+    "nats_tls_key",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
 )
 
 
@@ -104,8 +114,39 @@ def _parser() -> argparse.ArgumentParser:
         dest="replica_name",
         help="this replica's name in NATS (default: host name:port; ROBEZ_REPLICA_NAME)",
     )
+    _add_tls_options(serve)
     _add_durability_commands(commands)
     return parser
+
+
+def _add_tls_options(serve: argparse.ArgumentParser) -> None:
+    """Credentials and certificates: NATS's (replicated mode) and the HTTP port's; docs/security.md."""
+    nats = serve.add_argument_group(
+        "NATS authentication and TLS",
+        "One of --nats-user (password in ROBEZ_NATS_PASSWORD, never on the command line), --nats-creds, "
+        "--nats-nkey; and the CA that the NATS servers' certificates chain to.",
+    )
+    nats.add_argument("--nats-user", dest="nats_user", help="NATS user (ROBEZ_NATS_USER)")
+    nats.add_argument("--nats-creds", dest="nats_creds", type=Path, help=".creds file (ROBEZ_NATS_CREDS)")
+    nats.add_argument("--nats-nkey", dest="nats_nkey", type=Path, help="nkey seed file (ROBEZ_NATS_NKEY)")
+    nats.add_argument("--nats-tls-ca", dest="nats_tls_ca", type=Path, help="CA bundle (ROBEZ_NATS_TLS_CA)")
+    nats.add_argument(
+        "--nats-tls-cert", dest="nats_tls_cert", type=Path, help="client certificate (ROBEZ_NATS_TLS_CERT)"
+    )
+    nats.add_argument(
+        "--nats-tls-key", dest="nats_tls_key", type=Path, help="its private key (ROBEZ_NATS_TLS_KEY)"
+    )
+    http = serve.add_argument_group("HTTPS", "Serve HTTPS instead of plain HTTP on --port.")
+    http.add_argument(
+        "--tls-cert", dest="tls_cert", type=Path, help="server certificate, PEM (ROBEZ_TLS_CERT)"
+    )
+    http.add_argument("--tls-key", dest="tls_key", type=Path, help="its private key, PEM (ROBEZ_TLS_KEY)")
+    http.add_argument(
+        "--tls-client-ca",
+        dest="tls_client_ca",
+        type=Path,
+        help="require client certificates signed by this CA (ROBEZ_TLS_CLIENT_CA)",
+    )
 
 
 def _add_durability_commands(commands: Any) -> None:
@@ -319,6 +360,7 @@ def _serve_locked(settings: Settings) -> int:
             "access_log": settings.access_log,
             "timeout_worker_healthcheck": settings.worker_healthcheck_timeout_s,
             **uvicorn_options(settings),
+            **_tls_options(settings),
         }
         if settings.workers == 1:
             uvicorn.run(_APP, **options)
@@ -329,6 +371,18 @@ def _serve_locked(settings: Settings) -> int:
     finally:
         directory.remove()
         signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _tls_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's TLS options: HTTPS with the server certificate, and client certificates required when a
+    client CA is given."""
+    if settings.tls_cert is None:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
+    if settings.tls_client_ca is not None:
+        options["ssl_ca_certs"] = str(settings.tls_client_ca)
+        options["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+    return options
 
 
 # Descriptors a worker needs besides its connections: logs, snapshots, shared memory, the listening socket.

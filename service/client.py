@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
@@ -388,6 +390,28 @@ def _float_list(values: Tensor | Sequence[float]) -> list[float]:
     return [float(v) for v in values]
 
 
+TLSVerify = bool | str | Path | ssl.SSLContext
+
+
+def tls_verify(verify: TLSVerify, cert: tuple[str | Path, str | Path] | None = None) -> ssl.SSLContext | bool:
+    """What httpx's ``verify=`` takes for a CA bundle path (or context, or bool) and an optional client
+    certificate + key."""
+    if isinstance(verify, ssl.SSLContext):
+        context = verify
+    elif verify is False:
+        if cert is None:
+            return False
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        cafile = None if verify is True else str(verify)
+        context = ssl.create_default_context(cafile=cafile)
+    if cert is not None:
+        context.load_cert_chain(str(cert[0]), str(cert[1]))
+    return context
+
+
 class _ClientBase:
     """What both clients share: the auth header, the request builders, and response bookkeeping."""
 
@@ -477,6 +501,11 @@ class RobezClient(_ClientBase):
         transport: an ``httpx`` transport (e.g. ``httpx.MockTransport`` in tests).
         http_client: an existing ``httpx.Client`` to send through instead (e.g. FastAPI's ``TestClient``);
             its own base URL is used and the client is not closed by ``close()``.
+        verify: for ``https://`` URLs: a CA bundle file the server's certificate must chain to (a
+            server started with ``--tls-cert``), an ``ssl.SSLContext``, True (the system's CAs) or False
+            (no check; never across a network you do not own).
+        cert: (certificate file, key file) presented to a server that requires client certificates
+            (``--tls-client-ca``).
 
     Errors: every non-2xx answer (after ``busy_retries`` for 503s) raises ``RobezClientError``; transport
     failures raise ``httpx`` errors.
@@ -491,10 +520,14 @@ class RobezClient(_ClientBase):
         busy_retries: int = DEFAULT_BUSY_RETRIES,
         transport: httpx.BaseTransport | None = None,
         http_client: httpx.Client | None = None,
+        verify: TLSVerify = True,
+        cert: tuple[str | Path, str | Path] | None = None,
     ) -> None:
         super().__init__(api_key, busy_retries)
         self._owns_http = http_client is None
-        self._http = http_client or httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
+        self._http = http_client or httpx.Client(
+            base_url=base_url, timeout=timeout, transport=transport, verify=tls_verify(verify, cert)
+        )
 
     def _send(self, call: _Call[T]) -> T:
         for attempt in range(self.busy_retries + 1):
@@ -627,10 +660,14 @@ class AsyncRobezClient(_ClientBase):
         busy_retries: int = DEFAULT_BUSY_RETRIES,
         transport: httpx.AsyncBaseTransport | None = None,
         http_client: httpx.AsyncClient | None = None,
+        verify: TLSVerify = True,
+        cert: tuple[str | Path, str | Path] | None = None,
     ) -> None:
         super().__init__(api_key, busy_retries)
         self._owns_http = http_client is None
-        self._http = http_client or httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
+        self._http = http_client or httpx.AsyncClient(
+            base_url=base_url, timeout=timeout, transport=transport, verify=tls_verify(verify, cert)
+        )
 
     async def _send(self, call: _Call[T]) -> T:
         for attempt in range(self.busy_retries + 1):
@@ -761,10 +798,13 @@ class RemoteEmbedding(nn.Module):
     a load balancer over replicas the module still reads its own writes.
 
     Args:
-        client: a ``RobezClient`` connected to the server.
+        client: a ``RobezClient`` connected to the server, or the server's URL (a client is made with
+            ``api_key`` and ``verify``).
         table: the table's name on the server.
         lr: learning rate sent with every push (None: the table's own).
         embedding_dim: d, when known; otherwise read from the server once.
+        api_key, verify: for a URL ``client``: as for ``RobezClient`` (``verify``: the CA bundle of an
+            ``https://`` server).
 
     Shape:
         ids (*) int64 -> (*, d) float32.
@@ -777,13 +817,24 @@ class RemoteEmbedding(nn.Module):
     """
 
     def __init__(
-        self, client: RobezClient, table: str, *, lr: float | None = None, embedding_dim: int | None = None
+        self,
+        client: RobezClient | str,
+        table: str,
+        *,
+        lr: float | None = None,
+        embedding_dim: int | None = None,
+        api_key: str | None = None,
+        verify: TLSVerify = True,
     ) -> None:
         super().__init__()
-        self.client = client
+        self.client = (
+            client if isinstance(client, RobezClient) else RobezClient(client, api_key, verify=verify)
+        )
         self.table = table
         self.lr = lr
-        self.embedding_dim = embedding_dim if embedding_dim is not None else _table_dim(client.table(table))
+        self.embedding_dim = (
+            embedding_dim if embedding_dim is not None else _table_dim(self.client.table(table))
+        )
         self.pushes = 0
         """Gradient pushes made so far (one per backward through a forward of this module)."""
         self.last_version: int | None = None

@@ -264,12 +264,18 @@ def decode_ids(body: bytes) -> np.ndarray:
     return np.frombuffer(body, dtype=_IDS_DTYPE).astype(np.int64)
 
 
+def is_count(text: str) -> bool:
+    """Whether ``text`` is a non-negative integer in ASCII digits: ``str.isdigit`` also takes "²" or
+    "٣", which ``int`` then refuses (or reads), so header integers are checked with this."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_shape(header: str | None) -> tuple[int, int]:
     """``"n,d"`` -> (n, d)."""
     if header is None:
         raise InvalidInputError(f"a binary update needs the header {SHAPE_HEADER}: n,d")
     parts = header.split(",")
-    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+    if len(parts) != 2 or not all(is_count(part.strip()) for part in parts):
         raise InvalidInputError(f"{SHAPE_HEADER} must be 'n,d' with non-negative integers, got {header!r}")
     return int(parts[0]), int(parts[1])
 
@@ -296,7 +302,7 @@ def parse_tables_header(header: str | None) -> list[tuple[str, int]]:
     items = []
     for part in header.split(","):
         name, sep, count = part.strip().partition("=")
-        if not sep or not count.isdigit() or not TABLE_NAME_PATTERN.fullmatch(name):
+        if not sep or not is_count(count) or not TABLE_NAME_PATTERN.fullmatch(name):
             raise InvalidInputError(f"{TABLES_HEADER} must be 'name=n,name=n,...', got {header!r}")
         items.append((name, int(count)))
     return items

@@ -19,6 +19,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConfigError
 
+from .replication.natsauth import NatsAuth
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -105,8 +107,21 @@ class Settings(BaseSettings):
         default=0, ge=0, le=4096, description="robez_core.buffers pool per worker, MiB (0: off)"
     )
 
+    # HTTPS on the port (uvicorn's TLS); a client CA makes client certificates required. docs/security.md.
+    tls_cert: Path | None = Field(default=None, description="server certificate (PEM); set: HTTPS")
+    tls_key: Path | None = Field(default=None, description="the certificate's private key (PEM)")
+    tls_client_ca: Path | None = Field(default=None, description="require client certificates from this CA")
+
     api_key: SecretStr | None = None
     read_api_key: SecretStr | None = None
+    max_metric_tables: int = Field(
+        default=64, ge=1, description="tables with their own metrics label per worker; the rest: _other"
+    )
+    # /metrics lists table names; /docs, /openapi.json and GET /v2 describe the server: open by default.
+    private_endpoints: bool = Field(
+        default=False,
+        description="require the read key (or the write key) for /metrics, /docs, /openapi.json, GET /v2",
+    )
 
     # Bodies are received whole before a request is admitted (service/http/middleware.py); binary is the bulk
     # format, JSON takes 5-37x its size while decoded into Python objects, hence its own, smaller bound.
@@ -150,6 +165,14 @@ class Settings(BaseSettings):
     # through a NATS JetStream log. None = the single-machine mode above.
     nats_url: str | None = Field(default=None, description="NATS server URL(s), comma-separated")
     nats_replicas: int = Field(default=3, ge=1, le=5, description="JetStream replication factor")
+    # Who robez is to NATS and how it checks NATS (service/replication/natsauth.py, docs/security.md).
+    nats_user: str | None = Field(default=None, description="NATS user (with nats_password)")
+    nats_password: SecretStr | None = Field(default=None, description="NATS user's password")
+    nats_creds: Path | None = Field(default=None, description="NATS .creds file (JWT + nkey seed)")
+    nats_nkey: Path | None = Field(default=None, description="NATS nkey seed file")
+    nats_tls_ca: Path | None = Field(default=None, description="CA bundle of the NATS servers")
+    nats_tls_cert: Path | None = Field(default=None, description="client certificate for NATS (mutual TLS)")
+    nats_tls_key: Path | None = Field(default=None, description="... and its private key")
     replica_name: str | None = Field(default=None, description="this replica's name; default host:port")
     nats_prefix: str = Field(
         default="robez", pattern=r"^[A-Za-z0-9_-]{1,32}$", description="names of streams and buckets"
@@ -169,6 +192,12 @@ class Settings(BaseSettings):
     apply_wait_s: float = Field(default=10.0, gt=0, description="wait for an acked update to be applied")
     min_version_wait_ms: float = Field(
         default=1000.0, ge=0, description="X-Robez-Min-Version: wait this long for the version, then 503"
+    )
+    max_version_waiters: int = Field(
+        default=32,
+        ge=1,
+        description="lookups per worker waiting for a version at once (they hold no max_in_flight slot); "
+        "more: 503",
     )
     replica_snapshot_every_updates: int = Field(
         default=10_000, ge=0, description="upload a snapshot to the Object Store after this many updates"
@@ -204,6 +233,19 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _tls_is_consistent(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (client certificates need HTTPS)")
+        return self
+
+    @model_validator(mode="after")
+    def _nats_auth_is_consistent(self) -> Settings:
+        self.nats_auth()  # raises ValueError on a half-given credential
+        return self
+
+    @model_validator(mode="after")
     def _one_body_fits_in_the_bodies_held(self) -> Settings:
         if self.max_body_bytes > self.max_body_bytes_held:
             raise ValueError(
@@ -211,6 +253,19 @@ class Settings(BaseSettings):
                 f"({self.max_body_bytes_held}): no body that large could ever be accepted"
             )
         return self
+
+    def nats_auth(self) -> NatsAuth:
+        """The NATS credentials and TLS material these settings name."""
+        password = self.nats_password.get_secret_value() if self.nats_password is not None else None
+        return NatsAuth(
+            user=self.nats_user,
+            password=password,
+            creds=self.nats_creds,
+            nkey=self.nats_nkey,
+            tls_ca=self.nats_tls_ca,
+            tls_cert=self.nats_tls_cert,
+            tls_key=self.nats_tls_key,
+        )
 
     def kernel_threads(self) -> int:
         """Kernel threads each worker uses: the setting, or the CPUs shared out over the workers."""

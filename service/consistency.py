@@ -3,7 +3,8 @@
 A client that pushed an update and got version V back may send ``X-Robez-Min-Version: V`` with its next
 lookup (to any replica). The server waits, at most ``min_version_wait_ms``, until its copy of the table
 is at V or later, then answers; past that it answers 503 with ``Retry-After`` (``BusyError``). The
-multi-table lookup takes ``name=V,name=V`` (tables not named are not waited for).
+multi-table lookup takes ``name=V,name=V`` (tables not named are not waited for). A waiting lookup holds
+no in-flight slot but one of ``max_version_waiters`` (service/http/admission.py); none free: 503 at once.
 """
 
 from __future__ import annotations
@@ -49,6 +50,21 @@ async def wait_min_versions(request: Request, store: TableStore, wanted: dict[st
     """Return once every table in ``wanted`` is at its version here; ``BusyError`` after the wait."""
     if not wanted:
         return
+    if all(store.version(name) >= version for name, version in wanted.items()):
+        return  # the common case: nothing to wait for, no waiter's place taken
+    admission = request.app.state.admission
+    if not admission.wait_begins():
+        raise BusyError(
+            f"{admission.waiting} lookups are waiting for a table version on this worker "
+            f"(max_version_waiters={admission.max_waiting}); retry"
+        )
+    try:
+        await _wait(request, store, wanted)
+    finally:
+        admission.wait_ends()
+
+
+async def _wait(request: Request, store: TableStore, wanted: dict[str, int]) -> None:
     settings = request.app.state.settings
     timeout_s = settings.min_version_wait_ms / 1000.0
     replica = request.app.state.replica

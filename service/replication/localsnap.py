@@ -39,14 +39,15 @@ def is_replica_dir(data_dir: Path) -> bool:
 
 
 def check_replica_dir(data_dir: Path) -> None:
-    """``ConfigError`` if ``data_dir`` holds a single server's tables (anything but hidden lock files and
-    this module's own files): the two layouts must never be mixed."""
+    """``ConfigError`` if ``data_dir`` holds a single server's tables (anything but hidden entries, a
+    file system's lost+found and this module's own files): the two layouts must never be mixed."""
     if not data_dir.exists():
         return
     foreign = sorted(
         entry.name
         for entry in data_dir.iterdir()
-        if not entry.name.startswith(".") and entry.name not in (MARKER_FILE, SNAPSHOT_DIR)
+        # lost+found: a dedicated volume's; not a table.
+        if not entry.name.startswith(".") and entry.name not in (MARKER_FILE, SNAPSHOT_DIR, "lost+found")
     )
     if foreign:
         raise ConfigError(

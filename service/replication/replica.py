@@ -71,6 +71,7 @@ def open_log(settings: Settings) -> ReplicatedLog:
         timeout_s=settings.nats_publish_timeout_s,
         ping_interval_s=settings.nats_ping_interval_s,
         max_outstanding_pings=settings.nats_max_outstanding_pings,
+        auth=settings.nats_auth(),
     )
 
 

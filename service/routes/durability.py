@@ -122,6 +122,7 @@ async def load(
             val_offset=val_offset,
             prefix=prefix,
             optimizer=new_optimizer,
+            max_tensor_bytes=store.limits.max_checkpoint_bytes(),
         )
 
     request.state.table = name

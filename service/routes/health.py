@@ -9,6 +9,7 @@ import orjson
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
+from ..auth import PrivateAccess
 from ..codec import JSONBytesResponse, RawResponse
 from ..http.fastpath import FastRoute
 from .deps import MetricsDep
@@ -87,8 +88,9 @@ async def readyz(
 
 
 @router.get("/metrics", summary="Prometheus metrics (text format), summed over all workers")
-async def metrics(metrics: MetricsDep) -> Response:
-    body, content_type = metrics.render()
+async def metrics(request: Request, metrics: MetricsDep, _: PrivateAccess) -> Response:
+    store = getattr(request.app.state, "store", None)  # None while the worker starts
+    body, content_type = metrics.render(store.names() if store is not None else None)
     return Response(body, media_type=content_type)
 
 

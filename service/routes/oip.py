@@ -12,7 +12,7 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..auth import ReadAccess, require_read_key
+from ..auth import PrivateAccess, ReadAccess, require_read_key
 from ..codec import OCTET_STREAM, VERSION_HEADER, JSONBytesResponse
 from ..http.fastpath import FastRoute
 from ..metrics import Metrics, server_timing
@@ -64,7 +64,7 @@ async def ready(request: Request) -> Response:
 
 
 @router.get("", response_model=ServerMetadata, summary="Server metadata (protocol v2)")
-async def server_metadata() -> Response:
+async def server_metadata(_: PrivateAccess) -> Response:
     return _timed(SERVER_METADATA, time.perf_counter())
 
 

@@ -54,6 +54,15 @@ class Limits:
             max_total_memory_bytes=settings.max_total_memory_bytes,
         )
 
+    def max_checkpoint_bytes(self) -> tuple[int, str]:
+        """The most tensor bytes an uploaded checkpoint may declare, and how that figure is made: a table's
+        array and up to two optimizer states of its size (adam), float32, plus 1 MiB for the hash
+        constants, never over ``max_total_memory_bytes``."""
+        largest = 3 * self.max_memory_size * 4 + (1 << 20)
+        if largest >= self.max_total_memory_bytes:
+            return self.max_total_memory_bytes, f"max_total_memory_bytes={self.max_total_memory_bytes}"
+        return largest, f"3 x max_memory_size={self.max_memory_size} float32 values + 1 MiB"
+
     def check_request(self, num_ids: int, embedding_dim: int) -> None:
         """A lookup or update of ``num_ids`` rows of ``embedding_dim`` values."""
         if num_ids > self.max_ids_per_request:

@@ -4,9 +4,12 @@ offline tools (``robez import`` / ``robez snapshot``) that lock the data directo
 from __future__ import annotations
 
 import io
+import json
 import logging
+import math
 import os
 import tempfile
+import zipfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
@@ -14,6 +17,8 @@ import torch
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConflictError, CorruptionError, InvalidInputError, NotFoundError
+
+from ..errors import PayloadTooLargeError
 
 if TYPE_CHECKING:
     from robez_core.table import Table
@@ -33,6 +38,54 @@ _PICKLE_PROTOCOL_2 = b"\x80\x02"  # torch.save's legacy format
 def checkpoint_format(data: bytes) -> str:
     """``"paper"`` for a torch.save file (zip or legacy), ``"robez"`` otherwise (safetensors)."""
     return "paper" if data.startswith((_ZIP_MAGIC, _PICKLE_PROTOCOL_2)) else "robez"
+
+
+# safetensors dtype names -> bytes per element (the ones robez and torch write).
+_SAFETENSORS_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1
+}  # fmt: skip
+
+
+def declared_tensor_bytes(data: bytes, kind: str) -> int:
+    """The bytes the tensors of a checkpoint will take once loaded, as the file declares them, read
+    without decompressing or allocating anything: a torch.save zip's central directory (each member's
+    uncompressed size: a small deflated member may declare gigabytes), a safetensors header (shape x
+    dtype). Raises ``InvalidInputError`` for a legacy (non-zip) torch.save file, whose storage sizes
+    only unpickling tells, and for a header that cannot be read."""
+    if kind == "paper":
+        if not data.startswith(_ZIP_MAGIC):
+            raise InvalidInputError(
+                "a legacy (non-zip) torch.save file cannot be size-checked before loading; save it again "
+                "with torch.save's default (zip) format, or use robez import (offline)"
+            )
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                return sum(member.file_size for member in archive.infolist())
+        except (zipfile.BadZipFile, OSError, ValueError) as error:
+            raise InvalidInputError(f"not a readable torch.save (zip) file: {error}") from error
+    if len(data) < 8:
+        return len(data)  # the loader says what is wrong with it
+    header_size = int.from_bytes(data[:8], "little")
+    if header_size > len(data) - 8:
+        raise InvalidInputError("not a valid robez checkpoint: its safetensors header is cut short")
+    try:
+        header = json.loads(data[8 : 8 + header_size])
+        return sum(
+            math.prod(int(dim) for dim in entry["shape"]) * _SAFETENSORS_ITEMSIZE.get(entry["dtype"], 8)
+            for key, entry in header.items()
+            if key != "__metadata__"
+        )
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise InvalidInputError(f"not a valid robez checkpoint: unreadable header ({error})") from error
+
+
+def _check_declared_size(data: bytes, kind: str, max_tensor_bytes: tuple[int, str]) -> None:
+    declared = declared_tensor_bytes(data, kind)
+    limit, made_of = max_tensor_bytes
+    if declared > limit:
+        raise PayloadTooLargeError(
+            f"the checkpoint declares {declared} bytes of tensors; the limit is {limit} bytes ({made_of})"
+        )
 
 
 def _paper_state_dict(data: bytes, prefix: str | None) -> dict[str, torch.Tensor]:
@@ -66,6 +119,7 @@ def read_checkpoint(
     val_offset: int = 0,
     prefix: str | None = None,
     optimizer: OptimizerConfig | None = None,
+    max_tensor_bytes: tuple[int, str] | None = None,
 ) -> tuple[Table, str]:
     """A private ``Table`` from checkpoint bytes, and the format it was read as.
 
@@ -73,12 +127,16 @@ def read_checkpoint(
     ``RobezEmbedding`` state_dict (``weight``, ``random_numbers``, ``helper_*``) via
     ``import_paper_state_dict`` with ``num_embeddings`` / ``chunk_size`` / ``val_offset`` / ``optimizer``
     (which a state_dict does not hold). Bad input raises ``InvalidInputError`` or ``ConfigError``.
+    ``max_tensor_bytes``: (limit, how it is made, for the message): a file declaring more tensor bytes is
+    refused (``PayloadTooLargeError``) before anything is decompressed or allocated.
     """
     from robez_core.table import Table, import_paper_state_dict
 
     if format not in CHECKPOINT_FORMATS:
         raise InvalidInputError(f"format must be one of {CHECKPOINT_FORMATS}, got {format!r}")
     kind = checkpoint_format(data) if format == "auto" else format
+    if max_tensor_bytes is not None:
+        _check_declared_size(data, kind, max_tensor_bytes)
     if kind == "paper":
         state_dict = _paper_state_dict(data, prefix)
         try:
@@ -208,6 +266,16 @@ def snapshot_offline(
     journal = WalJournal(data_dir, exclusive=True)
     done: list[tuple[str, int, int]] = []
     try:
+        if salvage:
+            for name in journal.damaged():
+                if names is None or name in names:
+                    aside = journal.set_aside(name)
+                    logger.warning(
+                        "skipped table %r: its folder has no meta.json, so it cannot be loaded; set aside as "
+                        "%s with every file in it",
+                        name,
+                        aside,
+                    )
         for name in names if names is not None else journal.names():
             before = journal.snapshot_version(name)
             loaded = journal.load(name, salvage=salvage)

@@ -8,7 +8,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from robez_core.errors import ConflictError, InvalidInputError
 from robez_core.table import fsync_dir
@@ -36,12 +36,20 @@ def _write_file_durably(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def open_private(path: Path) -> BinaryIO:
+    """``path`` created (or truncated) for writing, readable by its owner only (0600): a table's data is
+    nobody else's business, like its snapshots (whatever the umask)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    return os.fdopen(fd, "wb")
+
+
 def _write_temp_file(path: Path, data: bytes) -> Path:
     """``data`` in a fsynced temporary file beside ``path``, to be renamed over it; removed on failure (a
     full disk must not keep the space of a half-written file)."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as handle:
+        with open_private(tmp) as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

@@ -36,6 +36,7 @@ from .files import (
     _write_all,
     _write_file_durably,
     _write_temp_file,
+    open_private,
     remove_creation_leftovers,
     validate_table_name,
 )
@@ -63,6 +64,12 @@ logger = logging.getLogger("robez.wal")
 
 # A dropped table's folder is renamed ".dropped-<name>-<8 hex>" (the drop's commit), then removed.
 _DROPPED = ".dropped-"
+_DAMAGED = ".damaged-"
+
+
+def _not_a_table(entry_name: str) -> bool:
+    """Hidden entries (locks, staging, dropped and damaged folders) and a file system's lost+found."""
+    return entry_name.startswith(".") or entry_name == "lost+found"
 
 
 @dataclass
@@ -215,12 +222,38 @@ class WalJournal:
     # -- Journal protocol --------------------------------------------------------------------------------
 
     def names(self) -> list[str]:
-        """Tables with a committed snapshot in the data directory, sorted."""
+        """Tables with a committed snapshot in the data directory, sorted. Raises ``CorruptionError``
+        naming any table folder without its meta.json: a table is never left out silently."""
+        damaged = self.damaged()
+        if damaged:
+            folders = ", ".join(str(self.table_dir(name)) for name in damaged)
+            raise CorruptionError(
+                f"table folder(s) without {META_FILE}, which cannot be loaded: {folders}. Restore "
+                f"{META_FILE} from a backup, or set the folder(s) aside (files kept) with: robez snapshot "
+                f"--data-dir {self.data_dir} --salvage"
+            )
         return sorted(
             entry.name
             for entry in self.data_dir.iterdir()
-            if not entry.name.startswith(".") and (entry / META_FILE).is_file()
+            if not _not_a_table(entry.name) and (entry / META_FILE).is_file()
         )
+
+    def damaged(self) -> list[str]:
+        """Table folders without meta.json, sorted: damage (a create builds its table in a hidden
+        ``.creating-*`` folder and renames it into place whole, so none is ever left this way)."""
+        return sorted(
+            entry.name
+            for entry in self.data_dir.iterdir()
+            if not _not_a_table(entry.name) and entry.is_dir() and not (entry / META_FILE).exists()
+        )
+
+    def set_aside(self, name: str) -> Path:
+        """Rename a damaged table folder to a hidden ``.damaged-<name>-<8 hex>`` beside it (files kept, for
+        an operator to inspect); returns the new path."""
+        aside = self.data_dir / f"{_DAMAGED}{name}-{uuid.uuid4().hex[:8]}"
+        os.replace(self.table_dir(name), aside)
+        fsync_dir(self.data_dir)
+        return aside
 
     def create(self, name: str, table: Table, version: int) -> None:
         """Write the first snapshot and an empty log, built in a hidden folder then renamed into place."""
@@ -234,8 +267,13 @@ class WalJournal:
             os.replace(staging / f"{LOG_FILE}.new", staging / LOG_FILE)
             if self.fault_file is not None:  # testing only: a kill with the table staged, not in place
                 die_at(self.fault_file, "create:staged")
-            if directory.exists():  # left by a crash before its meta.json was written: nothing committed
-                shutil.rmtree(directory)
+            if directory.exists():
+                # Never a crashed create's (those stay in .creating-*): a table damaged in place. Its files
+                # are someone's data; nothing here removes them.
+                raise CorruptionError(
+                    f"table {name!r}: {directory} exists without {META_FILE}; it is left as it is. Restore "
+                    f"{META_FILE}, or set it aside with: robez snapshot --data-dir {self.data_dir} --salvage"
+                )
             os.replace(staging, directory)
             fsync_dir(self.data_dir)
         except Exception as error:
@@ -551,7 +589,7 @@ class WalJournal:
         try:
             table.save(snapshot_file)  # atomic and fsynced, folder included
             crc, size = _file_crc(snapshot_file)
-            with open(new_log, "wb") as handle:
+            with open_private(new_log) as handle:
                 handle.write(encode_log_header(embedding_dim, generation, version))
                 handle.flush()
                 os.fsync(handle.fileno())

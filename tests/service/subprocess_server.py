@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -35,6 +36,8 @@ class RobezServer:
         env: extra environment (``ROBEZ_SHM_DIR`` should point into the test's temporary folder).
         program: how robez is started (default ``python -m service``; e.g. the installed ``robez`` script).
         cwd: the server's working directory (default: the test's).
+        verify: for a server started with ``--tls-cert``: what httpx checks its certificate with (an
+            ``ssl.SSLContext``); the URL is then ``https://``.
     """
 
     def __init__(
@@ -44,8 +47,10 @@ class RobezServer:
         env: dict[str, str],
         program: list[str] | None = None,
         cwd: Path | None = None,
+        verify: ssl.SSLContext | None = None,
     ) -> None:
         self.log_path = log_path
+        self.verify = verify
         self.args = args
         self.program = program if program is not None else [sys.executable, "-m", "service"]
         self.cwd = cwd
@@ -56,7 +61,8 @@ class RobezServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.verify is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         """Start and wait until /readyz answers 200; a port taken meanwhile by another program is retried."""
@@ -84,7 +90,8 @@ class RobezServer:
                     return False
                 raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
+                ready = httpx.get(f"{self.url}/readyz", timeout=2.0, verify=self.verify or True)
+                if ready.status_code == 200:
                     return True
             except httpx.TransportError:
                 pass

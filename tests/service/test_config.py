@@ -115,3 +115,18 @@ def test_the_connection_protocol_pickles_into_spawned_workers() -> None:
     assert factory.func is RobezHttpProtocol
     assert factory.keywords["limits"].header_timeout_s == 2.5
     assert factory.keywords["limits"].max_connections == 7
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        ({"nats_password": "x"}, "a NATS password needs a NATS user"),
+        ({"nats_user": "u", "nats_nkey": "seed.nk"}, "give one of"),
+        ({"nats_tls_cert": "c.pem"}, "certificate and its key go together"),
+        ({"tls_cert": "c.pem"}, "tls_cert and tls_key go together"),
+        ({"tls_client_ca": "ca.pem"}, "tls_client_ca needs tls_cert"),
+    ],
+)
+def test_half_given_credentials_are_a_start_up_error(settings: dict[str, str], problem: str) -> None:
+    with pytest.raises(ValidationError, match=problem):
+        Settings(_env_file=None, **settings)  # type: ignore[call-arg]

@@ -418,3 +418,49 @@ def test_a_load_whose_snapshot_fails_leaves_the_table_as_it_was(
     with TestClient(create_app(settings)) as client:
         assert client.get("/v1/tables/t").json()["version"] == 3
         assert torch.equal(_rows(client, PROBE), rows)
+
+
+BINARY = {"Content-Type": "application/octet-stream"}
+
+
+def _deflated(torch_zip: bytes) -> bytes:
+    """The same torch.save archive with every member deflated: what a zip bomb looks like (tiny upload,
+    each member declaring its full size in the central directory)."""
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(torch_zip)) as source, zipfile.ZipFile(out, "w") as target:
+        for member in source.infolist():
+            target.writestr(member.filename, source.read(member), compress_type=zipfile.ZIP_DEFLATED)
+    return out.getvalue()
+
+
+def test_a_checkpoint_declaring_more_than_the_limits_is_refused_before_it_is_unpacked(tmp_path: Path) -> None:
+    """A paper state_dict whose array (4M floats, 16 MiB) is over the tables' limit (max_memory_size 1M:
+    3 x 4 MiB + 1 MiB): 413 naming the limit, read from the zip's central directory, before torch.load
+    inflates anything, also when the upload is a few KiB of deflated zeros."""
+    big = 4 * 1024 * 1024
+    state_dict = _paper_state_dict(DIM, CHUNK, 64, seed=5)
+    state_dict["weight"] = torch.zeros(big)
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    bomb = _deflated(buffer.getvalue())
+    assert len(bomb) < big // 100
+    with TestClient(create_app(_settings(tmp_path, max_memory_size=1 << 20))) as client:
+        for body in (buffer.getvalue(), bomb):
+            response = client.post(
+                f"/v1/tables/new/load?num_embeddings=1000&chunk_size={CHUNK}", content=body, headers=BINARY
+            )
+            assert response.status_code == 413, response.text
+            assert "max_memory_size=1048576" in response.json()["error"]
+        assert client.get("/v1/tables/new").status_code == 404
+        # Within the limit the same (deflated) way of saving loads.
+        state_dict["weight"] = torch.zeros(64)
+        small = io.BytesIO()
+        torch.save(state_dict, small)
+        response = client.post(
+            f"/v1/tables/new/load?num_embeddings=1000&chunk_size={CHUNK}",
+            content=_deflated(small.getvalue()),
+            headers=BINARY,
+        )
+        assert response.status_code == 200, response.text

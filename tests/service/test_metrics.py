@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from fastapi.testclient import TestClient
 
@@ -47,3 +49,59 @@ def test_lookup_and_update_server_timings_are_server_timing_as_bytes() -> None:
         assert lookup_server_timing(*stages) == expected
         expected = server_timing(hash=stages[0], apply=stages[1], total=stages[2]).encode()
         assert update_server_timing(*stages) == expected
+
+
+SMALL_TABLE = {"num_embeddings": 100, "embedding_dim": 4, "memory_size": 64, "chunk_size": 2}
+
+
+def _table_labels(text: str) -> set[str]:
+    import re
+
+    return set(re.findall(r'table="([^"]*)"', text)) - {""}
+
+
+def test_series_of_dropped_tables_go_and_table_labels_are_capped(
+    client_factory: Callable[..., TestClient],
+) -> None:
+    """A create/lookup/delete history of distinct names leaves no series behind (issue 28: 2,066 table
+    labels, 15.7 MB), and at most ``max_metric_tables`` tables have their own label at once."""
+    client = client_factory(default_table=False, max_metric_tables=3)
+    body = {"ids": [1, 2]}
+    for name in ("kept1", "kept2"):
+        assert client.post("/v1/tables", json={"name": name, "config": SMALL_TABLE}).status_code == 201
+        assert client.post(f"/v1/tables/{name}/lookup", json=body).status_code == 200
+    for index in range(30):
+        name = f"gone{index}"
+        assert client.post("/v1/tables", json={"name": name, "config": SMALL_TABLE}).status_code == 201
+        assert client.post(f"/v1/tables/{name}/lookup", json=body).status_code == 200
+        assert client.delete(f"/v1/tables/{name}").status_code == 204
+        if index % 3 == 0:
+            client.get("/metrics")  # scrapes now and then, as Prometheus would
+    text = client.get("/metrics").text
+    assert _table_labels(text) <= {"kept1", "kept2", "_other"}, sorted(_table_labels(text))
+    assert {"kept1", "kept2"} <= _table_labels(text)
+    # Places freed by the dropped tables are given again: a new table is labelled with its name.
+    assert client.post("/v1/tables", json={"name": "late", "config": SMALL_TABLE}).status_code == 201
+    assert client.post("/v1/tables/late/lookup", json=body).status_code == 200
+    assert "late" in _table_labels(client.get("/metrics").text)
+    # Over the cap (3 tables labelled), a fourth shares _other.
+    assert client.post("/v1/tables", json={"name": "fourth", "config": SMALL_TABLE}).status_code == 201
+    assert client.post("/v1/tables/fourth/lookup", json=body).status_code == 200
+    labels = _table_labels(client.get("/metrics").text)
+    assert "fourth" not in labels and "_other" in labels
+
+
+def test_private_endpoints_need_a_key(client_factory: Callable[..., TestClient]) -> None:
+    open_client = client_factory(api_key="w", read_api_key="r")
+    for path in ("/metrics", "/docs", "/openapi.json", "/v2"):
+        assert open_client.get(path).status_code == 200, path  # open by default (docs/api.md)
+    client = client_factory(api_key="w", read_api_key="r", private_endpoints=True)
+    for path in ("/metrics", "/docs", "/openapi.json", "/v2"):
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 403, path
+        for key in ("r", "w"):
+            response = client.get(path, headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == 200, (path, key)
+    assert client.get("/redoc").status_code == 404
+    for path in ("/healthz", "/readyz"):
+        assert client.get(path).status_code == 200

@@ -317,7 +317,8 @@ def test_auth_is_checked_the_same(run: Run, tmp_path: Path) -> None:
 
 def test_a_request_that_waits_finishes_in_a_task_once(run: Run, tmp_path: Path) -> None:
     """A lookup that waits for a newer version (X-Robez-Min-Version) stops in the handler: it is finished
-    by a task from where it stopped, holding an in-flight slot meanwhile, and answered once."""
+    by a task from where it stopped, holding a waiter's place (not an in-flight slot: waits must not take
+    the worker) meanwhile, and answered once."""
 
     async def scenario() -> None:
         async with serving(tmp_path, min_version_wait_ms=5000) as served:
@@ -332,7 +333,7 @@ def test_a_request_that_waits_finishes_in_a_task_once(run: Run, tmp_path: Path) 
                 == []
             )
             await asyncio.sleep(0.05)
-            assert admission.in_flight == 1 and waiting.send(b"") == []
+            assert admission.in_flight == 0 and admission.waiting == 1 and waiting.send(b"") == []
             grads = np.ones((1, 64), dtype="<f4").tobytes()
             (pushed,), at_once = await writer.exchange(
                 request(
@@ -348,7 +349,7 @@ def test_a_request_that_waits_finishes_in_a_task_once(run: Run, tmp_path: Path) 
             rows = np.frombuffer(answer.body, dtype="<f4")
             assert rows.shape == (64,)
             np.testing.assert_array_equal(rows, served.store.lookup("demo", torch.tensor([7])).rows[0])
-            assert admission.in_flight == 0 and admission.held_bytes == 0
+            assert admission.in_flight == 0 and admission.waiting == 0 and admission.held_bytes == 0
             await asyncio.sleep(0.05)
             assert waiting.send(b"") == [] and not waiting.transport.closed  # answered once, still open
 

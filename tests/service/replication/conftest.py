@@ -78,6 +78,7 @@ class ReplicaServer:
                 "ROBEZ_NATS_PREFIX": self.prefix,
                 "ROBEZ_LOG_LEVEL": "info",
                 "PYTHONPATH": str(REPO),
+                **self.cluster.robez_env(),
                 **self.extra_env,
             }
         )
@@ -178,7 +179,7 @@ def stream_leader(cluster: NatsCluster, prefix: str, table: str) -> str:
     """Name of the NATS node leading the stream of ``table`` (current incarnation)."""
 
     async def find() -> str:
-        nc = await nats.connect(servers=cluster.urls)
+        nc = await nats.connect(servers=cluster.urls, **cluster.connect_options())
         try:
             js = nc.jetstream(timeout=5)
             for info in await js.streams_info():
@@ -194,7 +195,7 @@ def stream_leader(cluster: NatsCluster, prefix: str, table: str) -> str:
 
 def stream_bounds(cluster: NatsCluster, prefix: str, table: str) -> tuple[int, int]:
     async def bounds() -> tuple[int, int]:
-        nc = await nats.connect(servers=cluster.urls)
+        nc = await nats.connect(servers=cluster.urls, **cluster.connect_options())
         try:
             js = nc.jetstream(timeout=5)
             for info in await js.streams_info():

@@ -36,19 +36,38 @@ def test_three_nats_three_replicas_and_a_load_balancer() -> None:
         assert environment["ROBEZ_NATS_REPLICAS"] == "3"
         assert environment["ROBEZ_REPLICA_NAME"] == name
         assert "--data-dir" not in services[name]["command"]  # a replica's journal is the log
+        # NATS is closed to strangers: a login and the CA + client certificate, mounted as secrets.
+        assert environment["ROBEZ_NATS_USER"] == "robez"
+        assert services[name]["env_file"] == "./secrets/robez.env"
+        for variable in ("ROBEZ_NATS_TLS_CA", "ROBEZ_NATS_TLS_CERT", "ROBEZ_NATS_TLS_KEY"):
+            assert environment[variable].startswith("/run/secrets/")
+    nats_conf = (CLUSTER / "nats.conf").read_text()
+    assert nats_conf.count("verify: true") == 2  # clients and routes present certificates
+    assert "authorization {" in nats_conf
     haproxy = (CLUSTER / "haproxy.cfg").read_text()
     assert "GET /readyz" in haproxy
     assert sorted(re.findall(r"server (robez\d) ", haproxy)) == sorted(replicas)
 
 
-def test_nats_config_is_valid_and_fsyncs_every_message() -> None:
+def test_nats_config_is_valid_and_fsyncs_every_message(tmp_path: Path) -> None:
     config = CLUSTER / "nats.conf"
     assert re.search(r"sync_interval:\s*always", config.read_text())
     # The same push limit as the dev/test cluster's, so a push that works under `make cluster` works here.
     assert re.search(rf"^max_payload:\s*{NATS_MAX_PAYLOAD}$", config.read_text(), re.MULTILINE)
+    secrets = tmp_path / "secrets"
+    subprocess.run(["sh", str(CLUSTER / "make-secrets.sh"), str(secrets)], check=True, timeout=60)
+    passwords = dict(
+        line.split("=", 1) for line in (secrets / "nats.env").read_text().splitlines() if "=" in line
+    )
+    tls = {"NATS_TLS_CA": "ca.pem", "NATS_TLS_CERT": "server.pem", "NATS_TLS_KEY": "server.key"}
     result = subprocess.run(
         [nats_server_binary(), "-t", "-c", str(config)],
-        env={**os.environ, "SERVER_NAME": "nats1"},
+        env={
+            **os.environ,
+            "SERVER_NAME": "nats1",
+            **passwords,
+            **{name: str(secrets / file) for name, file in tls.items()},
+        },
         capture_output=True,
         text=True,
         timeout=30,

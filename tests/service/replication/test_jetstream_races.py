@@ -44,8 +44,12 @@ def test_snapshot_replaced_between_meta_and_chunks_is_read_again(single_nats: Na
     subscribed to its chunks: the reader returns snapshot 20, byte for byte, within a bounded time."""
 
     async def scenario() -> tuple[Snapshot | None, int]:
-        reader = JetStreamLog(single_nats.urls, replicas=1, prefix="race1", timeout_s=5)
-        writer = JetStreamLog(single_nats.urls, replicas=1, prefix="race1", timeout_s=5)
+        reader = JetStreamLog(
+            single_nats.urls, replicas=1, prefix="race1", timeout_s=5, auth=single_nats.auth()
+        )
+        writer = JetStreamLog(
+            single_nats.urls, replicas=1, prefix="race1", timeout_s=5, auth=single_nats.auth()
+        )
         await reader.connect()
         await writer.connect()
         try:
@@ -78,7 +82,7 @@ def test_snapshot_read_without_replacement(single_nats: NatsCluster, tmp_path: P
     """No concurrent upload: the stored snapshot, its position, and None where there is none."""
 
     async def scenario() -> tuple[Snapshot | None, Snapshot | None]:
-        log = JetStreamLog(single_nats.urls, replicas=1, prefix="race2", timeout_s=5)
+        log = JetStreamLog(single_nats.urls, replicas=1, prefix="race2", timeout_s=5, auth=single_nats.auth())
         await log.connect()
         try:
             missing = await log.get_snapshot(ENTRY)
@@ -128,7 +132,7 @@ def test_catalog_replay_ends_after_the_existing_tables_even_if_the_marker_comes_
     single_nats: NatsCluster,
 ) -> None:
     async def scenario() -> tuple[list[CatalogEvent], list[CatalogEvent], list[CatalogEvent]]:
-        log = JetStreamLog(single_nats.urls, replicas=1, prefix="race3", timeout_s=5)
+        log = JetStreamLog(single_nats.urls, replicas=1, prefix="race3", timeout_s=5, auth=single_nats.auth())
         await log.connect()
         try:
             empty = await asyncio.wait_for(_replay(log), 10)

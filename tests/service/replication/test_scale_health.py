@@ -84,7 +84,7 @@ def lead_elsewhere(cluster: NatsCluster, table: str, node: NatsNode) -> None:
     with kill -9 in test_replicas.py; here the node a replica is connected to hangs)."""
 
     async def step_down() -> None:
-        nc = await nats.connect(servers=cluster.urls)
+        nc = await nats.connect(servers=cluster.urls, **cluster.connect_options())
         try:
             js = nc.jetstream(timeout=5)
             for info in await js.streams_info():

@@ -1,0 +1,102 @@
+"""How robez proves who it is to NATS, and checks who NATS is: credentials and TLS for ``nats.connect``.
+
+One of: a ``.creds`` file (JWT + nkey seed, NATS's decentralised auth), an nkey seed file, or a user and
+password. TLS: a CA bundle that the server's certificate must chain to, and optionally a client
+certificate + key (for servers that verify clients, ``verify: true``). Files are read at connect time, so
+a mounted Secret can be rotated by restarting the replica. See docs/security.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NatsAuth:
+    """Credentials and TLS material for one NATS connection; every field optional."""
+
+    user: str | None = None
+    password: str | None = None
+    creds: Path | None = None
+    nkey: Path | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.password is not None and self.user is None:
+            raise ValueError("a NATS password needs a NATS user")
+        if sum(x is not None for x in (self.user, self.creds, self.nkey)) > 1:
+            raise ValueError("give one of a NATS user (+ password), a .creds file or an nkey seed file")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("a NATS client certificate and its key go together")
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether any credential is set (a connection without one is refused by a secured server)."""
+        return self.user is not None or self.creds is not None or self.nkey is not None
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls_ca is not None or self.tls_cert is not None
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A client context that verifies the server against ``tls_ca`` (the system's CAs if unset) and
+        presents the client certificate if one is set; None without TLS settings."""
+        if not self.uses_tls:
+            return None
+        context = ssl.create_default_context(
+            ssl.Purpose.SERVER_AUTH, cafile=str(self.tls_ca) if self.tls_ca is not None else None
+        )
+        if self.tls_cert is not None and self.tls_key is not None:
+            context.load_cert_chain(str(self.tls_cert), str(self.tls_key))
+        return context
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect`` (nats-py)."""
+        options: dict[str, Any] = {}
+        if self.user is not None:
+            options["user"] = self.user
+            if self.password is not None:
+                options["password"] = self.password
+        if self.creds is not None:
+            options["user_credentials"] = str(self.creds)
+        if self.nkey is not None:
+            options["nkeys_seed"] = str(self.nkey)
+        context = self.ssl_context()
+        if context is not None:
+            _bound_tls_close()
+            options["tls"] = context
+        return options
+
+
+# Closing a TLS connection waits for the peer's close_notify: from a hung (SIGSTOPped) server that takes
+# the event loop's SSL shutdown timeout, 30 s, and nats-py waits for that close before it reconnects to
+# another node (plain TCP closes at once). So a close that has not finished within this is aborted.
+_TLS_CLOSE_WAIT_S = 0.25
+
+
+def _bound_tls_close() -> None:
+    """Make nats-py's TCP transport abort a close that a hung peer does not complete (idempotent)."""
+    from nats.aio.transport import TcpTransport
+
+    if getattr(TcpTransport.wait_closed, "_robez_bounded", False):
+        return
+
+    async def wait_closed(self: TcpTransport) -> None:
+        writer = self._io_writer
+        if writer is None:
+            return
+        try:
+            await asyncio.wait_for(writer.wait_closed(), _TLS_CLOSE_WAIT_S)
+        except TimeoutError:
+            writer.transport.abort()
+            if self._bare_io_writer is not None:
+                self._bare_io_writer.transport.abort()
+
+    wait_closed._robez_bounded = True  # type: ignore[attr-defined]
+    TcpTransport.wait_closed = wait_closed  # type: ignore[method-assign]
