@@ -169,7 +169,7 @@ class Applier:
         self._write_status()
         self._status_task = asyncio.create_task(self._status_loop())
         self._lag_task = asyncio.create_task(self._lag_loop(), name="robez-replication-lag")
-        if self.settings.replica_snapshot_interval_s > 0:
+        if self.settings.replica_snapshot_interval_s > 0 or self.settings.replica_snapshot_every_updates:
             self._upload_task = asyncio.create_task(self._upload_timer(), name="robez-snapshot-timer")
         await self._create_configured_tables()
         seen: set[str] = set()
@@ -638,14 +638,19 @@ class Applier:
 
     async def _upload_timer(self) -> None:
         """Upload every table with updates since its last upload once that upload is
-        ``replica_snapshot_interval_s`` old; runs on its own, so a burst followed by silence is uploaded."""
+        ``replica_snapshot_interval_s`` old; runs on its own, so a burst followed by silence is uploaded.
+        Also a table whose count came due while its previous upload still ran (no apply triggers it
+        after that upload if the pushes stopped)."""
         interval = self.settings.replica_snapshot_interval_s
+        every = self.settings.replica_snapshot_every_updates
         while True:
-            await asyncio.sleep(min(interval, 1.0))
+            await asyncio.sleep(min(interval, 1.0) if interval > 0 else 1.0)
             now = time.monotonic()
             for name, (entry, task) in list(self._tasks.items()):
-                due = now - self._last_upload.get(name, now) >= interval
-                if due and self._since_upload.get(name, 0) > 0 and not task.done():
+                since = self._since_upload.get(name, 0)
+                timed = interval > 0 and now - self._last_upload.get(name, now) >= interval and since > 0
+                counted = bool(every) and since >= every
+                if (timed or counted) and not task.done() and not self._snapshot_running(name):
                     await self._snapshot(entry)
 
     # -- status -------------------------------------------------------------------------------------
