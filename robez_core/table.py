@@ -567,7 +567,7 @@ class Table:
 # safetensors' dtype names of the tensors a checkpoint holds.
 _DTYPES: dict[torch.dtype, str] = {torch.float32: "F32", torch.int64: "I64"}
 _DTYPE_OF_NAME = {name: dtype for dtype, name in _DTYPES.items()}
-_PIECE_BYTES = 16 << 20  # read or written per system call: a few MiB, never a copy of a whole tensor
+_PIECE_BYTES = 4 << 20  # read or written per system call: a few MiB, never a copy of a whole tensor
 _BLANK_CHECKSUM = "0" * 32  # blake2b-128 hex: the real checksums have this length, so the header's too
 
 
