@@ -130,7 +130,7 @@ class Applier:
         # Where snapshot files are written for an upload and downloaded for a bootstrap: the data
         # directory's snapshot folder, else the temp folder (TMPDIR; it should be on disk, not tmpfs).
         self._scratch = self.local.directory if self.local is not None else Path(tempfile.gettempdir())
-        remove_stale_files(self._scratch)
+        remove_stale_files(self._scratch, temp_files=self.local is not None)
         self._since_local: dict[str, int] = {}
         self._sources: dict[str, str] = {}
 

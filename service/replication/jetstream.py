@@ -859,7 +859,9 @@ class SnapshotUpload:
     async def _keep(self) -> None:
         while self._lost is None:
             await asyncio.sleep(self.log.lease_ttl_s / 3)
-            with contextlib.suppress(BusyError):  # retried next period; lost once the TTL passes
+            # BusyError: retried next period (lost once the TTL passes); ConflictError: lost, and ``put``
+            # finds it so.
+            with contextlib.suppress(BusyError, ConflictError):
                 await self.renew()
 
     async def renew(self) -> None:

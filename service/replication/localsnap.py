@@ -126,14 +126,15 @@ class LocalSnapshots:
         remove_stale_files(self.directory)
 
 
-def remove_stale_files(directory: Path) -> None:
-    """Remove the snapshot scratch and temp files in ``directory`` whose writer process is gone."""
+def remove_stale_files(directory: Path, temp_files: bool = True) -> None:
+    """Remove the snapshot scratch files in ``directory`` whose writer process is gone, and (``temp_files``:
+    a folder of robez's own, not the system's temp folder) checkpoint temp files too."""
     try:
         paths = list(directory.iterdir())
     except OSError:
         return
     for path in paths:
-        for pattern in _STALE:
+        for pattern in _STALE if temp_files else _STALE[:1]:
             match = pattern.match(path.name)
             if match is not None and not _alive(int(match["pid"])):
                 path.unlink(missing_ok=True)
