@@ -12,13 +12,14 @@ and ``wide`` (memory_size 2**20, d = 128, Adam). Uploads every ``--every`` updat
    ``wide`` (a 2 MiB body), while no upload runs, then while ``big``'s first upload runs (from the copy
    under the update lock to the upload's end, per the replicas' logs);
 2. that upload: seconds the update lock was held for the copy, upload time, and the uploading replica's
-   peak extra PSS (sum of ``/proc/<pid>/smaps_rollup`` Pss over its process tree, sampled every 0.1 s,
-   minus its median before the upload);
+   peak extra PSS (sum of ``/proc/<pid>/smaps_rollup`` Pss minus Pss_Shmem over its process tree, sampled
+   every 0.1 s: the shared-memory tables are the table itself, and PSS counts their pages only where a
+   mapping touched them), minus its peak during the same pushes before any upload;
 3. after ``--pushes`` pushes of 256 x 64 to ``big`` in all (and every upload done): the bytes on disk of
    the snapshot bucket's stream and of ``big``'s log stream on each NATS node;
 4. bootstrap: a third replica C started then loads ``big`` from the Object Store snapshot (the log is
    trimmed below it): time from its applier starting to the table loaded, and its peak extra PSS
-   meanwhile (minus its PSS once loaded, the table itself included); C's checksum equals A's and B's.
+   meanwhile (as in 2, minus its PSS once loaded); C's checksum equals A's and B's.
 
 Prints a Markdown report (machine, CPU, load, date, command) for docs/benchmarks/replication-scale-
 <date>.md. Everything it starts is stopped by pid; its working directory (NATS stores, logs) and shared
@@ -95,14 +96,18 @@ class _Server:
         return found
 
     def pss_bytes(self) -> int:
+        """PSS of the process tree without its shared-memory (tmpfs) pages: the tables' arrays, whose
+        bytes are the table itself, not extra, and which PSS counts only where a mapping has touched them
+        (a table just loaded through one mapping and served through another shows few)."""
         total = 0
         for pid in tree_pids(self.process.pid):
             try:
                 text = Path(f"/proc/{pid}/smaps_rollup").read_text()
             except OSError:
                 continue
-            found = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
-            total += int(found[1]) * 1024 if found else 0
+            pss = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
+            shmem = re.search(r"^Pss_Shmem:\s+(\d+) kB", text, re.MULTILINE)
+            total += (int(pss[1]) - (int(shmem[1]) if shmem else 0)) * 1024 if pss else 0
         return total
 
     def checksum(self, table: str) -> tuple[int, str]:
@@ -207,15 +212,16 @@ def _wait(condition: object, timeout_s: float, what: str) -> None:
 
 
 def _uploads(servers: list[_Server], table: str) -> list[tuple[str, float, float, int, float, float]]:
-    """Finished uploads: (replica, copy time, end time, version, lock seconds, upload seconds)."""
+    """Finished uploads: (replica, copy start, end time, version, lock seconds, upload seconds)."""
     out = []
     for server in servers:
         copies = {v: (t, m) for t, v, m in server.events(table, "state")}
         for end, version, message in server.events(table, "snapshot"):
             if "uploaded in" not in message or version not in copies:
                 continue
-            start, copy_message = copies[version]
+            copied, copy_message = copies[version]
             held = float(re.search(r"held ([\d.]+) s", copy_message)[1])  # type: ignore[index]
+            start = copied - held  # the line is logged once the copy is done
             took = float(re.search(r"uploaded in ([\d.]+) s", message)[1])  # type: ignore[index]
             out.append((server.name, start, end, version, held, took))
     return sorted(out, key=lambda upload: upload[3])
@@ -282,8 +288,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             answer = httpx.post(
                 f"{a.url}/v1/tables", json={"name": name, "config": config, "optimizer": _ADAM}, timeout=600
             )
-            answer.raise_for_status()
-        _wait(lambda: "big" in httpx.get(f"{b.url}/v1/tables", timeout=30).text, 600, "big on B")
+            if answer.status_code != 503:  # 503: in the catalog, still being allocated here
+                answer.raise_for_status()
+            for server in (a, b):
+                _wait(
+                    lambda s=server, n=name: (
+                        httpx.get(f"{s.url}/v1/tables/{n}", timeout=30).status_code == 200
+                    ),
+                    600,
+                    f"{name} on {server.name}",
+                )
         pusher = _Pusher([a, b])
         samplers = {server.name: _Sampler(server) for server in (a, b)}
 
@@ -390,9 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"## The upload (replica {uploader}, version {upload_version})",
         "",
         f"- update lock held for the copy: {lock_held:.3f} s; upload (finish the file, stream it, trim): "
-        f"{upload_s:.1f} s; copy to upload end {upload_end - copy_at:.1f} s",
-        f"- PSS of {uploader}'s process tree: peak {before_pss / _MIB:.0f} MiB during the pushes without an "
-        "upload, "
+        f"{upload_s:.1f} s; copy start to upload end {upload_end - copy_at:.1f} s",
+        f"- PSS of {uploader}'s process tree (shared-memory tables left out): peak "
+        f"{before_pss / _MIB:.0f} MiB during the pushes without an upload, "
         f"peak {peak_pss / _MIB:.0f} MiB during: extra {upload_extra:.0f} MiB = "
         f"{upload_extra / snapshot_mib:.3f} x the snapshot",
         "- all uploads of `big` (replica, version, lock s, upload s): "
@@ -417,8 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "## Bootstrap of a third replica C from the Object Store snapshot",
         "",
         f"- applier start to `big` loaded: {boot_end - applier_start:.1f} s",
-        f"- PSS of C's tree: peak {boot_peak / _MIB:.0f} MiB during, {boot_after / _MIB:.0f} MiB once loaded "
-        f"(the table in shared memory included): extra {boot_extra:.0f} MiB = "
+        f"- PSS of C's tree (shared-memory tables left out): peak {boot_peak / _MIB:.0f} MiB during, "
+        f"{boot_after / _MIB:.0f} MiB once loaded: extra {boot_extra:.0f} MiB = "
         f"{boot_extra / snapshot_mib:.3f} x the snapshot",
         "- checksums at version "
         + ", ".join(f"{name} {v}: {s[:12]}" for name, (v, s) in sums.items())

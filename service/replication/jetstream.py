@@ -625,8 +625,10 @@ class JetStreamLog:
             raise BusyError("not connected to NATS")
         try:
             revision = await self._leases.create(key, value)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return None  # held by another replica (or by this one's previous, unexpired lease)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError):
+            # Held by another replica (or this one's previous, unexpired lease). KeyNotFoundError: nats-py's
+            # create found the key taken, then gone when it looked again (released meanwhile): next time.
+            return None
         except (TimeoutError, nats.errors.Error) as exc:
             raise _unavailable("snapshot lease", exc) from exc
         upload = SnapshotUpload(self, entry, self._leases, key, value, int(revision))
