@@ -23,7 +23,7 @@ and ``wide`` (memory_size 2**20, d = 128, Adam). Uploads every ``--every`` updat
 
 Prints a Markdown report (machine, CPU, load, date, command) for docs/benchmarks/replication-scale-
 <date>.md. Everything it starts is stopped by pid; its working directory (NATS stores, logs) and shared
-memory are removed at the end.
+memory (under ``/dev/shm/robez-bench-scale-<pid>``) are removed at the end.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ from robez_core import hostinfo
 _ADAM = {"name": "adam", "lr": 0.01}
 _LINE = re.compile(r"^(\S+ \S+) INFO robez\.replication: table (\w+): (.*)$", re.MULTILINE)
 _MIB = 1 << 20
+# The replicas' shared memory: on tmpfs (the default /dev/shm), in a folder of this run, removed at the end.
+_SHM_ROOT = Path("/dev/shm") / f"robez-bench-scale-{os.getpid()}"
 
 
 class _Server:
@@ -66,7 +68,7 @@ class _Server:
         base = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
         base.update(
             {
-                "ROBEZ_SHM_DIR": str(workdir / name / "shm"),
+                "ROBEZ_SHM_DIR": str(_SHM_ROOT / name),  # tmpfs, as in production
                 "ROBEZ_THREADS_PER_WORKER": "1",
                 "ROBEZ_DEFAULT_TABLE": "false",
                 "ROBEZ_MAX_TOTAL_MEMORY_BYTES": str(16 << 30),
@@ -74,7 +76,8 @@ class _Server:
                 **env,
             }
         )
-        (workdir / name / "shm").mkdir(parents=True)
+        (workdir / name).mkdir(parents=True)
+        (_SHM_ROOT / name).mkdir(parents=True)
         self.log_path = workdir / name / "server.log"
         command = [sys.executable, "-m", "service", "serve", "--port", str(self.port)]
         command += ["--nats", ",".join(nats_urls), "--replica-name", name]
@@ -368,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.stop()
         cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(_SHM_ROOT, ignore_errors=True)
 
     base_table = _latency_table(baseline)
     during_table = _latency_table(during)
