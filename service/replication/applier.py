@@ -122,6 +122,8 @@ class Applier:
         self._last_upload: dict[str, float] = {}
         # The background part of a snapshot (finish the file, upload, trim), one per table at a time.
         self._snapshot_tasks: dict[str, asyncio.Task[Any]] = {}
+        # Tables whose snapshot is being started: the apply loop and the timer must not both start one.
+        self._snapshot_starting: set[str] = set()
         # Who holds an upload lease (shown in the lease's value).
         self._holder = f"{settings.replica_name or os.uname().nodename}:{os.getpid()}"
         # With a data directory: the replica's own snapshots (localsnap.py), updates since the last one,
@@ -478,8 +480,9 @@ class Applier:
     # -- snapshots: a copy under the update lock, then everything else in the background -------------
 
     def _snapshot_running(self, name: str) -> bool:
+        """A snapshot of the table is being started (lease, copy) or runs in the background."""
         task = self._snapshot_tasks.get(name)
-        return task is not None and not task.done()
+        return name in self._snapshot_starting or (task is not None and not task.done())
 
     async def _copy(self, name: str, path: Path) -> tuple[PendingCheckpoint, int]:
         """The table's state at one version written to a temp file beside ``path`` (``Table.begin_save``)
@@ -500,11 +503,14 @@ class Applier:
         if self.local is None or name not in self.store.names() or self._snapshot_running(name):
             return
         applied = self._since_local.get(name, 0)
+        self._snapshot_starting.add(name)
         try:
             pending, version = await self._copy(name, self.local.path_for(name, entry.incarnation, 0))
         except (RobezError, OSError) as exc:
             logger.warning("table %s: local snapshot failed: %s", name, exc)
             return
+        finally:
+            self._snapshot_starting.discard(name)
         self._count_local(name, applied)
         task = asyncio.create_task(
             self._finish_local(entry, pending, version), name=f"robez-localsnap-{name}"
@@ -548,6 +554,14 @@ class Applier:
         name = entry.name
         if self._snapshot_running(name):
             return  # due again once it finished (the counters keep counting)
+        self._snapshot_starting.add(name)
+        try:
+            await self._start_snapshot(entry, also_local)
+        finally:
+            self._snapshot_starting.discard(name)
+
+    async def _start_snapshot(self, entry: CatalogEntry, also_local: bool) -> None:
+        name = entry.name
         applied = self._since_upload.get(name, 0)
         try:
             lease = await self.log.lease_snapshot(entry, self._holder)
@@ -571,6 +585,7 @@ class Applier:
                 await self._start_upload(entry, lease, applied, also_local)
                 return
         if also_local:
+            self._snapshot_starting.discard(name)
             await self._local_snapshot(entry)
 
     async def _start_upload(
