@@ -80,13 +80,17 @@ MONITOR_PUBLISH = [
 
 
 def robez_publish(prefix: str | None) -> list[str]:
-    """The subjects robez's user publishes to for ``prefix`` (``ROBEZ_NATS_PREFIX``; None: any prefix, as the
-    tests use many): its tables' update and health subjects, its catalog (KV) and snapshot (Object Store)
-    buckets, the JetStream API (stream names are one token, so it cannot be narrowed to a prefix there)
-    and acks, and replies to its own requests."""
+    """The subjects robez's user publishes to for ``prefix`` (``ROBEZ_NATS_PREFIX``; None: any prefix, as
+    the tests use many): its tables' update and health subjects, its catalog and snapshot-lease (KV) and
+    snapshot (Object Store) buckets, the JetStream API (stream names are one token, so it cannot be narrowed
+    to a prefix there) and acks, and replies to its own requests."""
     # A wildcard is a whole token: with no prefix, every bucket ("*_tables" would match none).
     token = prefix if prefix is not None else "*"
-    buckets = [f"$KV.{prefix}_tables.>", f"$O.{prefix}_snapshots.>"] if prefix else ["$KV.>", "$O.>"]
+    buckets = (
+        [f"$KV.{prefix}_tables.>", f"$KV.{prefix}_leases.>", f"$O.{prefix}_snapshots.>"]
+        if prefix
+        else ["$KV.>", "$O.>"]
+    )
     return [
         f"{token}.u.>",
         f"{token}.health.>",

@@ -20,13 +20,11 @@ the configuration in the header's string metadata:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import math
 import os
-import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -35,8 +33,6 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from . import kernels, optim
@@ -50,18 +46,18 @@ from .small import SMALL_BATCH_MAX_IDS, SmallPath, small_grads, small_ids
 if TYPE_CHECKING:
     from .modules import RobezEmbedding
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Table", "import_paper_state_dict"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "CheckpointFile",
+    "PendingCheckpoint",
+    "Table",
+    "import_paper_state_dict",
+]
 
 FORMAT_NAME = "robez-table"
 FORMAT_VERSION = 1
 _STATE_PREFIX = "state."
-
-
-def _checksum(tensor: Tensor) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    if tensor.numel():
-        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)
-    return digest.hexdigest()
 
 
 def fsync_dir(directory: Path) -> None:
@@ -499,100 +495,35 @@ class Table:
 
         A crash leaves either the old file or the new one, never a torn one; write failures raise
         ``OSError`` and leave no temp file. The caller keeps the table from changing during the save
-        (the service holds the table's update lock).
+        (the service holds the table's update lock). Streamed: the tensors' memory is written to the file
+        as it is, no copy of the table is made (``begin_save`` + ``PendingCheckpoint.finish``).
         """
-        path = Path(path)
-        tensors = self.tensors()
-        metadata = self.metadata()
-        metadata["checksums"] = json.dumps(
-            {name: _checksum(t) for name, t in tensors.items()}, sort_keys=True
-        )
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            try:
-                save_file({name: t.detach() for name, t in tensors.items()}, str(tmp), metadata=metadata)
-            except SafetensorError as exc:
-                # safetensors reports disk errors as its own type; callers of save() expect OSError, with
-                # the errno its message carries ("... (os error 28)"), so a full disk can be told apart.
-                code = re.search(r"\(os error (\d+)\)", str(exc))
-                raise OSError(
-                    int(code.group(1)) if code else errno.EIO, f"cannot write checkpoint {str(path)!r}: {exc}"
-                ) from exc
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise
-        fsync_dir(path.parent)
+        self.begin_save(path).finish()
+
+    def begin_save(self, path: str | os.PathLike[str]) -> PendingCheckpoint:
+        """The part of ``save`` that reads the table: its tensors written as they are to a temp file beside
+        ``path`` (the header's checksums left blank). Only this call needs the table unchanged (the service
+        holds the update lock for it alone); ``finish()`` on the result computes the checksums from the
+        file, completes the header and moves it into place, ``discard()`` removes it. Raises ``OSError``
+        (no temp file left)."""
+        return PendingCheckpoint.write(Path(path), self.tensors(), self.metadata())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Table:
-        """Read a checkpoint written by :meth:`save`: a bitwise-identical table.
+        """Read a checkpoint written by :meth:`save` (or any safetensors file of the same tensors and
+        metadata): a bitwise-identical table, read from the file piece by piece into its own memory.
 
         Raises ``NotFoundError`` when ``path`` does not exist and ``CorruptionError`` when it is not a valid
         robez checkpoint (unreadable header, wrong format or version, bad config, missing/extra/misshapen
         tensors, checksum mismatch).
         """
-        path = Path(path)
-        if not path.is_file():
-            raise NotFoundError(f"checkpoint {str(path)!r} does not exist")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                metadata = f.metadata() or {}
-                # clone: safetensors maps the file privately, and a file truncated later would make
-                # accesses fault (SIGBUS); a table must own its memory.
-                tensors = {name: f.get_tensor(name).clone() for name in f.keys()}  # noqa: SIM118
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise CorruptionError(
-                f"checkpoint {str(path)!r} is not a readable safetensors file: {exc}"
-            ) from exc
-        return cls._from_checkpoint(str(path), metadata, tensors)
-
-    @classmethod
-    def _from_checkpoint(cls, where: str, metadata: Mapping[str, str], tensors: dict[str, Tensor]) -> Table:
-        def bad(reason: str) -> CorruptionError:
-            return CorruptionError(f"checkpoint {where!r}: {reason}")
-
-        if metadata.get("format") != FORMAT_NAME:
-            raise bad(f"not a robez table (format={metadata.get('format')!r})")
-        if metadata.get("format_version") != str(FORMAT_VERSION):
-            raise bad(
-                f"unsupported format_version {metadata.get('format_version')!r} (expected {FORMAT_VERSION})"
-            )
-        try:
-            config = TableConfig.from_dict(json.loads(metadata["config"]))
-            optimizer = OptimizerConfig.from_dict(json.loads(metadata["optimizer"]))
-            random_numbers = json.loads(metadata["random_numbers"])
-            checksums = json.loads(metadata["checksums"])
-        except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
-            raise bad(f"invalid metadata: {exc}") from exc
-        expected_rn = (
-            paper_random_numbers(config.seed).tolist()
-            if config.random_numbers is None
-            else list(config.random_numbers)
-        )
-        if random_numbers != expected_rn:
-            raise bad("random_numbers disagree with the config's seed / constants")
-        layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-            "weight": ((config.memory_size,), torch.float32)
+        checkpoint = CheckpointFile.open(path)
+        tensors = {
+            name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in checkpoint.layout.items()
         }
-        layout.update(
-            {_STATE_PREFIX + k: v for k, v in optim.state_layout(optimizer, config.memory_size).items()}
-        )
-        if set(tensors) != set(layout) or not isinstance(checksums, dict) or set(checksums) != set(layout):
-            raise bad(f"expected tensors {sorted(layout)}, found {sorted(tensors)}")
-        for name, (shape, dtype) in layout.items():
-            tensor = tensors[name]
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise bad(
-                    f"tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, expected {dtype} {shape}"
-                )
-            if _checksum(tensor) != checksums[name]:
-                raise bad(f"checksum mismatch in tensor {name!r}")
-        state = {name[len(_STATE_PREFIX) :]: tensors[name] for name in layout if name != "weight"}
-        return cls(config, optimizer, weight=tensors["weight"], state=state)
+        checkpoint.read_into(tensors)
+        state = {name[len(_STATE_PREFIX) :]: t for name, t in tensors.items() if name != "weight"}
+        return cls(checkpoint.config, checkpoint.optimizer, weight=tensors["weight"], state=state)
 
     # ------------------------------------------------------------------ modules
 
@@ -629,6 +560,290 @@ class Table:
             init_scale=c.init_scale,
             random_numbers=c.random_numbers,
         )
+
+
+# ---------------------------------------------------------------------- checkpoint files, streamed
+
+# safetensors' dtype names of the tensors a checkpoint holds.
+_DTYPES: dict[torch.dtype, str] = {torch.float32: "F32", torch.int64: "I64"}
+_DTYPE_OF_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+_PIECE_BYTES = 4 << 20  # read or written per system call: a few MiB, never a copy of a whole tensor
+_BLANK_CHECKSUM = "0" * 32  # blake2b-128 hex: the real checksums have this length, so the header's too
+
+
+def _byte_view(tensor: Tensor) -> memoryview:
+    """The tensor's own memory as bytes (no copy; contiguous tensors only)."""
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
+
+
+# One tensor of a checkpoint file, in file order: (name, safetensors dtype, shape, bytes).
+_Entry = tuple[str, str, list[int], int]
+
+
+def _file_order(tensors: Mapping[str, Tensor]) -> list[_Entry]:
+    """The tensors in the order safetensors' ``save_file`` lays them out: by alignment (larger items
+    first), then by name."""
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    return [
+        (name, _DTYPES[t.dtype], list(t.shape), t.numel() * t.element_size())
+        for name in order
+        for t in [tensors[name]]
+    ]
+
+
+def _safetensors_header(entries: list[_Entry], metadata: Mapping[str, str]) -> bytes:
+    """The header block: 8-byte little-endian length, then the JSON padded with spaces to 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+class PendingCheckpoint:
+    """A checkpoint written by ``Table.begin_save``: the tensors are in a temp file beside ``path``, the
+    header's checksums still blank. ``finish`` completes it, ``discard`` removes it."""
+
+    def __init__(
+        self, path: Path, tmp: Path, entries: list[_Entry], metadata: dict[str, str], data_start: int
+    ):
+        self.path = path
+        self.tmp = tmp
+        self._entries = entries
+        self._metadata = metadata
+        self._data_start = data_start  # the header's length: where the tensors' bytes begin
+        self._done = False
+
+    @classmethod
+    def write(
+        cls, path: Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]
+    ) -> PendingCheckpoint:
+        for name, tensor in tensors.items():
+            if not tensor.is_contiguous() or tensor.device.type != "cpu" or tensor.dtype not in _DTYPES:
+                raise ConfigError(f"tensor {name!r} cannot be saved: {tensor.dtype} on {tensor.device}")
+        blank = {**metadata, "checksums": json.dumps(dict.fromkeys(sorted(tensors), _BLANK_CHECKSUM))}
+        entries = _file_order(tensors)
+        header = _safetensors_header(entries, blank)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                _write_fully(fd, memoryview(header))
+                for name, *_ in entries:
+                    _write_fully(fd, _byte_view(tensors[name]))
+            finally:
+                os.close(fd)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return cls(path, tmp, entries, dict(metadata), len(header))
+
+    def finish(self, durable: bool = True) -> Path:
+        """Checksum each tensor from the file (read back piece by piece), write the final header over the
+        blank one, and move the file to ``path`` (``durable``: fsync it and its folder, as ``save`` does).
+        Needs no lock: it reads only the file. Raises ``OSError`` (the temp file removed)."""
+        try:
+            checksums = {}
+            buffer = bytearray(_PIECE_BYTES)
+            with open(self.tmp, "r+b", buffering=0) as handle:
+                handle.seek(self._data_start)
+                for name, _, _, nbytes in self._entries:
+                    digest = hashlib.blake2b(digest_size=16)
+                    remaining = nbytes
+                    while remaining:
+                        got = handle.readinto(memoryview(buffer)[: min(remaining, _PIECE_BYTES)])
+                        if not got:
+                            raise OSError(errno.EIO, f"checkpoint {str(self.tmp)!r} is shorter than written")
+                        digest.update(memoryview(buffer)[:got])
+                        remaining -= got
+                    checksums[name] = digest.hexdigest()
+                metadata = {**self._metadata, "checksums": json.dumps(checksums, sort_keys=True)}
+                header = _safetensors_header(self._entries, metadata)
+                if len(header) != self._data_start:  # the checksums have the blanks' length
+                    raise OSError(errno.EIO, "checkpoint header changed size")  # pragma: no cover
+                handle.seek(0)
+                _write_fully(handle.fileno(), memoryview(header))
+                if durable:
+                    os.fsync(handle.fileno())
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        self._done = True
+        if durable:
+            fsync_dir(self.path.parent)
+        return self.path
+
+    def discard(self) -> None:
+        """Remove the temp file (a checkpoint not wanted after all, or one that failed)."""
+        if not self._done:
+            self.tmp.unlink(missing_ok=True)
+
+
+def _write_fully(fd: int, view: memoryview) -> None:
+    for start in range(0, view.nbytes, _PIECE_BYTES):
+        piece = view[start : start + _PIECE_BYTES]
+        while piece.nbytes:
+            piece = piece[os.write(fd, piece) :]
+
+
+class CheckpointFile:
+    """A robez checkpoint file opened for a streamed read: its header parsed and checked (format,
+    version, config, constants, tensor names, shapes and dtypes), no tensor read yet. ``read_into``
+    fills tensors the caller allocated (in shared memory, say) and checks the checksums on the way, so a
+    table is loaded with no second copy of it.
+
+    Raises ``NotFoundError`` when ``path`` does not exist and ``CorruptionError`` when it is not a valid
+    robez checkpoint (see ``Table.load``)."""
+
+    def __init__(
+        self,
+        path: Path,
+        config: TableConfig,
+        optimizer: OptimizerConfig,
+        layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        spans: dict[str, tuple[int, int]],
+        checksums: dict[str, str],
+    ) -> None:
+        self.path = path
+        self.config = config
+        self.optimizer = optimizer
+        self.layout = layout  # tensor name -> (shape, dtype), as Table.tensors() names them
+        self._spans = spans  # tensor name -> (start, end) in the file
+        self._checksums = checksums
+
+    @property
+    def nbytes(self) -> int:
+        return sum(end - start for start, end in self._spans.values())
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> CheckpointFile:
+        path = Path(path)
+        if not path.is_file():
+            raise NotFoundError(f"checkpoint {str(path)!r} does not exist")
+        where = str(path)
+
+        def unreadable(reason: str) -> CorruptionError:
+            return CorruptionError(f"checkpoint {where!r} is not a readable safetensors file: {reason}")
+
+        try:
+            with open(path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                head = handle.read(8)
+                if len(head) != 8:
+                    raise unreadable("no header")
+                length = int.from_bytes(head, "little")
+                if length > min(size - 8, 100 << 20):
+                    raise unreadable(f"header of {length} bytes in a file of {size}")
+                header = json.loads(handle.read(length))
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise unreadable(str(exc)) from exc
+        if not isinstance(header, dict):
+            raise unreadable("the header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        spans: dict[str, tuple[int, int]] = {}
+        try:
+            for name, entry in header.items():
+                dtype = _DTYPE_OF_NAME.get(entry["dtype"])
+                shape = tuple(int(n) for n in entry["shape"])
+                start, end = (int(n) for n in entry["data_offsets"])
+                if dtype is None:
+                    raise unreadable(f"tensor {name!r} has dtype {entry['dtype']!r}")
+                if min(shape, default=0) < 0 or end - start != math.prod(shape) * _itemsize(dtype):
+                    raise unreadable(f"tensor {name!r}: its offsets do not match its shape")
+                specs[name] = (shape, dtype)
+                spans[name] = (8 + length + start, 8 + length + end)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise unreadable(f"bad tensor entry: {exc}") from exc
+        # The data must be exactly the tensors, back to back: no gap, no overlap, nothing after.
+        position = 8 + length
+        for start, end in sorted(spans.values()):
+            if start != position:
+                raise unreadable("tensor data overlaps or leaves gaps")
+            position = end
+        if position != size:
+            raise unreadable(f"the tensors end at byte {position}, the file at {size}")
+        if not isinstance(metadata, dict):
+            raise unreadable("__metadata__ is not an object")
+        config, optimizer, layout, checksums = _checkpoint_layout(where, metadata, specs)
+        return cls(path, config, optimizer, layout, spans, checksums)
+
+    def read_into(self, tensors: Mapping[str, Tensor]) -> None:
+        """Fill ``tensors`` (one per name of ``layout``, of its shape and dtype, contiguous: the caller's
+        memory) from the file piece by piece, checking each checksum; ``CorruptionError`` on a mismatch
+        (the tensors then hold whatever was read), ``OSError`` if the file cannot be read."""
+        where = str(self.path)
+        with open(self.path, "rb", buffering=0) as handle:
+            for name, (start, end) in self._spans.items():
+                view = _byte_view(tensors[name])
+                if view.nbytes != end - start:
+                    raise ConfigError(
+                        f"tensor {name!r} has {view.nbytes} bytes, the checkpoint {end - start}"
+                    )
+                digest = hashlib.blake2b(digest_size=16)
+                handle.seek(start)
+                done = 0
+                while done < view.nbytes:
+                    piece = view[done : done + _PIECE_BYTES]
+                    got = handle.readinto(piece)
+                    if not got:
+                        raise CorruptionError(f"checkpoint {where!r} ended inside tensor {name!r}")
+                    digest.update(piece[:got])
+                    done += got
+                if digest.hexdigest() != self._checksums[name]:
+                    raise CorruptionError(f"checkpoint {where!r}: checksum mismatch in tensor {name!r}")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _checkpoint_layout(
+    where: str, metadata: Mapping[str, str], specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+) -> tuple[TableConfig, OptimizerConfig, dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, str]]:
+    """Check a checkpoint's metadata and tensors (``specs``: name -> (shape, dtype)) against each other:
+    (config, optimizer, the layout the table needs, the checksums); ``CorruptionError`` if they differ."""
+
+    def bad(reason: str) -> CorruptionError:
+        return CorruptionError(f"checkpoint {where!r}: {reason}")
+
+    if metadata.get("format") != FORMAT_NAME:
+        raise bad(f"not a robez table (format={metadata.get('format')!r})")
+    if metadata.get("format_version") != str(FORMAT_VERSION):
+        raise bad(
+            f"unsupported format_version {metadata.get('format_version')!r} (expected {FORMAT_VERSION})"
+        )
+    try:
+        config = TableConfig.from_dict(json.loads(metadata["config"]))
+        optimizer = OptimizerConfig.from_dict(json.loads(metadata["optimizer"]))
+        random_numbers = json.loads(metadata["random_numbers"])
+        checksums = json.loads(metadata["checksums"])
+    except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
+        raise bad(f"invalid metadata: {exc}") from exc
+    expected_rn = (
+        paper_random_numbers(config.seed).tolist()
+        if config.random_numbers is None
+        else list(config.random_numbers)
+    )
+    if random_numbers != expected_rn:
+        raise bad("random_numbers disagree with the config's seed / constants")
+    layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+        "weight": ((config.memory_size,), torch.float32)
+    }
+    layout.update(
+        {_STATE_PREFIX + k: v for k, v in optim.state_layout(optimizer, config.memory_size).items()}
+    )
+    if set(specs) != set(layout) or not isinstance(checksums, dict) or set(checksums) != set(layout):
+        raise bad(f"expected tensors {sorted(layout)}, found {sorted(specs)}")
+    for name, (shape, dtype) in layout.items():
+        if specs[name] != (shape, dtype):
+            found_shape, found_dtype = specs[name]
+            raise bad(f"tensor {name!r} is {found_dtype} {found_shape}, expected {dtype} {shape}")
+    return config, optimizer, layout, {name: str(value) for name, value in checksums.items()}
 
 
 # ---------------------------------------------------------------------- the paper's state_dict

@@ -1,4 +1,5 @@
-"""Testing only: SIGKILL this process at a named point, to test what a crash there leaves behind.
+"""Testing only: SIGKILL this process at a named point, to test what a crash there leaves behind (and
+``snapshot_chunk_delay_s``: a slow snapshot upload).
 
 Off unless the environment variable ``ROBEZ_FAULT_DIE_AFTER_APPEND`` names a file (``fault_file``); never
 set it in production. It is read here, not in ``Settings``: no user sets it, and the tests that start
@@ -29,6 +30,18 @@ from pathlib import Path
 
 UPDATE_APPENDED = "update:appended"
 FAULT_FILE_VARIABLE = "ROBEZ_FAULT_DIE_AFTER_APPEND"
+# Testing only: seconds a replica waits after each snapshot chunk it uploads, so a test can keep an
+# upload running for a while without a table of gigabytes.
+SNAPSHOT_CHUNK_DELAY_VARIABLE = "ROBEZ_FAULT_SNAPSHOT_CHUNK_DELAY_S"
+
+
+def snapshot_chunk_delay_s() -> float:
+    """Testing only: the delay after each uploaded snapshot chunk (``ROBEZ_FAULT_SNAPSHOT_CHUNK_DELAY_S``,
+    default 0)."""
+    try:
+        return max(0.0, float(os.environ.get(SNAPSHOT_CHUNK_DELAY_VARIABLE) or 0.0))
+    except ValueError:
+        return 0.0
 
 
 def fault_file() -> Path | None:

@@ -42,7 +42,7 @@ import anyio.to_thread
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError, RobezError
-from robez_core.table import Table
+from robez_core.table import CheckpointFile, PendingCheckpoint, Table
 
 from .. import tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
@@ -50,8 +50,8 @@ from ..metrics import Metrics
 from ..store import TableStore, UpdateResult
 from ..store.journal import SkippedRecord, UpdateRecord
 from ..store.tables import apply_logged_record, skipped
-from .localsnap import LocalSnapshots
-from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog, Snapshot
+from .localsnap import SCRATCH_PREFIX, LocalSnapshots, remove_stale_files
+from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog, Snapshot, SnapshotLease
 from .records import LoadRecord, decode_entry
 
 logger = logging.getLogger("robez.replication")
@@ -134,10 +134,19 @@ class Applier:
         # per table so the count trigger and the timer never upload the same table at once.
         self._since_upload: dict[str, int] = {}
         self._last_upload: dict[str, float] = {}
-        self._upload_locks: dict[str, asyncio.Lock] = {}
+        # The background part of a snapshot (finish the file, upload, trim), one per table at a time.
+        self._snapshot_tasks: dict[str, asyncio.Task[Any]] = {}
+        # Tables whose snapshot is being started: the apply loop and the timer must not both start one.
+        self._snapshot_starting: set[str] = set()
+        # Who holds an upload lease (shown in the lease's value).
+        self._holder = f"{settings.replica_name or os.uname().nodename}:{os.getpid()}"
         # With a data directory: the replica's own snapshots (localsnap.py), updates since the last one,
         # and where each table was loaded from (``source`` in replication.json).
         self.local = LocalSnapshots(settings.data_dir) if settings.data_dir is not None else None
+        # Where snapshot files are written for an upload and downloaded for a bootstrap: the data
+        # directory's snapshot folder, else the temp folder (TMPDIR; it should be on disk, not tmpfs).
+        self._scratch = self.local.directory if self.local is not None else Path(tempfile.gettempdir())
+        remove_stale_files(self._scratch, temp_files=self.local is not None)
         self._since_local: dict[str, int] = {}
         self._sources: dict[str, str] = {}
         # Tables that may have loaded checkpoints in the log's store (``_forget_loads``).
@@ -159,9 +168,14 @@ class Applier:
         for _, task in self._tasks.values():
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        for snapshot_task in self._snapshot_tasks.values():  # an upload stops: its chunks are purged
+            snapshot_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await snapshot_task
+        self._snapshot_tasks.clear()
         for entry, _ in self._tasks.values():
             if self._since_local.get(entry.name, 0) > 0:
-                await self._local_snapshot(entry)
+                await self._local_snapshot(entry, wait=True)
         for background in (self._status_task, self._lag_task, self._upload_task, self._load_cleanup_task):
             if background is not None:
                 background.cancel()
@@ -175,7 +189,7 @@ class Applier:
         self._status_task = asyncio.create_task(self._status_loop())
         self._lag_task = asyncio.create_task(self._lag_loop(), name="robez-replication-lag")
         self._load_cleanup_task = asyncio.create_task(self._forget_loads(), name="robez-load-cleanup")
-        if self.settings.replica_snapshot_interval_s > 0:
+        if self.settings.replica_snapshot_interval_s > 0 or self.settings.replica_snapshot_every_updates:
             self._upload_task = asyncio.create_task(self._upload_timer(), name="robez-snapshot-timer")
         await self._create_configured_tables()
         seen: set[str] = set()
@@ -261,6 +275,11 @@ class Applier:
             current[1].cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await current[1]
+        snapshot_task = self._snapshot_tasks.pop(name, None)
+        if snapshot_task is not None:
+            snapshot_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await snapshot_task
         self._caught_up.pop(name, None)
         self._incarnations.pop(name, None)
         for figures in (self._lag, self._lag_seconds, self._applied_log_time, self._caught_up_at):
@@ -375,11 +394,15 @@ class Applier:
                     self._rebuild.discard(name)
                 return self.store.version(name)
             await anyio.to_thread.run_sync(self.store.delete, name)
-        best = await self._best_snapshot(entry)
         spec = TableSpec(TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
-        if best is not None:
-            table, position, source = best
-            await anyio.to_thread.run_sync(self.store.create_from, name, table, position)
+
+        def create(path: Path, position: int) -> None:
+            _check_spec(entry, path)
+            self.store.create_from_file(name, path, position)
+
+        loaded = await self._load_snapshot(entry, 0, create)
+        if loaded is not None:
+            position, source = loaded
             logger.info("table %s: bootstrapped from the %s at version %d", name, source, position)
             self._sources[name] = source
         else:
@@ -394,10 +417,16 @@ class Applier:
     async def _rebuild_table(self, entry: CatalogEntry) -> None:
         """Rebuild the table from the snapshot (or fresh) and the log up to its current end, in private,
         then switch the shared table to the result (``TableStore.restore``)."""
-        best = await self._best_snapshot(entry)
-        if best is not None:
-            table, position, source = best
-            self._sources[entry.name] = source
+        private: list[Table] = []
+
+        def load(path: Path, position: int) -> None:
+            _check_spec(entry, path)
+            private.append(Table.load(path))
+
+        loaded = await self._load_snapshot(entry, 0, load)
+        if loaded is not None:
+            position, self._sources[entry.name] = loaded
+            table = private[0]
         else:
             config = TableConfig.from_dict(entry.config)
             table = Table(config, OptimizerConfig.from_dict(entry.optimizer))
@@ -469,30 +498,40 @@ class Applier:
                 )
 
     async def _restore_snapshot(self, entry: CatalogEntry, need: int) -> int:
-        """The log was trimmed past this replica's position: load the snapshot (at >= ``need``)."""
-        best = await self._best_snapshot(entry, need)
-        if best is None or best[1] < need:
+        """The log was trimmed past this replica's position: load the snapshot (at >= ``need``) into a
+        new shared array and switch the table to it (``TableStore.restore_from_file``)."""
+
+        def restore(path: Path, position: int) -> None:
+            self.store.restore_from_file(entry.name, path, position)
+
+        loaded = await self._load_snapshot(entry, need, restore)
+        if loaded is None:
             raise CorruptionError(
                 f"table {entry.name!r}: the log was trimmed to {need + 1} and no snapshot reaches it"
             )
-        table, position, source = best
-        await anyio.to_thread.run_sync(self.store.restore, entry.name, table, position)
+        position, source = loaded
         self._sources[entry.name] = source
         logger.info("table %s: re-bootstrapped from the %s at version %d", entry.name, source, position)
         return position
 
-    async def _best_snapshot(self, entry: CatalogEntry, need: int = 0) -> tuple[Table, int, str] | None:
-        """The newer of the local snapshot and the Object Store one, as (table, position, source): the
-        local one if it is at least as new, reaches ``need`` and the log still goes on from it (first
-        position <= its position + 1), and loads; else the Object Store's (None: neither exists)."""
+    async def _load_snapshot(
+        self, entry: CatalogEntry, need: int, use: Callable[[Path, int], None]
+    ) -> tuple[int, str] | None:
+        """Hand the newer of the local snapshot and the Object Store one to ``use(path, position)`` (run
+        in a thread; it reads the file); returns (position, source), or None when neither exists.
+
+        The local one if it is at least as new, reaches ``need`` and the log still goes on from it (first
+        position <= its position + 1), and ``use`` takes it (a damaged file fails its checksums there);
+        else the Object Store's, downloaded chunk by chunk into a scratch file that is removed after.
+        One at ``need`` or later, or ``CorruptionError``."""
         local = self.local.newest(entry.name, entry.incarnation) if self.local is not None else None
-        if local is not None and self.local is not None:
+        if local is not None:
             stored = await self.log.snapshot_position(entry)
             first, _ = await self.log.bounds(entry)
             if local.position >= max(stored, need) and first <= local.position + 1:
                 try:
-                    table = await anyio.to_thread.run_sync(self.local.load, local)
-                    return table, local.position, "local snapshot"
+                    await anyio.to_thread.run_sync(use, local.path, local.position)
+                    return local.position, "local snapshot"
                 except (RobezError, OSError) as exc:
                     logger.warning(
                         "table %s: the local snapshot %s is unusable (%s); using the Object Store "
@@ -501,79 +540,209 @@ class Applier:
                         local.path,
                         exc,
                     )
-        snapshot = await self.log.get_snapshot(entry)
+        snapshot = await self.log.get_snapshot(entry, self._scratch)
         if snapshot is None:
             return None
-        table = await anyio.to_thread.run_sync(_table_from_snapshot, snapshot)
-        return table, snapshot.position, "Object Store snapshot"
-
-    async def _local_snapshot(self, entry: CatalogEntry) -> None:
-        """Write the table's state to the data directory (localsnap.py); failures are logged only."""
-        if self.local is None or entry.name not in self.store.names():
-            return
-        applied = self._since_local.get(entry.name, 0)
-        taken = None
         try:
-            taken = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, entry.name)
+            if snapshot.position < need:
+                raise CorruptionError(
+                    f"table {entry.name!r}: the log was trimmed to {need + 1} and the snapshot is at "
+                    f"{snapshot.position}"
+                )
+            await anyio.to_thread.run_sync(use, snapshot.path, snapshot.position)
+        finally:
+            snapshot.path.unlink(missing_ok=True)
+        return snapshot.position, "Object Store snapshot"
+
+    # -- snapshots: a copy under the update lock, then everything else in the background -------------
+
+    def _snapshot_running(self, name: str) -> bool:
+        """A snapshot of the table is being started (lease, copy) or runs in the background."""
+        task = self._snapshot_tasks.get(name)
+        return name in self._snapshot_starting or (task is not None and not task.done())
+
+    async def _copy(self, name: str, path: Path) -> tuple[PendingCheckpoint, int]:
+        """The table's state at one version written to a temp file beside ``path`` (``Table.begin_save``)
+        with its update lock held for that write alone; nothing else runs under the lock."""
+        pending, version, held = await anyio.to_thread.run_sync(_write_copy, self.store, name, path)
+        logger.info(
+            "table %s: state at version %d copied to a file (update lock held %.3f s)",
+            name,
+            version,
+            held,
+        )
+        return pending, version
+
+    async def _local_snapshot(self, entry: CatalogEntry, wait: bool = False) -> None:
+        """Write the table's state to the data directory (localsnap.py): the copy now, the checksums,
+        fsync and rename in the background (``wait``: before returning). Failures are logged only."""
+        name = entry.name
+        if self.local is None or name not in self.store.names() or self._snapshot_running(name):
+            return
+        applied = self._since_local.get(name, 0)
+        self._snapshot_starting.add(name)
+        try:
+            pending, version = await self._copy(name, self.local.path_for(name, entry.incarnation, 0))
+        except (RobezError, OSError) as exc:
+            logger.warning("table %s: local snapshot failed: %s", name, exc)
+            return
+        finally:
+            self._snapshot_starting.discard(name)
+        self._count_local(name, applied)
+        task = asyncio.create_task(
+            self._finish_local(entry, pending, version), name=f"robez-localsnap-{name}"
+        )
+        self._snapshot_tasks[name] = task
+        if wait:
+            await task
+
+    async def _finish_local(
+        self, entry: CatalogEntry, pending: PendingCheckpoint, version: int
+    ) -> Path | None:
+        """Complete a local snapshot's file (checksums, fsync, rename into place, older ones removed)."""
+        assert self.local is not None
+        pending.path = self.local.path_for(entry.name, entry.incarnation, version)
+        try:
+            path = await anyio.to_thread.run_sync(pending.finish)
+            await anyio.to_thread.run_sync(self.local.written, entry.name, entry.incarnation, version)
         except (RobezError, OSError) as exc:
             logger.warning("table %s: local snapshot failed: %s", entry.name, exc)
-        await self._write_local(entry, taken, applied)
+            return None
+        finally:
+            pending.discard()
+        logger.info("table %s: local snapshot at version %d written to %s", entry.name, version, path)
+        return path
 
-    async def _write_local(self, entry: CatalogEntry, taken: tuple[bytes, int] | None, applied: int) -> None:
-        """Write a copy (data, version) taken when ``applied`` updates were pending since the last local
-        snapshot (None: taking it failed), then count those updates as written."""
-        name = entry.name
-        if self.local is not None and taken is not None:
-            data, version = taken
-            try:
-                written = await anyio.to_thread.run_sync(
-                    self.local.write, name, entry.incarnation, version, data
-                )
-                logger.info(
-                    "table %s: local snapshot at version %d written to %s", name, version, written.path
-                )
-            except (RobezError, OSError) as exc:
-                logger.warning("table %s: local snapshot failed: %s", name, exc)
+    def _count_local(self, name: str, applied: int) -> None:
         if name in self._since_local:
             self._since_local[name] = max(0, self._since_local[name] - applied)
 
+    def _count_uploaded(self, name: str, pending_updates: int) -> None:
+        """Updates since the last upload: ``pending_updates`` fewer (they are in a stored snapshot)."""
+        if name in self._since_upload:
+            self._since_upload[name] = max(0, self._since_upload[name] - pending_updates)
+            self._last_upload[name] = time.monotonic()
+
     async def _snapshot(self, entry: CatalogEntry, also_local: bool = False) -> None:
-        """Upload the table's state (if newer than the stored snapshot), then trim the log below it;
-        ``also_local``: the same copy is written as the local snapshot too (both were due)."""
+        """Start uploading the table's state, unless another replica holds the table's upload lease or
+        stored a recent snapshot. Only the copy (``_copy``) happens here; the upload, the trim and the
+        local snapshot (``also_local``: the same file serves both) run in a background task, one per
+        table at a time, while the applier applies on."""
         name = entry.name
-        lock = self._upload_locks.setdefault(name, asyncio.Lock())
-        taken: tuple[bytes, int] | None = None
-        async with lock:
-            # Counted before the copy: updates applied while it uploads count toward the next one.
-            applied = self._since_upload.get(name, 0)
-            applied_local = self._since_local.get(name, 0)
-            try:
-                taken = await anyio.to_thread.run_sync(_snapshot_bytes, self.store, name)
-                data, version = taken
-                stored = await self.log.snapshot_position(entry)
-                if version > stored:
-                    await self.log.put_snapshot(entry, Snapshot(version, data))
-                    await self.log.trim(entry, version + 1 - self.settings.replica_trim_keep)
-                    logger.info("table %s: snapshot at version %d uploaded, log trimmed", name, version)
-            except RobezError as exc:
-                # Retried after the next period (count or time), not after every update.
-                logger.warning("table %s: snapshot failed: %s", name, exc)
-            if name in self._since_upload:
-                self._since_upload[name] = max(0, self._since_upload[name] - applied)
+        if self._snapshot_running(name):
+            return  # due again once it finished (the counters keep counting)
+        self._snapshot_starting.add(name)
+        try:
+            await self._start_snapshot(entry, also_local)
+        finally:
+            self._snapshot_starting.discard(name)
+
+    async def _start_snapshot(self, entry: CatalogEntry, also_local: bool) -> None:
+        name = entry.name
+        applied = self._since_upload.get(name, 0)
+        try:
+            lease = await self.log.lease_snapshot(entry, self._holder)
+        except RobezError as exc:
+            logger.warning("table %s: snapshot not uploaded: %s", name, exc)
+            self._count_uploaded(name, applied)  # retried after the next period, not after every update
+            return
+        if lease is None:
+            logger.info("table %s: another replica is uploading its snapshot", name)
+            self._count_uploaded(name, applied)
+        else:
+            version = self.store.version(name)
+            every = self.settings.replica_snapshot_every_updates
+            recent = max(1, every // 2) if every else 1
+            if version - lease.stored_position < recent:
+                # Another replica stored one at about this version: it serves (and trimmed the log).
+                await lease.release()
+                self._since_upload[name] = max(0, version - lease.stored_position)
                 self._last_upload[name] = time.monotonic()
+            else:
+                await self._start_upload(entry, lease, applied, also_local)
+                return
         if also_local:
-            await self._write_local(entry, taken, applied_local)
+            self._snapshot_starting.discard(name)
+            await self._local_snapshot(entry)
+
+    async def _start_upload(
+        self, entry: CatalogEntry, lease: SnapshotLease, applied: int, also_local: bool
+    ) -> None:
+        name = entry.name
+        applied_local = self._since_local.get(name, 0)
+        local = self.local if also_local else None
+        if local is not None:
+            path = local.path_for(name, entry.incarnation, 0)
+        else:
+            path = self._scratch / f"{SCRATCH_PREFIX}{os.getpid()}-{name}.safetensors"
+        try:
+            pending, version = await self._copy(name, path)
+        except BaseException as exc:
+            await lease.release()
+            if not isinstance(exc, RobezError | OSError):
+                raise
+            logger.warning("table %s: snapshot failed: %s", name, exc)
+            self._count_uploaded(name, applied)
+            return
+        # Counted at the copy: updates applied while it uploads count toward the next one.
+        self._count_uploaded(name, applied)
+        if local is not None:
+            self._count_local(name, applied_local)
+        task = asyncio.create_task(
+            self._upload(entry, lease, pending, version, local is not None), name=f"robez-upload-{name}"
+        )
+        self._snapshot_tasks[name] = task
+
+    async def _upload(
+        self, entry: CatalogEntry, lease: SnapshotLease, pending: PendingCheckpoint, version: int, local: bool
+    ) -> None:
+        """The background part of an upload: finish the file, stream it to the snapshot store under the
+        lease, trim the log below it; then release the lease and remove the file (kept when it is the
+        local snapshot too)."""
+        name = entry.name
+        path: Path | None = None
+        start = time.monotonic()
+        try:
+            if local:
+                path = await self._finish_local(entry, pending, version)
+            else:
+                path = await anyio.to_thread.run_sync(pending.finish, False)
+            if path is None:
+                return
+            if await lease.put(Snapshot(version, path)):
+                await self.log.trim(entry, version + 1 - self.settings.replica_trim_keep)
+                logger.info(
+                    "table %s: snapshot at version %d uploaded in %.1f s, log trimmed",
+                    name,
+                    version,
+                    time.monotonic() - start,
+                )
+            else:
+                logger.info("table %s: a snapshot at least as new is stored; this one was not kept", name)
+        except (RobezError, OSError) as exc:
+            # Retried after the next period (count or time), not after every update.
+            logger.warning("table %s: snapshot failed: %s", name, exc)
+        finally:
+            pending.discard()
+            if path is not None and not local:
+                path.unlink(missing_ok=True)
+            await lease.release()
 
     async def _upload_timer(self) -> None:
         """Upload every table with updates since its last upload once that upload is
-        ``replica_snapshot_interval_s`` old; runs on its own, so a burst followed by silence is uploaded."""
+        ``replica_snapshot_interval_s`` old; runs on its own, so a burst followed by silence is uploaded.
+        Also a table whose count came due while its previous upload still ran (no apply triggers it
+        after that upload if the pushes stopped)."""
         interval = self.settings.replica_snapshot_interval_s
+        every = self.settings.replica_snapshot_every_updates
         while True:
-            await asyncio.sleep(min(interval, 1.0))
+            await asyncio.sleep(min(interval, 1.0) if interval > 0 else 1.0)
             now = time.monotonic()
             for name, (entry, task) in list(self._tasks.items()):
-                due = now - self._last_upload.get(name, now) >= interval
-                if due and self._since_upload.get(name, 0) > 0 and not task.done():
+                since = self._since_upload.get(name, 0)
+                timed = interval > 0 and now - self._last_upload.get(name, now) >= interval and since > 0
+                counted = bool(every) and since >= every
+                if (timed or counted) and not task.done() and not self._snapshot_running(name):
                     await self._snapshot(entry)
 
     # -- status -------------------------------------------------------------------------------------
@@ -746,22 +915,23 @@ def _same_spec(entry: CatalogEntry, config: TableConfig, optimizer: OptimizerCon
     )
 
 
-def _table_from_snapshot(snapshot: Snapshot) -> Table:
-    from ..wal import read_checkpoint
-
-    table, _ = read_checkpoint(snapshot.data, format="robez")
-    return table
-
-
-def _snapshot_bytes(store: TableStore, name: str) -> tuple[bytes, int]:
-    """A checkpoint of the table at one version (copied under its update lock), as bytes."""
+def _write_copy(store: TableStore, name: str, path: Path) -> tuple[PendingCheckpoint, int, float]:
+    """The table's tensors at one version written straight from shared memory to a temp file beside
+    ``path``, under its update lock: (the pending checkpoint, the version, seconds the lock was held)."""
     with store.exclusive(name) as (table, version):
-        state = {key: tensor.clone() for key, tensor in table.state.items()}
-        copy = Table(table.config, table.optimizer, weight=table.weight.clone(), state=state)
-    with tempfile.TemporaryDirectory(prefix="robez-snapshot-") as tmp:
-        path = Path(tmp) / "snapshot.safetensors"
-        copy.save(path)
-        return path.read_bytes(), version
+        start = time.perf_counter()
+        pending = table.begin_save(path)
+        held = time.perf_counter() - start
+    return pending, version, held
+
+
+def _check_spec(entry: CatalogEntry, path: Path) -> None:
+    """``CorruptionError`` unless the checkpoint at ``path`` is of the catalog entry's config and
+    optimizer (a snapshot of another table, or of another spec, must never be served under this name)."""
+    checkpoint = CheckpointFile.open(path)
+    expected = (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
+    if (checkpoint.config, checkpoint.optimizer) != expected:
+        raise CorruptionError(f"table {entry.name!r}: the snapshot {path} is of another config or optimizer")
 
 
 def file_sha256(path: Path) -> str:
@@ -771,11 +941,3 @@ def file_sha256(path: Path) -> str:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def table_from_checkpoint(data: bytes) -> Table:
-    """A private table from robez checkpoint bytes (a load's, a snapshot's)."""
-    from ..wal import read_checkpoint
-
-    table, _ = read_checkpoint(data, format="robez")
-    return table

@@ -9,9 +9,19 @@ What lives where, for prefix ``robez`` (``ROBEZ_NATS_PREFIX``):
   ``num_replicas`` = ``ROBEZ_NATS_REPLICAS``, ``duplicate_window`` = ``ROBEZ_NATS_DEDUP_WINDOW_S`` (an
   append's key is its ``Nats-Msg-Id``), no age or size limits: only ``trim`` removes entries.
 - snapshots: Object Store bucket ``robez_snapshots``, object ``<table>.<incarnation>`` (the newest one
-  uploaded), its position in the object's description.
+  uploaded), its position in the object's description. Its chunks go on subject
+  ``$O.robez_snapshots.C.<table>.<incarnation>.<random>`` (the object's "nuid"), so every chunk of a table
+  incarnation, whoever uploaded it, is under one subject prefix: dropping the table purges the prefix,
+  and an upload that commits purges every chunk under it stored before its own first one (the previous
+  object's and any that an upload killed half-way left).
+- upload leases: KV bucket ``robez_leases`` (``max_age`` = the lease TTL), key
+  ``snapshot.<table>.<incarnation>``: created if absent by the replica that uploads, renewed while it
+  uploads, deleted after. At most one replica uploads a table at a time; the object's meta is written with
+  ``Nats-Expected-Last-Subject-Sequence`` = the meta it replaces, so even a holder whose lease expired
+  (a frozen process) cannot overwrite a snapshot stored meanwhile: its upload is purged instead.
 - loads: the same bucket, object ``load.<table>.<incarnation>.<random>`` per ``POST .../load``, the
-  position of the log entry naming it in its description once a replica applied it.
+  position of the log entry naming it in its description once a replica applied it (its chunks on the
+  object store's own ``C.<nuid>`` subjects, outside every table's snapshot chunk prefix).
 
 - write health: stream ``robez_health`` (memory storage, one message per subject, a minute's age), where
   ``check_writable`` publishes a tiny message: its ack says a quorum is reachable through this connection.
@@ -34,10 +44,12 @@ import hashlib
 import io
 import json
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncGenerator
-from datetime import datetime
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import nats
@@ -49,16 +61,19 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
+    Header,
     KeyValueConfig,
     ObjectInfo,
     ObjectMeta,
+    ObjectMetaOptions,
     ObjectStoreConfig,
     StorageType,
     StreamConfig,
 )
-from nats.js.kv import KeyValue
+from nats.js.kv import MSG_ROLLUP_SUBJECT, KeyValue
 from nats.js.object_store import (
     OBJ_CHUNKS_PRE_TEMPLATE,
+    OBJ_DIGEST_TEMPLATE,
     OBJ_META_PRE_TEMPLATE,
     OBJ_STREAM_TEMPLATE,
     ObjectStore,
@@ -66,6 +81,8 @@ from nats.js.object_store import (
 
 from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError
 
+from .. import faults
+from .localsnap import SCRATCH_PREFIX
 from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, Snapshot, StoredLoad
 from .natsauth import NatsAuth
 from .records import SHAPE, update_too_large
@@ -88,6 +105,11 @@ _WATCH_RESYNC_S = 5.0
 # meanwhile (then it reads the new one, at most this many times in a row).
 _SNAPSHOT_CHUNK_IDLE_S = 1.0
 _SNAPSHOT_READ_ATTEMPTS = 5
+# Snapshot chunks: 1 MiB each, published one at a time (each acknowledged by a quorum before the next),
+# read from the file one at a time: an upload holds about one chunk in memory.
+SNAPSHOT_CHUNK_BYTES = 1 << 20
+# JetStream's error code for a publish whose Nats-Expected-Last-Subject-Sequence does not hold.
+_WRONG_LAST_SEQUENCE = 10071
 
 
 def _unavailable(what: str, exc: BaseException) -> BusyError:
@@ -107,6 +129,8 @@ class JetStreamLog:
         ping_interval_s, max_outstanding_pings: a server that answers no ping for about their product is
             taken for hung and the connection moves to another node.
         auth: credentials and TLS material (``NatsAuth``); None: an unauthenticated plaintext connection.
+        lease_ttl_s: a snapshot upload lease not renewed for this long expires (its holder died or hung);
+            renewed every third of it. Fixed when the lease bucket is first created.
     """
 
     def __init__(
@@ -121,6 +145,7 @@ class JetStreamLog:
         ping_interval_s: float = 2.0,
         max_outstanding_pings: int = 2,
         auth: NatsAuth | None = None,
+        lease_ttl_s: float = 30.0,
     ) -> None:
         self.urls = urls
         self.auth = auth or NatsAuth()
@@ -131,6 +156,7 @@ class JetStreamLog:
         self.timeout_s = timeout_s
         self.ping_interval_s = ping_interval_s
         self.max_outstanding_pings = max_outstanding_pings
+        self.lease_ttl_s = lease_ttl_s
         self._health_subject = f"{prefix}.health.{secrets.token_hex(6)}"
         # Set (and replaced) at every reconnect: a publish waiting for its ack on the old server resends.
         self._reconnected = asyncio.Event()
@@ -138,6 +164,7 @@ class JetStreamLog:
         self._js: JetStreamContext | None = None
         self._kv: KeyValue | None = None
         self._obs: ObjectStore | None = None
+        self._leases: KeyValue | None = None
 
     # -- connection ---------------------------------------------------------------------------------
 
@@ -175,6 +202,7 @@ class JetStreamLog:
                 f"{self.prefix}_snapshots",
                 config=ObjectStoreConfig(replicas=self.replicas, storage=StorageType.FILE),
             )
+            self._leases = await self._lease_bucket()
             await self._js.add_stream(
                 StreamConfig(
                     name=f"{self.prefix}_health",
@@ -194,6 +222,22 @@ class JetStreamLog:
         # nats-py's default prints a traceback for every refused attempt; a refused login (wrong or missing
         # credentials) or a permission violation must be one clear log line instead.
         logger.warning("NATS: %s: %s", type(exc).__name__, exc)
+
+    async def _lease_bucket(self) -> KeyValue:
+        config = KeyValueConfig(
+            bucket=f"{self.prefix}_leases",
+            history=1,
+            ttl=self.lease_ttl_s,
+            replicas=self.replicas,
+            storage=StorageType.FILE,
+            direct=False,
+        )
+        try:
+            return await self.js.create_key_value(config)
+        except nats.js.errors.BadRequestError:
+            # Created before with another TTL (another replica's setting): the bucket's TTL holds.
+            logger.info("the lease bucket exists with another configuration; using it as it is")
+            return await self.js.key_value(config.bucket)
 
     async def _on_reconnected(self) -> None:
         logger.info("reconnected to NATS at %s", self.connected_to())
@@ -220,7 +264,7 @@ class JetStreamLog:
                 await self._nc.close()
             except Exception:  # closing a broken connection must not hide the error that broke it
                 logger.debug("closing the NATS connection failed", exc_info=True)
-        self._nc = self._js = self._kv = self._obs = None
+        self._nc = self._js = self._kv = self._obs = self._leases = None
 
     @property
     def js(self) -> JetStreamContext:
@@ -328,7 +372,9 @@ class JetStreamLog:
             raise _unavailable("drop table", exc) from exc
         await self._delete_stream(entry)
         with contextlib.suppress(TimeoutError, nats.errors.Error):  # no snapshot yet
-            await self.obs.delete(f"{name}.{entry.incarnation}")
+            await self.obs.delete(self._snapshot_object(entry))
+        # Every chunk of the incarnation, the object's and any an upload in flight or killed left.
+        await self._purge_chunks(f"{self._chunk_prefix(entry)}.>")
         try:
             for stored in await self.loads(entry):
                 await self.delete_load(entry, stored.name)
@@ -563,36 +609,179 @@ class JetStreamLog:
 
     # -- snapshots ----------------------------------------------------------------------------------
 
-    async def put_snapshot(self, entry: CatalogEntry, snapshot: Snapshot) -> None:
-        meta = ObjectMeta(
-            name=self._snapshot_object(entry),
-            description=json.dumps({"position": snapshot.position}),
-        )
-        try:
-            await self.obs.put(meta.name or "", snapshot.data, meta=meta)
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise _unavailable("upload snapshot", exc) from exc
+    @property
+    def _bucket(self) -> str:
+        return f"{self.prefix}_snapshots"
 
-    async def get_snapshot(self, entry: CatalogEntry) -> Snapshot | None:
-        """The stored snapshot (None: there is none). Another replica may replace it while it is read:
-        its upload publishes the new chunks and meta, then purges the old chunks. A read that finds
-        them gone starts again from the new meta (nats-py's ``ObjectStore.get`` would wait forever)."""
+    @property
+    def _obj_stream(self) -> str:
+        return OBJ_STREAM_TEMPLATE.format(bucket=self._bucket)
+
+    def _snapshot_object(self, entry: CatalogEntry) -> str:
+        return f"{entry.name}.{entry.incarnation}"
+
+    def _chunk_prefix(self, entry: CatalogEntry) -> str:
+        return OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self._bucket, obj=self._snapshot_object(entry))
+
+    def _meta_subject(self, name: str) -> str:
+        return OBJ_META_PRE_TEMPLATE.format(
+            bucket=self._bucket, obj=base64.urlsafe_b64encode(name.encode()).decode()
+        )
+
+    async def _purge_chunks(self, subject: str, below: int | None = None) -> None:
+        """Purge the chunks on ``subject`` (a wildcard: the incarnation's prefix), those stored before
+        sequence ``below`` only if given. Failures are logged: the next commit's purge catches up."""
+        try:
+            await self.js.purge_stream(self._obj_stream, subject=subject, seq=below)
+        except (TimeoutError, nats.errors.Error, BusyError) as exc:
+            logger.warning("could not purge snapshot chunks %s: %s", subject, exc)
+
+    async def lease_snapshot(self, entry: CatalogEntry, holder: str) -> SnapshotUpload | None:
+        """The right to upload the table's snapshot (see the module doc), or None while another replica
+        holds it. The lease renews itself until ``release``; ``stored_position`` is the stored snapshot's
+        position when it was taken."""
+        key = f"snapshot.{entry.name}.{entry.incarnation}"
+        value = json.dumps({"holder": holder, "since": time.time()}).encode()
+        if self._leases is None:
+            raise BusyError("not connected to NATS")
+        try:
+            revision = await self._leases.create(key, value)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError):
+            # Held by another replica (or this one's previous, unexpired lease). KeyNotFoundError: nats-py's
+            # create found the key taken, then gone when it looked again (released meanwhile): next time.
+            return None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("snapshot lease", exc) from exc
+        upload = SnapshotUpload(self, entry, self._leases, key, value, int(revision))
+        try:
+            upload.stored_position = await self.snapshot_position(entry)
+        except BaseException:
+            await upload.release()
+            raise
+        upload.start()
+        return upload
+
+    async def put_snapshot(self, entry: CatalogEntry, snapshot: Snapshot, holder: str = "") -> bool:
+        """Lease, upload and release in one: True if stored, False if a snapshot at least as new is stored
+        already; ``BusyError`` while another replica holds the lease."""
+        upload = await self.lease_snapshot(entry, holder or self.client_name or "")
+        if upload is None:
+            raise BusyError(f"another replica is uploading the snapshot of {entry.name!r}; try again")
+        try:
+            return await upload.put(snapshot)
+        finally:
+            await upload.release()
+
+    async def _stored_meta(self, name: str) -> tuple[ObjectInfo | None, int]:
+        """The object's meta as stored now (None if there is none, or it was deleted) and the stream
+        sequence of that meta message (0: never written): what a replacing meta must expect."""
+        try:
+            msg = await self.js.get_last_msg(self._obj_stream, self._meta_subject(name))
+        except nats.js.errors.NotFoundError:
+            return None, 0
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("snapshot info", exc) from exc
+        try:
+            info = ObjectInfo.from_response(json.loads(msg.data or b"{}"))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CorruptionError(f"snapshot {name}: unreadable meta: {exc}") from exc
+        return (None if info.deleted else info), int(msg.seq or 0)
+
+    async def _upload(self, upload: SnapshotUpload, snapshot: Snapshot) -> bool:
+        entry = upload.entry
+        name = self._snapshot_object(entry)
+        previous, previous_seq = await self._stored_meta(name)
+        if previous is not None and _position(previous) >= snapshot.position:
+            return False
+        nuid = f"{name}.{secrets.token_hex(8)}"
+        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self._bucket, obj=nuid)
+        digest = hashlib.sha256()
+        size = chunks = first_seq = 0
+        delay = faults.snapshot_chunk_delay_s()
+        try:
+            buffer = bytearray(SNAPSHOT_CHUNK_BYTES)
+            with open(snapshot.path, "rb", buffering=0) as handle:
+                while True:
+                    got = await asyncio.to_thread(handle.readinto, buffer)
+                    if not got:
+                        break
+                    payload = bytes(memoryview(buffer)[:got])
+                    digest.update(payload)
+                    upload.check()
+                    ack = await self.js.publish(
+                        subject, payload, timeout=self.timeout_s, stream=self._obj_stream
+                    )
+                    first_seq = first_seq or int(ack.seq)
+                    size += got
+                    chunks += 1
+                    if delay:
+                        await asyncio.sleep(delay)  # testing only: a slow upload (service/faults.py)
+            await upload.renew()  # the lease holds for a TTL more: long enough to commit
+            info = ObjectInfo(
+                name=name,
+                bucket=self._bucket,
+                nuid=nuid,
+                size=size,
+                chunks=chunks,
+                digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest.digest()).decode()),
+                mtime=datetime.now(UTC).isoformat(),
+                description=json.dumps({"position": snapshot.position}),
+                options=ObjectMetaOptions(max_chunk_size=SNAPSHOT_CHUNK_BYTES),
+            )
+            try:
+                await self.js.publish(
+                    self._meta_subject(name),
+                    json.dumps(info.as_dict()).encode(),
+                    timeout=self.timeout_s,
+                    stream=self._obj_stream,
+                    headers={
+                        Header.ROLLUP: MSG_ROLLUP_SUBJECT,
+                        Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(previous_seq),
+                    },
+                )
+            except nats.js.errors.APIError as exc:
+                if exc.err_code != _WRONG_LAST_SEQUENCE:
+                    raise
+                # Replaced or deleted since this upload read it: this copy is not needed.
+                logger.info("snapshot %s changed during this upload; its chunks are purged", name)
+                await self._purge_chunks(subject)
+                return False
+        except BaseException as exc:
+            await asyncio.shield(self._purge_chunks(subject))  # no chunk outlives an aborted upload
+            if isinstance(exc, TimeoutError | nats.errors.Error):
+                raise _unavailable("upload snapshot", exc) from exc
+            raise
+        if previous is not None and previous.nuid and not previous.nuid.startswith(f"{name}."):
+            await self._purge_chunks(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self._bucket, obj=previous.nuid))
+        if first_seq:
+            await self._purge_chunks(f"{self._chunk_prefix(entry)}.>", below=first_seq)
+        return True
+
+    async def get_snapshot(self, entry: CatalogEntry, directory: Path) -> Snapshot | None:
+        """The stored snapshot downloaded into a new file in ``directory`` (the caller removes it), or
+        None if there is none. Streamed: each chunk is written to the file as it arrives, its size and
+        SHA-256 checked on the way. Another replica may replace the object while it is read (its upload
+        publishes the new chunks and meta, then purges the old chunks): a read that finds them gone starts
+        again from the new meta (nats-py's ``ObjectStore.get`` would wait forever)."""
         name = self._snapshot_object(entry)
         for _ in range(_SNAPSHOT_READ_ATTEMPTS):
             info = await self._snapshot_info(name)
             if info is None:
                 return None
-            position = int(json.loads(info.description or "{}").get("position", -1))
+            position = _position(info)
             if position < 0:
                 return None
-            data = await self._read_chunks(name, info)
-            if data is not None:
-                return Snapshot(position, data)
+            path = directory / f".{SCRATCH_PREFIX}{os.getpid()}-{entry.name}-{secrets.token_hex(4)}.download"
+            try:
+                complete = await self._read_chunks(name, info, path)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            if complete:
+                return Snapshot(position, path)
+            path.unlink(missing_ok=True)
             logger.info("snapshot %s was replaced while it was read; reading the new one", name)
         raise BusyError(f"snapshot {name} was replaced {_SNAPSHOT_READ_ATTEMPTS} times while read; try again")
-
-    def _snapshot_object(self, entry: CatalogEntry) -> str:
-        return f"{entry.name}.{entry.incarnation}"
 
     async def _snapshot_info(self, name: str) -> ObjectInfo | None:
         """The object's meta as stored now; None if there is none (never uploaded, or deleted)."""
@@ -604,56 +793,63 @@ class JetStreamLog:
             raise _unavailable("snapshot info", exc) from exc
         return None if info.deleted else info
 
-    async def _read_chunks(self, name: str, info: ObjectInfo) -> bytes | None:
-        """The object's bytes as the meta ``info`` describes them, checked against its size and SHA-256;
-        None if the object was replaced or deleted meanwhile (its chunks may be gone)."""
-        if not info.size:
-            return b""
-        bucket = f"{self.prefix}_snapshots"
-        try:
-            sub = await self.js.subscribe(
-                OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid),
-                stream=OBJ_STREAM_TEMPLATE.format(bucket=bucket),
-                ordered_consumer=True,
-            )
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise _unavailable("download snapshot", exc) from exc
-        parts: list[bytes] = []
-        idle = 0.0
-        try:
-            while len(parts) < (info.chunks or 0):
+    async def _read_chunks(self, name: str, info: ObjectInfo, path: Path) -> bool:
+        """Write the object's bytes as the meta ``info`` describes them to ``path``, checked against its
+        size and SHA-256; False if the object was replaced or deleted meanwhile (its chunks may be gone)."""
+        digest = hashlib.sha256()
+        size = 0
+        with open(path, "wb", buffering=0) as handle:
+            if info.size:
                 try:
-                    msg = await sub.next_msg(timeout=_SNAPSHOT_CHUNK_IDLE_S)
-                except nats.errors.TimeoutError:
-                    current = await self._snapshot_info(name)
-                    if current is None or current.nuid != info.nuid:
-                        return None
-                    idle += _SNAPSHOT_CHUNK_IDLE_S
-                    if idle >= self.timeout_s:
-                        raise BusyError(f"snapshot {name}: no chunk for {idle:.0f} s; try again") from None
-                    continue
-                except nats.errors.Error as exc:
+                    sub = await self.js.subscribe(
+                        OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self._bucket, obj=info.nuid),
+                        stream=self._obj_stream,
+                        ordered_consumer=True,
+                    )
+                except (TimeoutError, nats.errors.Error) as exc:
                     raise _unavailable("download snapshot", exc) from exc
+                received = 0
                 idle = 0.0
-                parts.append(msg.data)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        data = b"".join(parts)
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-        if len(data) != info.size or (info.digest or "").split("=", 1)[-1].rstrip("=") != digest.rstrip("="):
+                try:
+                    while received < (info.chunks or 0):
+                        try:
+                            msg = await sub.next_msg(timeout=_SNAPSHOT_CHUNK_IDLE_S)
+                        except nats.errors.TimeoutError:
+                            current = await self._snapshot_info(name)
+                            if current is None or current.nuid != info.nuid:
+                                return False
+                            idle += _SNAPSHOT_CHUNK_IDLE_S
+                            if idle >= self.timeout_s:
+                                raise BusyError(
+                                    f"snapshot {name}: no chunk for {idle:.0f} s; try again"
+                                ) from None
+                            continue
+                        except nats.errors.Error as exc:
+                            raise _unavailable("download snapshot", exc) from exc
+                        idle = 0.0
+                        received += 1
+                        digest.update(msg.data)
+                        size += len(msg.data)
+                        view = memoryview(msg.data)
+                        while view:
+                            view = view[handle.write(view) :]
+                finally:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+        encoded = base64.urlsafe_b64encode(digest.digest()).decode()
+        if size != info.size or (info.digest or "").split("=", 1)[-1].rstrip("=") != encoded.rstrip("="):
             current = await self._snapshot_info(name)
             if current is None or current.nuid != info.nuid:
-                return None
+                return False
             raise CorruptionError(f"snapshot {name}: its chunks do not match its size and SHA-256")
-        return data
+        return True
 
     async def snapshot_position(self, entry: CatalogEntry) -> int:
         """Position of the stored snapshot without downloading it; 0 if there is none."""
         info = await self._snapshot_info(self._snapshot_object(entry))
         if info is None:
             return 0
-        return int(json.loads(info.description or "{}").get("position", 0))
+        return max(0, _position(info))
 
     # -- loads ----------------------------------------------------------------------------------------
 
@@ -776,3 +972,71 @@ def _mtime(info: ObjectInfo) -> float:
         return datetime.fromisoformat(info.mtime or "").timestamp()
     except ValueError:
         return time.time()  # unknown: counted as new
+
+
+def _position(info: ObjectInfo) -> int:
+    try:
+        return int(json.loads(info.description or "{}").get("position", -1))
+    except (ValueError, TypeError, AttributeError):
+        return -1
+
+
+class SnapshotUpload:
+    """A held snapshot upload lease (``JetStreamLog.lease_snapshot``): renewed in the background every
+    third of the TTL until ``release``; ``put`` uploads under it."""
+
+    def __init__(
+        self, log: JetStreamLog, entry: CatalogEntry, kv: KeyValue, key: str, value: bytes, revision: int
+    ) -> None:
+        self.log = log
+        self.entry = entry
+        self.stored_position = 0
+        self._kv = kv
+        self._key = key
+        self._value = value
+        self._revision = revision
+        self._lost: str | None = None
+        self._keeper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._keeper = asyncio.create_task(self._keep(), name=f"robez-lease-{self.entry.name}")
+
+    async def _keep(self) -> None:
+        while self._lost is None:
+            await asyncio.sleep(self.log.lease_ttl_s / 3)
+            # BusyError: retried next period (lost once the TTL passes); ConflictError: lost, and ``put``
+            # finds it so.
+            with contextlib.suppress(BusyError, ConflictError):
+                await self.renew()
+
+    async def renew(self) -> None:
+        """Extend the lease by a TTL from now; ``ConflictError`` if it was lost (expired and taken)."""
+        self.check()
+        try:
+            self._revision = int(await self._kv.update(self._key, self._value, last=self._revision))
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            self._lost = "expired and taken by another replica"
+            raise ConflictError(f"the snapshot lease of {self.entry.name!r} was lost") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise _unavailable("renew snapshot lease", exc) from exc
+
+    def check(self) -> None:
+        if self._lost is not None:
+            raise ConflictError(f"the snapshot lease of {self.entry.name!r} was lost ({self._lost})")
+
+    async def put(self, snapshot: Snapshot) -> bool:
+        """Upload ``snapshot`` (its file, streamed chunk by chunk) as the table's snapshot; then purge the
+        previous object's chunks and any older ones. False (nothing kept) if a snapshot at least as new is
+        stored, or one was stored or the table dropped during the upload. On any error or cancellation
+        the chunks sent are purged."""
+        return await self.log._upload(self, snapshot)
+
+    async def release(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._keeper
+        if self._lost is None:
+            self._lost = "released"
+            with contextlib.suppress(TimeoutError, nats.errors.Error):
+                await self._kv.delete(self._key, last=self._revision)

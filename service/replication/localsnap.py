@@ -28,6 +28,14 @@ from ..wal.files import _write_file_durably
 logger = logging.getLogger("robez.replication")
 
 MARKER_FILE = "robez-replica"
+# Scratch files of snapshot uploads and downloads (``SCRATCH_PREFIX<pid>-...``), and temp files of
+# checkpoints being written (``.<name>.<pid>.<32 hex>.tmp``, ``Table.begin_save``): removed at start when
+# the process that wrote them is gone (killed mid-upload, say).
+SCRATCH_PREFIX = "robez-snapshot-"
+_STALE = (
+    re.compile(r"^\.?" + SCRATCH_PREFIX + r"(?P<pid>\d+)-"),
+    re.compile(r"^\..+\.(?P<pid>\d+)\.[0-9a-f]{32}\.tmp$"),
+)
 SNAPSHOT_DIR = "replica-snapshots"
 _NAME = re.compile(
     r"^(?P<table>[A-Za-z0-9][A-Za-z0-9_-]*)\.(?P<incarnation>[A-Za-z0-9_-]+)\.(?P<position>\d+)\.safetensors$"
@@ -89,21 +97,22 @@ class LocalSnapshots:
         mine = [s for s in self._all() if (s.table, s.incarnation) == (table, incarnation)]
         return max(mine, key=lambda s: s.position, default=None)
 
-    def write(self, table: str, incarnation: str, position: int, data: bytes) -> LocalSnapshot:
-        """Store ``data`` (a robez checkpoint at ``position``) atomically, then remove older ones."""
-        path = self.directory / f"{table}.{incarnation}.{position:012d}.safetensors"
-        _write_file_durably(path, data)
+    def path_for(self, table: str, incarnation: str, position: int) -> Path:
+        """Where the snapshot at ``position`` goes: written there atomically (``Table.begin_save`` then
+        ``finish``: temp file, fsync, rename, fsync the folder), then ``written`` is called."""
+        return self.directory / f"{table}.{incarnation}.{position:012d}.safetensors"
+
+    def written(self, table: str, incarnation: str, position: int) -> None:
+        """The snapshot at ``position`` is in place: remove the older ones of the incarnation."""
         for old in self._all():
             if (old.table, old.incarnation) == (table, incarnation) and old.position < position:
                 old.path.unlink(missing_ok=True)
+
+    def write(self, table: str, incarnation: str, position: int, source: Table) -> LocalSnapshot:
+        """Store ``source`` (the table at ``position``) atomically, then remove older ones."""
+        path = source.begin_save(self.path_for(table, incarnation, position)).finish()
+        self.written(table, incarnation, position)
         return LocalSnapshot(table, incarnation, position, path)
-
-    def load(self, snapshot: LocalSnapshot) -> Table:
-        """The table in the file; ``RobezError`` (or ``OSError``) if it is torn or corrupted."""
-        from ..wal import read_checkpoint
-
-        table, _ = read_checkpoint(snapshot.path.read_bytes(), format="robez")
-        return table
 
     def prune(self, keep: set[tuple[str, str]]) -> None:
         """Remove the files of incarnations not in ``keep`` (dropped or recreated tables), and leftover
@@ -115,3 +124,32 @@ class LocalSnapshots:
         for path in self.directory.glob("*.tmp-*"):
             if path.name.rsplit("-", 1)[-1] != str(os.getpid()):
                 path.unlink(missing_ok=True)
+        remove_stale_files(self.directory)
+
+
+def remove_stale_files(directory: Path, temp_files: bool = True) -> None:
+    """Remove the snapshot scratch files in ``directory`` whose writer process is gone, and (``temp_files``:
+    a folder of robez's own, not the system's temp folder) checkpoint temp files too."""
+    try:
+        paths = list(directory.iterdir())
+    except OSError:
+        return
+    for path in paths:
+        for pattern in _STALE if temp_files else _STALE[:1]:
+            match = pattern.match(path.name)
+            if match is not None and not _alive(int(match["pid"])):
+                path.unlink(missing_ok=True)
+                logger.info("removed %s (left by process %s, which is gone)", path, match["pid"])
+                break
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

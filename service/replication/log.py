@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from robez_core.errors import RobezError
@@ -72,10 +73,23 @@ class LogEntry:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A table's state at ``position`` (a robez checkpoint, safetensors bytes)."""
+    """A table's state at ``position``: a robez checkpoint file (``Table.save``'s format) at ``path``."""
 
     position: int
-    data: bytes
+    path: Path
+
+
+class SnapshotLease(Protocol):
+    """The right to upload one table's snapshot, held by one replica at a time (``lease_snapshot``)."""
+
+    stored_position: int  # the stored snapshot's position when the lease was taken (0: none)
+
+    async def put(self, snapshot: Snapshot) -> bool:
+        """Upload the file as the table's snapshot, streamed; False (nothing kept) if a snapshot at least
+        as new is stored, or one was stored or the table dropped meanwhile."""
+        ...
+
+    async def release(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -179,10 +193,16 @@ class ReplicatedLog(Protocol):
 
     async def delete_load(self, entry: CatalogEntry, name: str) -> None: ...
 
-    # -- snapshots --
-    async def put_snapshot(self, entry: CatalogEntry, snapshot: Snapshot) -> None: ...
+    # -- snapshots: one stored object per table; no stored byte outlives the object it belongs to --
+    async def lease_snapshot(self, entry: CatalogEntry, holder: str) -> SnapshotLease | None:
+        """The upload lease of the table (renewed until released), or None while another replica
+        holds it."""
+        ...
 
-    async def get_snapshot(self, entry: CatalogEntry) -> Snapshot | None: ...
+    async def get_snapshot(self, entry: CatalogEntry, directory: Path) -> Snapshot | None:
+        """The stored snapshot, downloaded (streamed, checked) into a new file in ``directory`` that the
+        caller removes; None if there is none."""
+        ...
 
     async def snapshot_position(self, entry: CatalogEntry) -> int:
         """Position of the stored snapshot (0: none), without downloading it."""

@@ -16,6 +16,7 @@ import fcntl
 import logging
 import os
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,6 @@ from .applier import (
     ReplicaStatus,
     file_sha256,
     replay_log,
-    table_from_checkpoint,
 )
 from .log import Appended, CatalogEntry, LogTrimmedError, ReplicatedLog
 from .records import encode_load, encode_update, update_too_large
@@ -301,11 +301,12 @@ class Replica:
         applied = self.store.version(name)
         if version > applied:
             raise ConflictError(f"table {name!r} is at version {applied} here, not yet at {version}")
-        snapshot = await self.log.get_snapshot(entry)
-        if snapshot is not None and snapshot.position <= version:
-            table = await asyncio.to_thread(table_from_checkpoint, snapshot.data)
-            position = snapshot.position
-        else:
+        with tempfile.TemporaryDirectory(prefix="robez-table-at-") as scratch:
+            snapshot = await self.log.get_snapshot(entry, Path(scratch))
+            if snapshot is not None and snapshot.position <= version:
+                table = await asyncio.to_thread(Table.load, snapshot.path)
+                position = snapshot.position
+        if snapshot is None or snapshot.position > version:
             config, optimizer = (
                 TableConfig.from_dict(entry.config),
                 OptimizerConfig.from_dict(entry.optimizer),

@@ -33,7 +33,7 @@ from robez_core.errors import (
     LimitExceededError,
     NotFoundError,
 )
-from robez_core.table import Table
+from robez_core.table import CheckpointFile, Table
 
 from .. import faults
 from ..config import TableSpec
@@ -92,6 +92,14 @@ class TableAdmin:
         spec = TableSpec(table.config, table.optimizer)
         self.install(name, spec, source=table, version=version, journal_create=True)
 
+    def create_from_file(self, name: str, checkpoint: CheckpointFile, version: int) -> None:
+        """``create_from`` with the table read from a checkpoint file straight into the new shared array,
+        piece by piece (no private copy); ``CorruptionError`` (nothing created) if the file is damaged."""
+        validate_table_name(name)
+        self._check_config_limits(checkpoint.config)
+        spec = TableSpec(checkpoint.config, checkpoint.optimizer)
+        self.install(name, spec, source=checkpoint, version=version, journal_create=True)
+
     def _check_room(self, registry: Registry, name: str) -> None:
         """A new table ``name`` fits the registry: not taken, under ``max_tables``. Caller holds the
         registry lock."""
@@ -144,9 +152,14 @@ class TableAdmin:
         return source
 
     def _new_array(
-        self, registry: Registry, config: TableConfig, optimizer: OptimizerConfig, source: Table | None
+        self,
+        registry: Registry,
+        config: TableConfig,
+        optimizer: OptimizerConfig,
+        source: Table | CheckpointFile | None,
     ) -> tuple[str, Table]:
-        """Allocate an array in shared memory, fill it from ``source`` (or a freshly initialised Table) and
+        """Allocate an array in shared memory, fill it from ``source`` (a table, a checkpoint file read
+        straight into it, or a freshly initialised Table) and
         add it to ``registry`` (not yet published); returns its id and a Table over it. Caller holds the
         registry lock and removes the array with ``_remove_array`` if what follows fails."""
         layout = array_layout(config, optimizer)
@@ -158,12 +171,15 @@ class TableAdmin:
                 tensors[key] = self._registry.directory.allocate(
                     f"arrays/{array_id}.{key}", shape_numel(shape), dtype
                 ).view(shape)
-            # The core initialises a new array (seeded) or brings a loaded one; both are copied into shared
-            # memory once, so the private copy lives only for this call.
-            fresh = source if source is not None else Table(config, optimizer)
-            for key, tensor in fresh.tensors().items():
-                tensors[key].copy_(tensor.reshape(tensors[key].shape))
-            del fresh
+            if isinstance(source, CheckpointFile):
+                source.read_into(tensors)  # piece by piece from the file, checksums checked
+            else:
+                # The core initialises a new array (seeded) or brings a loaded one; both are copied into
+                # shared memory once, so the private copy lives only for this call.
+                fresh = source if source is not None else Table(config, optimizer)
+                for key, tensor in fresh.tensors().items():
+                    tensors[key].copy_(tensor.reshape(tensors[key].shape))
+                del fresh
         except BaseException:
             self._remove_array(array_id, layout)
             raise
@@ -179,7 +195,13 @@ class TableAdmin:
             (self._registry.directory.arrays_dir / f"{array_id}.{key}").unlink(missing_ok=True)
 
     def install(
-        self, name: str, spec: TableSpec, *, source: Table | None, version: int, journal_create: bool
+        self,
+        name: str,
+        spec: TableSpec,
+        *,
+        source: Table | CheckpointFile | None,
+        version: int,
+        journal_create: bool,
     ) -> None:
         """Allocate a new array for ``name``, fill it from ``source`` (or a freshly initialised Table),
         ``journal.create`` it if asked (not for tables loaded from the journal), then publish it."""
@@ -288,12 +310,14 @@ class TableAdmin:
             self._journal.snapshot(name, table, version)
             return version
 
-    def restore(self, name: str, source: Table, version: int, *, after: int | None = None) -> bool:
+    def restore(
+        self, name: str, source: Table | CheckpointFile, version: int, *, after: int | None = None
+    ) -> bool:
         """Replace the table's array and optimizer state by a copy of ``source`` (same config and
-        optimizer) at ``version``, atomically for lookups (see the module docstring). ``after``: only if
-        the table is at that version (a load at a log position follows the one before it): False,
-        nothing changed, if it is past it already (a replay), a ``CorruptionError`` on a gap. Returns
-        True once switched.
+        optimizer; a checkpoint file is read straight into the new array) at ``version``, atomically for
+        lookups (see the module docstring). ``after``: only if the table is at that version (a load at a
+        log position follows the one before it): False, nothing changed, if it is past it already (a
+        replay), a ``CorruptionError`` on a gap. Returns True once switched.
 
         Under the table's update lock: a new array is filled from ``source`` and made durable first
         (``journal.snapshot``: snapshot + empty log), then the registry is switched to it. If any step

@@ -27,6 +27,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from robez_core.errors import (
 )
 from robez_core.optim import PreparedStep
 from robez_core.small import SMALL_BATCH_MAX_IDS
-from robez_core.table import Table
+from robez_core.table import CheckpointFile, Table
 
 from .. import faults, tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
@@ -176,6 +177,17 @@ class TableStore:
         ``version``; journalled like ``create``."""
         self._admin.create_from(name, table, version)
         return self.info(name)
+
+    def create_from_file(self, name: str, path: Path, version: int = 0) -> TableInfo:
+        """Create table ``name`` from the robez checkpoint file at ``path`` at ``version``: the shared
+        arrays are allocated and read into from the file piece by piece, with no private copy of the table
+        (a replica's bootstrap). ``CorruptionError`` (nothing created) if the file is damaged."""
+        self._admin.create_from_file(name, CheckpointFile.open(path), version)
+        return self.info(name)
+
+    def restore_from_file(self, name: str, path: Path, version: int) -> None:
+        """``restore`` from the checkpoint file at ``path``, read straight into the new shared array."""
+        self._admin.restore(name, CheckpointFile.open(path), version)
 
     def delete(self, name: str) -> None:
         """Remove a table; its array goes when no other table reads it (``TableAdmin.delete``)."""

@@ -830,3 +830,28 @@ def test_small_path_follows_a_replaced_weight() -> None:
     table.lookup(ids)  # prepares the small path over the first array
     table.weight = torch.zeros_like(table.weight)
     assert torch.equal(table.lookup(ids), torch.zeros(2, 20))
+
+
+def test_save_streams_the_safetensors_format(tmp_path: Path) -> None:
+    """``save`` writes the tensors' memory as it is (``begin_save``) and the checksums afterwards
+    (``finish``): safetensors reads the file, with the same tensors and metadata; a file written by
+    safetensors' own ``save_file`` loads too; ``discard`` leaves nothing."""
+    table = _table(OptimizerConfig("adam"))
+    table.apply_gradients(_GOOD_IDS, _GOOD_GRADS)
+    path = tmp_path / "t.safetensors"
+    pending = table.begin_save(path)
+    assert not path.exists() and pending.tmp.exists()
+    assert pending.finish() == path
+    assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+        assert set(f.keys()) == set(table.tensors())
+        for name, tensor in table.tensors().items():
+            assert torch.equal(f.get_tensor(name), tensor)
+    assert {k: v for k, v in metadata.items() if k != "checksums"} == table.metadata()
+    tensors = {name: t.clone() for name, t in table.tensors().items()}
+    save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata=metadata)
+    for loaded in (Table.load(path), Table.load(tmp_path / "theirs.safetensors")):
+        assert all(torch.equal(loaded.tensors()[k], v) for k, v in table.tensors().items())
+    table.begin_save(tmp_path / "other.safetensors").discard()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors", "theirs.safetensors"]

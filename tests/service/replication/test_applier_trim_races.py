@@ -4,6 +4,7 @@ forced, not left to timing (no NATS, no server process)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def _snapshot_at(position: int, tmp_path: Path) -> Snapshot:
         table.apply_gradients(*push_grads(seed))
     path = tmp_path / f"snap-{position}.safetensors"
     table.save(path)
-    return Snapshot(position, path.read_bytes())
+    return Snapshot(position, path)
 
 
 class _TrimmedWhileReading:
@@ -38,8 +39,12 @@ class _TrimmedWhileReading:
         self.snapshots = [_snapshot_at(10, tmp_path), _snapshot_at(20, tmp_path)]
         self.reads: list[int] = []
 
-    async def get_snapshot(self, entry: CatalogEntry) -> Snapshot:
-        return self.snapshots[min(len(self.reads), 1)]
+    async def get_snapshot(self, entry: CatalogEntry, directory: Path) -> Snapshot:
+        # A new file each time, as a download makes (the applier removes it after use).
+        stored = self.snapshots[min(len(self.reads), 1)]
+        path = directory / f"download-{len(self.reads)}-{stored.path.name}"
+        shutil.copyfile(stored.path, path)
+        return Snapshot(stored.position, path)
 
     async def bounds(self, entry: CatalogEntry) -> tuple[int, int]:
         return (11, 30) if not self.reads else (21, 30)
@@ -65,7 +70,7 @@ def test_rebuild_that_finds_the_log_trimmed_past_its_snapshot_starts_over(tmp_pa
     must give the bytes of the 30 updates."""
     log = _TrimmedWhileReading(tmp_path)
     store = _Store()
-    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    settings = Settings(_env_file=None, data_dir=tmp_path / "data")  # type: ignore[call-arg]
     applier = Applier(store, settings, None, log, tmp_path / "replication.json")  # type: ignore[arg-type]
 
     with pytest.raises(LogTrimmedError):

@@ -39,9 +39,18 @@ def _run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def test_snapshot_replaced_between_meta_and_chunks_is_read_again(single_nats: NatsCluster) -> None:
+def _file(tmp_path: Path, name: str, data: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def test_snapshot_replaced_between_meta_and_chunks_is_read_again(
+    single_nats: NatsCluster, tmp_path: Path
+) -> None:
     """The upload of snapshot 20 lands after the reader read the meta of snapshot 10 and before it
     subscribed to its chunks: the reader returns snapshot 20, byte for byte, within a bounded time."""
+    old, new = b"old" * 700_000, b"new" * 800_000  # several 1 MiB chunks each
 
     async def scenario() -> tuple[Snapshot | None, int]:
         reader = JetStreamLog(
@@ -53,8 +62,7 @@ def test_snapshot_replaced_between_meta_and_chunks_is_read_again(single_nats: Na
         await reader.connect()
         await writer.connect()
         try:
-            old, new = b"old" * 50_000, b"new" * 60_000  # several 128 KiB chunks each
-            await writer.put_snapshot(ENTRY, Snapshot(10, old))
+            assert await writer.put_snapshot(ENTRY, Snapshot(10, _file(tmp_path, "old", old)))
             original = reader.obs.get_info
             replaced: list[int] = []
 
@@ -62,12 +70,11 @@ def test_snapshot_replaced_between_meta_and_chunks_is_read_again(single_nats: Na
                 info = await original(*args, **kwargs)
                 if not replaced:  # the first meta read: the old object; now it is replaced
                     replaced.append(1)
-                    await writer.put_snapshot(ENTRY, Snapshot(20, new))
+                    assert await writer.put_snapshot(ENTRY, Snapshot(20, _file(tmp_path, "new", new)))
                 return info
 
             reader.obs.get_info = get_info_then_replace  # type: ignore[method-assign]
-            got = await asyncio.wait_for(reader.get_snapshot(ENTRY), 30)
-            assert got is not None and got.data == new
+            got = await asyncio.wait_for(reader.get_snapshot(ENTRY, tmp_path), 30)
             return got, len(replaced)
         finally:
             await reader.close()
@@ -75,26 +82,28 @@ def test_snapshot_replaced_between_meta_and_chunks_is_read_again(single_nats: Na
 
     got, replacements = _run(scenario())
     assert replacements == 1
-    assert got is not None and got.position == 20
+    assert got is not None and got.position == 20 and got.path.read_bytes() == new
+    assert {path.name for path in tmp_path.iterdir()} == {"new", "old", got.path.name}  # the first removed
 
 
 def test_snapshot_read_without_replacement(single_nats: NatsCluster, tmp_path: Path) -> None:
     """No concurrent upload: the stored snapshot, its position, and None where there is none."""
 
+    data = bytes(range(256)) * 1000
+
     async def scenario() -> tuple[Snapshot | None, Snapshot | None]:
         log = JetStreamLog(single_nats.urls, replicas=1, prefix="race2", timeout_s=5, auth=single_nats.auth())
         await log.connect()
         try:
-            missing = await log.get_snapshot(ENTRY)
-            data = bytes(range(256)) * 1000
-            await log.put_snapshot(ENTRY, Snapshot(7, data))
-            return missing, await log.get_snapshot(ENTRY)
+            missing = await log.get_snapshot(ENTRY, tmp_path)
+            assert await log.put_snapshot(ENTRY, Snapshot(7, _file(tmp_path, "source", data)))
+            return missing, await log.get_snapshot(ENTRY, tmp_path)
         finally:
             await log.close()
 
     missing, got = _run(scenario())
     assert missing is None
-    assert got == Snapshot(7, bytes(range(256)) * 1000)
+    assert got is not None and got.position == 7 and got.path.read_bytes() == data
 
 
 class _MarkerFirst:

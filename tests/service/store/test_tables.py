@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from robez_core.config import OptimizerConfig, TableConfig
-from robez_core.errors import ConflictError, InvalidInputError, NotFoundError
+from robez_core.errors import ConflictError, CorruptionError, InvalidInputError, NotFoundError
 from robez_core.small import SmallPath
 from robez_core.table import Table
 from service.config import Settings, TableSpec
@@ -716,3 +716,34 @@ def test_a_logged_update_that_fails_a_check_is_an_empty_version(
     applied = store.apply_logged(UpdateRecord("t", 3, torch.tensor([4]), torch.ones(1, 8), 0.1))
     assert applied is not None and not isinstance(applied, SkippedRecord)
     assert store.checksum("t")[0] == 3 and store.checksum("t")[1] != before
+
+
+def test_create_and_restore_from_a_checkpoint_file(
+    settings: Settings, directory: SharedDirectory, tmp_path: Path
+) -> None:
+    """A checkpoint file read straight into shared memory (a replica's bootstrap): the same bytes at the
+    given version; a damaged file creates nothing and leaves no array behind; a restore switches to it."""
+    store = TableStore(directory, settings, NullJournal())
+    source = Table(CONFIG, OptimizerConfig("adam"))
+    source.apply_gradients(torch.tensor([1, 2, 2]), torch.randn(3, 8))
+    path = tmp_path / "t.safetensors"
+    source.save(path)
+    store.create_from_file("t", path, 7)
+    assert store.version("t") == 7
+    assert all(torch.equal(store.table("t").tensors()[k], v) for k, v in source.tensors().items())
+
+    arrays = sorted(directory.arrays_dir.iterdir())
+    damaged = tmp_path / "damaged.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 1
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(CorruptionError, match="checksum"):
+        store.create_from_file("u", damaged, 1)
+    assert "u" not in store.names() and sorted(directory.arrays_dir.iterdir()) == arrays
+
+    source.apply_gradients(torch.tensor([3]), torch.randn(1, 8))
+    source.save(path)
+    store.restore_from_file("t", path, 9)
+    assert store.version("t") == 9
+    assert all(torch.equal(store.table("t").tensors()[k], v) for k, v in source.tensors().items())
+    store.close()
