@@ -92,6 +92,49 @@ class TableAdmin:
         spec = TableSpec(table.config, table.optimizer)
         self.install(name, spec, source=table, version=version, journal_create=True)
 
+    def check_start(self, stored: dict[str, TableSpec], requested: dict[str, TableSpec], where: str) -> None:
+        """Check the tables a server starts with against every limit before any is loaded or created:
+        ``stored`` (in the data directory) plus those of ``requested`` (the tables file ``where``) not
+        stored yet, each against the per-table limits, all together against ``max_tables`` and
+        ``max_total_memory_bytes``. Raises naming the table and the file; nothing has changed then."""
+        registry = self._registry.directory.read_registry()
+        count = len(registry.tables)
+        total = registry.total_bytes()
+        new_tables = [(name, spec, "the data directory") for name, spec in stored.items()]
+        new_tables += [(name, spec, where) for name, spec in requested.items() if name not in stored]
+        for name, spec, source in new_tables:
+            try:
+                validate_table_name(name)
+                self._check_config_limits(spec.config)
+                if name in stored and name in requested:
+                    wanted = requested[name]
+                    if (wanted.config, wanted.optimizer) != (spec.config, spec.optimizer):
+                        raise ConfigError(
+                            "the table in the data directory has a different config than the tables file; "
+                            f"delete the table (DELETE /v1/tables/{name}) or change the file"
+                        )
+                if spec.share_array_with is not None and not isinstance(self._journal, NullJournal):
+                    raise ConfigError(
+                        "share_array_with is not available with a data directory: the write-ahead log is "
+                        "per table"
+                    )
+                count += 1
+                if count > self._limits.max_tables:
+                    raise LimitExceededError(
+                        f"it would be table number {count}, over max_tables={self._limits.max_tables} "
+                        f"({len(stored)} tables in the data directory, {len(requested)} in the tables file)"
+                    )
+                if spec.share_array_with is None:
+                    nbytes = layout_bytes(array_layout(spec.config, spec.optimizer))
+                    total += nbytes
+                    if total > self._limits.max_total_memory_bytes:
+                        raise LimitExceededError(
+                            f"its {nbytes} bytes bring the tables to {total} bytes, over "
+                            f"max_total_memory_bytes={self._limits.max_total_memory_bytes}"
+                        )
+            except (ConfigError, LimitExceededError) as error:
+                raise type(error)(f"table {name!r} ({source}): {error}; nothing was created") from None
+
     def _check_room(self, registry: Registry, name: str) -> None:
         """A new table ``name`` fits the registry: not taken, under ``max_tables``. Caller holds the
         registry lock."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from robez_core.config import OptimizerConfig, TableConfig
     from robez_core.table import Table
 
 
@@ -64,6 +65,11 @@ class Journal(Protocol):
 
     def names(self) -> list[str]:
         """Names of the tables present in the data directory."""
+        ...
+
+    def stored_spec(self, name: str) -> tuple[TableConfig, OptimizerConfig] | None:
+        """The config and optimizer of a table in the data directory, without loading it (None if absent):
+        start-up checks a tables file against the limits with them before anything is created."""
         ...
 
     def create(self, name: str, table: Table, version: int) -> None:
@@ -112,6 +118,9 @@ class NullJournal:
 
     def names(self) -> list[str]:
         return []
+
+    def stored_spec(self, name: str) -> tuple[TableConfig, OptimizerConfig] | None:
+        return None
 
     def create(self, name: str, table: Table, version: int) -> None:
         pass

@@ -34,7 +34,6 @@ from torch import Tensor
 
 from robez_core.config import TableConfig
 from robez_core.errors import (
-    ConfigError,
     CorruptionError,
     InvalidInputError,
     LimitExceededError,
@@ -111,17 +110,18 @@ class TableStore:
 
     def _load_initial_tables(self, settings: Settings) -> None:
         specs = load_tables_file(settings.config) if settings.config is not None else {}
+        stored: dict[str, TableSpec] = {}
         for name in self.journal.names():
-            loaded = self.journal.load(validate_table_name(name))
+            found = self.journal.stored_spec(validate_table_name(name))
+            if found is not None:
+                stored[name] = TableSpec(*found)
+        where = f"tables file {settings.config}" if settings.config is not None else "no tables file"
+        self._admin.check_start(stored, specs, where)  # the whole file, before anything is created
+        for name in stored:
+            loaded = self.journal.load(name)
             if loaded is None:
                 continue
             table, version = loaded
-            spec = specs.get(name)
-            if spec is not None and (spec.config, spec.optimizer) != (table.config, table.optimizer):
-                raise ConfigError(
-                    f"table {name!r} in the data directory has a different config than the tables file; "
-                    "delete the table (DELETE /v1/tables/{name}) or change the file"
-                )
             spec = TableSpec(table.config, table.optimizer)
             self._admin.install(name, spec, source=table, version=version, journal_create=False)
             logger.info("loaded table %s at version %d from the data directory", name, version)

@@ -23,6 +23,7 @@ from ..store import apply_record
 from ..store.journal import UpdateRecord, is_storage_full
 
 if TYPE_CHECKING:
+    from robez_core.config import OptimizerConfig, TableConfig
     from robez_core.table import Table
 
     from ..config import Settings
@@ -39,6 +40,7 @@ from .files import (
     remove_creation_leftovers,
     validate_table_name,
 )
+from .image import stored_spec
 from .records import (
     _CRC,
     _LOG_HEADER,
@@ -221,6 +223,11 @@ class WalJournal:
             for entry in self.data_dir.iterdir()
             if not entry.name.startswith(".") and (entry / META_FILE).is_file()
         )
+
+    def stored_spec(self, name: str) -> tuple[TableConfig, OptimizerConfig] | None:
+        """The config and optimizer of the table's committed snapshot, read from its header alone."""
+        path = self.snapshot_path(name)
+        return None if path is None else stored_spec(path)
 
     def create(self, name: str, table: Table, version: int) -> None:
         """Write the first snapshot and an empty log, built in a hidden folder then renamed into place."""
