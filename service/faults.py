@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 UPDATE_APPENDED = "update:appended"
@@ -71,3 +72,10 @@ def slow_seconds() -> float:
     ``ROBEZ_FAULT_SLOW_SECONDS`` (unset: 0)."""
     value = os.environ.get(SLOW_VARIABLE)
     return float(value) if value else 0.0
+
+
+def slow_down() -> None:
+    """Testing only: pause ``slow_seconds()`` (after each piece of a pass made outside the update lock)."""
+    pause = slow_seconds()
+    if pause:
+        time.sleep(pause)

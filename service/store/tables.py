@@ -383,14 +383,21 @@ class TableStore:
         return UpdateResult(record.version, hash_seconds, apply_seconds)
 
     def checksum(self, name: str) -> tuple[int, str]:
-        """(version, sha256 hex) over the array and optimizer state, taken under the update lock, so the
-        digest is of exactly that version. Replicas at the same version have the same digest."""
+        """(version, sha256 hex) over the array and optimizer state at one version. Replicas at the same
+        version have the same digest. The update lock is held only to copy the state at memory speed;
+        the hash runs on the copy, so pushes go on meanwhile (the copy costs the table's state bytes of
+        private memory for the length of the hash)."""
         with self.exclusive(name) as (table, version):
-            digest = hashlib.sha256()
-            for key, tensor in sorted(table.tensors().items()):
-                digest.update(key.encode())
-                digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
-            return version, digest.hexdigest()
+            copies = _private_copy(table.tensors())
+        digest = hashlib.sha256()
+        for key, tensor in sorted(copies.items()):
+            digest.update(key.encode())
+            view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+            for start in range(0, len(view), _HASH_PIECE_BYTES):
+                digest.update(view[start : start + _HASH_PIECE_BYTES])
+                faults.slow_down()
+            del view
+        return version, digest.hexdigest()
 
     def warm_up(self) -> None:
         """Load the compiled kernels now (numba's on-disk cache), so a worker's first lookup or update is
@@ -438,6 +445,20 @@ class TableStore:
     def close(self) -> None:
         """Release this worker's locks and mappings (the shared directory stays; its owner removes it)."""
         self.registry.close()
+
+
+# The checksum hashes its copy in pieces of this many bytes (so the test hook can slow it down).
+_HASH_PIECE_BYTES = 1 << 24
+
+
+def _private_copy(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Contiguous private copies of ``tensors``, made at memory speed (numpy's copy, no autograd)."""
+    copies: dict[str, Tensor] = {}
+    for key, tensor in tensors.items():
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype)
+        np.copyto(copy.numpy(), tensor.detach().numpy())
+        copies[key] = copy
+    return copies
 
 
 def _count(values: Tensor | np.ndarray) -> int:

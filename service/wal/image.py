@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import struct
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +131,7 @@ def finish_image(fd: int, table_metadata: Mapping[str, str], layout: ImageLayout
         if end > begin:  # robez_core.table hashes nothing for an empty tensor
             for piece in _read_pieces(fd, start + begin, start + end):
                 digest.update(piece)
-                _slow_down()
+                faults.slow_down()
         checksums[name] = digest.hexdigest()
     metadata = dict(table_metadata)
     metadata["checksums"] = json.dumps(checksums, sort_keys=True)
@@ -253,10 +252,3 @@ def _pwrite_all(fd: int, data: Any, position: int) -> None:
         written = os.pwrite(fd, view, position)
         view = view[written:]
         position += written
-
-
-def _slow_down() -> None:
-    """Testing only: the pause ``faults.slow_seconds`` asks for after each piece hashed outside the lock."""
-    pause = faults.slow_seconds()
-    if pause:
-        time.sleep(pause)

@@ -4,16 +4,23 @@ hook ``ROBEZ_FAULT_SLOW_SECONDS`` (service/faults.py), not by size."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from fastapi.testclient import TestClient
 
 from robez_core.errors import LimitExceededError
 from service.config import Settings
+from service.faults import SLOW_VARIABLE
 from service.store import TableStore
 from service.wal import WalJournal
 
-from .conftest import make_settings
+from .conftest import make_settings, store_of
 
 
 def _tables_file(path: Path, count: int, memory_size: int = 1024) -> Path:
@@ -70,3 +77,58 @@ def test_the_total_limit_counts_the_tables_already_in_the_data_dir(tmp_path: Pat
         _prepare(make_settings(tmp_path, data_dir=data_dir, config=three, **limit))
     assert "'x2'" in str(refused.value) and "max_total_memory_bytes" in str(refused.value)
     assert _tree(data_dir) == before
+
+
+BIG = {"num_embeddings": 100_000, "embedding_dim": 16, "memory_size": 1 << 22, "chunk_size": 16}
+SLOW_SECONDS = 1.0  # per 16 MiB piece: a table of 2 x 16 MiB takes >= 2 s to hash
+
+
+def _pushes_during(work: Callable[[], Any], push: Callable[[], None]) -> tuple[list[float], float, float]:
+    """Run ``work`` on a thread and push from this one until it ends; returns every push's seconds and
+    when ``work`` started and ended (time.monotonic)."""
+    started = time.monotonic()
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(work()))
+    thread.start()
+    latencies: list[float] = []
+    try:
+        while thread.is_alive():
+            begin = time.monotonic()
+            push()
+            latencies.append(time.monotonic() - begin)
+    finally:
+        thread.join(timeout=120)
+    assert result, "the work failed"
+    return latencies, started, time.monotonic()
+
+
+def _big_client(client_factory: Callable[..., TestClient], tmp_path: Path, **overrides: Any) -> TestClient:
+    client = client_factory(data_dir=tmp_path / "data", default_table=False, **overrides)
+    response = client.post(
+        "/v1/tables", json={"name": "big", "config": BIG, "optimizer": {"name": "adagrad"}}
+    )
+    assert response.status_code == 201, response.text
+    return client
+
+
+def _push(client: TestClient) -> None:
+    ids = torch.randint(0, BIG["num_embeddings"], (64,))
+    store_of(client).update("big", ids, torch.randn(64, BIG["embedding_dim"]))
+
+
+@pytest.mark.slow
+def test_a_push_completes_while_a_checksum_is_hashed(
+    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = _big_client(client_factory, tmp_path)
+    store = store_of(client)
+    quiet_version, quiet_digest = store.checksum("big")
+    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS))
+    latencies, started, ended = _pushes_during(lambda: store.checksum("big"), lambda: _push(client))
+    assert ended - started >= 2 * SLOW_SECONDS  # the hook made it slow
+    # Pushes went on the whole time: none waited for the hash (under the lock it would wait ~2 s).
+    assert len(latencies) >= 3 and max(latencies) < SLOW_SECONDS, latencies
+    monkeypatch.delenv(SLOW_VARIABLE)
+    assert store.checksum("big")[0] == quiet_version + len(latencies)
+    response = client.get("/v1/tables/big/checksum")
+    assert response.status_code == 200 and response.json()["sha256"] != quiet_digest
