@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,6 +35,8 @@ from robez_core.errors import (
     LimitExceededError,
     NotFoundError,
 )
+from robez_core.init import init_weight
+from robez_core.optim import init_state
 from robez_core.table import Table
 
 from .. import faults
@@ -187,11 +191,18 @@ class TableAdmin:
         return source
 
     def _new_array(
-        self, registry: Registry, config: TableConfig, optimizer: OptimizerConfig, source: Table | None
+        self,
+        registry: Registry,
+        config: TableConfig,
+        optimizer: OptimizerConfig,
+        source: Table | None,
+        *,
+        fill: bool = True,
     ) -> tuple[str, Table]:
-        """Allocate an array in shared memory, fill it from ``source`` (or a freshly initialised Table) and
-        add it to ``registry`` (not yet published); returns its id and a Table over it. Caller holds the
-        registry lock and removes the array with ``_remove_array`` if what follows fails."""
+        """Allocate an array in shared memory, fill it from ``source`` (or a freshly initialised Table;
+        ``fill=False``: left zero, for the caller to fill) and add it to ``registry`` (not yet
+        published); returns its id and a Table over it. Caller holds the registry lock and removes the
+        array with ``_remove_array`` if what follows fails."""
         layout = array_layout(config, optimizer)
         nbytes = layout_bytes(layout)
         array_id = secrets.token_hex(8)
@@ -201,12 +212,14 @@ class TableAdmin:
                 tensors[key] = self._registry.directory.allocate(
                     f"arrays/{array_id}.{key}", shape_numel(shape), dtype
                 ).view(shape)
-            # The core initialises a new array (seeded) or brings a loaded one; both are copied into shared
-            # memory once, so the private copy lives only for this call.
-            fresh = source if source is not None else Table(config, optimizer)
-            for key, tensor in fresh.tensors().items():
-                tensors[key].copy_(tensor.reshape(tensors[key].shape))
-            del fresh
+            if fill and source is None:  # initialised in place: no private copy of a new table
+                init_weight(config.memory_size, config.init_scale, config.seed, out=tensors["weight"])
+                state = {key.removeprefix("state."): t for key, t in tensors.items() if key != "weight"}
+                init_state(optimizer, config.memory_size, out=state)
+            elif fill:
+                assert source is not None
+                for key, tensor in source.tensors().items():
+                    tensors[key].copy_(tensor.reshape(tensors[key].shape))
         except BaseException:
             self._remove_array(array_id, layout)
             raise
@@ -222,10 +235,19 @@ class TableAdmin:
             (self._registry.directory.arrays_dir / f"{array_id}.{key}").unlink(missing_ok=True)
 
     def install(
-        self, name: str, spec: TableSpec, *, source: Table | None, version: int, journal_create: bool
+        self,
+        name: str,
+        spec: TableSpec,
+        *,
+        source: Table | None,
+        version: int,
+        journal_create: bool,
+        load: Callable[[Table], int | None] | None = None,
     ) -> None:
         """Allocate a new array for ``name``, fill it from ``source`` (or a freshly initialised Table),
-        ``journal.create`` it if asked (not for tables loaded from the journal), then publish it."""
+        ``journal.create`` it if asked (not for tables loaded from the journal), then publish it.
+        ``load``: fills the array itself (the journal reading a table straight into shared memory) and
+        returns the version it reached, which replaces ``version``."""
         if spec.share_array_with is not None:
             raise ConfigError("a table with its own array cannot also share one")
         nbytes = layout_bytes(array_layout(spec.config, spec.optimizer))
@@ -233,9 +255,16 @@ class TableAdmin:
             registry = self._registry.directory.read_registry()
             self._check_room(registry, name)
             self._check_memory(registry, nbytes, "the table")
-            array_id, shared = self._new_array(registry, spec.config, spec.optimizer, source)
+            array_id, shared = self._new_array(
+                registry, spec.config, spec.optimizer, source, fill=load is None
+            )
             journaled = False
             try:
+                if load is not None:
+                    loaded = load(shared)
+                    if loaded is None:
+                        raise NotFoundError(f"table {name!r} is no longer in the data directory")
+                    version = loaded
                 if journal_create:
                     self._journal.create(name, shared, version)
                     journaled = True
@@ -326,10 +355,11 @@ class TableAdmin:
         faults.die_at(faults.fault_file(), point)
 
     def snapshot(self, name: str) -> int:
-        """Journal a snapshot of the table at its current version (no update in between); returns it."""
-        with self._registry.exclusive(name) as (table, version):
-            self._journal.snapshot(name, table, version)
-            return version
+        """Journal a snapshot of the table at its current version; returns it. Updates go on while it is
+        written (``Journal.snapshot_live``); the version returned is the one the snapshot holds."""
+        version = self._journal.snapshot_live(name, partial(self._registry.exclusive, name))
+        assert version is not None  # not skipped: no policy was given
+        return version
 
     def restore(self, name: str, source: Table, version: int) -> None:
         """Replace the table's array and optimizer state by a copy of ``source`` (same config and

@@ -26,6 +26,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import numpy as np
 import torch
@@ -117,14 +118,17 @@ class TableStore:
                 stored[name] = TableSpec(*found)
         where = f"tables file {settings.config}" if settings.config is not None else "no tables file"
         self._admin.check_start(stored, specs, where)  # the whole file, before anything is created
-        for name in stored:
-            loaded = self.journal.load(name)
-            if loaded is None:
-                continue
-            table, version = loaded
-            spec = TableSpec(table.config, table.optimizer)
-            self._admin.install(name, spec, source=table, version=version, journal_create=False)
-            logger.info("loaded table %s at version %d from the data directory", name, version)
+        for name, spec in stored.items():
+            # Read straight into the table's shared memory: no private copy (docs/durability.md, memory).
+            self._admin.install(
+                name,
+                spec,
+                source=None,
+                version=0,
+                journal_create=False,
+                load=partial(self.journal.load_into, name),
+            )
+            logger.info("loaded table %s at version %d from the data directory", name, self.version(name))
         for name, spec in specs.items():
             if name not in self.registry.published.tables:
                 self.create(name, spec)
@@ -392,7 +396,7 @@ class TableStore:
         digest = hashlib.sha256()
         for key, tensor in sorted(copies.items()):
             digest.update(key.encode())
-            view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+            view = tensor.view(-1).view(torch.uint8).numpy().data
             for start in range(0, len(view), _HASH_PIECE_BYTES):
                 digest.update(view[start : start + _HASH_PIECE_BYTES])
                 faults.slow_down()

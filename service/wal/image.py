@@ -98,7 +98,7 @@ def _metadata(table: Table, checksums: Mapping[str, str]) -> dict[str, str]:
 
 def _bytes_view(tensor: Tensor) -> memoryview:
     """The tensor's own bytes (no copy), as a flat memoryview."""
-    return memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
+    return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def write_image(fd: int, table: Table) -> ImageLayout:
@@ -119,9 +119,12 @@ def write_image(fd: int, table: Table) -> ImageLayout:
     return ImageLayout(len(header), entries, spans)
 
 
-def finish_image(fd: int, table_metadata: Mapping[str, str], layout: ImageLayout) -> tuple[int, int]:
+def finish_image(
+    fd: int, table_metadata: Mapping[str, str], layout: ImageLayout, *, durable: bool = True
+) -> tuple[int, int]:
     """Hash each tensor of the image ``write_image`` wrote (read back from the file), write the header
-    with the real checksums, fsync; returns (crc32, size) of the whole file, for ``meta.json``.
+    with the real checksums, fsync; returns (crc32, size) of the whole file, for ``meta.json``
+    (``durable=False``, a temporary file: neither the fsync nor the crc32, which is then 0).
 
     ``table_metadata``: ``Table.metadata()`` of the table written (config, optimizer; no checksums)."""
     checksums: dict[str, str] = {}
@@ -137,6 +140,8 @@ def finish_image(fd: int, table_metadata: Mapping[str, str], layout: ImageLayout
     metadata["checksums"] = json.dumps(checksums, sort_keys=True)
     header = _header(metadata, layout.entries, layout.header_length)
     _pwrite_all(fd, _LENGTH.pack(len(header)) + header, 0)
+    if not durable:
+        return 0, os.fstat(fd).st_size
     os.fsync(fd)
     crc = 0
     size = 0
