@@ -406,6 +406,7 @@ class WalJournal:
                     if version == meta.version and self._log_is_empty(name):
                         return version  # the committed snapshot is this version already
                     log_end = self._log_end(name, meta, version)
+                    log_inode = os.stat(directory / LOG_FILE).st_ino
                     needed = _table_bytes(table)
                     generation = meta.generation + 1
                     staged = directory / f"snapshot-{generation}.safetensors.tmp-{uuid.uuid4().hex[:8]}"
@@ -418,8 +419,14 @@ class WalJournal:
                 fd = None
                 with exclusive() as (_table, current):
                     now = self._read_meta(name)
-                    if now is None or now.generation != meta.generation:
-                        raise ConflictError(f"table {name!r} was loaded while it was being snapshotted")
+                    if (
+                        now is None
+                        or now.generation != meta.generation
+                        or os.stat(directory / LOG_FILE).st_ino != log_inode  # deleted and created again
+                    ):
+                        raise ConflictError(
+                            f"table {name!r} was loaded or replaced while it was being snapshotted"
+                        )
                     snapshot = _Meta(
                         generation,
                         version,
