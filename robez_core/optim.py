@@ -71,12 +71,19 @@ def state_layout(optimizer: OptimizerConfig, memory_size: int) -> StateLayout:
     raise ConfigError(f"unknown optimizer {optimizer.name!r}")
 
 
-def init_state(optimizer: OptimizerConfig, memory_size: int) -> dict[str, Tensor]:
-    """Fresh state tensors for ``optimizer`` (zeros; adagrad's ``sum`` at its initial accumulator value)."""
-    state = {
-        name: torch.zeros(shape, dtype=dtype)
-        for name, (shape, dtype) in state_layout(optimizer, memory_size).items()
-    }
+def init_state(
+    optimizer: OptimizerConfig, memory_size: int, *, out: dict[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """Fresh state tensors for ``optimizer`` (zeros; adagrad's ``sum`` at its initial accumulator value);
+    ``out``: tensors of the layout (``validate_state``) to set instead of allocating new ones."""
+    if out is None:
+        state = {
+            name: torch.zeros(shape, dtype=dtype)
+            for name, (shape, dtype) in state_layout(optimizer, memory_size).items()
+        }
+    else:
+        validate_state(optimizer, memory_size, out)
+        state = {name: tensor.zero_() for name, tensor in out.items()}
     if optimizer.name == "adagrad" and optimizer.initial_accumulator_value:
         state["sum"].fill_(optimizer.initial_accumulator_value)
     return state

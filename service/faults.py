@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 UPDATE_APPENDED = "update:appended"
@@ -73,3 +74,21 @@ def die_at(fault_file: Path | None, point: str) -> None:
     """SIGKILL this process if the fault file names ``point`` (see ``armed``)."""
     if armed(fault_file, point):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+SLOW_VARIABLE = "ROBEZ_FAULT_SLOW_SECONDS"
+
+
+def slow_seconds() -> float:
+    """Testing only: seconds to pause after each piece of a whole-table pass made outside the table's
+    update lock (a snapshot's hashing, a checksum's), so a test sees a slow one without a big table;
+    ``ROBEZ_FAULT_SLOW_SECONDS`` (unset: 0)."""
+    value = os.environ.get(SLOW_VARIABLE)
+    return float(value) if value else 0.0
+
+
+def slow_down() -> None:
+    """Testing only: pause ``slow_seconds()`` (after each piece of a pass made outside the update lock)."""
+    pause = slow_seconds()
+    if pause:
+        time.sleep(pause)

@@ -26,7 +26,15 @@ from ..auth import WriteAccess
 from ..codec import OCTET_STREAM, VERSION_HEADER, TableInfoResponse, table_info_json
 from ..config import TableSpec
 from ..store import TableStore
-from ..wal import CheckpointFormat, SnapshotScheduler, WalJournal, align_checkpoint, read_checkpoint
+from ..wal import (
+    CheckpointFormat,
+    SnapshotScheduler,
+    WalJournal,
+    align_checkpoint,
+    finish_image,
+    read_checkpoint,
+    write_image,
+)
 from .deps import StoreDep, compute
 from .update import IDEMPOTENCY_HEADER
 
@@ -236,15 +244,17 @@ def _open_checkpoint(store: TableStore, name: str) -> tuple[BinaryIO, int]:
     if isinstance(store.journal, WalJournal):
         store.snapshot(name)
         return store.journal.open_snapshot(name)
-    with store.exclusive(name) as (table, version):
-        descriptor, path = tempfile.mkstemp(prefix="robez-export-", suffix=".safetensors")
+    descriptor, path = tempfile.mkstemp(prefix="robez-export-", suffix=".safetensors")
+    try:
+        os.unlink(path)  # the open descriptor keeps it until the download ends
+        with store.exclusive(name) as (table, version):
+            layout = write_image(descriptor, table)  # at memory speed: updates wait only for this
+            metadata = table.metadata()
+        finish_image(descriptor, metadata, layout, durable=False)
+        return os.fdopen(descriptor, "rb"), version
+    except BaseException:
         os.close(descriptor)
-        try:
-            table.save(path)
-            return open(path, "rb"), version
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        raise
 
 
 def _chunks(handle: BinaryIO) -> Iterator[bytes]:

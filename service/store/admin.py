@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,6 +35,8 @@ from robez_core.errors import (
     LimitExceededError,
     NotFoundError,
 )
+from robez_core.init import init_weight
+from robez_core.optim import init_state
 from robez_core.table import CheckpointFile, Table
 
 from .. import faults
@@ -100,6 +104,49 @@ class TableAdmin:
         spec = TableSpec(checkpoint.config, checkpoint.optimizer)
         self.install(name, spec, source=checkpoint, version=version, journal_create=True)
 
+    def check_start(self, stored: dict[str, TableSpec], requested: dict[str, TableSpec], where: str) -> None:
+        """Check the tables a server starts with against every limit before any is loaded or created:
+        ``stored`` (in the data directory) plus those of ``requested`` (the tables file ``where``) not
+        stored yet, each against the per-table limits, all together against ``max_tables`` and
+        ``max_total_memory_bytes``. Raises naming the table and the file; nothing has changed then."""
+        registry = self._registry.directory.read_registry()
+        count = len(registry.tables)
+        total = registry.total_bytes()
+        new_tables = [(name, spec, "the data directory") for name, spec in stored.items()]
+        new_tables += [(name, spec, where) for name, spec in requested.items() if name not in stored]
+        for name, spec, source in new_tables:
+            try:
+                validate_table_name(name)
+                self._check_config_limits(spec.config)
+                if name in stored and name in requested:
+                    wanted = requested[name]
+                    if (wanted.config, wanted.optimizer) != (spec.config, spec.optimizer):
+                        raise ConfigError(
+                            "the table in the data directory has a different config than the tables file; "
+                            f"delete the table (DELETE /v1/tables/{name}) or change the file"
+                        )
+                if spec.share_array_with is not None and not isinstance(self._journal, NullJournal):
+                    raise ConfigError(
+                        "share_array_with is not available with a data directory: the write-ahead log is "
+                        "per table"
+                    )
+                count += 1
+                if count > self._limits.max_tables:
+                    raise LimitExceededError(
+                        f"it would be table number {count}, over max_tables={self._limits.max_tables} "
+                        f"({len(stored)} tables in the data directory, {len(requested)} in the tables file)"
+                    )
+                if spec.share_array_with is None:
+                    nbytes = layout_bytes(array_layout(spec.config, spec.optimizer))
+                    total += nbytes
+                    if total > self._limits.max_total_memory_bytes:
+                        raise LimitExceededError(
+                            f"its {nbytes} bytes bring the tables to {total} bytes, over "
+                            f"max_total_memory_bytes={self._limits.max_total_memory_bytes}"
+                        )
+            except (ConfigError, LimitExceededError) as error:
+                raise type(error)(f"table {name!r} ({source}): {error}; nothing was created") from None
+
     def _check_room(self, registry: Registry, name: str) -> None:
         """A new table ``name`` fits the registry: not taken, under ``max_tables``. Caller holds the
         registry lock."""
@@ -157,11 +204,13 @@ class TableAdmin:
         config: TableConfig,
         optimizer: OptimizerConfig,
         source: Table | CheckpointFile | None,
+        *,
+        fill: bool = True,
     ) -> tuple[str, Table]:
         """Allocate an array in shared memory, fill it from ``source`` (a table, a checkpoint file read
-        straight into it, or a freshly initialised Table) and
-        add it to ``registry`` (not yet published); returns its id and a Table over it. Caller holds the
-        registry lock and removes the array with ``_remove_array`` if what follows fails."""
+        straight into it, or a new table initialised in place; ``fill=False``: left zero, for the caller
+        to fill) and add it to ``registry`` (not yet published); returns its id and a Table over it.
+        Caller holds the registry lock and removes the array with ``_remove_array`` if what follows fails."""
         layout = array_layout(config, optimizer)
         nbytes = layout_bytes(layout)
         array_id = secrets.token_hex(8)
@@ -171,15 +220,17 @@ class TableAdmin:
                 tensors[key] = self._registry.directory.allocate(
                     f"arrays/{array_id}.{key}", shape_numel(shape), dtype
                 ).view(shape)
-            if isinstance(source, CheckpointFile):
+            if not fill:
+                pass
+            elif isinstance(source, CheckpointFile):
                 source.read_into(tensors)  # piece by piece from the file, checksums checked
+            elif source is None:  # initialised in place: no private copy of a new table
+                init_weight(config.memory_size, config.init_scale, config.seed, out=tensors["weight"])
+                state = {key.removeprefix("state."): t for key, t in tensors.items() if key != "weight"}
+                init_state(optimizer, config.memory_size, out=state)
             else:
-                # The core initialises a new array (seeded) or brings a loaded one; both are copied into
-                # shared memory once, so the private copy lives only for this call.
-                fresh = source if source is not None else Table(config, optimizer)
-                for key, tensor in fresh.tensors().items():
+                for key, tensor in source.tensors().items():
                     tensors[key].copy_(tensor.reshape(tensors[key].shape))
-                del fresh
         except BaseException:
             self._remove_array(array_id, layout)
             raise
@@ -202,9 +253,12 @@ class TableAdmin:
         source: Table | CheckpointFile | None,
         version: int,
         journal_create: bool,
+        load: Callable[[Table], int | None] | None = None,
     ) -> None:
         """Allocate a new array for ``name``, fill it from ``source`` (or a freshly initialised Table),
-        ``journal.create`` it if asked (not for tables loaded from the journal), then publish it."""
+        ``journal.create`` it if asked (not for tables loaded from the journal), then publish it.
+        ``load``: fills the array itself (the journal reading a table straight into shared memory) and
+        returns the version it reached, which replaces ``version``."""
         if spec.share_array_with is not None:
             raise ConfigError("a table with its own array cannot also share one")
         nbytes = layout_bytes(array_layout(spec.config, spec.optimizer))
@@ -212,9 +266,16 @@ class TableAdmin:
             registry = self._registry.directory.read_registry()
             self._check_room(registry, name)
             self._check_memory(registry, nbytes, "the table")
-            array_id, shared = self._new_array(registry, spec.config, spec.optimizer, source)
+            array_id, shared = self._new_array(
+                registry, spec.config, spec.optimizer, source, fill=load is None
+            )
             journaled = False
             try:
+                if load is not None:
+                    loaded = load(shared)
+                    if loaded is None:
+                        raise NotFoundError(f"table {name!r} is no longer in the data directory")
+                    version = loaded
                 if journal_create:
                     self._journal.create(name, shared, version)
                     journaled = True
@@ -305,10 +366,11 @@ class TableAdmin:
         faults.die_at(faults.fault_file(), point)
 
     def snapshot(self, name: str) -> int:
-        """Journal a snapshot of the table at its current version (no update in between); returns it."""
-        with self._registry.exclusive(name) as (table, version):
-            self._journal.snapshot(name, table, version)
-            return version
+        """Journal a snapshot of the table at its current version; returns it. Updates go on while it is
+        written (``Journal.snapshot_live``); the version returned is the one the snapshot holds."""
+        version = self._journal.snapshot_live(name, partial(self._registry.exclusive, name))
+        assert version is not None  # not skipped: no policy was given
+        return version
 
     def restore(
         self, name: str, source: Table | CheckpointFile, version: int, *, after: int | None = None

@@ -13,12 +13,15 @@ implementation, ``WalJournal``.
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from robez_core.config import OptimizerConfig, TableConfig
     from robez_core.table import Table
 
 
@@ -84,6 +87,16 @@ class Journal(Protocol):
         """Names of the tables present in the data directory."""
         ...
 
+    def load_into(self, name: str, table: Table) -> int | None:
+        """``load`` into ``table`` (allocated by the caller with the config ``stored_spec`` gives, in
+        shared memory): no private copy of the table. Returns the version reached; None if unknown."""
+        ...
+
+    def stored_spec(self, name: str) -> tuple[TableConfig, OptimizerConfig] | None:
+        """The config and optimizer of a table in the data directory, without loading it (None if absent):
+        start-up checks a tables file against the limits with them before anything is created."""
+        ...
+
     def create(self, name: str, table: Table, version: int) -> None:
         """Write the first snapshot of a new table."""
         ...
@@ -101,6 +114,18 @@ class Journal(Protocol):
 
     def snapshot(self, name: str, table: Table, version: int) -> None:
         """Write a snapshot atomically, then truncate the table's log."""
+        ...
+
+    def snapshot_live(
+        self,
+        name: str,
+        exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
+        due: Callable[[str, int], bool] | None = None,
+    ) -> int | None:
+        """Snapshot the table served, holding its update lock (``exclusive()``) only for what must see
+        it unchanged; returns the version snapshotted, None when skipped (``due`` is the scheduler's
+        policy, checked under the lock; with it a snapshot already running elsewhere is not waited
+        for)."""
         ...
 
     def recover(self, name: str, version: int) -> Table | None:
@@ -131,6 +156,18 @@ class NullJournal:
     def names(self) -> list[str]:
         return []
 
+    def stored_spec(self, name: str) -> tuple[TableConfig, OptimizerConfig] | None:
+        return None
+
+    def load_into(self, name: str, table: Table) -> int | None:
+        loaded = self.load(name)
+        if loaded is None:
+            return None
+        targets = table.tensors()
+        for key, tensor in loaded[0].tensors().items():
+            targets[key].copy_(tensor.reshape(targets[key].shape))
+        return loaded[1]
+
     def create(self, name: str, table: Table, version: int) -> None:
         pass
 
@@ -142,6 +179,18 @@ class NullJournal:
 
     def snapshot(self, name: str, table: Table, version: int) -> None:
         pass
+
+    def snapshot_live(
+        self,
+        name: str,
+        exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
+        due: Callable[[str, int], bool] | None = None,
+    ) -> int | None:
+        with exclusive() as (table, version):
+            if due is not None and not due(name, version):
+                return None
+            self.snapshot(name, table, version)
+            return version
 
     def recover(self, name: str, version: int) -> Table | None:
         return None

@@ -27,6 +27,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,6 @@ from torch import Tensor
 
 from robez_core.config import TableConfig
 from robez_core.errors import (
-    ConfigError,
     CorruptionError,
     InvalidInputError,
     LimitExceededError,
@@ -114,20 +114,24 @@ class TableStore:
 
     def _load_initial_tables(self, settings: Settings) -> None:
         specs = load_tables_file(settings.config) if settings.config is not None else {}
+        stored: dict[str, TableSpec] = {}
         for name in self.journal.names():
-            loaded = self.journal.load(validate_table_name(name))
-            if loaded is None:
-                continue
-            table, version = loaded
-            spec = specs.get(name)
-            if spec is not None and (spec.config, spec.optimizer) != (table.config, table.optimizer):
-                raise ConfigError(
-                    f"table {name!r} in the data directory has a different config than the tables file; "
-                    "delete the table (DELETE /v1/tables/{name}) or change the file"
-                )
-            spec = TableSpec(table.config, table.optimizer)
-            self._admin.install(name, spec, source=table, version=version, journal_create=False)
-            logger.info("loaded table %s at version %d from the data directory", name, version)
+            found = self.journal.stored_spec(validate_table_name(name))
+            if found is not None:
+                stored[name] = TableSpec(*found)
+        where = f"tables file {settings.config}" if settings.config is not None else "no tables file"
+        self._admin.check_start(stored, specs, where)  # the whole file, before anything is created
+        for name, spec in stored.items():
+            # Read straight into the table's shared memory: no private copy (docs/durability.md, memory).
+            self._admin.install(
+                name,
+                spec,
+                source=None,
+                version=0,
+                journal_create=False,
+                load=partial(self.journal.load_into, name),
+            )
+            logger.info("loaded table %s at version %d from the data directory", name, self.version(name))
         for name, spec in specs.items():
             if name not in self.registry.published.tables:
                 self.create(name, spec)
@@ -413,14 +417,21 @@ class TableStore:
         return UpdateResult(record.version, *outcome)
 
     def checksum(self, name: str) -> tuple[int, str]:
-        """(version, sha256 hex) over the array and optimizer state, taken under the update lock, so the
-        digest is of exactly that version. Replicas at the same version have the same digest."""
+        """(version, sha256 hex) over the array and optimizer state at one version. Replicas at the same
+        version have the same digest. The update lock is held only to copy the state at memory speed;
+        the hash runs on the copy, so pushes go on meanwhile (the copy costs the table's state bytes of
+        private memory for the length of the hash)."""
         with self.exclusive(name) as (table, version):
-            digest = hashlib.sha256()
-            for key, tensor in sorted(table.tensors().items()):
-                digest.update(key.encode())
-                digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
-            return version, digest.hexdigest()
+            copies = _private_copy(table.tensors())
+        digest = hashlib.sha256()
+        for key, tensor in sorted(copies.items()):
+            digest.update(key.encode())
+            view = tensor.view(-1).view(torch.uint8).numpy().data
+            for start in range(0, len(view), _HASH_PIECE_BYTES):
+                digest.update(view[start : start + _HASH_PIECE_BYTES])
+                faults.slow_down()
+            del view
+        return version, digest.hexdigest()
 
     def warm_up(self) -> None:
         """Load the compiled kernels now (numba's on-disk cache), so a worker's first lookup or update is
@@ -468,6 +479,20 @@ class TableStore:
     def close(self) -> None:
         """Release this worker's locks and mappings (the shared directory stays; its owner removes it)."""
         self.registry.close()
+
+
+# The checksum hashes its copy in pieces of this many bytes (so the test hook can slow it down).
+_HASH_PIECE_BYTES = 1 << 24
+
+
+def _private_copy(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Contiguous private copies of ``tensors``, made at memory speed (numpy's copy, no autograd)."""
+    copies: dict[str, Tensor] = {}
+    for key, tensor in tensors.items():
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype)
+        np.copyto(copy.numpy(), tensor.detach().numpy())
+        copies[key] = copy
+    return copies
 
 
 def _count(values: Tensor | np.ndarray) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import mmap
@@ -10,6 +12,8 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -23,6 +27,7 @@ from ..store import apply_record
 from ..store.journal import UpdateRecord, is_storage_full
 
 if TYPE_CHECKING:
+    from robez_core.config import OptimizerConfig, TableConfig
     from robez_core.table import Table
 
     from ..config import Settings
@@ -40,6 +45,7 @@ from .files import (
     remove_creation_leftovers,
     validate_table_name,
 )
+from .image import finish_image, read_image, stored_spec, write_image
 from .records import (
     _CRC,
     _LOG_HEADER,
@@ -51,17 +57,22 @@ from .records import (
     META_FORMAT,
     META_FORMAT_VERSION,
     FsyncPolicy,
-    LogScan,
+    RecordSpan,
     _crc,
     decode_record,
     encode_log_header,
     encode_record,
     follow_records,
+    read_log_header,
     scan_log,
+    span_in,
+    stream_records,
 )
 
 logger = logging.getLogger("robez.wal")
 
+# The whole-table snapshot of one table at a time (across workers): ``<data_dir>/.snapshotting-<name>.lock``.
+_SNAPSHOTTING = ".snapshotting-"
 # A dropped table's folder is renamed ".dropped-<name>-<8 hex>" (the drop's commit), then removed.
 _DROPPED = ".dropped-"
 _DAMAGED = ".damaged-"
@@ -255,6 +266,11 @@ class WalJournal:
         fsync_dir(self.data_dir)
         return aside
 
+    def stored_spec(self, name: str) -> tuple[TableConfig, OptimizerConfig] | None:
+        """The config and optimizer of the table's committed snapshot, read from its header alone."""
+        path = self.snapshot_path(name)
+        return None if path is None else stored_spec(path)
+
     def create(self, name: str, table: Table, version: int) -> None:
         """Write the first snapshot and an empty log, built in a hidden folder then renamed into place."""
         directory = self.table_dir(name)
@@ -391,6 +407,161 @@ class WalJournal:
         self._remove_stale_files(directory, self._require_meta(name))
         self._forget_log(name)
 
+    def snapshot_live(
+        self,
+        name: str,
+        exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
+        due: Callable[[str, int], bool] | None = None,
+    ) -> int | None:
+        """Commit a snapshot of the table served while its updates go on; returns the version it holds.
+
+        ``exclusive()`` holds the table's update lock (the store's ``exclusive``). Three steps: under the
+        lock the state is written into a new file (the page cache, at memory speed: ``write_image``) and
+        the log's end noted; without it the file is hashed, its header completed and fsynced (the long
+        part: pushes are appended to the current log meanwhile); under the lock again the records
+        appended meanwhile are copied into the next generation's log, then meta.json commits the
+        snapshot and the log is swapped in, as ``snapshot`` does. A crash at any point leaves the old
+        generation committed (stray files go at the next start) or the new one with its log complete.
+
+        ``due``: the scheduler's policy, checked under the lock; None (an operator's snapshot) waits for
+        a snapshot of this table already running in another worker, then takes its own. Returns None
+        when not due, or when another worker is snapshotting the table (the scheduler tries again).
+        Raises ``ConflictError`` if the table was loaded meanwhile (its snapshot then stands).
+        """
+        with self._snapshot_turn(name, wait=due is None) as turn:
+            if not turn:
+                return None
+            directory = self.table_dir(name)
+            fd: int | None = None
+            staged: Path | None = None
+            needed = 0
+            try:
+                with exclusive() as (table, version):
+                    if due is not None and not due(name, version):
+                        return None
+                    meta = self._require_meta(name)
+                    self._finish_interrupted_snapshot(name, meta)
+                    if version == meta.version and self._log_is_empty(name):
+                        return version  # the committed snapshot is this version already
+                    log_end = self._log_end(name, meta, version)
+                    log_inode = os.stat(directory / LOG_FILE).st_ino
+                    needed = _table_bytes(table)
+                    generation = meta.generation + 1
+                    staged = directory / f"snapshot-{generation}.safetensors.tmp-{uuid.uuid4().hex[:8]}"
+                    fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                    layout = write_image(fd, table)
+                    table_metadata = table.metadata()
+                    embedding_dim = table.config.embedding_dim
+                crc, size = finish_image(fd, table_metadata, layout)  # hashing and fsync: no lock
+                os.close(fd)
+                fd = None
+                with exclusive() as (_table, current):
+                    now = self._read_meta(name)
+                    if (
+                        now is None
+                        or now.generation != meta.generation
+                        or os.stat(directory / LOG_FILE).st_ino != log_inode  # deleted and created again
+                    ):
+                        raise ConflictError(
+                            f"table {name!r} was loaded or replaced while it was being snapshotted"
+                        )
+                    snapshot = _Meta(
+                        generation,
+                        version,
+                        f"snapshot-{generation}.safetensors",
+                        crc,
+                        size,
+                        embedding_dim,
+                        0.0,
+                    )
+                    self._commit_live(name, staged, snapshot, log_end, current)
+                    staged = None
+                return version
+            except Exception as error:
+                if is_storage_full(error):
+                    raise self._storage_full(f"snapshot of table {name!r}", needed) from error
+                raise
+            finally:
+                if fd is not None:
+                    os.close(fd)
+                if staged is not None:
+                    staged.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def _snapshot_turn(self, name: str, *, wait: bool) -> Iterator[bool]:
+        """This table's snapshot turn across workers (a flock): True once held; False at once when
+        another holds it and ``wait`` is False. Taken before the update lock, never under it."""
+        validate_table_name(name)
+        fd = os.open(self.data_dir / f"{_SNAPSHOTTING}{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+    def _log_end(self, name: str, meta: _Meta, version: int) -> int:
+        """The byte just after the record producing ``version`` in the table's log: its end, checked to
+        hold exactly the versions after the snapshot's up to ``version``. Caller holds the update lock."""
+        path = self.table_dir(name) / LOG_FILE
+        where = f"table {name!r} log {path}"
+        with open(path, "rb") as handle:
+            fd = handle.fileno()
+            self._check_header(fd, meta, where)
+            end, last = follow_records(fd, LOG_HEADER_SIZE, os.fstat(fd).st_size, meta.version, where)
+        if last != version:
+            raise CorruptionError(f"{where} holds versions up to {last}, the table is at {version}")
+        return end
+
+    @staticmethod
+    def _check_header(fd: int, meta: _Meta, where: str) -> None:
+        head = os.pread(fd, LOG_HEADER_SIZE, 0)
+        if len(head) != LOG_HEADER_SIZE or _CRC.unpack_from(head, _LOG_HEADER.size)[0] != _crc(
+            head[: _LOG_HEADER.size]
+        ):
+            raise CorruptionError(f"{where} has a bad header")
+        magic, _fmt, _dim, generation, base_version = _LOG_HEADER.unpack(head[: _LOG_HEADER.size])
+        if magic != LOG_MAGIC or (generation, base_version) != (meta.generation, meta.version):
+            raise CorruptionError(f"{where} (generation {generation}) does not match meta.json")
+
+    def _commit_live(self, name: str, staged: Path, snapshot: _Meta, log_end: int, current: int) -> None:
+        """The last step of ``snapshot_live``, under the update lock: the log's records after
+        ``log_end`` (versions snapshot.version + 1 .. ``current``, appended while the snapshot was
+        hashed) start the next generation's log; then the snapshot file is put in place, meta.json
+        committed and the log swapped in."""
+        directory = self.table_dir(name)
+        path = directory / LOG_FILE
+        new_log = directory / f"{LOG_FILE}.new"
+        where = f"table {name!r} log {path}"
+        try:
+            with open(path, "rb") as old, open(new_log, "wb") as out:
+                size = os.fstat(old.fileno()).st_size
+                _end, last = follow_records(old.fileno(), log_end, size, snapshot.version, where)
+                if last != current:
+                    raise CorruptionError(f"{where} holds versions up to {last}, the table is at {current}")
+                out.write(encode_log_header(snapshot.embedding_dim, snapshot.generation, snapshot.version))
+                out.flush()
+                _copy_range(old.fileno(), out.fileno(), log_end, size)
+                os.fsync(out.fileno())
+            os.replace(staged, directory / snapshot.snapshot)
+            fsync_dir(directory)
+            snapshot.created_unix = time.time()
+            meta_tmp = _write_temp_file(directory / META_FILE, snapshot.to_json())
+        except BaseException:
+            new_log.unlink(missing_ok=True)  # nothing committed: the old generation stands
+            raise
+        os.replace(meta_tmp, directory / META_FILE)  # the commit
+        fsync_dir(directory)
+        if self.fault_file is not None:  # testing only: a crash between the two renames
+            die_at(self.fault_file, "snapshot:committed")
+        os.replace(new_log, path)
+        fsync_dir(directory)
+        self._remove_stale_files(directory, snapshot)
+        self._forget_log(name)
+
     def load(self, name: str, *, salvage: bool = False) -> tuple[Table, int] | None:
         """The committed snapshot with its log replayed, and the version reached; None if absent.
 
@@ -401,11 +572,46 @@ class WalJournal:
         meta = self._read_meta(name)
         if meta is None:
             return None
+        self._finish_interrupted_snapshot(name, meta)  # before the leftovers: it may need updates.wal.new
         self._remove_leftovers(self.table_dir(name), meta)
         table = self._load_snapshot(name, meta)
         version = self._replay(name, meta, table, salvage=salvage)
         self._forget_log(name)
         return table, version
+
+    def load_into(self, name: str, table: Table) -> int | None:
+        """``load`` into ``table`` (its tensors allocated by the caller, in shared memory, with the
+        config and optimizer ``stored_spec`` gave): the snapshot is read straight into them, its crc32
+        checked against meta.json as it is read, then the log replayed record by record. Memory: the
+        table's own plus one record; no private copy. Returns the version reached; None if absent."""
+        meta = self._read_meta(name)
+        if meta is None:
+            return None
+        directory = self.table_dir(name)
+        self._finish_interrupted_snapshot(name, meta)
+        self._remove_leftovers(directory, meta)
+        snapshot_file = directory / meta.snapshot
+        if not snapshot_file.is_file():
+            raise CorruptionError(f"table {name!r}: snapshot {snapshot_file} named by meta.json is missing")
+        metadata, crc, size = read_image(snapshot_file, table.tensors())
+        if (crc, size) != (meta.snapshot_crc32, meta.snapshot_bytes):
+            raise CorruptionError(
+                f"table {name!r}: snapshot {snapshot_file} fails its checksum "
+                f"(crc32 {crc:08x}, {size} bytes; meta.json says {meta.snapshot_crc32:08x}, "
+                f"{meta.snapshot_bytes} bytes)"
+            )
+        expected = table.metadata()
+        same = all(metadata.get(key) == expected[key] for key in ("format", "format_version")) and all(
+            key in metadata and json.loads(metadata[key]) == json.loads(expected[key])
+            for key in ("config", "optimizer", "random_numbers")
+        )
+        if not same:
+            raise CorruptionError(
+                f"table {name!r}: snapshot {snapshot_file} does not hold the table it names"
+            )
+        version = self._replay(name, meta, table, salvage=False)
+        self._forget_log(name)
+        return version
 
     def recover(self, name: str, version: int) -> Table:
         """The table at exactly ``version`` (snapshot + the log's records up to it), with every record
@@ -424,17 +630,12 @@ class WalJournal:
         path = self.table_dir(name) / LOG_FILE
         where = f"table {name!r} log {path}"
         with open(path, "r+b") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            with mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ) as buf:
-                scan = scan_log(buf, where=where)
-                self._check_log_matches(name, scan, meta)
-                cut, reached = LOG_HEADER_SIZE, meta.version
-                for span in scan.records:
-                    if span.version > version:
-                        break
-                    ids, grads = decode_record(buf, span)
-                    apply_record(table, ids, grads, span.lr, logged_as=(name, span.version))
-                    cut, reached = span.offset + span.length, span.version
+            fd = handle.fileno()
+            generation, base_version, dim, size = read_log_header(fd, where)
+            self._check_log_matches(name, generation, base_version, dim, meta)
+            cut, reached, _tail = stream_records(
+                fd, size, where, base_version, dim, _applier(table, name), stop_after=version
+            )
             if reached != version:
                 raise CorruptionError(f"{where}: holds versions up to {reached}, cannot recover {version}")
             if cut != size:
@@ -444,8 +645,8 @@ class WalJournal:
                     size - cut,
                     path,
                 )
-                os.ftruncate(handle.fileno(), cut)
-                _sync_data(handle.fileno())
+                os.ftruncate(fd, cut)
+                _sync_data(fd)
         return table
 
     def _load_snapshot(self, name: str, meta: _Meta) -> Table:
@@ -557,6 +758,11 @@ class WalJournal:
         age_seconds = time.time() - meta.created_unix
         return bool(self.snapshot_every_seconds) and age_seconds >= self.snapshot_every_seconds
 
+    def snapshot_bytes(self, name: str) -> int:
+        """The size of the table's committed snapshot file (0 if it has none)."""
+        meta = self._read_meta(name)
+        return 0 if meta is None else meta.snapshot_bytes
+
     def has_pending(self, name: str, version: int) -> bool:
         """Whether the table at ``version`` holds updates its committed snapshot does not (so its log has
         records); a graceful shutdown snapshots exactly these tables."""
@@ -586,9 +792,15 @@ class WalJournal:
         snapshot_file = directory / snapshot_name
         embedding_dim = table.config.embedding_dim
         new_log = directory / f"{LOG_FILE}.new"
+        staged = directory / f"{snapshot_name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            table.save(snapshot_file)  # atomic and fsynced, folder included
-            crc, size = _file_crc(snapshot_file)
+            # Straight from the table's memory (no private copy), hashed from the file, fsynced.
+            fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                crc, size = finish_image(fd, table.metadata(), write_image(fd, table))
+            finally:
+                os.close(fd)
+            os.replace(staged, snapshot_file)
             with open_private(new_log) as handle:
                 handle.write(encode_log_header(embedding_dim, generation, version))
                 handle.flush()
@@ -599,6 +811,7 @@ class WalJournal:
         except BaseException:
             # Nothing is committed yet: leave the folder as it was (a full disk is the likely cause, and
             # the next start would remove these anyway).
+            staged.unlink(missing_ok=True)
             snapshot_file.unlink(missing_ok=True)
             new_log.unlink(missing_ok=True)
             raise
@@ -654,49 +867,85 @@ class WalJournal:
             raise CorruptionError(f"{where} is missing; acknowledged updates may be lost")
         version = meta.version
         with open(path, "r+b") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size == 0:
+            fd = handle.fileno()
+            if os.fstat(fd).st_size == 0:
                 raise CorruptionError(f"{where} is empty (not even a header)")
-            with mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ) as buf:
-                scan = scan_log(buf, where=where, salvage=salvage)
-                stale = scan.generation < meta.generation
-                if not stale:
-                    self._check_log_matches(name, scan, meta)
-                    for span in scan.records:
-                        ids, grads = decode_record(buf, span)
-                        apply_record(table, ids, grads, span.lr, logged_as=(name, span.version))
-                        version = span.version
-            if not stale and scan.tail_problem is not None:
-                logger.warning(
-                    "table %r: dropping a torn tail of %d bytes from %s (%s); every update before it is kept",
-                    name,
-                    scan.file_length - scan.good_length,
-                    path,
-                    scan.tail_problem,
+            if salvage:  # the operator's explicit choice: the whole log scanned first (scan_log)
+                return self._replay_salvaged(name, meta, table, handle, where)
+            generation, base_version, dim, size = read_log_header(fd, where)
+            stale = generation < meta.generation
+            if not stale:
+                self._check_log_matches(name, generation, base_version, dim, meta)
+                # Record by record: memory holds one record, never the log.
+                good_length, version, tail_problem = stream_records(
+                    fd, size, where, base_version, dim, _applier(table, name)
                 )
-                os.ftruncate(handle.fileno(), scan.good_length)
-                os.fsync(handle.fileno())
+                if tail_problem is not None:
+                    logger.warning(
+                        "table %r: dropping a torn tail of %d bytes from %s (%s); every update before it "
+                        "is kept",
+                        name,
+                        size - good_length,
+                        path,
+                        tail_problem,
+                    )
+                    os.ftruncate(fd, good_length)
+                    os.fsync(fd)
         if stale:
             logger.warning(
                 "table %r: log generation %d is older than the snapshot's %d (a crash while snapshotting); "
                 "its updates are all in the snapshot, starting an empty log",
                 name,
-                scan.generation,
+                generation,
                 meta.generation,
             )
             _write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
         return version
 
+    def _replay_salvaged(self, name: str, meta: _Meta, table: Table, handle: BinaryIO, where: str) -> int:
+        """``_replay`` with ``salvage``: the log mapped and scanned whole (``scan_log``), cut at its first
+        bad record; an offline tool's path."""
+        fd = handle.fileno()
+        size = os.fstat(fd).st_size
+        version = meta.version
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as buf:
+            scan = scan_log(buf, where=where, salvage=True)
+            stale = scan.generation < meta.generation
+            if not stale:
+                self._check_log_matches(name, scan.generation, scan.base_version, scan.embedding_dim, meta)
+                for span in scan.records:
+                    ids, grads = decode_record(buf, span)
+                    apply_record(table, ids, grads, span.lr, logged_as=(name, span.version))
+                    version = span.version
+        if stale:
+            _write_file_durably(
+                self.table_dir(name) / LOG_FILE,
+                encode_log_header(meta.embedding_dim, meta.generation, meta.version),
+            )
+        elif scan.tail_problem is not None:
+            logger.warning(
+                "table %r: dropping a torn tail of %d bytes from %s (%s); every update before it is kept",
+                name,
+                scan.file_length - scan.good_length,
+                where,
+                scan.tail_problem,
+            )
+            os.ftruncate(fd, scan.good_length)
+            os.fsync(fd)
+        return version
+
     @staticmethod
-    def _check_log_matches(name: str, scan: LogScan, meta: _Meta) -> None:
-        if scan.generation > meta.generation:
+    def _check_log_matches(
+        name: str, generation: int, base_version: int, embedding_dim: int, meta: _Meta
+    ) -> None:
+        if generation > meta.generation:
             raise CorruptionError(
-                f"table {name!r}: log generation {scan.generation} is newer than the committed snapshot's "
+                f"table {name!r}: log generation {generation} is newer than the committed snapshot's "
                 f"{meta.generation}"
             )
-        if scan.base_version != meta.version or scan.embedding_dim != meta.embedding_dim:
+        if base_version != meta.version or embedding_dim != meta.embedding_dim:
             raise CorruptionError(
-                f"table {name!r}: log starts after version {scan.base_version} (dim {scan.embedding_dim}) "
+                f"table {name!r}: log starts after version {base_version} (dim {embedding_dim}) "
                 f"but the snapshot is version {meta.version} (dim {meta.embedding_dim})"
             )
 
@@ -753,9 +1002,10 @@ class WalJournal:
 
     def _finish_interrupted_snapshot(self, name: str, meta: _Meta) -> bool:
         """If the log is older than the committed snapshot (its writer died between committing meta.json
-        and swapping the fresh log in), replace it by an empty log of that generation, as a restart
-        would: every record of the stale log is in the snapshot. Caller holds the table's update lock.
-        Returns whether it did."""
+        and swapping the fresh log in), put the committed generation's log in its place: the fresh log
+        (``updates.wal.new``, fsynced before the commit; a live snapshot's holds the updates appended
+        while it was written) or, if there is none, an empty one. Caller holds the table's update lock
+        (or the data directory alone, at start-up). Returns whether it did."""
         path = self.table_dir(name) / LOG_FILE
         try:
             with open(path, "rb") as handle:
@@ -767,17 +1017,43 @@ class WalJournal:
         magic, _fmt, _dim, generation, _base = _LOG_HEADER.unpack(head)
         if magic != LOG_MAGIC or generation >= meta.generation:
             return False
-        logger.warning(
-            "table %r: log generation %d is older than the snapshot's %d (a worker died while "
-            "snapshotting); its updates are all in the snapshot, starting an empty log",
-            name,
-            generation,
-            meta.generation,
-        )
-        _write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
+        fresh = self._committed_fresh_log(name, meta)
+        if fresh is not None:
+            logger.warning(
+                "table %r: log generation %d is older than the snapshot's %d (a worker died while "
+                "snapshotting); the snapshot's log (%s) takes its place",
+                name,
+                generation,
+                meta.generation,
+                fresh,
+            )
+            os.replace(fresh, path)
+            fsync_dir(path.parent)
+        else:
+            logger.warning(
+                "table %r: log generation %d is older than the snapshot's %d (a worker died while "
+                "snapshotting); its updates are all in the snapshot, starting an empty log",
+                name,
+                generation,
+                meta.generation,
+            )
+            _write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
         self._remove_stale_files(path.parent, meta)
         self._forget_log(name)
         return True
+
+    def _committed_fresh_log(self, name: str, meta: _Meta) -> Path | None:
+        """``updates.wal.new`` if it is the log of the committed generation (written and fsynced before
+        meta.json was: it holds the updates a live snapshot carried over), else None."""
+        fresh = self.table_dir(name) / f"{LOG_FILE}.new"
+        try:
+            with open(fresh, "rb") as handle:
+                self._check_header(handle.fileno(), meta, str(fresh))
+                size = os.fstat(handle.fileno()).st_size
+                follow_records(handle.fileno(), LOG_HEADER_SIZE, size, meta.version, str(fresh))
+        except (FileNotFoundError, CorruptionError):
+            return None
+        return fresh
 
     def _remove_stale_files(self, directory: Path, meta: _Meta) -> None:
         """Remove every snapshot file of the table but the one ``meta`` (committed) names, and a fresh log
@@ -879,3 +1155,26 @@ class WalJournal:
             self._flushed.notify_all()
         if error is not None:
             raise error
+
+
+def _applier(table: Table, name: str) -> Callable[[RecordSpan, bytes], None]:
+    """What replaying one record does: ``apply_record`` of its ids and grads (decoded from its bytes)."""
+
+    def apply(span: RecordSpan, data: bytes) -> None:
+        ids, grads = decode_record(data, span_in(span))
+        apply_record(table, ids, grads, span.lr, logged_as=(name, span.version))
+
+    return apply
+
+
+def _copy_range(source: int, target: int, begin: int, end: int) -> None:
+    """Append bytes [begin, end) of file ``source`` to file ``target`` (in the kernel where it can)."""
+    position = begin
+    while position < end:
+        try:
+            copied = os.copy_file_range(source, target, end - position, position)
+        except OSError:
+            copied = os.write(target, os.pread(source, min(end - position, 1 << 24), position))
+        if copied <= 0:
+            raise CorruptionError(f"the log was cut short at byte {position} while it was copied")
+        position += copied

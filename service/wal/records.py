@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -245,3 +247,99 @@ def decode_record(buf: Any, span: RecordSpan) -> tuple[torch.Tensor, torch.Tenso
         buf, dtype="<f4", count=span.num_ids * span.embedding_dim, offset=start + span.num_ids * 8
     ).astype(np.float32)
     return torch.from_numpy(ids), torch.from_numpy(grads.reshape(span.num_ids, span.embedding_dim))
+
+
+def read_log_header(fd: int, where: str) -> tuple[int, int, int, int]:
+    """(generation, base_version, embedding_dim, file size) of an open log, its header checked."""
+    size = os.fstat(fd).st_size
+    if size < LOG_HEADER_SIZE:
+        raise CorruptionError(f"{where}: {size} bytes, too short for the log header")
+    head = os.pread(fd, LOG_HEADER_SIZE, 0)
+    magic, fmt, dim, generation, base_version = _LOG_HEADER.unpack_from(head)
+    (head_crc,) = _CRC.unpack_from(head, _LOG_HEADER.size)
+    if magic != LOG_MAGIC or head_crc != _crc(head[: _LOG_HEADER.size]):
+        raise CorruptionError(f"{where}: bad log header (magic or checksum)")
+    if fmt != LOG_FORMAT_VERSION:
+        raise CorruptionError(f"{where}: unknown log format version {fmt}")
+    return generation, base_version, dim, size
+
+
+def stream_records(
+    fd: int,
+    size: int,
+    where: str,
+    base_version: int,
+    embedding_dim: int,
+    apply: Callable[[RecordSpan, bytes], None],
+    stop_after: int | None = None,
+) -> tuple[int, int, str | None]:
+    """Read a log's records one at a time (never the whole file in memory), verify each and hand it to
+    ``apply(span, record_bytes)`` (the span's offset is the record's place in the file; ``decode_record``
+    takes the bytes with ``span_in(span)``), in version order; stop after version ``stop_after`` if given.
+
+    Returns (end of the last good record, last version, tail problem or None). A bad record with no valid
+    record after it is a torn tail (the caller cuts it); a bad record followed by a valid one raises
+    ``CorruptionError`` (found by searching the rest of the file, on that path only), as ``scan_log``
+    does; so do a record of another dim and versions that do not follow on. Records before the damage
+    have been applied by then: the caller discards what it applied them to.
+    """
+    offset, version = LOG_HEADER_SIZE, base_version
+    while offset < size and (stop_after is None or version < stop_after):
+        head = os.pread(fd, RECORD_HEADER_SIZE, offset)
+        problem: str | None = None
+        record = b""
+        length = 0
+        if len(head) < RECORD_HEADER_SIZE:
+            problem = f"{size - offset} bytes, less than a record header"
+        else:
+            magic, fmt, _reserved, dim, num_ids, record_version, lr = _RECORD_HEADER.unpack_from(head)
+            if magic != RECORD_MAGIC:
+                problem = "bad record magic"
+            elif _CRC.unpack_from(head, _RECORD_HEADER.size)[0] != _crc(head[: _RECORD_HEADER.size]):
+                problem = "record header checksum mismatch"
+            elif fmt != RECORD_FORMAT_VERSION:
+                problem = f"unknown record format {fmt}"
+            else:
+                length = RECORD_HEADER_SIZE + num_ids * 8 + num_ids * dim * 4 + 4
+                if offset + length > size:
+                    problem = f"record of {length} bytes cut short at {size - offset}"
+                else:
+                    record = os.pread(fd, length, offset)
+                    if len(record) != length or _CRC.unpack_from(record, length - 4)[0] != _crc(
+                        memoryview(record)[: length - 4]
+                    ):
+                        problem = "record checksum mismatch"
+        if problem is not None:
+            later = _valid_record_in_file(fd, offset + 1)
+            if later is not None:
+                raise CorruptionError(
+                    f"{where}: record at byte {offset} is bad ({problem}) but a valid record follows at byte "
+                    f"{later}: the log is damaged in the middle, not torn at its end"
+                )
+            return offset, version, f"{problem} at byte {offset}"
+        if dim != embedding_dim:
+            raise CorruptionError(f"{where}: record at byte {offset} has dim {dim}, log has {embedding_dim}")
+        if record_version != version + 1:
+            hint = " (robez snapshot --salvage can recover it)" if record_version == version else ""
+            raise CorruptionError(
+                f"{where}: record at byte {offset} produces version {record_version}, "
+                f"expected {version + 1}{hint}"
+            )
+        apply(RecordSpan(offset, length, record_version, num_ids, dim, lr), record)
+        offset += length
+        version = record_version
+    return offset, version, None
+
+
+def span_in(span: RecordSpan) -> RecordSpan:
+    """``span`` placed at offset 0: for ``decode_record`` on the record's own bytes."""
+    return RecordSpan(0, span.length, span.version, span.num_ids, span.embedding_dim, span.lr)
+
+
+def _valid_record_in_file(fd: int, start: int) -> int | None:
+    """``_valid_record_after`` over an open file (mapped only on this path: a damaged log)."""
+    size = os.fstat(fd).st_size
+    if start >= size:
+        return None
+    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as buf:
+        return _valid_record_after(buf, start)

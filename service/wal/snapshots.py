@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 from robez_core.errors import NotFoundError
@@ -36,8 +37,10 @@ class SnapshotScheduler:
     """Takes the periodic snapshots (``snapshot_every_updates`` / ``_seconds``) and the one at shutdown.
 
     Every worker runs one; they need no coordination because each decision is re-checked under the
-    table's update lock against meta.json, which the first worker to snapshot has already moved on. The
-    snapshot happens on this thread while the lock is held: updates of that table wait, lookups do not.
+    table's update lock against meta.json, which the first worker to snapshot has already moved on, and a
+    worker skips a table another is snapshotting. The snapshot is written on this thread with
+    ``WalJournal.snapshot_live``: updates of that table wait only while its state is copied into the
+    page cache, lookups never.
 
     Args:
         store: the worker's ``TableStore``.
@@ -70,14 +73,46 @@ class SnapshotScheduler:
             self._thread = threading.Thread(target=self._loop, name="robez-snapshots", daemon=True)
             self._thread.start()
 
+    # At a graceful stop only tables whose snapshot is at most this big are snapshotted, and none is
+    # started after SHUTDOWN_SECONDS: a bigger table's log is replayed at the next start instead (the
+    # periodic policies bound it), so a stop fits an orchestrator's grace period (docs/durability.md).
+    SHUTDOWN_SNAPSHOT_MAX_BYTES = 64 * 1024 * 1024
+    SHUTDOWN_SECONDS = 10.0
+
     def stop(self, *, final_snapshot: bool) -> list[str]:
-        """Stop the thread; with ``final_snapshot`` snapshot every table that has updates since its last
-        snapshot. Returns the tables snapshotted now."""
+        """Stop the thread; with ``final_snapshot`` snapshot the tables that have updates since their
+        last snapshot and are small enough to snapshot quickly (see ``SHUTDOWN_SNAPSHOT_MAX_BYTES``).
+        Returns the tables snapshotted now."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60.0)
             self._thread = None
-        return self.run_once(self.journal.has_pending) if final_snapshot else []
+        if not final_snapshot:
+            return []
+        deadline = time.monotonic() + self.SHUTDOWN_SECONDS
+        skipped: list[str] = []
+
+        def due(name: str, version: int) -> bool:
+            if not self.journal.has_pending(name, version):
+                return False
+            if (
+                self.journal.snapshot_bytes(name) > self.SHUTDOWN_SNAPSHOT_MAX_BYTES
+                or time.monotonic() > deadline
+            ):
+                if name not in skipped:
+                    skipped.append(name)
+                return False
+            return True
+
+        taken = self.run_once(due)
+        if skipped:
+            logger.info(
+                "no snapshot at shutdown for %s (big, or past %g s of snapshots): their logs are replayed "
+                "at the next start",
+                ", ".join(skipped),
+                self.SHUTDOWN_SECONDS,
+            )
+        return taken
 
     def run_once(self, due: Callable[[str, int], bool] | None = None) -> list[str]:
         """Snapshot every table for which ``due(name, version)`` holds (default: the periodic policy)."""
@@ -89,12 +124,17 @@ class SnapshotScheduler:
                 if not due(name, self.store.version(name)):
                     self._succeeded(name)
                     continue
-                with self.store.exclusive(name) as (table, version):
-                    if due(name, version):
-                        stage = f"writing the snapshot at version {version}"
-                        self.journal.snapshot(name, table, version)
-                        taken.append(name)
-                        logger.info("snapshot of table %r at version %d", name, version)
+                stage = "writing the snapshot"
+                started = time.monotonic()
+                version = self.journal.snapshot_live(name, partial(self.store.exclusive, name), due)
+                if version is not None:
+                    taken.append(name)
+                    logger.info(
+                        "snapshot of table %r at version %d (%.1f s)",
+                        name,
+                        version,
+                        time.monotonic() - started,
+                    )
                 self._succeeded(name)
             except NotFoundError:
                 continue  # deleted meanwhile

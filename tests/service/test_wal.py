@@ -713,9 +713,9 @@ def test_salvage_keeps_the_records_before_mid_log_damage(journal: WalJournal) ->
     assert path.stat().st_size == records[1].offset
 
 
-# _file_crc fails after the new snapshot file is written; _write_temp_file when meta.json is (its last
+# finish_image fails after the new snapshot file is written; _write_temp_file when meta.json is (its last
 # step before the commit: a full disk there must not leave the new snapshot taking space either).
-@pytest.mark.parametrize("failing_step", ["_file_crc", "_write_temp_file"])
+@pytest.mark.parametrize("failing_step", ["finish_image", "_write_temp_file"])
 def test_a_snapshot_failing_before_its_commit_leaves_the_folder_as_it_was(
     journal: WalJournal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing_step: str
 ) -> None:

@@ -199,6 +199,10 @@ class LoadingJournal(NullJournal):
     def load(self, name: str) -> tuple[Table, int] | None:
         return self.tables.get(name)
 
+    def stored_spec(self, name: str) -> tuple[TableConfig, OptimizerConfig] | None:
+        found = self.tables.get(name)
+        return None if found is None else (found[0].config, found[0].optimizer)
+
 
 def test_prepare_loads_journal_tables_then_the_tables_file(tmp_path: Path) -> None:
     saved = Table(CONFIG, OptimizerConfig("adagrad"))

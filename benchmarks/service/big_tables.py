@@ -1,0 +1,336 @@
+"""One server with a big table (issue 27): what whole-table operations cost and whether they stall pushes.
+
+Starts ``robez serve --data-dir`` (``--workers``, shared memory in a temporary folder under /dev/shm),
+creates one table of ``--memory-size`` floats (d 128, Z 32, adam: 3 x 4 x memory_size bytes of state)
+and measures, from a client on the same machine:
+
+- lookups of 4096 ids and pushes of ``--push-ids`` ids (binary bodies): p50 / p99;
+- a snapshot (``POST .../snapshot``) with one client pushing all along: its duration, the pushes' p50 /
+  p99 / max meanwhile (goal: p99 < 1 s);
+- ``GET .../checksum`` with the same pusher: its duration and the pushes' max meanwhile;
+- ``--updates`` logged pushes, ``kill -9`` of the server's process group, then a restart: time to
+  ``/readyz`` 200 and peak memory (PSS of the server's processes with its shared-memory files counted
+  once; goal < 1.25 x state + 300 MB), against the time to read the snapshot and the log (``cat`` of
+  both files: from the page cache when they are in it, as they are here; goal: restart < 2 x that), and
+  against the start of a server with no table (process start-up alone);
+- the data directory's size; a graceful stop (SIGTERM to exit).
+
+    python -m benchmarks.service.big_tables [--memory-size 268435456] [--workers 2] [--updates 2000]
+
+The periodic snapshot by age is turned off (``ROBEZ_SNAPSHOT_EVERY_SECONDS=0``) so the logged updates
+stay in the log for the restart. Prints a Markdown report, ready for docs/benchmarks/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from robez_core.hostinfo import cpu_model
+
+DIM, CHUNK, LOOKUP_IDS = 128, 32, 4096
+MiB = 1 << 20
+
+
+def server_memory_bytes(root: int, shm_dir: Path) -> int:
+    """What a server holds in memory: the PSS of ``root`` and every process below it (/proc/<pid>/smaps)
+    except their mappings of files under ``shm_dir``, plus the bytes of the server's own shared-memory
+    files there (``robez-<root pid>-*``), so each page counts once, mapped or not, tmpfs or not."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    tree, grew = {root}, True
+    while grew:
+        below = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= below
+        grew = bool(below)
+    total = 0
+    shared = str(shm_dir)
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            in_shm = False
+            for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+                first = line.split(maxsplit=5)
+                if first and "-" in first[0] and not first[0].endswith(":"):  # a mapping's header line
+                    in_shm = len(first) == 6 and first[5].startswith(shared)
+                elif first and first[0] == "Pss:" and not in_shm:
+                    total += int(first[1]) * 1024
+    for path in shm_dir.glob(f"robez-{root}-*/**/*"):  # not a killed server's, not yet removed
+        with contextlib.suppress(OSError):
+            if path.is_file():
+                total += path.stat().st_blocks * 512
+    return total
+
+
+class _Server:
+    def __init__(self, data_dir: Path, shm_dir: Path, workers: int, log: Path) -> None:
+        self.data_dir, self.shm_dir, self.workers, self.log = data_dir, shm_dir, workers, log
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 600.0) -> tuple[float, int]:
+        """Start; returns (seconds from exec to /readyz 200, peak memory meanwhile in bytes)."""
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = int(probe.getsockname()[1])
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
+        env.update(
+            {
+                "ROBEZ_SHM_DIR": str(self.shm_dir),
+                "ROBEZ_LOG_LEVEL": "info",
+                "ROBEZ_DEFAULT_TABLE": "false",
+                "ROBEZ_SNAPSHOT_EVERY_SECONDS": "0",
+            }
+        )
+        command = [sys.executable, "-m", "service", "serve", "--data-dir", str(self.data_dir)]
+        command += ["--port", str(self.port), "--workers", str(self.workers)]
+        start = time.monotonic()
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        peak = 0
+        while time.monotonic() - start < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"robez serve exited with {self.process.returncode}; see {self.log}")
+            peak = max(peak, server_memory_bytes(self.process.pid, self.shm_dir))
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/readyz", timeout=1.0).status_code == 200:
+                    return time.monotonic() - start, peak
+            time.sleep(0.02)
+        raise RuntimeError(f"not ready in {timeout_s} s")
+
+    def memory(self) -> int:
+        assert self.process is not None
+        return server_memory_bytes(self.process.pid, self.shm_dir)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
+
+    def terminate(self) -> float:
+        """SIGTERM the process group; seconds until the server exited."""
+        assert self.process is not None
+        start = time.monotonic()
+        os.killpg(self.process.pid, signal.SIGTERM)
+        self.process.wait(timeout=300)
+        return time.monotonic() - start
+
+
+def _percentiles(seconds: list[float]) -> str:
+    if not seconds:
+        return "n/a"
+    ordered = sorted(seconds)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return f"{statistics.median(ordered) * 1e3:.1f} / {p99 * 1e3:.1f} / {ordered[-1] * 1e3:.1f} ms"
+
+
+class _Pusher:
+    """Pushes of ``num_ids`` random ids, one at a time on one connection; latencies in seconds."""
+
+    def __init__(self, url: str, num_ids: int, seed: int) -> None:
+        self.client = httpx.Client(base_url=url, timeout=300.0)
+        self.random = np.random.default_rng(seed)
+        self.num_ids = num_ids
+
+    def push(self) -> float:
+        ids = self.random.integers(0, 1 << 40, self.num_ids, dtype=np.int64)
+        grads = (self.random.standard_normal((self.num_ids, DIM), dtype=np.float32) * 1e-3).astype("<f4")
+        start = time.perf_counter()
+        response = self.client.post(
+            "/v1/tables/big/update",
+            content=ids.astype("<i8").tobytes() + grads.tobytes(),
+            headers={"Content-Type": "application/octet-stream", "X-Robez-Shape": f"{self.num_ids},{DIM}"},
+        )
+        elapsed = time.perf_counter() - start
+        response.raise_for_status()
+        return elapsed
+
+    @contextlib.contextmanager
+    def during(self) -> Iterator[list[float]]:
+        """Push continuously on a thread inside the block; the list fills with latencies."""
+        latencies: list[float] = []
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                latencies.append(self.push())
+
+        thread = threading.Thread(target=loop)
+        thread.start()
+        try:
+            yield latencies
+        finally:
+            stop.set()
+            thread.join(timeout=600)
+
+
+def _timed(work: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = work()
+    return time.perf_counter() - start, result
+
+
+def _read_seconds(paths: list[Path]) -> float:
+    start = time.perf_counter()
+    for path in paths:
+        with open(path, "rb") as handle:
+            while handle.read(64 * MiB):
+                pass
+    return time.perf_counter() - start
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.service.big_tables", description=__doc__)
+    parser.add_argument("--memory-size", type=int, default=1 << 28)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--updates", type=int, default=2000, help="logged pushes before the kill -9")
+    parser.add_argument("--push-ids", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=200, help="lookups and pushes timed at rest")
+    parser.add_argument("--data-dir", type=Path, default=None, help="parent of the data dir (default .)")
+    args = parser.parse_args(argv)
+    state_bytes = 3 * 4 * args.memory_size
+    root = Path(tempfile.mkdtemp(prefix="robez-bench-big-", dir=args.data_dir or Path.cwd()))
+    shm_dir = Path(tempfile.mkdtemp(prefix="robez-bench-big-", dir="/dev/shm"))
+    data_dir = root / "data"
+    server = _Server(data_dir, shm_dir, args.workers, root / "server.log")
+    lines: list[str] = []
+
+    def row(what: str, figure: str) -> None:
+        lines.append(f"| {what} | {figure} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+
+    try:
+        empty_start, empty_peak = server.start()
+        row(
+            "start with no table: exec to /readyz 200, peak memory",
+            f"{empty_start:.1f} s, {empty_peak / MiB:.0f} MiB",
+        )
+        config = {"num_embeddings": 1 << 40, "embedding_dim": DIM, "memory_size": args.memory_size}
+        config["chunk_size"] = CHUNK
+        seconds, response = _timed(
+            lambda: httpx.post(
+                f"{server.url}/v1/tables",
+                json={"name": "big", "config": config, "optimizer": {"name": "adam", "lr": 1e-3}},
+                timeout=1200,
+            )
+        )
+        response.raise_for_status()
+        row(
+            "`POST /v1/tables` (create + first snapshot)",
+            f"{seconds:.1f} s; memory after {server.memory() / MiB:.0f} MiB",
+        )
+        pusher = _Pusher(server.url, args.push_ids, 1)
+        lookups = httpx.Client(base_url=server.url, timeout=300.0)
+        rng = np.random.default_rng(2)
+        lookup_seconds = []
+        for index in range(args.requests + 10):  # the first 10 warm up the connection and caches
+            ids = rng.integers(0, 1 << 40, LOOKUP_IDS, dtype=np.int64).astype("<i8").tobytes()
+            start = time.perf_counter()
+            lookups.post(
+                "/v1/tables/big/lookup", content=ids, headers={"Content-Type": "application/octet-stream"}
+            ).raise_for_status()
+            if index >= 10:
+                lookup_seconds.append(time.perf_counter() - start)
+        row(f"lookup of {LOOKUP_IDS} ids, p50 / p99 / max", _percentiles(lookup_seconds))
+        row(
+            f"push of {args.push_ids} ids at rest, p50 / p99 / max",
+            _percentiles([pusher.push() for _ in range(args.requests)]),
+        )
+        with pusher.during() as during:
+            seconds, response = _timed(
+                lambda: httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=1200)
+            )
+            response.raise_for_status()
+        row("`POST .../snapshot` duration (one pusher running)", f"{seconds:.1f} s")
+        row(f"pushes during the snapshot ({len(during)}), p50 / p99 / max", _percentiles(during))
+        with pusher.during() as during:
+            seconds, response = _timed(
+                lambda: httpx.get(f"{server.url}/v1/tables/big/checksum", timeout=1200)
+            )
+            response.raise_for_status()
+        row("`GET .../checksum` duration (one pusher running)", f"{seconds:.1f} s")
+        row(f"pushes during the checksum ({len(during)}), p50 / p99 / max", _percentiles(during))
+        seconds, _ = _timed(lambda: [pusher.push() for _ in range(args.updates)])
+        row(f"{args.updates} more pushes logged", f"{seconds:.1f} s")
+        server.kill()
+        files = [*sorted(data_dir.glob("big/snapshot-*.safetensors")), data_dir / "big" / "updates.wal"]
+        file_bytes = sum(path.stat().st_size for path in files)
+        read = _read_seconds(files)
+        row(
+            "snapshot + log: bytes, time to read them (`cat`, page cache as it is)",
+            f"{file_bytes / MiB:,.0f} MiB ({files[-1].stat().st_size / MiB:,.0f} MiB of log), {read:.1f} s",
+        )
+        restart, peak = server.start()
+        up = server.memory()
+        row(
+            "restart after kill -9: exec to /readyz 200",
+            f"{restart:.1f} s ({restart / read:.1f} x the read)",
+        )
+        row(
+            "restart peak memory (PSS, shared memory once); once up",
+            f"{peak / MiB:,.0f} MiB = state x {peak / state_bytes:.2f}; {up / MiB:,.0f} MiB; "
+            f"goal 1.25 x state + 300 MB = {(1.25 * state_bytes + 300e6) / MiB:,.0f} MiB",
+        )
+        total = sum(path.stat().st_size for path in data_dir.rglob("*") if path.is_file())
+        row("data dir size", f"{total / MiB:,.0f} MiB (state {state_bytes / MiB:,.0f} MiB)")
+        pusher = _Pusher(server.url, args.push_ids, 3)
+        for _ in range(20):
+            pusher.push()
+        row("graceful stop (SIGTERM to exit) with 20 pushes since the restart", f"{server.terminate():.1f} s")
+        empty = _Server(root / "empty", shm_dir, args.workers, root / "server.log")
+        try:
+            empty_start, empty_peak = empty.start()
+        finally:
+            empty.kill()
+        row(
+            "for scale: a start with no table, exec to /readyz 200, peak memory",
+            f"{empty_start:.1f} s, {empty_peak / MiB:.0f} MiB",
+        )
+    finally:
+        server.kill()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    print(f"# One server with a big table ({datetime.date.today().isoformat()})\n")
+    print(f"- command: `python -m benchmarks.service.big_tables {' '.join(argv or sys.argv[1:])}`")
+    print(f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}")
+    print(
+        f"- table: m = {args.memory_size:,} (2^{args.memory_size.bit_length() - 1}), d = {DIM}, Z = {CHUNK}, "
+        "adam: "
+        f"{state_bytes / MiB:,.0f} MiB of state; {args.workers} workers, fsync always; threads: the default"
+    )
+    print("- one client on the same machine; latencies measured by the client (binary bodies)\n")
+    print("| what | measured |\n|---|---|")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""One server with big tables (issue 27): a bad tables file changes nothing; checksums and snapshots do
+not block pushes; a restart's memory is bounded by the table. Tables of a few MB, made slow by the test
+hook ``ROBEZ_FAULT_SLOW_SECONDS`` (service/faults.py), not by size."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from benchmarks.service.big_tables import server_memory_bytes
+from robez_core.errors import LimitExceededError
+from robez_core.table import Table
+from service.app import create_app
+from service.config import Settings
+from service.faults import SLOW_VARIABLE
+from service.store import TableStore
+from service.wal import WalJournal
+
+from .conftest import make_settings, store_of
+from .subprocess_server import RobezServer
+
+
+def _tables_file(path: Path, count: int, memory_size: int = 1024) -> Path:
+    path.write_text(
+        "".join(
+            f"[tables.x{index}]\nnum_embeddings = 100\nembedding_dim = 8\nmemory_size = {memory_size}\n"
+            for index in range(count)
+        )
+    )
+    return path
+
+
+def _prepare(settings: Settings) -> None:
+    journal = WalJournal.from_settings(settings)
+    try:
+        TableStore.prepare(settings, journal).remove()
+    finally:
+        journal.close()
+
+
+def _tree(directory: Path) -> list[str]:
+    return sorted(
+        str(path.relative_to(directory)) for path in directory.rglob("*") if ".lock" not in path.name
+    )
+
+
+def test_a_tables_file_over_max_tables_changes_nothing(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    (tmp_path / "shm").mkdir()
+    _prepare(make_settings(tmp_path, data_dir=data_dir, config=_tables_file(tmp_path / "two.toml", 2)))
+    before = _tree(data_dir)
+    too_many = _tables_file(tmp_path / "tables.toml", 65)
+    with pytest.raises(LimitExceededError) as refused:
+        _prepare(make_settings(tmp_path, data_dir=data_dir, config=too_many))
+    message = str(refused.value)
+    assert "'x64'" in message and str(too_many) in message and "max_tables=64" in message, message
+    assert _tree(data_dir) == before  # x2..x63 were not written
+    assert not list((tmp_path / "shm").iterdir())
+    _prepare(make_settings(tmp_path, data_dir=data_dir, config=_tables_file(too_many, 64)))
+    assert len([path for path in data_dir.iterdir() if not path.name.startswith(".")]) == 64
+
+
+def test_the_total_limit_counts_the_tables_already_in_the_data_dir(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    (tmp_path / "shm").mkdir()
+    table_bytes = (1 << 16) * 4  # memory_size 1 << 16 float32, sgd
+    limit = {"max_total_memory_bytes": 2 * table_bytes + 10}
+    _prepare(
+        make_settings(tmp_path, data_dir=data_dir, config=_tables_file(tmp_path / "one.toml", 2, 1 << 16))
+    )
+    before = _tree(data_dir)
+    three = _tables_file(tmp_path / "three.toml", 3, 1 << 16)
+    with pytest.raises(LimitExceededError) as refused:
+        _prepare(make_settings(tmp_path, data_dir=data_dir, config=three, **limit))
+    assert "'x2'" in str(refused.value) and "max_total_memory_bytes" in str(refused.value)
+    assert _tree(data_dir) == before
+
+
+BIG = {"num_embeddings": 100_000, "embedding_dim": 16, "memory_size": 1 << 22, "chunk_size": 16}
+SLOW_SECONDS = 1.0  # per 16 MiB piece: a table of 2 x 16 MiB takes >= 2 s to hash
+
+
+def _pushes_during(work: Callable[[], Any], push: Callable[[], None]) -> tuple[list[float], float, float]:
+    """Run ``work`` on a thread and push from this one until it ends; returns every push's seconds and
+    when ``work`` started and ended (time.monotonic)."""
+    started = time.monotonic()
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(work()))
+    thread.start()
+    latencies: list[float] = []
+    try:
+        while thread.is_alive():
+            begin = time.monotonic()
+            push()
+            latencies.append(time.monotonic() - begin)
+    finally:
+        thread.join(timeout=120)
+    assert result, "the work failed"
+    return latencies, started, time.monotonic()
+
+
+def _big_client(client_factory: Callable[..., TestClient], tmp_path: Path, **overrides: Any) -> TestClient:
+    client = client_factory(data_dir=tmp_path / "data", default_table=False, **overrides)
+    response = client.post(
+        "/v1/tables", json={"name": "big", "config": BIG, "optimizer": {"name": "adagrad"}}
+    )
+    assert response.status_code == 201, response.text
+    return client
+
+
+def _push(client: TestClient) -> None:
+    ids = torch.randint(0, BIG["num_embeddings"], (64,))
+    store_of(client).update("big", ids, torch.randn(64, BIG["embedding_dim"]))
+
+
+@pytest.mark.slow
+def test_a_push_completes_while_a_checksum_is_hashed(
+    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = _big_client(client_factory, tmp_path)
+    store = store_of(client)
+    quiet_version, quiet_digest = store.checksum("big")
+    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS))
+    latencies, started, ended = _pushes_during(lambda: store.checksum("big"), lambda: _push(client))
+    assert ended - started >= 2 * SLOW_SECONDS  # the hook made it slow
+    # Pushes went on the whole time: none waited for the hash (under the lock it would wait ~2 s).
+    assert len(latencies) >= 3 and max(latencies) < SLOW_SECONDS, latencies
+    monkeypatch.delenv(SLOW_VARIABLE)
+    assert store.checksum("big")[0] == quiet_version + len(latencies)
+    response = client.get("/v1/tables/big/checksum")
+    assert response.status_code == 200 and response.json()["sha256"] != quiet_digest
+
+
+def _same_tables(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> bool:
+    return left.keys() == right.keys() and all(
+        torch.equal(left[key].view(torch.uint8), right[key].view(torch.uint8)) for key in left
+    )
+
+
+@pytest.mark.slow
+def test_a_push_completes_while_a_snapshot_of_its_table_is_written(
+    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = _big_client(client_factory, tmp_path)
+    store = store_of(client)
+    journal = store.journal
+    assert isinstance(journal, WalJournal)
+    _push(client)
+    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS))
+    snapshotted: list[int] = []
+    latencies, started, ended = _pushes_during(
+        lambda: snapshotted.append(store.snapshot("big")), lambda: _push(client)
+    )
+    monkeypatch.delenv(SLOW_VARIABLE)
+    assert ended - started >= 2 * SLOW_SECONDS  # the hook made it slow
+    assert len(latencies) >= 3 and max(latencies) < SLOW_SECONDS, latencies
+    # The snapshot holds the version of its start; the pushes made meanwhile are in the next log.
+    assert journal.snapshot_version("big") == snapshotted[0] < store.version("big") - 1
+    assert store.version("big") == 1 + len(latencies)
+    reader = WalJournal(tmp_path / "data")
+    try:
+        loaded = reader.load("big")
+    finally:
+        reader.close()
+    assert loaded is not None and loaded[1] == store.version("big")
+    assert _same_tables(loaded[0].tensors(), store.table("big").tensors())
+
+
+def _server(tmp_path: Path, **env: str) -> RobezServer:
+    return RobezServer(
+        tmp_path / "server.log",
+        ["--data-dir", str(tmp_path / "data")],
+        {
+            "ROBEZ_SHM_DIR": str(tmp_path / "shm"),
+            "ROBEZ_DEFAULT_TABLE": "false",
+            "ROBEZ_LOG_LEVEL": "warning",
+            **env,
+        },
+    )
+
+
+def _http_push(url: str, generator: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """One push; (version, ids, grads) when acknowledged, None when the server did not answer 200."""
+    ids = torch.randint(0, BIG["num_embeddings"], (16,), generator=generator)
+    grads = torch.randn(16, BIG["embedding_dim"], generator=generator)
+    try:
+        response = httpx.post(
+            f"{url}/v1/tables/big/update", json={"ids": ids.tolist(), "grads": grads.tolist()}, timeout=60
+        )
+    except httpx.TransportError:
+        return None
+    return (int(response.json()["version"]), ids, grads) if response.status_code == 200 else None
+
+
+def _checkpoint(url: str) -> tuple[Table, int]:
+    response = httpx.get(f"{url}/v1/tables/big/checkpoint", timeout=120)
+    assert response.status_code == 200, response.text
+    from safetensors.torch import load as load_bytes
+
+    table = Table._from_checkpoint("download", _metadata_of(response.content), load_bytes(response.content))
+    return table, int(response.headers["X-Robez-Version"])
+
+
+def _metadata_of(data: bytes) -> dict[str, str]:
+    import json
+    import struct
+
+    (length,) = struct.unpack("<Q", data[:8])
+    metadata: dict[str, str] = json.loads(data[8 : 8 + length])["__metadata__"]
+    return metadata
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kill_9_after_a_live_snapshot_commits_keeps_the_pushes_made_during_it(tmp_path: Path) -> None:
+    """The server dies between meta.json's commit and the log swap, with pushes acknowledged while the
+    snapshot was hashed: they are in the carried-over log, and the restart finds them."""
+    fault = tmp_path / "fault"
+    server = _server(
+        tmp_path, ROBEZ_FAULT_SLOW_SECONDS=str(SLOW_SECONDS), ROBEZ_FAULT_DIE_AFTER_APPEND=str(fault)
+    )
+    generator = torch.Generator().manual_seed(7)
+    try:
+        server.start()
+        created = httpx.post(
+            f"{server.url}/v1/tables",
+            json={"name": "big", "config": BIG, "optimizer": {"name": "adagrad"}},
+            timeout=120,
+        )
+        assert created.status_code == 201, created.text
+        initial, _ = _checkpoint(server.url)
+        acknowledged = [_http_push(server.url, generator) for _ in range(3)]
+        fault.write_text("snapshot:committed")
+        snapshot: list[int] = []
+
+        def take_snapshot() -> None:
+            with contextlib.suppress(httpx.TransportError):
+                snapshot.append(httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=120).status_code)
+
+        thread = threading.Thread(target=take_snapshot)
+        thread.start()
+        in_flight = None
+        while thread.is_alive():
+            pushed = _http_push(server.url, generator)
+            if pushed is None:
+                in_flight = True
+                break
+            acknowledged.append(pushed)
+        thread.join(timeout=120)
+        assert server.process is not None and server.process.wait(timeout=60) != 0  # it died at the point
+        assert not snapshot and not fault.exists()
+        assert len(acknowledged) >= 6, "no push landed while the snapshot was hashed"
+        server.env.pop("ROBEZ_FAULT_SLOW_SECONDS")
+        server.start()
+        recovered, version = _checkpoint(server.url)
+    finally:
+        server.stop()
+    oracle = Table(
+        initial.config,
+        initial.optimizer,
+        weight=initial.weight.clone(),
+        state={key: tensor.clone() for key, tensor in initial.state.items()},
+    )
+    for pushed in acknowledged:
+        assert pushed is not None
+        oracle.apply_gradients(pushed[1], pushed[2])
+    assert version >= len(acknowledged) and (version == len(acknowledged) or in_flight)
+    if version == len(acknowledged):
+        assert _same_tables(recovered.tensors(), oracle.tensors())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_restart_reads_the_table_into_shared_memory_without_a_private_copy(tmp_path: Path) -> None:
+    """kill -9 with 150 logged pushes; the restart's peak memory (PSS of the server's processes, shared
+    memory counted once) stays within a quarter of the table's state above what it holds once up (a
+    private copy of the table, or the log mapped whole, would add the state's size or the log's)."""
+    config = {"num_embeddings": 1_000_000, "embedding_dim": 16, "memory_size": 1 << 24, "chunk_size": 16}
+    state_bytes = 3 * (1 << 24) * 4  # adam: weight, m, v
+    server = _server(tmp_path)
+    generator = torch.Generator().manual_seed(3)
+    try:
+        server.start()
+        created = httpx.post(
+            f"{server.url}/v1/tables",
+            json={"name": "big", "config": config, "optimizer": {"name": "adam"}},
+            timeout=120,
+        )
+        assert created.status_code == 201, created.text
+        num_ids = 2048
+        for _ in range(150):  # ~22 MB of log
+            ids = torch.randint(0, config["num_embeddings"], (num_ids,), generator=generator)
+            grads = torch.randn(num_ids, config["embedding_dim"], generator=generator)
+            response = httpx.post(
+                f"{server.url}/v1/tables/big/update",
+                content=ids.numpy().astype("<i8").tobytes() + grads.numpy().astype("<f4").tobytes(),
+                headers={"Content-Type": "application/octet-stream", "X-Robez-Shape": f"{num_ids},16"},
+                timeout=60,
+            )
+            assert response.status_code == 200, response.text
+        version = int(response.json()["version"])
+        server.kill()
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                if server.process is not None and server.process.poll() is None:
+                    peak[0] = max(peak[0], server_memory_bytes(server.process.pid, tmp_path / "shm"))
+                time.sleep(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            server.start()
+        finally:
+            done.set()
+            sampler.join(timeout=30)
+        assert server.process is not None
+        steady = server_memory_bytes(server.process.pid, tmp_path / "shm")
+        info = httpx.get(f"{server.url}/v1/tables/big", timeout=30).json()
+        assert info["version"] == version
+    finally:
+        server.stop()
+    assert steady > state_bytes  # the table is in shared memory, counted once
+    assert peak[0] - steady < state_bytes // 4, (peak[0], steady, state_bytes)
+
+
+@pytest.mark.slow
+def test_a_graceful_stop_snapshots_small_tables_and_leaves_big_ones_to_their_log(tmp_path: Path) -> None:
+    """A table whose snapshot is over SHUTDOWN_SNAPSHOT_MAX_BYTES is not snapshotted at a graceful stop
+    (that would be what makes a stop outlast its grace period); its log brings it back."""
+    big = {**BIG, "memory_size": 1 << 23}  # adam: 96 MiB of state, over the 64 MiB shutdown limit
+    settings = make_settings(tmp_path, data_dir=tmp_path / "data", default_table=False)
+    (tmp_path / "shm").mkdir(exist_ok=True)
+    with TestClient(create_app(settings)) as client:
+        for name, config in (("big", big), ("small", BIG)):
+            response = client.post(
+                "/v1/tables", json={"name": name, "config": config, "optimizer": {"name": "adam"}}
+            )
+            assert response.status_code == 201, response.text
+            for _ in range(3):
+                ids = torch.randint(0, config["num_embeddings"], (8,))
+                store_of(client).update(name, ids, torch.randn(8, config["embedding_dim"]))
+        expected = {key: tensor.clone() for key, tensor in store_of(client).table("big").tensors().items()}
+    reader = WalJournal(tmp_path / "data")
+    try:
+        assert reader.snapshot_version("small") == 3  # snapshotted at the stop
+        assert reader.snapshot_version("big") == 0  # left to its log
+        loaded = reader.load("big")
+    finally:
+        reader.close()
+    assert loaded is not None and loaded[1] == 3 and _same_tables(loaded[0].tensors(), expected)
