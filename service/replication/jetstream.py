@@ -246,7 +246,7 @@ class JetStreamLog:
 
     def connected_to(self) -> str | None:
         url = self._nc.connected_url if self._nc is not None else None
-        return url.netloc if url is not None else None
+        return server_address(url.netloc) if url is not None else None
 
     async def check_writable(self, timeout_s: float) -> None:
         if self._nc is None or not self._nc.is_connected:
@@ -958,6 +958,12 @@ class JetStreamLog:
             await self.js.purge_stream(OBJ_STREAM_TEMPLATE.format(bucket=bucket), subject=meta_subject)
         except (TimeoutError, nats.errors.Error) as exc:
             raise _unavailable("delete checkpoint", exc) from exc
+
+
+def server_address(netloc: str) -> str:
+    """``host:port`` of a URL's network location, without any ``user:password@`` in it: what robez logs
+    and shows on ``/readyz?writes=true`` must never carry a credential that was put in ``--nats``."""
+    return netloc.rpartition("@")[2]
 
 
 def _described_position(info: ObjectInfo) -> int:

@@ -7,6 +7,7 @@ import torch
 
 from robez_core.errors import InvalidInputError
 from service.consistency import parse_min_versions
+from service.replication.jetstream import server_address
 from service.replication.records import (
     KIND,
     LR,
@@ -69,3 +70,16 @@ def test_min_version_header() -> None:
     for bad, default in (("x", "t"), ("-1", "t"), ("3", None), ("a=", None), ("a=1.5", None)):
         with pytest.raises(InvalidInputError):
             parse_min_versions(bad, default)
+
+
+@pytest.mark.parametrize(
+    "netloc, shown",
+    [
+        ("127.0.0.1:4222", "127.0.0.1:4222"),
+        ("robez:s3cret@nats-0.nats:4222", "nats-0.nats:4222"),
+        ("robez:p@ss@[::1]:4222", "[::1]:4222"),
+    ],
+)
+def test_the_log_server_shown_never_carries_credentials(netloc: str, shown: str) -> None:
+    """``connected_to`` (logs, ``/readyz?writes=true``) names the server without a login put in its URL."""
+    assert server_address(netloc) == shown
