@@ -270,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ROBEZ_REPLICA_SNAPSHOT_EVERY_UPDATES": str(args.every),
         "ROBEZ_REPLICA_SNAPSHOT_INTERVAL_S": "3600",
         "ROBEZ_REPLICA_TRIM_KEEP": "0",
+        **cluster.robez_env(),  # the cluster's login and TLS, as every robez replica needs
     }
     big = {
         "num_embeddings": 10_000_000,

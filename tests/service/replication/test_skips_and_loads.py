@@ -69,7 +69,7 @@ def push(server: ReplicaServer, table: str, seed: int) -> int:
 
 def _with_nats(cluster: NatsCluster, work):  # type: ignore[no-untyped-def]
     async def run():  # type: ignore[no-untyped-def]
-        nc = await nats.connect(servers=cluster.urls)
+        nc = await nats.connect(servers=cluster.urls, **cluster.connect_options())
         try:
             return await work(nc.jetstream(timeout=10))
         finally:

@@ -50,7 +50,9 @@ async def _chunk_messages(log: JetStreamLog) -> dict[str, int]:
 
 @contextlib.asynccontextmanager
 async def _connected(cluster: NatsCluster, prefix: str, **options: Any) -> Any:
-    log = JetStreamLog(cluster.urls, replicas=1, prefix=prefix, timeout_s=5, **options)
+    log = JetStreamLog(
+        cluster.urls, replicas=1, prefix=prefix, timeout_s=5, **{"auth": cluster.auth(), **options}
+    )
     await log.connect()
     try:
         yield log

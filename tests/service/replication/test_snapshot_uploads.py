@@ -71,7 +71,7 @@ def obj_stream(cluster: NatsCluster) -> tuple[int, int, int]:
     """(bytes, chunk messages, size of the stored object) of the snapshot bucket's stream."""
 
     async def read() -> tuple[int, int, int]:
-        nc = await nats.connect(servers=cluster.urls)
+        nc = await nats.connect(servers=cluster.urls, **cluster.connect_options())
         try:
             js = nc.jetstream(timeout=10)
             info = await js.stream_info(
