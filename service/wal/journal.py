@@ -1188,6 +1188,18 @@ def _copy_range(source: int, target: int, begin: int, end: int) -> None:
 
 def _finish_snapshot(fd: int, path: Path, writer: CheckpointWriter) -> tuple[int, int]:
     """Complete the snapshot ``begin_write`` left in ``fd`` (checksums, header, fsync; no lock needed,
-    pausing after each piece when a test asks: ``faults.slow_down``); its (crc32, size) for meta.json."""
-    writer.finish(fd, each_piece=lambda _piece: slow_down())
+    pausing after each 16 MiB hashed when a test asks: ``faults.slow_down``); its (crc32, size) for
+    meta.json."""
+    hashed = 0
+
+    def pause(piece: memoryview) -> None:
+        nonlocal hashed
+        before, hashed = hashed, hashed + len(piece)
+        if hashed // _SLOW_PIECE_BYTES > before // _SLOW_PIECE_BYTES:
+            slow_down()
+
+    writer.finish(fd, each_piece=pause)
     return _file_crc(path)
+
+
+_SLOW_PIECE_BYTES = 1 << 24  # a test's pause per this much hashed, as the store's checksum pauses
