@@ -27,7 +27,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
@@ -50,6 +50,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "CheckpointFile",
+    "CheckpointWriter",
     "PendingCheckpoint",
     "Table",
     "import_paper_state_dict",
@@ -508,6 +509,13 @@ class Table:
         (no temp file left)."""
         return PendingCheckpoint.write(Path(path), self.tensors(), self.metadata())
 
+    def begin_write(self, fd: int) -> CheckpointWriter:
+        """``begin_save`` into a file the caller opened (empty, read-write) and names, renames or unlinks
+        itself: the tensors written as they are, the header's checksums blank; ``finish(fd)`` on the
+        result completes the file in place. Only this call needs the table unchanged. Raises ``OSError``
+        (the caller removes the file)."""
+        return CheckpointWriter.write(fd, self.tensors(), self.metadata())
+
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Table:
         """Read a checkpoint written by :meth:`save` (or any safetensors file of the same tensors and
@@ -603,71 +611,98 @@ def _safetensors_header(entries: list[_Entry], metadata: Mapping[str, str]) -> b
     return len(text).to_bytes(8, "little") + text
 
 
-class PendingCheckpoint:
-    """A checkpoint written by ``Table.begin_save``: the tensors are in a temp file beside ``path``, the
-    header's checksums still blank. ``finish`` completes it, ``discard`` removes it."""
+class CheckpointWriter:
+    """A checkpoint written into an open file (``Table.begin_write``): the header with blank checksums and
+    the tensors' bytes are in the file; ``finish`` completes it in place. The file is the caller's (a temp
+    file it renames later, an unlinked one it streams): nothing here names, renames or closes it."""
 
-    def __init__(
-        self, path: Path, tmp: Path, entries: list[_Entry], metadata: dict[str, str], data_start: int
-    ):
-        self.path = path
-        self.tmp = tmp
+    def __init__(self, entries: list[_Entry], metadata: dict[str, str], data_start: int) -> None:
         self._entries = entries
         self._metadata = metadata
         self._data_start = data_start  # the header's length: where the tensors' bytes begin
-        self._done = False
 
     @classmethod
-    def write(
-        cls, path: Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]
-    ) -> PendingCheckpoint:
+    def write(cls, fd: int, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> CheckpointWriter:
+        """Write ``tensors`` (their own memory, piece by piece: no copy) and a header with blank checksums
+        at the start of the empty file ``fd``; nothing hashed or fsynced. Raises ``OSError``."""
         for name, tensor in tensors.items():
             if not tensor.is_contiguous() or tensor.device.type != "cpu" or tensor.dtype not in _DTYPES:
                 raise ConfigError(f"tensor {name!r} cannot be saved: {tensor.dtype} on {tensor.device}")
         blank = {**metadata, "checksums": json.dumps(dict.fromkeys(sorted(tensors), _BLANK_CHECKSUM))}
         entries = _file_order(tensors)
         header = _safetensors_header(entries, blank)
+        position = _pwrite_fully(fd, memoryview(header), 0)
+        for name, *_ in entries:
+            position = _pwrite_fully(fd, _byte_view(tensors[name]), position)
+        return cls(entries, dict(metadata), len(header))
+
+    def finish(
+        self, fd: int, *, durable: bool = True, each_piece: Callable[[memoryview], None] | None = None
+    ) -> None:
+        """Checksum each tensor from the file ``fd`` (opened for reading and writing; read back piece by
+        piece), write the final header over the blank one (same length) and, ``durable``, fsync the file.
+        Needs no lock: it reads only the file. ``each_piece`` is called with every piece read (a test's
+        pause, say). Raises ``OSError``."""
+        checksums = {}
+        buffer = memoryview(bytearray(_PIECE_BYTES))
+        position = self._data_start
+        for name, _, _, nbytes in self._entries:
+            digest = hashlib.blake2b(digest_size=16)
+            end = position + nbytes
+            while position < end:
+                got = os.preadv(fd, [buffer[: min(end - position, _PIECE_BYTES)]], position)
+                if not got:
+                    raise OSError(errno.EIO, f"checkpoint file {fd} is shorter than written")
+                digest.update(buffer[:got])
+                if each_piece is not None:
+                    each_piece(buffer[:got])
+                position += got
+            checksums[name] = digest.hexdigest()
+        metadata = {**self._metadata, "checksums": json.dumps(checksums, sort_keys=True)}
+        header = _safetensors_header(self._entries, metadata)
+        if len(header) != self._data_start:  # the checksums have the blanks' length
+            raise OSError(errno.EIO, "checkpoint header changed size")  # pragma: no cover
+        _pwrite_fully(fd, memoryview(header), 0)
+        if durable:
+            os.fsync(fd)
+
+
+class PendingCheckpoint:
+    """A checkpoint written by ``Table.begin_save``: the tensors are in a temp file beside ``path``, the
+    header's checksums still blank. ``finish`` completes it, ``discard`` removes it."""
+
+    def __init__(self, path: Path, tmp: Path, writer: CheckpointWriter):
+        self.path = path
+        self.tmp = tmp
+        self._writer = writer
+        self._done = False
+
+    @classmethod
+    def write(
+        cls, path: Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]
+    ) -> PendingCheckpoint:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                _write_fully(fd, memoryview(header))
-                for name, *_ in entries:
-                    _write_fully(fd, _byte_view(tensors[name]))
+                writer = CheckpointWriter.write(fd, tensors, metadata)
             finally:
                 os.close(fd)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return cls(path, tmp, entries, dict(metadata), len(header))
+        return cls(path, tmp, writer)
 
     def finish(self, durable: bool = True) -> Path:
         """Checksum each tensor from the file (read back piece by piece), write the final header over the
         blank one, and move the file to ``path`` (``durable``: fsync it and its folder, as ``save`` does).
         Needs no lock: it reads only the file. Raises ``OSError`` (the temp file removed)."""
         try:
-            checksums = {}
-            buffer = bytearray(_PIECE_BYTES)
-            with open(self.tmp, "r+b", buffering=0) as handle:
-                handle.seek(self._data_start)
-                for name, _, _, nbytes in self._entries:
-                    digest = hashlib.blake2b(digest_size=16)
-                    remaining = nbytes
-                    while remaining:
-                        got = handle.readinto(memoryview(buffer)[: min(remaining, _PIECE_BYTES)])
-                        if not got:
-                            raise OSError(errno.EIO, f"checkpoint {str(self.tmp)!r} is shorter than written")
-                        digest.update(memoryview(buffer)[:got])
-                        remaining -= got
-                    checksums[name] = digest.hexdigest()
-                metadata = {**self._metadata, "checksums": json.dumps(checksums, sort_keys=True)}
-                header = _safetensors_header(self._entries, metadata)
-                if len(header) != self._data_start:  # the checksums have the blanks' length
-                    raise OSError(errno.EIO, "checkpoint header changed size")  # pragma: no cover
-                handle.seek(0)
-                _write_fully(handle.fileno(), memoryview(header))
-                if durable:
-                    os.fsync(handle.fileno())
+            fd = os.open(self.tmp, os.O_RDWR)
+            try:
+                self._writer.finish(fd, durable=durable)
+            finally:
+                os.close(fd)
             os.replace(self.tmp, self.path)
         except BaseException:
             self.discard()
@@ -683,11 +718,15 @@ class PendingCheckpoint:
             self.tmp.unlink(missing_ok=True)
 
 
-def _write_fully(fd: int, view: memoryview) -> None:
+def _pwrite_fully(fd: int, view: memoryview, position: int) -> int:
+    """Write ``view`` at ``position`` in pieces; returns the position after it."""
     for start in range(0, view.nbytes, _PIECE_BYTES):
         piece = view[start : start + _PIECE_BYTES]
         while piece.nbytes:
-            piece = piece[os.write(fd, piece) :]
+            written = os.pwrite(fd, piece, position)
+            piece = piece[written:]
+            position += written
+    return position
 
 
 class CheckpointFile:
@@ -707,13 +746,17 @@ class CheckpointFile:
         layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
         spans: dict[str, tuple[int, int]],
         checksums: dict[str, str],
+        header: bytes = b"",
     ) -> None:
         self.path = path
         self.config = config
         self.optimizer = optimizer
         self.layout = layout  # tensor name -> (shape, dtype), as Table.tensors() names them
-        self._spans = spans  # tensor name -> (start, end) in the file
+        self._spans = dict(
+            sorted(spans.items(), key=lambda item: item[1])
+        )  # name -> (start, end), file order
         self._checksums = checksums
+        self.header = header  # the file's first bytes: length and JSON header, up to the tensors
 
     @property
     def nbytes(self) -> int:
@@ -738,7 +781,8 @@ class CheckpointFile:
                 length = int.from_bytes(head, "little")
                 if length > min(size - 8, 100 << 20):
                     raise unreadable(f"header of {length} bytes in a file of {size}")
-                header = json.loads(handle.read(length))
+                text = handle.read(length)
+                header = json.loads(text)
         except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise unreadable(str(exc)) from exc
         if not isinstance(header, dict):
@@ -770,12 +814,21 @@ class CheckpointFile:
         if not isinstance(metadata, dict):
             raise unreadable("__metadata__ is not an object")
         config, optimizer, layout, checksums = _checkpoint_layout(where, metadata, specs)
-        return cls(path, config, optimizer, layout, spans, checksums)
+        return cls(path, config, optimizer, layout, spans, checksums, head + text)
 
-    def read_into(self, tensors: Mapping[str, Tensor]) -> None:
+    def read_into(
+        self,
+        tensors: Mapping[str, Tensor],
+        *,
+        verify: bool = True,
+        each_piece: Callable[[memoryview], None] | None = None,
+    ) -> None:
         """Fill ``tensors`` (one per name of ``layout``, of its shape and dtype, contiguous: the caller's
-        memory) from the file piece by piece, checking each checksum; ``CorruptionError`` on a mismatch
-        (the tensors then hold whatever was read), ``OSError`` if the file cannot be read."""
+        memory) from the file piece by piece in file order, checking each checksum; ``CorruptionError``
+        on a mismatch (the tensors then hold whatever was read), ``OSError`` if the file cannot be read.
+
+        ``verify=False`` skips the checksums, for a caller that checks the file's bytes its own way:
+        ``each_piece`` sees every piece read, so ``header`` then the pieces are the whole file."""
         where = str(self.path)
         with open(self.path, "rb", buffering=0) as handle:
             for name, (start, end) in self._spans.items():
@@ -784,7 +837,7 @@ class CheckpointFile:
                     raise ConfigError(
                         f"tensor {name!r} has {view.nbytes} bytes, the checkpoint {end - start}"
                     )
-                digest = hashlib.blake2b(digest_size=16)
+                digest = hashlib.blake2b(digest_size=16) if verify else None
                 handle.seek(start)
                 done = 0
                 while done < view.nbytes:
@@ -792,9 +845,12 @@ class CheckpointFile:
                     got = handle.readinto(piece)
                     if not got:
                         raise CorruptionError(f"checkpoint {where!r} ended inside tensor {name!r}")
-                    digest.update(piece[:got])
+                    if digest is not None:
+                        digest.update(piece[:got])
+                    if each_piece is not None:
+                        each_piece(piece[:got])
                     done += got
-                if digest.hexdigest() != self._checksums[name]:
+                if digest is not None and digest.hexdigest() != self._checksums[name]:
                     raise CorruptionError(f"checkpoint {where!r}: checksum mismatch in tensor {name!r}")
 
 

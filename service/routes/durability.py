@@ -31,9 +31,7 @@ from ..wal import (
     SnapshotScheduler,
     WalJournal,
     align_checkpoint,
-    finish_image,
     read_checkpoint,
-    write_image,
 )
 from .deps import StoreDep, compute
 from .update import IDEMPOTENCY_HEADER
@@ -248,9 +246,8 @@ def _open_checkpoint(store: TableStore, name: str) -> tuple[BinaryIO, int]:
     try:
         os.unlink(path)  # the open descriptor keeps it until the download ends
         with store.exclusive(name) as (table, version):
-            layout = write_image(descriptor, table)  # at memory speed: updates wait only for this
-            metadata = table.metadata()
-        finish_image(descriptor, metadata, layout, durable=False)
+            writer = table.begin_write(descriptor)  # at memory speed: updates wait only for this
+        writer.finish(descriptor, durable=False)
         return os.fdopen(descriptor, "rb"), version
     except BaseException:
         os.close(descriptor)

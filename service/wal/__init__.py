@@ -18,8 +18,9 @@ bad record at the very end (a torn write) is dropped with a warning and the file
 good record; a bad record followed by a valid one, a bad snapshot or inconsistent metadata raises
 ``CorruptionError``.
 The package, by concept: ``records`` (the log's bytes), ``files`` (durable file steps, locks),
-``journal`` (``WalJournal``), ``image`` (a snapshot file written from and read into the table's own
-memory), ``snapshots`` (the snapshot policy), ``checkpoints`` (import, export and the offline tools).
+``journal`` (``WalJournal``; its snapshot files are robez_core's checkpoints, written from and read into
+the table's own memory: ``Table.begin_write``, ``CheckpointFile``), ``snapshots`` (the snapshot policy),
+``checkpoints`` (import, export and the offline tools).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from .checkpoints import (
     snapshot_offline,
 )
 from .files import SERVER_LOCK_FILE, ServerLock
-from .image import finish_image, write_image
 from .journal import WalJournal
 from .records import (
     FSYNC_POLICIES,
@@ -73,11 +73,9 @@ __all__ = [
     "decode_record",
     "encode_log_header",
     "encode_record",
-    "finish_image",
     "follow_records",
     "import_offline",
     "read_checkpoint",
     "scan_log",
     "snapshot_offline",
-    "write_image",
 ]

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
-from robez_core.table import fsync_dir
+from robez_core.table import CheckpointFile, CheckpointWriter, fsync_dir
 
 from ..errors import StorageFullError
-from ..faults import die_at, fault_file
+from ..faults import die_at, fault_file, slow_down
 from ..store import apply_record
 from ..store.journal import UpdateRecord, is_storage_full
 
@@ -45,7 +45,6 @@ from .files import (
     remove_creation_leftovers,
     validate_table_name,
 )
-from .image import finish_image, read_image, stored_spec, write_image
 from .records import (
     _CRC,
     _LOG_HEADER,
@@ -269,7 +268,10 @@ class WalJournal:
     def stored_spec(self, name: str) -> tuple[TableConfig, OptimizerConfig] | None:
         """The config and optimizer of the table's committed snapshot, read from its header alone."""
         path = self.snapshot_path(name)
-        return None if path is None else stored_spec(path)
+        if path is None:
+            return None
+        checkpoint = CheckpointFile.open(path)
+        return checkpoint.config, checkpoint.optimizer
 
     def create(self, name: str, table: Table, version: int) -> None:
         """Write the first snapshot and an empty log, built in a hidden folder then renamed into place."""
@@ -416,7 +418,7 @@ class WalJournal:
         """Commit a snapshot of the table served while its updates go on; returns the version it holds.
 
         ``exclusive()`` holds the table's update lock (the store's ``exclusive``). Three steps: under the
-        lock the state is written into a new file (the page cache, at memory speed: ``write_image``) and
+        lock the state is written into a new file (the page cache, at memory speed: ``begin_write``) and
         the log's end noted; without it the file is hashed, its header completed and fsynced (the long
         part: pushes are appended to the current log meanwhile); under the lock again the records
         appended meanwhile are copied into the next generation's log, then meta.json commits the
@@ -449,10 +451,9 @@ class WalJournal:
                     generation = meta.generation + 1
                     staged = directory / f"snapshot-{generation}.safetensors.tmp-{uuid.uuid4().hex[:8]}"
                     fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                    layout = write_image(fd, table)
-                    table_metadata = table.metadata()
+                    writer = table.begin_write(fd)
                     embedding_dim = table.config.embedding_dim
-                crc, size = finish_image(fd, table_metadata, layout)  # hashing and fsync: no lock
+                crc, size = _finish_snapshot(fd, staged, writer)  # hashing and fsync: no lock
                 os.close(fd)
                 fd = None
                 with exclusive() as (_table, current):
@@ -593,21 +594,26 @@ class WalJournal:
         snapshot_file = directory / meta.snapshot
         if not snapshot_file.is_file():
             raise CorruptionError(f"table {name!r}: snapshot {snapshot_file} named by meta.json is missing")
-        metadata, crc, size = read_image(snapshot_file, table.tensors())
+        checkpoint = CheckpointFile.open(snapshot_file)
+        if (checkpoint.config, checkpoint.optimizer) != (table.config, table.optimizer):
+            raise CorruptionError(
+                f"table {name!r}: snapshot {snapshot_file} does not hold the table it names"
+            )
+        # meta.json's crc32 covers every byte, so the per-tensor checksums would only read it twice.
+        crc = _crc(checkpoint.header)
+        size = len(checkpoint.header)
+
+        def add(piece: memoryview) -> None:
+            nonlocal crc, size
+            crc = _crc(piece, crc)
+            size += len(piece)
+
+        checkpoint.read_into(table.tensors(), verify=False, each_piece=add)
         if (crc, size) != (meta.snapshot_crc32, meta.snapshot_bytes):
             raise CorruptionError(
                 f"table {name!r}: snapshot {snapshot_file} fails its checksum "
                 f"(crc32 {crc:08x}, {size} bytes; meta.json says {meta.snapshot_crc32:08x}, "
                 f"{meta.snapshot_bytes} bytes)"
-            )
-        expected = table.metadata()
-        same = all(metadata.get(key) == expected[key] for key in ("format", "format_version")) and all(
-            key in metadata and json.loads(metadata[key]) == json.loads(expected[key])
-            for key in ("config", "optimizer", "random_numbers")
-        )
-        if not same:
-            raise CorruptionError(
-                f"table {name!r}: snapshot {snapshot_file} does not hold the table it names"
             )
         version = self._replay(name, meta, table, salvage=False)
         self._forget_log(name)
@@ -797,7 +803,7 @@ class WalJournal:
             # Straight from the table's memory (no private copy), hashed from the file, fsynced.
             fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                crc, size = finish_image(fd, table.metadata(), write_image(fd, table))
+                crc, size = _finish_snapshot(fd, staged, table.begin_write(fd))
             finally:
                 os.close(fd)
             os.replace(staged, snapshot_file)
@@ -1178,3 +1184,22 @@ def _copy_range(source: int, target: int, begin: int, end: int) -> None:
         if copied <= 0:
             raise CorruptionError(f"the log was cut short at byte {position} while it was copied")
         position += copied
+
+
+def _finish_snapshot(fd: int, path: Path, writer: CheckpointWriter) -> tuple[int, int]:
+    """Complete the snapshot ``begin_write`` left in ``fd`` (checksums, header, fsync; no lock needed,
+    pausing after each 16 MiB hashed when a test asks: ``faults.slow_down``); its (crc32, size) for
+    meta.json."""
+    hashed = 0
+
+    def pause(piece: memoryview) -> None:
+        nonlocal hashed
+        before, hashed = hashed, hashed + len(piece)
+        if hashed // _SLOW_PIECE_BYTES > before // _SLOW_PIECE_BYTES:
+            slow_down()
+
+    writer.finish(fd, each_piece=pause)
+    return _file_crc(path)
+
+
+_SLOW_PIECE_BYTES = 1 << 24  # a test's pause per this much hashed, as the store's checksum pauses

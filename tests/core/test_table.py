@@ -36,6 +36,7 @@ from robez_core.config import MAX_INIT_SCALE
 from robez_core.hashing import PAPER_PRIME
 from robez_core.kernels import _jit
 from robez_core.small import SMALL_BATCH_MAX_IDS
+from robez_core.table import CheckpointFile
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 OPTIMIZERS = [
@@ -855,3 +856,54 @@ def test_save_streams_the_safetensors_format(tmp_path: Path) -> None:
         assert all(torch.equal(loaded.tensors()[k], v) for k, v in table.tensors().items())
     table.begin_save(tmp_path / "other.safetensors").discard()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors", "theirs.safetensors"]
+
+
+# Written by service/wal/image.py (the journal's own writer until it was folded into Table.begin_write):
+# the same format, but the tensors in name order, where Table.save puts int64 state.step first.
+OLD_SNAPSHOT = Path(__file__).parent / "data" / "adam-by-name-order.safetensors"
+
+
+def _old_snapshot_table() -> Table:
+    table = Table(TableConfig(100, 8, memory_size=64, chunk_size=8, seed=3), OptimizerConfig("adam", lr=0.05))
+    table.state["exp_avg"].copy_(torch.arange(64, dtype=torch.float32))
+    table.state["exp_avg_sq"].copy_(torch.arange(64, dtype=torch.float32) * 0.5)
+    table.state["step"].fill_(7)
+    return table
+
+
+def test_a_snapshot_in_the_old_journal_writers_tensor_order_still_loads(tmp_path: Path) -> None:
+    expected = _old_snapshot_table()
+    loaded = Table.load(OLD_SNAPSHOT)  # checksums checked
+    for name, tensor in expected.tensors().items():
+        assert torch.equal(loaded.tensors()[name], tensor), name
+    # Saved again, it is Table.save's layout (state.step first): a different file, the same table.
+    loaded.save(tmp_path / "again.safetensors")
+    again = (tmp_path / "again.safetensors").read_bytes()
+    assert again != OLD_SNAPSHOT.read_bytes()
+    assert torch.equal(Table.load(tmp_path / "again.safetensors").state["step"], expected.state["step"])
+    damaged = bytearray(OLD_SNAPSHOT.read_bytes())
+    damaged[-1] ^= 1  # in weight, the last tensor of this order
+    (tmp_path / "damaged.safetensors").write_bytes(damaged)
+    with pytest.raises(CorruptionError, match="checksum mismatch in tensor 'weight'"):
+        Table.load(tmp_path / "damaged.safetensors")
+
+
+def test_begin_write_into_an_open_file_makes_the_bytes_save_makes(tmp_path: Path) -> None:
+    table = _old_snapshot_table()
+    table.save(tmp_path / "saved.safetensors")
+    fd = os.open(tmp_path / "written.safetensors", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        writer = table.begin_write(fd)
+        pieces: list[int] = []
+        writer.finish(fd, durable=False, each_piece=lambda piece: pieces.append(len(piece)))
+    finally:
+        os.close(fd)
+    written = (tmp_path / "written.safetensors").read_bytes()
+    assert written == (tmp_path / "saved.safetensors").read_bytes()
+    assert sum(pieces) == table.weight.nbytes + sum(t.nbytes for t in table.state.values())
+    # Read back with verify=False, the header then every piece is the whole file, in order.
+    checkpoint = CheckpointFile.open(tmp_path / "written.safetensors")
+    seen = bytearray(checkpoint.header)
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in checkpoint.layout.items()}
+    checkpoint.read_into(tensors, verify=False, each_piece=seen.extend)
+    assert bytes(seen) == written and torch.equal(tensors["weight"], table.weight)

@@ -296,11 +296,11 @@ def test_a_periodic_snapshot_on_a_full_disk_warns_once_without_a_traceback(
         store = client.app.state.store  # type: ignore[attr-defined]
         scheduler = SnapshotScheduler(store, store.journal)
 
-        def disk_full(fd: int, table: Table) -> None:
+        def disk_full(table: Table, fd: int) -> None:
             raise OSError(28, "No space left on device")
 
-        # The scheduler's snapshot is written by write_image (journal.snapshot_live).
-        monkeypatch.setattr("service.wal.journal.write_image", disk_full)
+        # The scheduler's snapshot is written by Table.begin_write (journal.snapshot_live).
+        monkeypatch.setattr(Table, "begin_write", disk_full)
         with caplog.at_level("WARNING", logger="robez.wal"):
             assert scheduler.run_once() == [] and scheduler.run_once() == []
         monkeypatch.undo()
@@ -404,10 +404,10 @@ def test_a_load_whose_snapshot_fails_leaves_the_table_as_it_was(
             _push(client, seed)  # t: version 2, logged against its version-0 snapshot
         rows, files = _rows(client, PROBE), _table_files(settings)
 
-        def disk_full(fd: int, table: Table) -> None:
+        def disk_full(table: Table, fd: int) -> None:
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr("service.wal.journal.write_image", disk_full)  # the load's snapshot
+        monkeypatch.setattr(Table, "begin_write", disk_full)  # the load's snapshot
         response = client.post("/v1/tables/t/load", content=saved)
         monkeypatch.undo()
         assert response.status_code == 507, response.text  # a full disk: StorageFullError
