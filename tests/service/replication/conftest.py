@@ -135,7 +135,15 @@ def replicas(
 ) -> Iterator[list[ReplicaServer]]:
     """Two replicas sharing the cluster (prefix ``t``); tests create their own tables on them."""
     workdir = tmp_path_factory.mktemp("replicas")
-    servers = [ReplicaServer(name, nats_cluster, workdir, "t") for name in ("a", "b")]
+    with running_replicas(
+        [ReplicaServer(name, nats_cluster, workdir, "t") for name in ("a", "b")]
+    ) as servers:
+        yield servers
+
+
+@contextlib.contextmanager
+def running_replicas(servers: list[ReplicaServer]) -> Iterator[list[ReplicaServer]]:
+    """``servers`` started (all at once, then each waited for) and stopped again by pid, whatever happens."""
     try:
         for server in servers:
             server.start()

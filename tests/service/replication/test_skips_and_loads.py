@@ -29,7 +29,15 @@ from service.client import OCTET_STREAM, SHAPE_HEADER, encode_update
 from service.replication.records import KIND, LR, OBJECT, SHA256, SHAPE
 from service.wal import read_checkpoint
 
-from .conftest import SMALL, ReplicaServer, create_table, push_grads, replay_checksum, stream_bounds
+from .conftest import (
+    SMALL,
+    ReplicaServer,
+    create_table,
+    push_grads,
+    replay_checksum,
+    running_replicas,
+    stream_bounds,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +54,10 @@ def pair(
     checkpoint's entry is trimmed away soon after."""
     workdir = tmp_path_factory.mktemp("skips")
     env = {"ROBEZ_REPLICA_SNAPSHOT_EVERY_UPDATES": SNAPSHOT_EVERY, "ROBEZ_REPLICA_TRIM_KEEP": 1}
-    servers = [ReplicaServer(name, nats_cluster, workdir, PREFIX, **env) for name in ("a", "b")]
-    try:
-        for server in servers:
-            server.start()
-        for server in servers:
-            server.wait_ready()
+    with running_replicas(
+        [ReplicaServer(name, nats_cluster, workdir, PREFIX, **env) for name in ("a", "b")]
+    ) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def push(server: ReplicaServer, table: str, seed: int) -> int:
