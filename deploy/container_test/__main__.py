@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import fcntl
 import json
 import os
 import platform
@@ -25,7 +24,7 @@ from .cluster import (
     check_cluster_stack,
     ensure_cluster_standins,
 )
-from .common import REPO, Deadline, Failure, log, run
+from .common import REPO, Deadline, Failure, begin_run, log, run, write_summary
 from .engine import Compose, Engine, remove_projects
 from .images import IMAGE, STANDIN_IMAGE, build_image, ensure_apt_packages, ensure_compose
 from .single import PROJECT, check_compose_stack
@@ -61,24 +60,6 @@ def machine() -> str:
     return f"{os_name}, kernel {platform.release()}, {model}, {os.cpu_count()} cores"
 
 
-def summary(lines: list[str], record: Path | None) -> None:
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if record is None:
-        return
-    document = record.read_text()
-    head, begin, rest = document.partition(RECORD_BEGIN)
-    _, end, tail = rest.partition(RECORD_END)
-    if not begin or not end:
-        raise Failure(f"{record} has no {RECORD_BEGIN} ... {RECORD_END} block to replace")
-    record.write_text(f"{head}{RECORD_BEGIN}\n```\n{text}\n```\n{RECORD_END}{tail}")
-    log(f"summary written to {record}")
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def clean(engine: Engine, deadline: Deadline) -> None:
     """Delete the state folder: containers and images first, so no overlay mount is left behind."""
     if (engine.state / "storage.conf").exists() and shutil.which("podman"):
@@ -103,19 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--record", type=Path, help="replace the summary block of this file (docs/deploy.md)")
     args = parser.parse_args(argv)
 
-    if os.geteuid() != 0:
-        print("container-test needs root (apt-get, rootful Podman)", file=sys.stderr)
+    begun = begin_run("container-test", "apt-get, rootful Podman", args.state, args.timeout)
+    if begun is None:
         return 2
-    deadline = Deadline(args.timeout)
-    # SIGTERM (a CI cancel, `timeout`) unwinds through the finally blocks like Ctrl-C does.
-    signal.signal(signal.SIGTERM, _interrupt)
-    args.state.mkdir(parents=True, exist_ok=True)
-    lock = (args.state / "lock").open("w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"another container-test holds {args.state / 'lock'}", file=sys.stderr)
-        return 2
+    deadline, _lock = begun
 
     started = time.monotonic()
     engine = Engine(args.state)
@@ -186,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"machine: {machine()}",
             f"engine: {versions}",
         ]
-        summary(header + lines, args.record)
+        write_summary(header + lines, args.record, RECORD_BEGIN, RECORD_END)
         return 0
     except Failure as failure:
         log(f"FAILED: {failure}")

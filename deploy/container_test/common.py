@@ -1,13 +1,18 @@
-"""What every part of the container test shares: the checkout, the time budget, failures, commands."""
+"""What every part of the container test shares (and `make k8s-test`, which runs on the same engine state):
+the checkout, the time budget, failures, commands, the run's start and its recorded summary."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shlex
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,3 +67,43 @@ def run(
         tail = (result.stdout or "")[-4000:]
         raise Failure(f"exit {result.returncode}: {shlex.join(command)}\n{tail}")
     return result
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def begin_run(tool: str, root_for: str, state: Path, timeout: float) -> tuple[Deadline, IO[str]] | None:
+    """Start a run of ``tool`` on the engine state folder ``state``: it needs root (``root_for`` says
+    why); SIGTERM (a CI cancel, ``timeout``) unwinds through the finally blocks like Ctrl-C does; the
+    state folder's lock is held for the run (the container test and the k8s test share the folder).
+    Returns the run's deadline and the held lock, or None (said on stderr) when it cannot start."""
+    if os.geteuid() != 0:
+        print(f"{tool} needs root ({root_for})", file=sys.stderr)
+        return None
+    deadline = Deadline(timeout)
+    signal.signal(signal.SIGTERM, _interrupt)
+    state.mkdir(parents=True, exist_ok=True)
+    lock = (state / "lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        print(f"another container-test or k8s-test holds {state / 'lock'}", file=sys.stderr)
+        return None
+    return deadline, lock
+
+
+def write_summary(lines: list[str], record: Path | None, begin: str, end: str) -> None:
+    """Print the run's summary; with ``record``, also replace the block between the ``begin`` and ``end``
+    markers of that file with it."""
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if record is None:
+        return
+    head, found_begin, rest = record.read_text().partition(begin)
+    _, found_end, tail = rest.partition(end)
+    if not found_begin or not found_end:
+        raise Failure(f"{record} has no {begin} ... {end} block to replace")
+    record.write_text(f"{head}{begin}\n```\n{text}\n```\n{end}{tail}")
+    log(f"summary written to {record}")

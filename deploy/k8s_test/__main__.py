@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import fcntl
-import os
 import signal
 import sys
 import time
@@ -13,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from container_test.__main__ import free_port, machine
-from container_test.common import Deadline, Failure, log, run
+from container_test.common import Failure, begin_run, log, run, write_summary
 from container_test.engine import Engine, reap_conmons
 from container_test.images import STANDIN_IMAGE, build_image, ensure_apt_packages
 
@@ -24,24 +22,6 @@ from .single import check_single, summary_lines
 RECORD = "docs/kubernetes.md"
 RECORD_BEGIN = "<!-- k8s-test summary: begin -->"
 RECORD_END = "<!-- k8s-test summary: end -->"
-
-
-def summary(lines: list[str], record: Path | None) -> None:
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if record is None:
-        return
-    document = record.read_text()
-    head, begin, rest = document.partition(RECORD_BEGIN)
-    _, end, tail = rest.partition(RECORD_END)
-    if not begin or not end:
-        raise Failure(f"{record} has no {RECORD_BEGIN} ... {RECORD_END} block to replace")
-    record.write_text(f"{head}{RECORD_BEGIN}\n```\n{text}\n```\n{RECORD_END}{tail}")
-    log(f"summary written to {record}")
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,19 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--record", type=Path, help=f"replace the summary block of this file ({RECORD})")
     args = parser.parse_args(argv)
 
-    if os.geteuid() != 0:
-        print("k8s-test needs root (apt-get, rootful Podman, tmpfs mounts)", file=sys.stderr)
+    begun = begin_run("k8s-test", "apt-get, rootful Podman, tmpfs mounts", args.state, args.timeout)
+    if begun is None:
         return 2
-    deadline = Deadline(args.timeout)
-    signal.signal(signal.SIGTERM, _interrupt)
-    args.state.mkdir(parents=True, exist_ok=True)
-    # The container test's lock: the two share the engine's state folder.
-    lock = (args.state / "lock").open("w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"another container-test or k8s-test holds {args.state / 'lock'}", file=sys.stderr)
-        return 2
+    deadline, _lock = begun
 
     started = time.monotonic()
     engine = Engine(args.state)
@@ -99,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cluster overlay: not run (Podman 4.3 runs no StatefulSet); rendered, validated and its NATS "
             "configuration run as a 3-node cluster by make test",
         ]
-        summary(lines, args.record)
+        write_summary(lines, args.record, RECORD_BEGIN, RECORD_END)
         return 0
     except Failure as failure:
         log(f"FAILED: {failure}")
