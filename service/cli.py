@@ -327,6 +327,7 @@ def _serve_locked(settings: Settings) -> int:
     from .app import open_journal
     from .http.protocol import uvicorn_options
     from .replication.replica import local_settings
+    from .shm import SharedDirectory
     from .store import TableStore
     from .store.journal import NullJournal
     from .supervisor import run_workers
@@ -335,12 +336,21 @@ def _serve_locked(settings: Settings) -> int:
     # A replica starts with no tables: its applier creates them from the replicated log.
     journal = NullJournal() if replicated else open_journal(settings)
     try:
-        directory = TableStore.prepare(local_settings(settings) if replicated else settings, journal)
-    finally:
-        # Each worker opens its own journal; this one only loaded the tables.
+        directory = SharedDirectory.create(settings.shm_dir)
+    except BaseException:
         journal.close()
+        raise
+
+    def load_tables() -> None:
+        try:
+            TableStore.fill(directory, local_settings(settings) if replicated else settings, journal)
+        finally:
+            # Each worker opens its own journal; this one only loaded the tables.
+            journal.close()
+
     # uvicorn re-raises a SIGTERM once it has shut down; with the default action that would end the
-    # process before the ``finally`` below removes the shared tables from /dev/shm.
+    # process before the ``finally`` below removes the shared tables from /dev/shm (a SIGTERM while the
+    # tables load stops the start the same way).
     previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         os.environ.update(_environment_for_workers(settings, directory.path))
@@ -363,12 +373,15 @@ def _serve_locked(settings: Settings) -> int:
             **_tls_options(settings),
         }
         if settings.workers == 1:
+            load_tables()
             uvicorn.run(_APP, **options)
             return 0
-        # Several workers: robez's own supervisor, which never waits on one worker while others are down.
+        # Several workers: robez's own supervisor, which never waits on one worker while others are down;
+        # it starts them while the tables load.
         config = uvicorn.Config(_APP, **options)
-        return run_workers(config, settings.workers, settings.worker_healthcheck_timeout_s)
+        return run_workers(config, settings.workers, settings.worker_healthcheck_timeout_s, load_tables)
     finally:
+        journal.close()  # already closed once the tables loaded; not if the start failed before
         directory.remove()
         signal.signal(signal.SIGTERM, previous_sigterm)
 

@@ -81,8 +81,8 @@ SLOW_VARIABLE = "ROBEZ_FAULT_SLOW_SECONDS"
 
 def slow_seconds() -> float:
     """Testing only: seconds to pause after each piece of a whole-table pass made outside the table's
-    update lock (a snapshot's hashing, a checksum's), so a test sees a slow one without a big table;
-    ``ROBEZ_FAULT_SLOW_SECONDS`` (unset: 0)."""
+    update lock (a snapshot's hashing, a checksum's, a table's load at start), so a test sees a slow one
+    without a big table; ``ROBEZ_FAULT_SLOW_SECONDS`` (unset: 0)."""
     value = os.environ.get(SLOW_VARIABLE)
     return float(value) if value else 0.0
 

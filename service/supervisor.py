@@ -18,6 +18,11 @@ This one never blocks on a worker. Every ``check_interval_s`` it looks at each w
 
 The workers are the same uvicorn ``Server`` over the same listening socket as uvicorn's, spawned the same
 way; SIGINT / SIGTERM stop them all (SIGTERM, then a wait for their graceful shutdown).
+
+At start the workers are spawned before the tables are loaded (``run(prepare)``): each imports the app
+(torch, the kernels: seconds) while this process reads the tables into shared memory, and starts serving
+once ``prepare`` has returned. A restart of a big table then costs the load, not the load plus the
+workers' start-up (docs/benchmarks/big-tables-*.md).
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event as EventType
 from types import FrameType
 
 import uvicorn
@@ -58,11 +65,16 @@ def _answer_pings(conn: Connection) -> None:
         return
 
 
-def _worker_main(config: uvicorn.Config, sockets: list[socket.socket], conn: Connection) -> None:
-    """A worker process: answer pings on a thread, serve ``config``'s app on the inherited sockets."""
+def _worker_main(
+    config: uvicorn.Config, sockets: list[socket.socket], conn: Connection, tables_ready: EventType
+) -> None:
+    """A worker process: answer pings on a thread, load the app (its imports), wait until the supervisor
+    has the tables ready, then serve ``config``'s app on the inherited sockets."""
     config.configure_logging()
     threading.Thread(target=_answer_pings, args=(conn,), name="robez-pong", daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C reaches the supervisor, which stops us too
+        config.load()  # what uvicorn would do first: import the app while the tables load
+        tables_ready.wait()
         uvicorn.Server(config).run(sockets=sockets)
 
 
@@ -121,23 +133,37 @@ class WorkerSupervisor:
         self._young_deaths = [0] * workers
         self._restart_at = [0.0] * workers
         self.exit_status = 0
+        self._tables_ready = _spawn.Event()  # set once ``run``'s ``prepare`` has returned
 
     def _spawn(self) -> _Worker:
         parent_conn, child_conn = _spawn.Pipe()
         process = _spawn.Process(
             target=_worker_main,
-            kwargs={"config": self.config, "sockets": self.sockets, "conn": child_conn},
+            kwargs={
+                "config": self.config,
+                "sockets": self.sockets,
+                "conn": child_conn,
+                "tables_ready": self._tables_ready,
+            },
             name="robez-worker",
         )
         process.start()
         child_conn.close()  # the worker holds the only other end: its death closes the pipe
         return _Worker(process, parent_conn)
 
-    def run(self) -> int:
-        """Supervise until SIGINT / SIGTERM (or a worker's start-up failure); returns the exit status."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def run(self, prepare: Callable[[], None] = lambda: None) -> int:
+        """Start the workers, run ``prepare`` (the tables' load) while they import the app, let them
+        serve, and supervise until SIGINT / SIGTERM (or a worker's start-up failure); returns the exit
+        status. What ``prepare`` raises is raised here, once the workers are stopped."""
         try:
             self.workers = [self._spawn() for _ in range(self.num_workers)]
+            prepare()
+        except BaseException:  # the load failed, or a SIGTERM during it (the caller's handler raises)
+            self._stop_all()
+            raise
+        self._tables_ready.set()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
             logger.info(
                 "supervising %d workers (pids %s)",
                 self.num_workers,
@@ -230,10 +256,13 @@ class WorkerSupervisor:
                 slot.conn.close()
 
 
-def run_workers(config: uvicorn.Config, workers: int, healthcheck_timeout_s: float) -> int:
-    """Bind ``config``'s socket here and supervise ``workers`` workers on it; returns the exit status."""
+def run_workers(
+    config: uvicorn.Config, workers: int, healthcheck_timeout_s: float, prepare: Callable[[], None]
+) -> int:
+    """Bind ``config``'s socket here and supervise ``workers`` workers on it, started while ``prepare``
+    runs (``WorkerSupervisor.run``); returns the exit status."""
     sock = config.bind_socket()
     try:
-        return WorkerSupervisor(config, [sock], workers, healthcheck_timeout_s).run()
+        return WorkerSupervisor(config, [sock], workers, healthcheck_timeout_s).run(prepare)
     finally:
         sock.close()

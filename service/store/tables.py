@@ -102,15 +102,22 @@ class TableStore:
         that starts the workers; the workers attach with ``TableStore(directory, ...)``."""
         directory = SharedDirectory.create(settings.shm_dir)
         try:
-            store = cls(directory, settings, journal)
-            try:
-                store._load_initial_tables(settings)
-            finally:
-                store.close()
+            cls.fill(directory, settings, journal)
         except BaseException:
             directory.remove()
             raise
         return directory
+
+    @classmethod
+    def fill(cls, directory: SharedDirectory, settings: Settings, journal: Journal) -> None:
+        """``prepare``'s second half, into a directory already created (``SharedDirectory.create``): the
+        server's workers may start meanwhile (they attach once this returns). The caller removes the
+        directory if this raises."""
+        store = cls(directory, settings, journal)
+        try:
+            store._load_initial_tables(settings)
+        finally:
+            store.close()
 
     def _load_initial_tables(self, settings: Settings) -> None:
         specs = load_tables_file(settings.config) if settings.config is not None else {}

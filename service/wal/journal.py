@@ -606,7 +606,9 @@ class WalJournal:
         def add(piece: memoryview) -> None:
             nonlocal crc, size
             crc = _crc(piece, crc)
-            size += len(piece)
+            before, size = size, size + len(piece)
+            if size // _SLOW_PIECE_BYTES > before // _SLOW_PIECE_BYTES:
+                slow_down()  # testing only: a slow load without a big table
 
         checkpoint.read_into(table.tensors(), verify=False, each_piece=add)
         if (crc, size) != (meta.snapshot_crc32, meta.snapshot_bytes):

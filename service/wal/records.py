@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from robez_core.errors import CorruptionError, InvalidInputError
+from robez_core.table import read_ahead
 
 if TYPE_CHECKING:
     pass
@@ -284,7 +285,9 @@ def stream_records(
     have been applied by then: the caller discards what it applied them to.
     """
     offset, version = LOG_HEADER_SIZE, base_version
+    ahead = 0
     while offset < size and (stop_after is None or version < stop_after):
+        ahead = read_ahead(fd, offset, ahead)  # the disk streams the log while records are applied
         head = os.pread(fd, RECORD_HEADER_SIZE, offset)
         problem: str | None = None
         record = b""

@@ -3,6 +3,13 @@ the table's memory is one shared mapping, not one copy per worker."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +17,11 @@ import httpx
 import numpy as np
 import pytest
 
+from service.faults import SLOW_VARIABLE
+from service.store import TableStore
+from service.wal import WalJournal
+
+from .conftest import make_settings
 from .subprocess_server import RobezServer
 
 pytestmark = pytest.mark.slow
@@ -126,3 +138,125 @@ def test_one_worker_removes_shared_tables_on_sigterm(tmp_path: Path) -> None:
         assert not directory.exists(), "shared memory left behind after SIGTERM"
     finally:
         server.stop()
+
+
+def _data_dir_with_table(tmp_path: Path, memory_size: int) -> Path:
+    """A data directory holding one adagrad table ``big`` (weight and state: 8 x ``memory_size`` bytes),
+    written by a start with a tables file naming it."""
+    data_dir = tmp_path / "data"
+    tables = tmp_path / "tables.toml"
+    tables.write_text(
+        f"[tables.big]\nnum_embeddings = 1000\nembedding_dim = 16\nmemory_size = {memory_size}\n"
+        '[tables.big.optimizer]\nname = "adagrad"\n'
+    )
+    settings = make_settings(tmp_path, data_dir=data_dir, config=tables)
+    journal = WalJournal.from_settings(settings)
+    try:
+        TableStore.prepare(settings, journal).remove()
+    finally:
+        journal.close()
+    return data_dir
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """The worker processes the supervisor ``pid`` spawned (multiprocessing's ``spawn_main``), alive."""
+    workers = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid and b"spawn_main" in command:
+            workers.append(int(stat.parent.name))
+    return workers
+
+
+def _live_in_group(group: int) -> list[int]:
+    """Pids of the processes of process group ``group`` still running (not zombies: a process the
+    exited server left to init to reap holds nothing)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _parent, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+def _maps_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(240)
+def test_workers_import_the_app_while_the_tables_load(tmp_path: Path) -> None:
+    """A restart's cost is the load, not the load plus the workers' start-up: both workers are spawned
+    and have imported torch while the supervisor is still reading the table (made slow by the test
+    hook, 1.5 s per 16 MiB), and serve it once it is loaded."""
+    data_dir = _data_dir_with_table(tmp_path, 1 << 22)  # 32 MiB: two slow pieces
+    server = RobezServer(
+        tmp_path / "server.log",
+        ["--workers", "2", "--data-dir", str(data_dir)],
+        {
+            "ROBEZ_SHM_DIR": str(tmp_path / "shm"),
+            "ROBEZ_LOG_LEVEL": "info",
+            "ROBEZ_DEFAULT_TABLE": "false",
+            SLOW_VARIABLE: "1.5",
+        },
+    )
+    ready = threading.Thread(target=server.start)
+    ready.start()
+    try:
+        seen_during_load: set[int] = set()
+        deadline = time.monotonic() + 180
+        while "loaded table big" not in (server.log() if server.log_path.exists() else ""):
+            assert time.monotonic() < deadline and ready.is_alive(), server.log()
+            if server.process is not None:
+                seen_during_load |= {pid for pid in _spawned_workers(server.process.pid) if _maps_torch(pid)}
+            time.sleep(0.05)
+        assert len(seen_during_load) == 2, f"workers with torch loaded during the load: {seen_during_load}"
+        ready.join(timeout=180)
+        response = httpx.post(f"{server.url}/v1/tables/big/lookup", json={"ids": [1, 2]}, timeout=30)
+        assert response.status_code == 200, response.text
+    finally:
+        ready.join(timeout=180)
+        server.stop()
+
+
+def test_a_failed_load_stops_the_workers_started_meanwhile(tmp_path: Path) -> None:
+    """A snapshot that fails its checksum at start: the server exits 2 naming it, and leaves neither the
+    workers it started while loading nor its shared memory behind."""
+    data_dir = _data_dir_with_table(tmp_path, 1 << 16)
+    (snapshot,) = (data_dir / "big").glob("snapshot-*.safetensors")
+    data = bytearray(snapshot.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    snapshot.write_bytes(bytes(data))
+    shm_dir = tmp_path / "shm"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
+    env.update(ROBEZ_SHM_DIR=str(shm_dir), ROBEZ_DEFAULT_TABLE="false", ROBEZ_THREADS_PER_WORKER="1")
+    serve = [sys.executable, "-m", "service", "serve", "--workers", "2", "--port", "0"]
+    process = subprocess.Popen(
+        [*serve, "--data-dir", str(data_dir)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 2, output.decode(errors="replace")
+    assert b"fails its checksum" in output and snapshot.name.encode() in output
+    # multiprocessing's resource tracker ends when it sees the server gone: allow it a moment.
+    deadline = time.monotonic() + 10
+    while _live_in_group(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _live_in_group(process.pid), "processes of the server left running"
+    assert not list(shm_dir.glob("robez-*")), "shared memory left behind"
