@@ -1166,11 +1166,12 @@ class WalJournal:
 
 
 def _applier(table: Table, name: str) -> Callable[[RecordSpan, bytes], None]:
-    """What replaying one record does: ``apply_record`` of its ids and grads (decoded from its bytes)."""
+    """What replaying one record does: ``apply_record`` of its ids and grads (decoded from its bytes);
+    every record was checked before it was logged (``checked_when_logged``)."""
 
     def apply(span: RecordSpan, data: bytes) -> None:
         ids, grads = decode_record(data, span_in(span))
-        apply_record(table, ids, grads, span.lr, logged_as=(name, span.version))
+        apply_record(table, ids, grads, span.lr, logged_as=(name, span.version), checked_when_logged=True)
 
     return apply
 

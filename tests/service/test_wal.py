@@ -22,6 +22,7 @@ from torch import Tensor
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConflictError, CorruptionError, InvalidInputError
+from robez_core.small import SMALL_BATCH_MAX_IDS
 from robez_core.table import Table
 from service.errors import StorageFullError
 from service.store.journal import UpdateRecord
@@ -248,6 +249,27 @@ def test_updates_are_replayed_bitwise(journal: WalJournal, optimizer: str) -> No
     assert not torch.equal(server.table.weight, initial.weight)  # the updates did change something
     loaded = journal.load("t")
     assert loaded is not None and loaded[1] == 6
+    _assert_same(loaded[0], server.table)
+
+
+def test_a_replay_does_not_check_the_steps_again(
+    journal: WalJournal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every record in the log passed ``check_step`` before it was appended; the replay applies the same
+    steps to the same bytes without checking them again (the check was a third of a restart's replay),
+    and ends bitwise where the live table did."""
+    initial = _table("adam")
+    journal.create("t", initial, 0)
+    server = _Server(journal, "t", _copy(initial))
+    for _ in range(3):
+        server.update(num_ids=SMALL_BATCH_MAX_IDS + 100)  # the general path, which calls check_step
+
+    def refuse(table: Table, step: object) -> None:
+        raise AssertionError("a replay checked a logged step again")
+
+    monkeypatch.setattr(Table, "check_step", refuse)
+    loaded = journal.load("t")
+    assert loaded is not None and loaded[1] == 3
     _assert_same(loaded[0], server.table)
 
 
