@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from multiprocessing.synchronize import Event as EventType
 from types import FrameType
 
 import uvicorn
@@ -66,15 +65,21 @@ def _answer_pings(conn: Connection) -> None:
 
 
 def _worker_main(
-    config: uvicorn.Config, sockets: list[socket.socket], conn: Connection, tables_ready: EventType
+    config: uvicorn.Config, sockets: list[socket.socket], conn: Connection, tables_ready: Connection
 ) -> None:
     """A worker process: answer pings on a thread, load the app (its imports), wait until the supervisor
-    has the tables ready, then serve ``config``'s app on the inherited sockets."""
+    says the tables are ready (a message on ``tables_ready``), then serve ``config``'s app on the
+    inherited sockets. The pipe closed without a message: the supervisor is gone, so is this worker."""
     config.configure_logging()
     threading.Thread(target=_answer_pings, args=(conn,), name="robez-pong", daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C reaches the supervisor, which stops us too
         config.load()  # what uvicorn would do first: import the app while the tables load
-        tables_ready.wait()
+        try:
+            tables_ready.recv()
+        except EOFError:
+            return
+        finally:
+            tables_ready.close()
         uvicorn.Server(config).run(sockets=sockets)
 
 
@@ -82,9 +87,19 @@ def _worker_main(
 class _Worker:
     process: BaseProcess
     conn: Connection
+    tables_ready: Connection | None = None  # until ``release``: the write end of the worker's wait
     started: float = field(default_factory=time.monotonic)
     last_answer: float = field(default_factory=time.monotonic)
     ping_sent: float | None = None
+
+    def release(self) -> None:
+        """Let the worker serve: the tables are ready (a worker that died meanwhile is told nothing)."""
+        if self.tables_ready is None:
+            return
+        with contextlib.suppress(OSError):
+            self.tables_ready.send(b"ready")
+        self.tables_ready.close()
+        self.tables_ready = None
 
     def check(self, now: float, timeout_s: float) -> str | None:
         """Why this worker must be replaced (dead, hung), or None; never waits."""
@@ -133,23 +148,29 @@ class WorkerSupervisor:
         self._young_deaths = [0] * workers
         self._restart_at = [0.0] * workers
         self.exit_status = 0
-        self._tables_ready = _spawn.Event()  # set once ``run``'s ``prepare`` has returned
+        self._tables_loaded = False  # ``run``'s ``prepare`` has returned: workers serve once started
 
     def _spawn(self) -> _Worker:
         parent_conn, child_conn = _spawn.Pipe()
+        # A pipe, not a multiprocessing Event: a named semaphore would stay in /dev/shm after a kill -9.
+        ready_reader, ready_writer = _spawn.Pipe(duplex=False)
         process = _spawn.Process(
             target=_worker_main,
             kwargs={
                 "config": self.config,
                 "sockets": self.sockets,
                 "conn": child_conn,
-                "tables_ready": self._tables_ready,
+                "tables_ready": ready_reader,
             },
             name="robez-worker",
         )
         process.start()
         child_conn.close()  # the worker holds the only other end: its death closes the pipe
-        return _Worker(process, parent_conn)
+        ready_reader.close()
+        worker = _Worker(process, parent_conn, tables_ready=ready_writer)
+        if self._tables_loaded:
+            worker.release()
+        return worker
 
     def run(self, prepare: Callable[[], None] = lambda: None) -> int:
         """Start the workers, run ``prepare`` (the tables' load) while they import the app, let them
@@ -161,7 +182,10 @@ class WorkerSupervisor:
         except BaseException:  # the load failed, or a SIGTERM during it (the caller's handler raises)
             self._stop_all()
             raise
-        self._tables_ready.set()
+        self._tables_loaded = True
+        for worker in self.workers:
+            if worker is not None:
+                worker.release()
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             logger.info(
@@ -254,6 +278,8 @@ class WorkerSupervisor:
         for slot in self.workers:
             if slot is not None:
                 slot.conn.close()
+                if slot.tables_ready is not None:
+                    slot.tables_ready.close()
 
 
 def run_workers(
