@@ -102,6 +102,10 @@ _READ_IDLE_S = 1.0
 _READ_CHECK_TIMEOUT_S = 2.0
 # How often a reader whose idle check is out looks for entries (the check runs beside it).
 _READ_POLL_S = 0.05
+# The timeout of a reader's consumer requests (its subscribe, and the re-creation an ordered consumer
+# does by itself after a gap), shorter than the publish timeout: a request that reached the cluster
+# between two leaders gets no answer at all, and the reader asks again rather than wait 10 s for it.
+_READ_REQUEST_TIMEOUT_S = 3.0
 _WATCH_RESYNC_S = 5.0
 # A snapshot download that has waited this long for its next chunk checks whether the object was replaced
 # meanwhile (then it reads the new one, at most this many times in a row).
@@ -273,6 +277,12 @@ class JetStreamLog:
         if self._js is None:
             raise BusyError("not connected to NATS")
         return self._js
+
+    def _reading_js(self) -> JetStreamContext:
+        """A JetStream context for a reader's consumer (``_READ_REQUEST_TIMEOUT_S``)."""
+        if self._nc is None:
+            raise BusyError("not connected to NATS")
+        return self._nc.jetstream(timeout=_READ_REQUEST_TIMEOUT_S)
 
     @property
     def kv(self) -> KeyValue:
@@ -532,7 +542,7 @@ class JetStreamLog:
         position = after
         while True:
             try:
-                sub = await self.js.subscribe(
+                sub = await self._reading_js().subscribe(
                     self.subject(entry),
                     stream=self.stream_name(entry),
                     ordered_consumer=True,
