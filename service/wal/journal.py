@@ -18,15 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+import numpy as np
+
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
 from robez_core.table import CheckpointFile, CheckpointWriter, fsync_dir
 
 from ..errors import StorageFullError
 from ..faults import die_at, fault_file, slow_down
 from ..store import apply_record
-from ..store.journal import UpdateRecord, is_storage_full
+from ..store.journal import LogMark, UpdateRecord, is_storage_full
+from ..store.live_copy import consistent_copy
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from robez_core.config import OptimizerConfig, TableConfig
     from robez_core.table import Table
 
@@ -63,6 +68,7 @@ from .records import (
     encode_record,
     follow_records,
     read_log_header,
+    read_record_ids,
     scan_log,
     span_in,
     stream_records,
@@ -75,6 +81,8 @@ _SNAPSHOTTING = ".snapshotting-"
 # A dropped table's folder is renamed ".dropped-<name>-<8 hex>" (the drop's commit), then removed.
 _DROPPED = ".dropped-"
 _DAMAGED = ".damaged-"
+# In a table's folder: how many times ``recover`` cut an unfinished update off its log (see _count_cut).
+_CUTS_FILE = "log-cuts"
 
 
 def _not_a_table(entry_name: str) -> bool:
@@ -417,13 +425,15 @@ class WalJournal:
     ) -> int | None:
         """Commit a snapshot of the table served while its updates go on; returns the version it holds.
 
-        ``exclusive()`` holds the table's update lock (the store's ``exclusive``). Three steps: under the
-        lock the state is written into a new file (the page cache, at memory speed: ``begin_write``) and
-        the log's end noted; without it the file is hashed, its header completed and fsynced (the long
-        part: pushes are appended to the current log meanwhile); under the lock again the records
-        appended meanwhile are copied into the next generation's log, then meta.json commits the
-        snapshot and the log is swapped in, as ``snapshot`` does. A crash at any point leaves the old
-        generation committed (stray files go at the next start) or the new one with its log complete.
+        ``exclusive()`` holds the table's update lock (the store's ``exclusive``). The new file's header
+        is written and its space allocated; the state is copied into it through a mapping of the file by
+        ``consistent_copy`` (store/live_copy.py: a lock-free copy, then, under the lock at the version V
+        the snapshot holds, the rows the updates logged meanwhile touched, with V's log end noted); the
+        file is hashed, its header completed and fsynced without the lock (pushes are appended to the
+        current log meanwhile); under the lock again the records appended after V are copied into the
+        next generation's log, then meta.json commits the snapshot and the log is swapped in, as
+        ``snapshot`` does. A crash at any point leaves the old generation committed (stray files go at
+        the next start) or the new one with its log complete.
 
         ``due``: the scheduler's policy, checked under the lock; None (an operator's snapshot) waits for
         a snapshot of this table already running in another worker, then takes its own. Returns None
@@ -445,14 +455,24 @@ class WalJournal:
                     self._finish_interrupted_snapshot(name, meta)
                     if version == meta.version and self._log_is_empty(name):
                         return version  # the committed snapshot is this version already
-                    log_end = self._log_end(name, meta, version)
-                    log_inode = os.stat(directory / LOG_FILE).st_ino
                     needed = _table_bytes(table)
-                    generation = meta.generation + 1
-                    staged = directory / f"snapshot-{generation}.safetensors.tmp-{uuid.uuid4().hex[:8]}"
-                    fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                    writer = table.begin_write(fd)
+                    tensors, metadata = table.tensors(), table.metadata()  # the layout: fixed
                     embedding_dim = table.config.embedding_dim
+                generation = meta.generation + 1
+                staged = directory / f"snapshot-{generation}.safetensors.tmp-{uuid.uuid4().hex[:8]}"
+                fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                writer = CheckpointWriter.begin(fd, tensors, metadata)
+
+                def noted(_table: Table, current: int, mark: LogMark | None) -> tuple[int, int, int]:
+                    """Under the lock, the copy at ``current`` complete: the log's end and inode there."""
+                    now = self._read_meta(name)
+                    if now is None or now.generation != meta.generation:
+                        raise ConflictError(f"table {name!r} was loaded while it was being snapshotted")
+                    log_end = mark.where[2] if mark is not None else self._log_end(name, meta, current)
+                    return current, log_end, os.stat(directory / LOG_FILE).st_ino
+
+                with _mapped(fd, writer, tensors) as targets:
+                    version, log_end, log_inode = consistent_copy(name, self, exclusive, targets, noted)
                 crc, size = _finish_snapshot(fd, staged, writer)  # hashing and fsync: no lock
                 os.close(fd)
                 fd = None
@@ -487,6 +507,53 @@ class WalJournal:
                     os.close(fd)
                 if staged is not None:
                     staged.unlink(missing_ok=True)
+
+    def updated_ids(
+        self, name: str, version: int, since: LogMark | None = None
+    ) -> tuple[LogMark, list[np.ndarray]] | None:
+        """The ids logged after ``since`` up to ``version``, read from the table's log (``Journal``);
+        caller holds the update lock. The mark is (log inode, generation, byte after ``version``'s
+        record, cuts): None when the log was replaced (a snapshot, a load) or had an unfinished update
+        cut off (``recover``) since ``since``, or does not match meta.json (an interrupted snapshot)."""
+        meta = self._read_meta(name)
+        if meta is None:
+            return None
+        path = self.table_dir(name) / LOG_FILE
+        where = f"table {name!r} log {path}"
+        cuts = self._cuts(name)
+        try:
+            handle = open(path, "rb")  # noqa: SIM115 (closed below)
+        except FileNotFoundError:
+            return None
+        with handle:
+            fd = handle.fileno()
+            stat = os.fstat(fd)
+            if since is None:
+                try:
+                    self._check_header(fd, meta, where)
+                except CorruptionError:
+                    return None  # an interrupted snapshot's: the caller's locked path deals with it
+                ids: list[np.ndarray] = []  # the headers alone: the log may be long
+                end, reached = follow_records(fd, LOG_HEADER_SIZE, stat.st_size, meta.version, where)
+            elif (stat.st_ino, meta.generation, since.where[3]) != (since.where[0], since.where[1], cuts):
+                return None
+            else:
+                ids, end, reached = read_record_ids(fd, since.where[2], stat.st_size, since.version, where)
+        if reached != version:
+            raise CorruptionError(f"{where} holds versions up to {reached}, the table is at {version}")
+        return LogMark(version, (stat.st_ino, meta.generation, end, cuts)), ids
+
+    def _cuts(self, name: str) -> int:
+        """How many times ``recover`` cut an unfinished update off the table's log (``updated_ids``)."""
+        try:
+            return int((self.table_dir(name) / _CUTS_FILE).read_text() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def _count_cut(self, name: str) -> None:
+        """One more cut (under the update lock): a lock-free copy running since before it may hold values
+        of the cut update, which the log no longer names; ``updated_ids`` then says it cannot tell."""
+        (self.table_dir(name) / _CUTS_FILE).write_text(str(self._cuts(name) + 1))
 
     @contextlib.contextmanager
     def _snapshot_turn(self, name: str, *, wait: bool) -> Iterator[bool]:
@@ -653,6 +720,7 @@ class WalJournal:
                 )
                 os.ftruncate(fd, cut)
                 _sync_data(fd)
+                self._count_cut(name)
         return table
 
     def _load_snapshot(self, name: str, meta: _Meta) -> Table:
@@ -1184,6 +1252,27 @@ def _copy_range(source: int, target: int, begin: int, end: int) -> None:
         if copied <= 0:
             raise CorruptionError(f"the log was cut short at byte {position} while it was copied")
         position += copied
+
+
+@contextlib.contextmanager
+def _mapped(fd: int, writer: CheckpointWriter, tensors: dict[str, Tensor]) -> Iterator[dict[str, np.ndarray]]:
+    """Numpy views of each tensor's bytes in the checkpoint file ``fd`` (``CheckpointWriter.begin``:
+    header written, space allocated), through a shared mapping of the file: what is written to them is
+    the file's content."""
+    mapped = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    views: dict[str, np.ndarray] = {}
+    try:
+        for key, (start, _nbytes) in writer.spans().items():
+            tensor = tensors[key]
+            dtype = tensor.detach().reshape(-1)[:0].numpy().dtype
+            views[key] = np.frombuffer(mapped, dtype=dtype, count=tensor.numel(), offset=start).reshape(
+                tuple(tensor.shape)
+            )
+        yield views
+    finally:
+        views.clear()
+        with contextlib.suppress(BufferError):  # a view still held by a traceback: it goes with that
+            mapped.close()
 
 
 def _finish_snapshot(fd: int, path: Path, writer: CheckpointWriter) -> tuple[int, int]:
