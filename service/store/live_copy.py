@@ -25,8 +25,9 @@ piece) without a big table.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import TypeVar
 
 import numpy as np
@@ -64,12 +65,45 @@ def consistent_copy(
     ``finish(table, V, mark)`` is called under the update lock at V, the copy complete (``mark``: the
     journal's note of its log at V, None where the copy was made whole under the lock), and its result
     returned. The lock is held for the rows changed since the last lock-free round (see the module
-    docstring). Raises ``ConflictError`` if the table was replaced by one of another layout meanwhile."""
+    docstring); the longest hold is logged (info). Raises ``ConflictError`` if the table was replaced by
+    one of another layout meanwhile."""
+    holds: list[float] = []
+
+    @contextmanager
+    def locked() -> Iterator[tuple[Table, int]]:
+        with exclusive() as held:
+            start = time.perf_counter()
+            try:
+                yield held
+            finally:
+                holds.append(time.perf_counter() - start)
+
+    started = time.perf_counter()
+    result, version, how = _copy(name, journal, locked, targets, finish)
+    logger.info(
+        "table %r: state copied at version %d in %.2f s (%s); the update lock held at most %.1f ms",
+        name,
+        version,
+        time.perf_counter() - started,
+        how,
+        1000 * max(holds),
+    )
+    return result
+
+
+def _copy(
+    name: str,
+    journal: Journal,
+    exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
+    targets: Mapping[str, np.ndarray],
+    finish: Callable[[Table, int, LogMark | None], T],
+) -> tuple[T, int, str]:
+    """``consistent_copy``: (finish's result, the version copied, how it was copied)."""
     with exclusive() as (table, version):
         noted = journal.updated_ids(name, version)
         if noted is None:
             _copy_whole(table, targets, slow=False)
-            return finish(table, version, None)
+            return finish(table, version, None), version, "whole, under the lock: no log"
         mark = noted[0]
         source = _arrays(table, targets)
     _copy_whole(table, targets, slow=True)
@@ -78,14 +112,20 @@ def consistent_copy(
             changed = None if _arrays(now, targets) != source else journal.updated_ids(name, version, mark)
             if changed is None:
                 # Replaced, or the log cannot say what changed: the whole copy, under the lock.
-                logger.info("table %r: copied under the update lock (the log cannot say what changed)", name)
                 _copy_whole(now, targets, slow=False)
-                return finish(now, version, None)
+                how = "whole, under the lock: the log could not say what changed during the copy"
+                return finish(now, version, None), version, how
+            updates = version - mark.version
             mark, ids = changed
             marks = _touched(now, ids)
-            if round_ == _ROUNDS or int(np.count_nonzero(marks)) <= _SMALL_PATCH:
+            patched = int(np.count_nonzero(marks))
+            if round_ == _ROUNDS or patched <= _SMALL_PATCH:
                 _patch(now, targets, marks)
-                return finish(now, version, mark)
+                how = (
+                    f"lock-free, {round_} lock-free patch round(s), then {patched} granules of "
+                    f"{updates} update(s) under the lock"
+                )
+                return finish(now, version, mark), version, how
         _patch(table, targets, marks)  # lock-free: what changes meanwhile is in the next round's ids
     raise AssertionError("unreachable")  # pragma: no cover
 
