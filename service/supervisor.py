@@ -61,6 +61,13 @@ def _answer_pings(conn: Connection) -> None:
 def _worker_main(config: uvicorn.Config, sockets: list[socket.socket], conn: Connection) -> None:
     """A worker process: answer pings on a thread, serve ``config``'s app on the inherited sockets."""
     config.configure_logging()
+    # The server's logging.basicConfig (cli.serve) does not reach a spawned worker: without this, robez's
+    # own loggers ("robez.*") printed warnings alone, bare, whatever ROBEZ_LOG_LEVEL said.
+    level = config.log_level
+    logging.basicConfig(
+        level=level.upper() if isinstance(level, str) else (level or logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     threading.Thread(target=_answer_pings, args=(conn,), name="robez-pong", daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C reaches the supervisor, which stops us too
         uvicorn.Server(config).run(sockets=sockets)
