@@ -477,6 +477,7 @@ class WalJournal:
                 os.close(fd)
                 fd = None
                 with exclusive() as (_table, current):
+                    held = time.perf_counter()
                     now = self._read_meta(name)
                     if (
                         now is None
@@ -497,6 +498,15 @@ class WalJournal:
                     )
                     self._commit_live(name, staged, snapshot, log_end, current)
                     staged = None
+                    held = time.perf_counter() - held
+                logger.info(
+                    "table %r: snapshot at version %d committed; the update lock held %.1f ms for the "
+                    "commit (the %d update(s) logged while it was hashed carried over)",
+                    name,
+                    version,
+                    1000 * held,
+                    current - version,
+                )
                 return version
             except Exception as error:
                 if is_storage_full(error):
