@@ -223,7 +223,7 @@ def _copy_log(log: Path, after: int) -> str:
         return "not logged (a server before the lock-free copy)"
     seconds, how, held = found[-1]
     figure = f"{float(held):,.1f} ms (copy {seconds} s: {how})"
-    commits = re.findall(r"the update lock held ([\d.]+) ms for the commit \((.*?)\)", text)
+    commits = re.findall(r"the update lock held ([\d.]+) ms for the commit \((.*)\)$", text, re.MULTILINE)
     if commits:
         figure += f"; commit {float(commits[-1][0]):,.1f} ms ({commits[-1][1]})"
     return figure

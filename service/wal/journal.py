@@ -476,6 +476,8 @@ class WalJournal:
                 crc, size = _finish_snapshot(fd, staged, writer)  # hashing and fsync: no lock
                 os.close(fd)
                 fd = None
+                header = encode_log_header(embedding_dim, generation, version)
+                carried = self._carry_log(name, exclusive, meta, log_inode, log_end, version, header)
                 with exclusive() as (_table, current):
                     held = time.perf_counter()
                     now = self._read_meta(name)
@@ -496,16 +498,17 @@ class WalJournal:
                         embedding_dim,
                         0.0,
                     )
-                    self._commit_live(name, staged, snapshot, log_end, current)
+                    self._commit_live(name, staged, snapshot, log_end, current, carried)
                     staged = None
                     held = time.perf_counter() - held
                 logger.info(
                     "table %r: snapshot at version %d committed; the update lock held %.1f ms for the "
-                    "commit (the %d update(s) logged while it was hashed carried over)",
+                    "commit (%d update(s) logged while it was hashed carried over, %d of them under it)",
                     name,
                     version,
                     1000 * held,
                     current - version,
+                    current - carried[1],
                 )
                 return version
             except Exception as error:
@@ -605,24 +608,83 @@ class WalJournal:
         if magic != LOG_MAGIC or (generation, base_version) != (meta.generation, meta.version):
             raise CorruptionError(f"{where} (generation {generation}) does not match meta.json")
 
-    def _commit_live(self, name: str, staged: Path, snapshot: _Meta, log_end: int, current: int) -> None:
-        """The last step of ``snapshot_live``, under the update lock: the log's records after
-        ``log_end`` (versions snapshot.version + 1 .. ``current``, appended while the snapshot was
-        hashed) start the next generation's log; then the snapshot file is put in place, meta.json
-        committed and the log swapped in."""
+    def _carry_log(
+        self,
+        name: str,
+        exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
+        meta: _Meta,
+        log_inode: int,
+        log_end: int,
+        version: int,
+        header: bytes,
+    ) -> tuple[int, int]:
+        """Most of the commit's carry-over without the lock: the log's end is noted under it, then the
+        records from ``log_end`` (after ``version``, the snapshot's) to there are copied into the next
+        generation's log (``updates.wal.new``, fsynced) without it: appended records never change, and
+        a repair only cuts records after the table's version. Returns (that end, the version there), for
+        ``_commit_live`` to carry over the rest under the lock."""
         directory = self.table_dir(name)
         path = directory / LOG_FILE
         new_log = directory / f"{LOG_FILE}.new"
         where = f"table {name!r} log {path}"
+        with exclusive() as (_table, noted):
+            now = self._read_meta(name)
+            old = os.open(path, os.O_RDONLY)
+            try:
+                stat = os.fstat(old)
+            except BaseException:
+                os.close(old)
+                raise
         try:
-            with open(path, "rb") as old, open(new_log, "wb") as out:
+            if now is None or now.generation != meta.generation or stat.st_ino != log_inode:
+                raise ConflictError(f"table {name!r} was loaded or replaced while it was being snapshotted")
+            end, last = follow_records(old, log_end, stat.st_size, version, where)
+            if last != noted:
+                raise CorruptionError(f"{where} holds versions up to {last}, the table is at {noted}")
+            with open(new_log, "wb") as out:
+                out.write(header)
+                out.flush()
+                _copy_range(old, out.fileno(), log_end, end)
+                os.fsync(out.fileno())
+        except BaseException:
+            new_log.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(old)
+        return end, last
+
+    def _commit_live(
+        self,
+        name: str,
+        staged: Path,
+        snapshot: _Meta,
+        log_end: int,
+        current: int,
+        carried: tuple[int, int] | None = None,
+    ) -> None:
+        """The last step of ``snapshot_live``, under the update lock: the log's records after
+        ``log_end`` (versions snapshot.version + 1 .. ``current``, appended while the snapshot was
+        hashed) start the next generation's log (``carried``: (end, version) up to which ``_carry_log``
+        already copied them there); then the snapshot file is put in place, meta.json committed and the
+        log swapped in."""
+        directory = self.table_dir(name)
+        path = directory / LOG_FILE
+        new_log = directory / f"{LOG_FILE}.new"
+        where = f"table {name!r} log {path}"
+        begin, after = (log_end, snapshot.version) if carried is None else carried
+        try:
+            with open(path, "rb") as old, open(new_log, "wb" if carried is None else "r+b") as out:
+                out.seek(0, os.SEEK_END)  # after what _carry_log copied (not O_APPEND: copy_file_range)
                 size = os.fstat(old.fileno()).st_size
-                _end, last = follow_records(old.fileno(), log_end, size, snapshot.version, where)
+                _end, last = follow_records(old.fileno(), begin, size, after, where)
                 if last != current:
                     raise CorruptionError(f"{where} holds versions up to {last}, the table is at {current}")
-                out.write(encode_log_header(snapshot.embedding_dim, snapshot.generation, snapshot.version))
-                out.flush()
-                _copy_range(old.fileno(), out.fileno(), log_end, size)
+                if carried is None:
+                    out.write(
+                        encode_log_header(snapshot.embedding_dim, snapshot.generation, snapshot.version)
+                    )
+                    out.flush()
+                _copy_range(old.fileno(), out.fileno(), begin, size)
                 os.fsync(out.fileno())
             os.replace(staged, directory / snapshot.snapshot)
             fsync_dir(directory)
