@@ -498,9 +498,11 @@ class WalJournal:
                         embedding_dim,
                         0.0,
                     )
-                    self._commit_live(name, staged, snapshot, log_end, current, carried)
+                    self._commit_live(name, staged, snapshot, log_end, current, carried, now.snapshot)
                     staged = None
                     held = time.perf_counter() - held
+                if now.snapshot != snapshot.snapshot:
+                    (directory / now.snapshot).unlink(missing_ok=True)  # the replaced one, outside the lock
                 logger.info(
                     "table %r: snapshot at version %d committed; the update lock held %.1f ms for the "
                     "commit (%d update(s) logged while it was hashed carried over, %d of them under it)",
@@ -661,12 +663,14 @@ class WalJournal:
         log_end: int,
         current: int,
         carried: tuple[int, int] | None = None,
+        replaced: str | None = None,
     ) -> None:
         """The last step of ``snapshot_live``, under the update lock: the log's records after
         ``log_end`` (versions snapshot.version + 1 .. ``current``, appended while the snapshot was
         hashed) start the next generation's log (``carried``: (end, version) up to which ``_carry_log``
         already copied them there); then the snapshot file is put in place, meta.json committed and the
-        log swapped in."""
+        log swapped in. ``replaced``: the snapshot file this one replaces, left for the caller to remove
+        after the lock."""
         directory = self.table_dir(name)
         path = directory / LOG_FILE
         new_log = directory / f"{LOG_FILE}.new"
@@ -699,7 +703,7 @@ class WalJournal:
             die_at(self.fault_file, "snapshot:committed")
         os.replace(new_log, path)
         fsync_dir(directory)
-        self._remove_stale_files(directory, snapshot)
+        self._remove_stale_files(directory, snapshot, keep=replaced)
         self._forget_log(name)
 
     def load(self, name: str, *, salvage: bool = False) -> tuple[Table, int] | None:
@@ -1201,15 +1205,17 @@ class WalJournal:
             return None
         return fresh
 
-    def _remove_stale_files(self, directory: Path, meta: _Meta) -> None:
+    def _remove_stale_files(self, directory: Path, meta: _Meta, keep: str | None = None) -> None:
         """Remove every snapshot file of the table but the one ``meta`` (committed) names, and a fresh log
         an interrupted snapshot left (``updates.wal.new``). Only once the log of that generation is in
         place: from then on recovery reads that snapshot and that log alone, so no other file can be
         needed (a reader that opened an old snapshot keeps it while open). Caller holds the table's update
-        lock, so no snapshot is being written meanwhile."""
+        lock, so no snapshot is being written meanwhile. ``keep``: a file name the caller removes itself,
+        after the lock (the snapshot just replaced: unlinking gigabytes takes a while; no snapshot ever
+        takes that name again, and a stray one goes at the next commit or start)."""
         (directory / f"{LOG_FILE}.new").unlink(missing_ok=True)
         for entry in directory.glob("snapshot-*.safetensors"):
-            if entry.name != meta.snapshot:
+            if entry.name not in (meta.snapshot, keep):
                 logger.debug("removing %s, replaced by %s", entry, meta.snapshot)
                 entry.unlink(missing_ok=True)
 
