@@ -629,16 +629,44 @@ class CheckpointWriter:
     def write(cls, fd: int, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> CheckpointWriter:
         """Write ``tensors`` (their own memory, piece by piece: no copy) and a header with blank checksums
         at the start of the empty file ``fd``; nothing hashed or fsynced. Raises ``OSError``."""
+        writer = cls._write_header(fd, tensors, metadata)
+        for name, (start, _nbytes) in writer.spans().items():
+            _pwrite_fully(fd, _byte_view(tensors[name]), start)
+        return writer
+
+    @classmethod
+    def begin(cls, fd: int, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> CheckpointWriter:
+        """``write`` without the tensors' bytes: the header (checksums blank) at the start of the empty file
+        ``fd``, and the file's space allocated to its whole size (``posix_fallocate``: a full file system
+        is an ``OSError`` here, not a fault in whoever fills it through a mapping). Only the tensors'
+        names, shapes and dtypes are read; the caller fills each one's bytes at ``spans()`` before
+        ``finish``. Raises ``OSError``."""
+        writer = cls._write_header(fd, tensors, metadata)
+        size = writer._data_start + sum(nbytes for *_, nbytes in writer._entries)
+        os.posix_fallocate(fd, 0, size)
+        return writer
+
+    @classmethod
+    def _write_header(
+        cls, fd: int, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]
+    ) -> CheckpointWriter:
         for name, tensor in tensors.items():
             if not tensor.is_contiguous() or tensor.device.type != "cpu" or tensor.dtype not in _DTYPES:
                 raise ConfigError(f"tensor {name!r} cannot be saved: {tensor.dtype} on {tensor.device}")
         blank = {**metadata, "checksums": json.dumps(dict.fromkeys(sorted(tensors), _BLANK_CHECKSUM))}
         entries = _file_order(tensors)
         header = _safetensors_header(entries, blank)
-        position = _pwrite_fully(fd, memoryview(header), 0)
-        for name, *_ in entries:
-            position = _pwrite_fully(fd, _byte_view(tensors[name]), position)
+        _pwrite_fully(fd, memoryview(header), 0)
         return cls(entries, dict(metadata), len(header))
+
+    def spans(self) -> dict[str, tuple[int, int]]:
+        """Where each tensor's bytes lie in the file: name -> (byte offset, byte count), in file order."""
+        spans: dict[str, tuple[int, int]] = {}
+        position = self._data_start
+        for name, _dtype, _shape, nbytes in self._entries:
+            spans[name] = (position, nbytes)
+            position += nbytes
+        return spans
 
     def finish(
         self, fd: int, *, durable: bool = True, each_piece: Callable[[memoryview], None] | None = None

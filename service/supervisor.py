@@ -71,6 +71,13 @@ def _worker_main(
     says the tables are ready (a message on ``tables_ready``), then serve ``config``'s app on the
     inherited sockets. The pipe closed without a message: the supervisor is gone, so is this worker."""
     config.configure_logging()
+    # The server's logging.basicConfig (cli.serve) does not reach a spawned worker: without this, robez's
+    # own loggers ("robez.*") printed warnings alone, bare, whatever ROBEZ_LOG_LEVEL said.
+    level = config.log_level
+    logging.basicConfig(
+        level=level.upper() if isinstance(level, str) else (level or logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     threading.Thread(target=_answer_pings, args=(conn,), name="robez-pong", daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C reaches the supervisor, which stops us too
         config.load()  # what uvicorn would do first: import the app while the tables load

@@ -8,6 +8,8 @@ and measures, from a client on the same machine:
 - a snapshot (``POST .../snapshot``) with one client pushing all along: its duration, the pushes' p50 /
   p99 / max meanwhile (goal: p99 < 1 s);
 - ``GET .../checksum`` with the same pusher: its duration and the pushes' max meanwhile;
+- for each of the two, the longest hold of the table's update lock while the state was copied, as the
+  server logs it (``service/store/live_copy.py``);
 - ``--updates`` logged pushes, ``kill -9`` of the server's process group, then a restart with the
   table's files evicted from the page cache: time to ``/readyz`` 200 and peak memory (PSS of the
   server's processes with its shared-memory files counted once, sampled ten times a second; goal < 1.25
@@ -29,6 +31,7 @@ import contextlib
 import datetime
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -226,6 +229,25 @@ def _read_seconds(paths: list[Path], *, from_disk: bool) -> float:
     return time.perf_counter() - start
 
 
+def _copy_log(log: Path, after: int) -> str:
+    """What the server logged of the last copy of a table's state since byte ``after`` of its log
+    (``service/store/live_copy.py``): the longest update-lock hold, and how it was copied."""
+    with open(log, "rb") as handle:
+        handle.seek(after)
+        text = handle.read().decode(errors="replace")
+    found = re.findall(
+        r"state copied at version \d+ in ([\d.]+) s \((.*?)\); the update lock held at most ([\d.]+) ms", text
+    )
+    if not found:
+        return "not logged (a server before the lock-free copy)"
+    seconds, how, held = found[-1]
+    figure = f"{float(held):,.1f} ms (copy {seconds} s: {how})"
+    commits = re.findall(r"the update lock held ([\d.]+) ms for the commit \((.*)\)$", text, re.MULTILINE)
+    if commits:
+        figure += f"; commit {float(commits[-1][0]):,.1f} ms ({commits[-1][1]})"
+    return figure
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.service.big_tables", description=__doc__)
     parser.add_argument("--memory-size", type=int, default=1 << 28)
@@ -283,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"push of {args.push_ids} ids at rest, p50 / p99 / max",
             _percentiles([pusher.push() for _ in range(args.requests)]),
         )
+        logged = server.log.stat().st_size
         with pusher.during() as during:
             seconds, response = _timed(
                 lambda: httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=1200)
@@ -290,6 +313,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             response.raise_for_status()
         row("`POST .../snapshot` duration (one pusher running)", f"{seconds:.1f} s")
         row(f"pushes during the snapshot ({len(during)}), p50 / p99 / max", _percentiles(during))
+        row(
+            "the snapshot's copy of the state: longest update-lock hold (server log)",
+            _copy_log(server.log, logged),
+        )
+        logged = server.log.stat().st_size
         with pusher.during() as during:
             seconds, response = _timed(
                 lambda: httpx.get(f"{server.url}/v1/tables/big/checksum", timeout=1200)
@@ -297,6 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             response.raise_for_status()
         row("`GET .../checksum` duration (one pusher running)", f"{seconds:.1f} s")
         row(f"pushes during the checksum ({len(during)}), p50 / p99 / max", _percentiles(during))
+        row(
+            "the checksum's copy of the state: longest update-lock hold (server log)",
+            _copy_log(server.log, logged),
+        )
         seconds, _ = _timed(lambda: [pusher.push() for _ in range(args.updates)])
         row(f"{args.updates} more pushes logged", f"{seconds:.1f} s")
         server.kill()

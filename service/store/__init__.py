@@ -5,6 +5,8 @@
   publish) and the table's update lock every change of a table takes; what admin and repair use.
 - ``journal.py``: the ``Journal`` seam the store makes tables durable through (``service/wal/``
   implements it; ``NullJournal`` keeps nothing).
+- ``live_copy.py``: ``consistent_copy``, the state at one version copied while updates go on (a lock-free
+  copy, then under the lock the rows the log says changed meanwhile): snapshots and checksums.
 - ``admin.py``: ``TableAdmin``, behind ``TableStore.create`` / ``create_from`` / ``delete`` / ``restore`` /
   ``snapshot``: the changes of the registry, arrays and counters.
 - ``repair.py``: what the next holder of a table's lock does when a worker died holding it (an update, a

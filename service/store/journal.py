@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import numpy as np
     from torch import Tensor
 
     from robez_core.config import OptimizerConfig, TableConfig
@@ -75,6 +76,19 @@ class SkippedRecord:
     detail: str
 
 
+@dataclass(frozen=True)
+class LogMark:
+    """Where a journal's log stood at one version of a table (``Journal.updated_ids``).
+
+    Attributes:
+        version: the table's version then.
+        where: the journal's own note of the place (opaque to the caller).
+    """
+
+    version: int
+    where: tuple[int, ...]
+
+
 @runtime_checkable
 class Journal(Protocol):
     """Where the store makes tables and their updates durable; every method may raise ``RobezError``."""
@@ -126,6 +140,16 @@ class Journal(Protocol):
         it unchanged; returns the version snapshotted, None when skipped (``due`` is the scheduler's
         policy, checked under the lock; with it a snapshot already running elsewhere is not waited
         for)."""
+        ...
+
+    def updated_ids(
+        self, name: str, version: int, since: LogMark | None = None
+    ) -> tuple[LogMark, list[np.ndarray]] | None:
+        """Which ids changed the table since ``since`` (a lock-free copy patches what they touched,
+        ``store/live_copy.py``). Called under the table's update lock, the table at ``version``: a mark
+        of the log there, and the ids (int64 arrays, one per update, as logged) of every update after
+        ``since`` up to ``version`` (none when ``since`` is None). None when the journal cannot say: it
+        keeps no log, or the log was replaced or had an unfinished update cut off since ``since``."""
         ...
 
     def recover(self, name: str, version: int) -> Table | None:
@@ -191,6 +215,11 @@ class NullJournal:
                 return None
             self.snapshot(name, table, version)
             return version
+
+    def updated_ids(
+        self, name: str, version: int, since: LogMark | None = None
+    ) -> tuple[LogMark, list[np.ndarray]] | None:
+        return None  # no log: unknown
 
     def recover(self, name: str, version: int) -> Table | None:
         return None

@@ -64,6 +64,7 @@ from .api import (
     validate_table_name,
 )
 from .journal import Journal, NullJournal, SkippedRecord, UpdateRecord
+from .live_copy import consistent_copy
 from .registry import TableRegistry
 from .repair import repair
 
@@ -425,15 +426,23 @@ class TableStore:
 
     def checksum(self, name: str) -> tuple[int, str]:
         """(version, sha256 hex) over the array and optimizer state at one version. Replicas at the same
-        version have the same digest. The update lock is held only to copy the state at memory speed;
-        the hash runs on the copy, so pushes go on meanwhile (the copy costs the table's state bytes of
-        private memory for the length of the hash)."""
-        with self.exclusive(name) as (table, version):
-            copies = _private_copy(table.tensors())
+        version have the same digest. The state is copied into private memory (allocated and filled
+        without the update lock: ``consistent_copy``, which holds the lock only to patch the rows updated
+        during the copy; the whole copy under the lock where the journal cannot say which: no data
+        directory), and hashed without the lock; the copy costs the table's state bytes of private
+        memory for the length of the hash."""
+        layout = self.registry.entry(name).table.tensors()
+        copies = {
+            key: np.empty(tuple(t.shape), dtype=t.detach()[:0].numpy().dtype) for key, t in layout.items()
+        }
+        del layout
+        version = consistent_copy(
+            name, self.journal, partial(self.exclusive, name), copies, lambda _table, at, _mark: at
+        )
         digest = hashlib.sha256()
-        for key, tensor in sorted(copies.items()):
+        for key, copy in sorted(copies.items()):
             digest.update(key.encode())
-            view = tensor.view(-1).view(torch.uint8).numpy().data
+            view = copy.reshape(-1).view(np.uint8).data
             for start in range(0, len(view), _HASH_PIECE_BYTES):
                 digest.update(view[start : start + _HASH_PIECE_BYTES])
                 faults.slow_down()
@@ -490,16 +499,6 @@ class TableStore:
 
 # The checksum hashes its copy in pieces of this many bytes (so the test hook can slow it down).
 _HASH_PIECE_BYTES = 1 << 24
-
-
-def _private_copy(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Contiguous private copies of ``tensors``, made at memory speed (numpy's copy, no autograd)."""
-    copies: dict[str, Tensor] = {}
-    for key, tensor in tensors.items():
-        copy = torch.empty(tensor.shape, dtype=tensor.dtype)
-        np.copyto(copy.numpy(), tensor.detach().numpy())
-        copies[key] = copy
-    return copies
 
 
 def _count(values: Tensor | np.ndarray) -> int:

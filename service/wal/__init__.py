@@ -19,7 +19,8 @@ good record; a bad record followed by a valid one, a bad snapshot or inconsisten
 ``CorruptionError``.
 The package, by concept: ``records`` (the log's bytes), ``files`` (durable file steps, locks),
 ``journal`` (``WalJournal``; its snapshot files are robez_core's checkpoints, written from and read into
-the table's own memory: ``Table.begin_write``, ``CheckpointFile``), ``snapshots`` (the snapshot policy),
+the table's own memory: ``CheckpointWriter.begin`` and ``store/live_copy.py`` for a live snapshot,
+``Table.begin_write``, ``CheckpointFile``), ``snapshots`` (the snapshot policy),
 ``checkpoints`` (import, export and the offline tools).
 """
 

@@ -18,15 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+import numpy as np
+
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, InvalidInputError, NotFoundError
 from robez_core.table import CheckpointFile, CheckpointWriter, fsync_dir
 
 from ..errors import StorageFullError
 from ..faults import die_at, fault_file, slow_down
 from ..store import apply_record
-from ..store.journal import UpdateRecord, is_storage_full
+from ..store.journal import LogMark, UpdateRecord, is_storage_full
+from ..store.live_copy import consistent_copy
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from robez_core.config import OptimizerConfig, TableConfig
     from robez_core.table import Table
 
@@ -63,6 +68,7 @@ from .records import (
     encode_record,
     follow_records,
     read_log_header,
+    read_record_ids,
     scan_log,
     span_in,
     stream_records,
@@ -75,6 +81,8 @@ _SNAPSHOTTING = ".snapshotting-"
 # A dropped table's folder is renamed ".dropped-<name>-<8 hex>" (the drop's commit), then removed.
 _DROPPED = ".dropped-"
 _DAMAGED = ".damaged-"
+# In a table's folder: how many times ``recover`` cut an unfinished update off its log (see _count_cut).
+_CUTS_FILE = "log-cuts"
 
 
 def _not_a_table(entry_name: str) -> bool:
@@ -417,13 +425,15 @@ class WalJournal:
     ) -> int | None:
         """Commit a snapshot of the table served while its updates go on; returns the version it holds.
 
-        ``exclusive()`` holds the table's update lock (the store's ``exclusive``). Three steps: under the
-        lock the state is written into a new file (the page cache, at memory speed: ``begin_write``) and
-        the log's end noted; without it the file is hashed, its header completed and fsynced (the long
-        part: pushes are appended to the current log meanwhile); under the lock again the records
-        appended meanwhile are copied into the next generation's log, then meta.json commits the
-        snapshot and the log is swapped in, as ``snapshot`` does. A crash at any point leaves the old
-        generation committed (stray files go at the next start) or the new one with its log complete.
+        ``exclusive()`` holds the table's update lock (the store's ``exclusive``). The new file's header
+        is written and its space allocated; the state is copied into it through a mapping of the file by
+        ``consistent_copy`` (store/live_copy.py: a lock-free copy, then, under the lock at the version V
+        the snapshot holds, the rows the updates logged meanwhile touched, with V's log end noted); the
+        file is hashed, its header completed and fsynced without the lock (pushes are appended to the
+        current log meanwhile); under the lock again the records appended after V are copied into the
+        next generation's log, then meta.json commits the snapshot and the log is swapped in, as
+        ``snapshot`` does. A crash at any point leaves the old generation committed (stray files go at
+        the next start) or the new one with its log complete.
 
         ``due``: the scheduler's policy, checked under the lock; None (an operator's snapshot) waits for
         a snapshot of this table already running in another worker, then takes its own. Returns None
@@ -445,18 +455,31 @@ class WalJournal:
                     self._finish_interrupted_snapshot(name, meta)
                     if version == meta.version and self._log_is_empty(name):
                         return version  # the committed snapshot is this version already
-                    log_end = self._log_end(name, meta, version)
-                    log_inode = os.stat(directory / LOG_FILE).st_ino
                     needed = _table_bytes(table)
-                    generation = meta.generation + 1
-                    staged = directory / f"snapshot-{generation}.safetensors.tmp-{uuid.uuid4().hex[:8]}"
-                    fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                    writer = table.begin_write(fd)
+                    tensors, metadata = table.tensors(), table.metadata()  # the layout: fixed
                     embedding_dim = table.config.embedding_dim
+                generation = meta.generation + 1
+                staged = directory / f"snapshot-{generation}.safetensors.tmp-{uuid.uuid4().hex[:8]}"
+                fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                writer = CheckpointWriter.begin(fd, tensors, metadata)
+
+                def noted(_table: Table, current: int, mark: LogMark | None) -> tuple[int, int, int]:
+                    """Under the lock, the copy at ``current`` complete: the log's end and inode there."""
+                    now = self._read_meta(name)
+                    if now is None or now.generation != meta.generation:
+                        raise ConflictError(f"table {name!r} was loaded while it was being snapshotted")
+                    log_end = mark.where[2] if mark is not None else self._log_end(name, meta, current)
+                    return current, log_end, os.stat(directory / LOG_FILE).st_ino
+
+                with _mapped(fd, writer, tensors) as targets:
+                    version, log_end, log_inode = consistent_copy(name, self, exclusive, targets, noted)
                 crc, size = _finish_snapshot(fd, staged, writer)  # hashing and fsync: no lock
                 os.close(fd)
                 fd = None
+                header = encode_log_header(embedding_dim, generation, version)
+                carried = self._carry_log(name, exclusive, meta, log_inode, log_end, version, header)
                 with exclusive() as (_table, current):
+                    held = time.perf_counter()
                     now = self._read_meta(name)
                     if (
                         now is None
@@ -475,8 +498,20 @@ class WalJournal:
                         embedding_dim,
                         0.0,
                     )
-                    self._commit_live(name, staged, snapshot, log_end, current)
+                    self._commit_live(name, staged, snapshot, log_end, current, carried, now.snapshot)
                     staged = None
+                    held = time.perf_counter() - held
+                if now.snapshot != snapshot.snapshot:
+                    (directory / now.snapshot).unlink(missing_ok=True)  # the replaced one, outside the lock
+                logger.info(
+                    "table %r: snapshot at version %d committed; the update lock held %.1f ms for the "
+                    "commit (%d update(s) logged while it was hashed carried over, %d of them under it)",
+                    name,
+                    version,
+                    1000 * held,
+                    current - version,
+                    current - carried[1],
+                )
                 return version
             except Exception as error:
                 if is_storage_full(error):
@@ -487,6 +522,53 @@ class WalJournal:
                     os.close(fd)
                 if staged is not None:
                     staged.unlink(missing_ok=True)
+
+    def updated_ids(
+        self, name: str, version: int, since: LogMark | None = None
+    ) -> tuple[LogMark, list[np.ndarray]] | None:
+        """The ids logged after ``since`` up to ``version``, read from the table's log (``Journal``);
+        caller holds the update lock. The mark is (log inode, generation, byte after ``version``'s
+        record, cuts): None when the log was replaced (a snapshot, a load) or had an unfinished update
+        cut off (``recover``) since ``since``, or does not match meta.json (an interrupted snapshot)."""
+        meta = self._read_meta(name)
+        if meta is None:
+            return None
+        path = self.table_dir(name) / LOG_FILE
+        where = f"table {name!r} log {path}"
+        cuts = self._cuts(name)
+        try:
+            handle = open(path, "rb")  # noqa: SIM115 (closed below)
+        except FileNotFoundError:
+            return None
+        with handle:
+            fd = handle.fileno()
+            stat = os.fstat(fd)
+            if since is None:
+                try:
+                    self._check_header(fd, meta, where)
+                except CorruptionError:
+                    return None  # an interrupted snapshot's: the caller's locked path deals with it
+                ids: list[np.ndarray] = []  # the headers alone: the log may be long
+                end, reached = follow_records(fd, LOG_HEADER_SIZE, stat.st_size, meta.version, where)
+            elif (stat.st_ino, meta.generation, since.where[3]) != (since.where[0], since.where[1], cuts):
+                return None
+            else:
+                ids, end, reached = read_record_ids(fd, since.where[2], stat.st_size, since.version, where)
+        if reached != version:
+            raise CorruptionError(f"{where} holds versions up to {reached}, the table is at {version}")
+        return LogMark(version, (stat.st_ino, meta.generation, end, cuts)), ids
+
+    def _cuts(self, name: str) -> int:
+        """How many times ``recover`` cut an unfinished update off the table's log (``updated_ids``)."""
+        try:
+            return int((self.table_dir(name) / _CUTS_FILE).read_text() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def _count_cut(self, name: str) -> None:
+        """One more cut (under the update lock): a lock-free copy running since before it may hold values
+        of the cut update, which the log no longer names; ``updated_ids`` then says it cannot tell."""
+        (self.table_dir(name) / _CUTS_FILE).write_text(str(self._cuts(name) + 1))
 
     @contextlib.contextmanager
     def _snapshot_turn(self, name: str, *, wait: bool) -> Iterator[bool]:
@@ -528,24 +610,85 @@ class WalJournal:
         if magic != LOG_MAGIC or (generation, base_version) != (meta.generation, meta.version):
             raise CorruptionError(f"{where} (generation {generation}) does not match meta.json")
 
-    def _commit_live(self, name: str, staged: Path, snapshot: _Meta, log_end: int, current: int) -> None:
-        """The last step of ``snapshot_live``, under the update lock: the log's records after
-        ``log_end`` (versions snapshot.version + 1 .. ``current``, appended while the snapshot was
-        hashed) start the next generation's log; then the snapshot file is put in place, meta.json
-        committed and the log swapped in."""
+    def _carry_log(
+        self,
+        name: str,
+        exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
+        meta: _Meta,
+        log_inode: int,
+        log_end: int,
+        version: int,
+        header: bytes,
+    ) -> tuple[int, int]:
+        """Most of the commit's carry-over without the lock: the log's end is noted under it, then the
+        records from ``log_end`` (after ``version``, the snapshot's) to there are copied into the next
+        generation's log (``updates.wal.new``, fsynced) without it: appended records never change, and
+        a repair only cuts records after the table's version. Returns (that end, the version there), for
+        ``_commit_live`` to carry over the rest under the lock."""
         directory = self.table_dir(name)
         path = directory / LOG_FILE
         new_log = directory / f"{LOG_FILE}.new"
         where = f"table {name!r} log {path}"
+        with exclusive() as (_table, noted):
+            now = self._read_meta(name)
+            old = os.open(path, os.O_RDONLY)
+            try:
+                stat = os.fstat(old)
+            except BaseException:
+                os.close(old)
+                raise
         try:
-            with open(path, "rb") as old, open(new_log, "wb") as out:
+            if now is None or now.generation != meta.generation or stat.st_ino != log_inode:
+                raise ConflictError(f"table {name!r} was loaded or replaced while it was being snapshotted")
+            end, last = follow_records(old, log_end, stat.st_size, version, where)
+            if last != noted:
+                raise CorruptionError(f"{where} holds versions up to {last}, the table is at {noted}")
+            with open(new_log, "wb") as out:
+                out.write(header)
+                out.flush()
+                _copy_range(old, out.fileno(), log_end, end)
+                os.fsync(out.fileno())
+        except BaseException:
+            new_log.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(old)
+        return end, last
+
+    def _commit_live(
+        self,
+        name: str,
+        staged: Path,
+        snapshot: _Meta,
+        log_end: int,
+        current: int,
+        carried: tuple[int, int] | None = None,
+        replaced: str | None = None,
+    ) -> None:
+        """The last step of ``snapshot_live``, under the update lock: the log's records after
+        ``log_end`` (versions snapshot.version + 1 .. ``current``, appended while the snapshot was
+        hashed) start the next generation's log (``carried``: (end, version) up to which ``_carry_log``
+        already copied them there); then the snapshot file is put in place, meta.json committed and the
+        log swapped in. ``replaced``: the snapshot file this one replaces, left for the caller to remove
+        after the lock."""
+        directory = self.table_dir(name)
+        path = directory / LOG_FILE
+        new_log = directory / f"{LOG_FILE}.new"
+        where = f"table {name!r} log {path}"
+        begin, after = (log_end, snapshot.version) if carried is None else carried
+        try:
+            with open(path, "rb") as old, open(new_log, "wb" if carried is None else "r+b") as out:
+                out.seek(0, os.SEEK_END)  # after what _carry_log copied (not O_APPEND: copy_file_range)
                 size = os.fstat(old.fileno()).st_size
-                _end, last = follow_records(old.fileno(), log_end, size, snapshot.version, where)
+                _end, last = follow_records(old.fileno(), begin, size, after, where)
                 if last != current:
                     raise CorruptionError(f"{where} holds versions up to {last}, the table is at {current}")
-                out.write(encode_log_header(snapshot.embedding_dim, snapshot.generation, snapshot.version))
-                out.flush()
-                _copy_range(old.fileno(), out.fileno(), log_end, size)
+                if carried is None:
+                    out.write(
+                        encode_log_header(snapshot.embedding_dim, snapshot.generation, snapshot.version)
+                    )
+                    out.flush()
+                _copy_range(old.fileno(), out.fileno(), begin, size)
                 os.fsync(out.fileno())
             os.replace(staged, directory / snapshot.snapshot)
             fsync_dir(directory)
@@ -560,7 +703,7 @@ class WalJournal:
             die_at(self.fault_file, "snapshot:committed")
         os.replace(new_log, path)
         fsync_dir(directory)
-        self._remove_stale_files(directory, snapshot)
+        self._remove_stale_files(directory, snapshot, keep=replaced)
         self._forget_log(name)
 
     def load(self, name: str, *, salvage: bool = False) -> tuple[Table, int] | None:
@@ -655,6 +798,7 @@ class WalJournal:
                 )
                 os.ftruncate(fd, cut)
                 _sync_data(fd)
+                self._count_cut(name)
         return table
 
     def _load_snapshot(self, name: str, meta: _Meta) -> Table:
@@ -1063,15 +1207,17 @@ class WalJournal:
             return None
         return fresh
 
-    def _remove_stale_files(self, directory: Path, meta: _Meta) -> None:
+    def _remove_stale_files(self, directory: Path, meta: _Meta, keep: str | None = None) -> None:
         """Remove every snapshot file of the table but the one ``meta`` (committed) names, and a fresh log
         an interrupted snapshot left (``updates.wal.new``). Only once the log of that generation is in
         place: from then on recovery reads that snapshot and that log alone, so no other file can be
         needed (a reader that opened an old snapshot keeps it while open). Caller holds the table's update
-        lock, so no snapshot is being written meanwhile."""
+        lock, so no snapshot is being written meanwhile. ``keep``: a file name the caller removes itself,
+        after the lock (the snapshot just replaced: unlinking gigabytes takes a while; no snapshot ever
+        takes that name again, and a stray one goes at the next commit or start)."""
         (directory / f"{LOG_FILE}.new").unlink(missing_ok=True)
         for entry in directory.glob("snapshot-*.safetensors"):
-            if entry.name != meta.snapshot:
+            if entry.name not in (meta.snapshot, keep):
                 logger.debug("removing %s, replaced by %s", entry, meta.snapshot)
                 entry.unlink(missing_ok=True)
 
@@ -1187,6 +1333,27 @@ def _copy_range(source: int, target: int, begin: int, end: int) -> None:
         if copied <= 0:
             raise CorruptionError(f"the log was cut short at byte {position} while it was copied")
         position += copied
+
+
+@contextlib.contextmanager
+def _mapped(fd: int, writer: CheckpointWriter, tensors: dict[str, Tensor]) -> Iterator[dict[str, np.ndarray]]:
+    """Numpy views of each tensor's bytes in the checkpoint file ``fd`` (``CheckpointWriter.begin``:
+    header written, space allocated), through a shared mapping of the file: what is written to them is
+    the file's content."""
+    mapped = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    views: dict[str, np.ndarray] = {}
+    try:
+        for key, (start, _nbytes) in writer.spans().items():
+            tensor = tensors[key]
+            dtype = tensor.detach().reshape(-1)[:0].numpy().dtype
+            views[key] = np.frombuffer(mapped, dtype=dtype, count=tensor.numel(), offset=start).reshape(
+                tuple(tensor.shape)
+            )
+        yield views
+    finally:
+        views.clear()
+        with contextlib.suppress(BufferError):  # a view still held by a traceback: it goes with that
+            mapped.close()
 
 
 def _finish_snapshot(fd: int, path: Path, writer: CheckpointWriter) -> tuple[int, int]:

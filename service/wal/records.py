@@ -240,6 +240,33 @@ def follow_records(fd: int, offset: int, size: int, last_version: int, where: st
     return offset, last_version
 
 
+def read_record_ids(
+    fd: int, offset: int, size: int, last_version: int, where: str
+) -> tuple[list[np.ndarray], int, int]:
+    """``follow_records`` that also reads each record whole, checks its CRC and keeps its ids: (the ids
+    of each record, int64 arrays in version order; end; last version). Raises ``CorruptionError`` as
+    ``follow_records`` does, and for a record whose checksum fails."""
+    ids: list[np.ndarray] = []
+    while offset < size:
+        head = os.pread(fd, RECORD_HEADER_SIZE, offset)
+        if len(head) == RECORD_HEADER_SIZE:
+            num_ids, dim = _RECORD_HEADER.unpack_from(head)[4], _RECORD_HEADER.unpack_from(head)[3]
+            length = min(RECORD_HEADER_SIZE + num_ids * 8 + num_ids * dim * 4 + 4, size - offset)
+        else:
+            length = size - offset
+        end, last_version = follow_records(fd, offset, offset + length, last_version, where)
+        record = os.pread(fd, end - offset, offset)
+        if len(record) != end - offset or _CRC.unpack_from(record, len(record) - 4)[0] != _crc(
+            memoryview(record)[:-4]
+        ):
+            raise CorruptionError(f"{where}: record at byte {offset} fails its checksum")
+        ids.append(
+            np.frombuffer(record, dtype="<i8", count=num_ids, offset=RECORD_HEADER_SIZE).astype(np.int64)
+        )
+        offset = end
+    return ids, offset, last_version
+
+
 def decode_record(buf: Any, span: RecordSpan) -> tuple[torch.Tensor, torch.Tensor]:
     """The ids int64 (N,) and grads float32 (N, d) of a verified record, copied out of ``buf``."""
     start = span.offset + RECORD_HEADER_SIZE

@@ -39,8 +39,8 @@ class SnapshotScheduler:
     Every worker runs one; they need no coordination because each decision is re-checked under the
     table's update lock against meta.json, which the first worker to snapshot has already moved on, and a
     worker skips a table another is snapshotting. The snapshot is written on this thread with
-    ``WalJournal.snapshot_live``: updates of that table wait only while its state is copied into the
-    page cache, lookups never.
+    ``WalJournal.snapshot_live``: updates of that table wait only while the rows updated during its
+    lock-free copy are patched, and for its commit (milliseconds); lookups never.
 
     Args:
         store: the worker's ``TableStore``.

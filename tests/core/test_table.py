@@ -36,7 +36,7 @@ from robez_core.config import MAX_INIT_SCALE
 from robez_core.hashing import PAPER_PRIME
 from robez_core.kernels import _jit
 from robez_core.small import SMALL_BATCH_MAX_IDS
-from robez_core.table import CheckpointFile
+from robez_core.table import CheckpointFile, CheckpointWriter
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 OPTIMIZERS = [
@@ -886,6 +886,26 @@ def test_a_snapshot_in_the_old_journal_writers_tensor_order_still_loads(tmp_path
     (tmp_path / "damaged.safetensors").write_bytes(damaged)
     with pytest.raises(CorruptionError, match="checksum mismatch in tensor 'weight'"):
         Table.load(tmp_path / "damaged.safetensors")
+
+
+def test_begin_leaves_the_tensors_bytes_to_the_caller_at_their_spans(tmp_path: Path) -> None:
+    """``CheckpointWriter.begin``: header and space only; the tensors filled at ``spans()`` (as a live
+    snapshot does through a mapping of the file), then ``finish`` makes the bytes ``save`` makes."""
+    table = _old_snapshot_table()
+    table.save(tmp_path / "saved.safetensors")
+    fd = os.open(tmp_path / "begun.safetensors", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        writer = CheckpointWriter.begin(fd, table.tensors(), table.metadata())
+        spans = writer.spans()
+        assert os.fstat(fd).st_size == max(start + nbytes for start, nbytes in spans.values())
+        for name, tensor in table.tensors().items():
+            start, nbytes = spans[name]
+            assert nbytes == tensor.nbytes
+            os.pwrite(fd, tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), start)
+        writer.finish(fd, durable=False)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "begun.safetensors").read_bytes() == (tmp_path / "saved.safetensors").read_bytes()
 
 
 def test_begin_write_into_an_open_file_makes_the_bytes_save_makes(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ hook ``ROBEZ_FAULT_SLOW_SECONDS`` (service/faults.py), not by size."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import tempfile
 import threading
 import time
@@ -129,6 +130,7 @@ def test_a_push_completes_while_a_checksum_is_hashed(
 ) -> None:
     client = _big_client(client_factory, tmp_path)
     store = store_of(client)
+    _push(client)  # the first push of a process may load compiled kernels: not during the measure
     quiet_version, quiet_digest = store.checksum("big")
     monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS))
     latencies, started, ended = _pushes_during(lambda: store.checksum("big"), lambda: _push(client))
@@ -174,6 +176,135 @@ def test_a_push_completes_while_a_snapshot_of_its_table_is_written(
         reader.close()
     assert loaded is not None and loaded[1] == store.version("big")
     assert _same_tables(loaded[0].tensors(), store.table("big").tensors())
+
+
+def _big_adam(client_factory: Callable[..., TestClient], tmp_path: Path, **overrides: Any) -> TestClient:
+    client = client_factory(default_table=False, **overrides)
+    response = client.post("/v1/tables", json={"name": "big", "config": BIG, "optimizer": {"name": "adam"}})
+    assert response.status_code == 201, response.text
+    return client
+
+
+class _Pushes:
+    """Pushes to "big" through the store, each kept with the version it produced, on overlapping ids (a
+    few hundred: every push rewrites rows earlier ones wrote, so a row a copy failed to patch shows);
+    ``oracle(version)`` is the state at ``version`` replayed on a private table from ``start``'s."""
+
+    def __init__(self, client: TestClient, seed: int) -> None:
+        self.store = store_of(client)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.pushed: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.push()  # the first push of a process may load compiled kernels: before the measure
+        table = self.store.table("big")
+        self.start = Table(
+            table.config,
+            table.optimizer,
+            weight=table.weight.clone(),
+            state={key: tensor.clone() for key, tensor in table.state.items()},
+        )
+        self.start_version = self.store.version("big")
+
+    def push(self) -> None:
+        ids = torch.randint(0, 300, (64,), generator=self.generator)
+        grads = torch.randn(64, BIG["embedding_dim"], generator=self.generator)
+        self.pushed.append((self.store.update("big", ids, grads).version, ids, grads))
+
+    def oracle(self, version: int) -> Table:
+        start = self.start
+        table = Table(
+            start.config,
+            start.optimizer,
+            weight=start.weight.clone(),
+            state={key: tensor.clone() for key, tensor in start.state.items()},
+        )
+        for pushed_version, ids, grads in self.pushed:
+            if self.start_version < pushed_version <= version:
+                table.apply_gradients(ids, grads)
+        return table
+
+
+def _sha256(table: Table) -> str:
+    """The checksum's digest, computed here: sha256 over each tensor's name then bytes, names sorted."""
+    digest = hashlib.sha256()
+    for key, tensor in sorted(table.tensors().items()):
+        digest.update(key.encode())
+        digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.slow
+def test_pushes_go_on_while_a_snapshot_copies_its_table_and_the_snapshot_is_exact(
+    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state is copied into the snapshot file without the update lock (slowed by the test hook), the
+    rows updated meanwhile patched under it: pushes are applied during the copy, are in the snapshot,
+    and the snapshot is bitwise the state at its version (adam: moments and the step counter)."""
+    client = _big_adam(client_factory, tmp_path, data_dir=tmp_path / "data")
+    store = store_of(client)
+    journal = store.journal
+    assert isinstance(journal, WalJournal)
+    pushes = _Pushes(client, seed=11)
+    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS))
+    snapshotted: list[int] = []
+    latencies, started, ended = _pushes_during(lambda: snapshotted.append(store.snapshot("big")), pushes.push)
+    monkeypatch.delenv(SLOW_VARIABLE)
+    # Pushes were applied while the state was copied (a copy under the lock: none would be in it).
+    version = snapshotted[0]
+    assert version >= pushes.start_version + 3, (version, pushes.start_version)
+    assert ended - started >= 6 * SLOW_SECONDS  # copy and hash slowed: 3 pieces of 16 MiB each
+    assert max(latencies) < SLOW_SECONDS, latencies  # no push waited for a piece of the copy
+    assert version < store.version("big")  # and while it was hashed (they are in the next log)
+    path = journal.snapshot_path("big")
+    assert path is not None and journal.snapshot_version("big") == version
+    assert _same_tables(Table.load(path).tensors(), pushes.oracle(version).tensors())
+    reader = WalJournal(tmp_path / "data")  # a restart: the snapshot and the log after it
+    try:
+        loaded = reader.load("big")
+    finally:
+        reader.close()
+    assert loaded is not None and loaded[1] == store.version("big")
+    assert _same_tables(loaded[0].tensors(), store.table("big").tensors())
+    assert _same_tables(loaded[0].tensors(), pushes.oracle(loaded[1]).tensors())
+
+
+@pytest.mark.slow
+def test_pushes_go_on_while_a_checksum_copies_its_table_and_it_hashes_exactly_its_version(
+    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = _big_adam(client_factory, tmp_path, data_dir=tmp_path / "data")
+    store = store_of(client)
+    pushes = _Pushes(client, seed=12)
+    quiet = store.checksum("big")
+    assert quiet == (pushes.start_version, _sha256(pushes.start))  # the digest computed here is the same
+    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS))
+    summed: list[tuple[int, str]] = []
+    latencies, started, ended = _pushes_during(lambda: summed.append(store.checksum("big")), pushes.push)
+    monkeypatch.delenv(SLOW_VARIABLE)
+    version, digest = summed[0]
+    assert version >= pushes.start_version + 3, (version, pushes.start_version)  # pushed during the copy
+    assert ended - started >= 6 * SLOW_SECONDS  # copy and hash slowed
+    assert max(latencies) < SLOW_SECONDS, latencies
+    assert version < store.version("big")  # and during the hash
+    assert digest == _sha256(pushes.oracle(version))
+
+
+@pytest.mark.slow
+def test_a_checksum_without_a_data_dir_copies_under_the_lock_and_is_exact(
+    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No log to say what changed during a lock-free copy: the copy is made under the lock (not slowed),
+    the hash without it; the digest is still exactly its version's."""
+    client = _big_adam(client_factory, tmp_path)
+    store = store_of(client)
+    assert store.journal_is_memory_only()
+    pushes = _Pushes(client, seed=13)
+    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS / 2))
+    summed: list[tuple[int, str]] = []
+    latencies, _started, _ended = _pushes_during(lambda: summed.append(store.checksum("big")), pushes.push)
+    monkeypatch.delenv(SLOW_VARIABLE)
+    version, digest = summed[0]
+    assert version < store.version("big") and len(latencies) >= 3  # pushes went on during the hash
+    assert digest == _sha256(pushes.oracle(version))
 
 
 def _server(tmp_path: Path, **env: str) -> RobezServer:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from robez_core import reference
 from robez_core.hashing import PAPER_PRIME
-from robez_core.table import Table
+from robez_core.table import CheckpointWriter, Table
 from service import cli
 from service.app import create_app
 from service.config import Settings
@@ -296,11 +296,11 @@ def test_a_periodic_snapshot_on_a_full_disk_warns_once_without_a_traceback(
         store = client.app.state.store  # type: ignore[attr-defined]
         scheduler = SnapshotScheduler(store, store.journal)
 
-        def disk_full(table: Table, fd: int) -> None:
+        def disk_full(cls: type, fd: int, tensors: Any, metadata: Any) -> None:
             raise OSError(28, "No space left on device")
 
-        # The scheduler's snapshot is written by Table.begin_write (journal.snapshot_live).
-        monkeypatch.setattr(Table, "begin_write", disk_full)
+        # The scheduler's snapshot file is allocated by CheckpointWriter.begin (journal.snapshot_live).
+        monkeypatch.setattr(CheckpointWriter, "begin", classmethod(disk_full))
         with caplog.at_level("WARNING", logger="robez.wal"):
             assert scheduler.run_once() == [] and scheduler.run_once() == []
         monkeypatch.undo()

@@ -830,6 +830,36 @@ def test_recover_rebuilds_the_version_and_cuts_the_unfinished_record(
         journal.recover("t", 9)
 
 
+def test_updated_ids_names_what_was_logged_since_a_mark_and_nothing_after_a_cut_or_a_snapshot(
+    journal: WalJournal,
+) -> None:
+    """What a lock-free copy patches (store/live_copy.py): the ids of the records after a mark; None
+    (unknown: copy under the lock) once an unfinished update was cut off the log, whose values a copy
+    may hold though no record names them any more, or once the log was replaced."""
+    initial = _table()
+    journal.create("t", initial, 0)
+    server = _Server(journal, "t", _copy(initial))
+    server.update()
+    noted = journal.updated_ids("t", 1)
+    assert noted is not None and noted[0].version == 1 and noted[1] == []
+    for _ in range(3):
+        server.update()
+    changed = journal.updated_ids("t", 4, noted[0])
+    assert changed is not None and changed[0].version == 4
+    assert [ids.tolist() for ids in changed[1]] == [ids.tolist() for ids, _, _ in server.updates[1:]]
+    with pytest.raises(CorruptionError, match="the table is at 5"):
+        journal.updated_ids("t", 5, changed[0])  # the store and the log disagree: never silent
+    journal.append(UpdateRecord("t", 5, torch.tensor([7]), torch.ones(1, DIM), 0.1))  # its worker dies
+    journal.recover("t", 4)
+    assert journal.updated_ids("t", 4, changed[0]) is None
+    fresh = journal.updated_ids("t", 4)
+    assert fresh is not None
+    server.update()
+    assert journal.updated_ids("t", 5, fresh[0]) is not None
+    journal.snapshot("t", server.table, 5)
+    assert journal.updated_ids("t", 5, fresh[0]) is None
+
+
 def test_salvage_keeps_the_later_of_a_repeated_version(journal: WalJournal) -> None:
     """A log written by the bug: the dead worker's version 2, then the next writer's version 2 and on."""
     initial = _table()
