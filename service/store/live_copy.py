@@ -12,9 +12,11 @@ every update is logged, with its version, before it is applied. So ``consistent_
    fine: every position an update changed after V0 is copied again below);
 3. while many updates came in (up to ``_ROUNDS`` times): notes V_k under the lock, then, without it,
    copies again the granules the updates V_{k-1}+1..V_k touched;
-4. under the lock at V1: copies the granules of the updates since the last note, and the small tensors
-   whole. The target is then bitwise the state at V1; the lock was held for the rows changed during the
-   last round, not for the table.
+4. under the lock at V1: reads the granules of the updates since the last note, and the small tensors
+   whole, into private memory; after the lock, writes them into the target (a write into a snapshot
+   file's page may wait for that page's writeback to the disk: never under the lock). The target is then
+   bitwise the state at V1; the lock was held to read the rows changed during the last round, not the
+   table.
 
 Where the journal cannot say which ids changed (no data directory: ``NullJournal``; the log replaced by
 another worker's snapshot or a load, or an unfinished update cut off it by a repair), the copy is made
@@ -120,14 +122,22 @@ def _copy(
             marks = _touched(now, ids)
             patched = int(np.count_nonzero(marks))
             if round_ == _ROUNDS or patched <= _SMALL_PATCH:
-                _patch(now, targets, marks)
+                # Under the lock the changed granules are only read into private memory; they are
+                # written into the target after it: a snapshot file's page being written back to the
+                # disk makes a write to it wait (measured at 2**28: 0.9 s under the lock for 14k
+                # granules written straight into the file's mapping).
+                gathered = _gather(now, marks)
+                result = finish(now, version, mark)
                 how = (
                     f"lock-free, {round_} lock-free patch round(s), then {patched} granules of "
-                    f"{updates} update(s) under the lock"
+                    f"{updates} update(s) read under the lock"
                 )
-                return finish(now, version, mark), version, how
-        _patch(table, targets, marks)  # lock-free: what changes meanwhile is in the next round's ids
-    raise AssertionError("unreachable")  # pragma: no cover
+                break
+        _scatter(targets, _gather(table, marks))  # lock-free: what changes meanwhile is in the next round
+    else:  # pragma: no cover
+        raise AssertionError("unreachable")
+    _scatter(targets, gathered)
+    return result, version, how
 
 
 def _arrays(table: Table, targets: Mapping[str, np.ndarray]) -> dict[str, int]:
@@ -177,21 +187,37 @@ def _touched(table: Table, ids: list[np.ndarray]) -> np.ndarray:
     return marks
 
 
-def _patch(table: Table, targets: Mapping[str, np.ndarray], marks: np.ndarray) -> None:
-    """Copy the marked granules of each (m,) tensor from the table into its target, and every other
-    tensor (adam's step) whole."""
+_Gathered = list[tuple[str, np.ndarray | None, np.ndarray, np.ndarray | None]]
+
+
+def _gather(table: Table, marks: np.ndarray) -> _Gathered:
+    """Private copies of the marked granules of each (m,) tensor of the table (key, granule indexes,
+    their values, the tail past the last whole granule if marked) and of every other tensor (adam's
+    step) whole (key, None, values, None)."""
     m = table.config.memory_size
     whole = m // GRANULE
     picked = np.flatnonzero(marks[:whole])
+    gathered: _Gathered = []
     for key, tensor in table.tensors().items():
         source = tensor.detach().reshape(-1).numpy()
-        target = targets[key].reshape(-1)
         if source.size != m:
-            np.copyto(target, source)
+            gathered.append((key, None, source.copy(), None))
             continue
+        rows = source[: whole * GRANULE].reshape(whole, GRANULE)[picked]  # fancy indexing: a copy
+        tail = source[whole * GRANULE :].copy() if whole * GRANULE < m and marks[whole:].any() else None
+        gathered.append((key, picked, rows, tail))
+    return gathered
+
+
+def _scatter(targets: Mapping[str, np.ndarray], gathered: _Gathered) -> None:
+    """Write what ``_gather`` read into ``targets``."""
+    for key, picked, values, tail in gathered:
+        target = targets[key].reshape(-1)
+        if picked is None:
+            np.copyto(target, values)
+            continue
+        whole = target.size // GRANULE
         if picked.size:
-            target[: whole * GRANULE].reshape(whole, GRANULE)[picked] = source[: whole * GRANULE].reshape(
-                whole, GRANULE
-            )[picked]
-        if whole * GRANULE < m and marks[whole:].any():
-            np.copyto(target[whole * GRANULE :], source[whole * GRANULE :])
+            target[: whole * GRANULE].reshape(whole, GRANULE)[picked] = values
+        if tail is not None:
+            np.copyto(target[target.size - tail.size :], tail)
