@@ -74,10 +74,11 @@ class Settings(BaseSettings):
     # Snapshots bound the log (disk) and the replay at start-up; 0 turns a trigger off.
     snapshot_every_updates: int = Field(default=10_000, ge=0, description="snapshot after this many updates")
     snapshot_every_seconds: float = Field(default=600.0, ge=0, description="... or when the last is this old")
-    # ... or when the log outgrows the table: over max(floor, ratio x the snapshot's bytes). Bounds the log
-    # by bytes (records of big pushes are big), whatever the update count; see docs/durability.md.
+    # ... or when the log outgrows a quarter of the table: over max(floor, ratio x the snapshot's bytes).
+    # Bounds the log by bytes (records of big pushes are big), whatever the update count, and so the
+    # replay at a restart: a snapshot no longer stalls pushes, so it can come often; docs/durability.md.
     snapshot_log_ratio: float = Field(
-        default=2.0, ge=0, description="snapshot when the log exceeds this many times the snapshot's size"
+        default=0.25, ge=0, description="snapshot when the log exceeds this many times the snapshot's size"
     )
     snapshot_log_min_bytes: int = Field(
         default=64 * MiB, ge=0, description="... but not before the log holds this many bytes (the floor)"

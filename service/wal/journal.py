@@ -753,6 +753,7 @@ class WalJournal:
             if size // _SLOW_PIECE_BYTES > before // _SLOW_PIECE_BYTES:
                 slow_down()  # testing only: a slow load without a big table
 
+        started = time.perf_counter()
         checkpoint.read_into(table.tensors(), verify=False, each_piece=add)
         if (crc, size) != (meta.snapshot_crc32, meta.snapshot_bytes):
             raise CorruptionError(
@@ -760,8 +761,20 @@ class WalJournal:
                 f"(crc32 {crc:08x}, {size} bytes; meta.json says {meta.snapshot_crc32:08x}, "
                 f"{meta.snapshot_bytes} bytes)"
             )
+        read = time.perf_counter()
+        log_bytes = os.stat(directory / LOG_FILE).st_size
         version = self._replay(name, meta, table, salvage=False)
         self._forget_log(name)
+        logger.info(
+            "table %r: snapshot of %.0f MiB read in %.1f s; %d update(s) in %.0f MiB of log replayed in "
+            "%.1f s",
+            name,
+            size / (1 << 20),
+            read - started,
+            version - meta.version,
+            log_bytes / (1 << 20),
+            time.perf_counter() - read,
+        )
         return version
 
     def recover(self, name: str, version: int) -> Table:
