@@ -568,7 +568,9 @@ class WalJournal:
     def _count_cut(self, name: str) -> None:
         """One more cut (under the update lock): a lock-free copy running since before it may hold values
         of the cut update, which the log no longer names; ``updated_ids`` then says it cannot tell."""
-        (self.table_dir(name) / _CUTS_FILE).write_text(str(self._cuts(name) + 1))
+        count = self._cuts(name) + 1
+        with open_private(self.table_dir(name) / _CUTS_FILE) as handle:  # 0600, as every file here
+            handle.write(str(count).encode())
 
     @contextlib.contextmanager
     def _snapshot_turn(self, name: str, *, wait: bool) -> Iterator[bool]:
