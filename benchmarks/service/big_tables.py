@@ -356,15 +356,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{file_bytes / MiB:,.0f} MiB ({files[-1].stat().st_size / MiB:,.0f} MiB of log); "
             f"{read:.1f} s / {cached_read:.1f} s",
         )
+
+        def timed_restart(what: str, baseline: float, against: str) -> None:
+            """A restart from exec to /readyz 200 (memory not sampled), and its load from the server log."""
+            logged = server.log.stat().st_size
+            seconds, _ = server.start(sample_memory=False)
+            row(what, f"{seconds:.1f} s ({seconds / baseline:.1f} x {against})")
+            row("... of which the table's load (server log)", _load_log(server.log, logged))
+
         drop_from_page_cache(files)
-        logged = server.log.stat().st_size
-        restart, _ = server.start(sample_memory=False)
-        row(
+        timed_restart(
             "restart after kill -9, files evicted from the page cache: exec to /readyz 200",
-            f"{restart:.1f} s ({restart / read:.1f} x the read from the disk)",
+            read,
+            "the read from the disk",
         )
-        row("... of which the table's load (server log)", _load_log(server.log, logged))
-        server.kill()  # the same restart again, its memory sampled (which slows it)
+        server.kill()  # the same restart again, its memory sampled
         drop_from_page_cache(files)
         sampled, peak = server.start()
         up = server.memory()
@@ -374,13 +380,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"goal 1.25 x state + 300 MB = {(1.25 * state_bytes + 300e6) / MiB:,.0f} MiB",
         )
         server.kill()
-        logged = server.log.stat().st_size
-        warm_restart, _ = server.start(sample_memory=False)
-        row(
+        timed_restart(
             "the same restart again (kill -9), files in the page cache",
-            f"{warm_restart:.1f} s ({warm_restart / cached_read:.1f} x the read from the page cache)",
+            cached_read,
+            "the read from the page cache",
         )
-        row("... of which the table's load (server log)", _load_log(server.log, logged))
         total = sum(path.stat().st_size for path in data_dir.rglob("*") if path.is_file())
         row("data dir size", f"{total / MiB:,.0f} MiB (state {state_bytes / MiB:,.0f} MiB)")
         pusher = _Pusher(server.url, args.push_ids, 3)
