@@ -51,9 +51,9 @@ GRANULE = 64
 _PIECE_BYTES = 1 << 24
 # At most this many lock-free patch rounds; one more is taken only while the last one patched more than
 # _SMALL_PATCH granules (the rest are patched under the lock). At 2**28 under a pusher at full speed two
-# rounds left the rows of ~110 updates to the locked one (0.3-0.5 s of lock); five left 3-5, but with
-# five two fresh-clone suites each had one push wait ~1 s in the big-tables tests (not understood yet):
-# two, until that is.
+# rounds left the rows of ~110 updates to the locked one (0.3-0.5 s of lock); five left 3-5. Kept at two
+# while a push waiting one test-hook pause in the big-tables tests (seen with two and with five) is not
+# understood.
 _ROUNDS = 2
 _SMALL_PATCH = 4096
 
