@@ -752,8 +752,7 @@ class WalJournal:
             nonlocal crc, size
             crc = _crc(piece, crc)
             before, size = size, size + len(piece)
-            if size // _SLOW_PIECE_BYTES > before // _SLOW_PIECE_BYTES:
-                slow_down()  # testing only: a slow load without a big table
+            _slow_down_per_piece(before, size)  # testing only: a slow load without a big table
 
         started = time.perf_counter()
         checkpoint.read_into(table.tensors(), verify=False, each_piece=add)
@@ -1380,11 +1379,17 @@ def _finish_snapshot(fd: int, path: Path, writer: CheckpointWriter) -> tuple[int
     def pause(piece: memoryview) -> None:
         nonlocal hashed
         before, hashed = hashed, hashed + len(piece)
-        if hashed // _SLOW_PIECE_BYTES > before // _SLOW_PIECE_BYTES:
-            slow_down()
+        _slow_down_per_piece(before, hashed)
 
     writer.finish(fd, each_piece=pause)
     return _file_crc(path)
 
 
 _SLOW_PIECE_BYTES = 1 << 24  # a test's pause per this much hashed, as the store's checksum pauses
+
+
+def _slow_down_per_piece(before: int, after: int) -> None:
+    """``slow_down`` once when a pass crossed a ``_SLOW_PIECE_BYTES`` boundary going from ``before``
+    to ``after`` bytes (testing only: nothing happens unless a test asks)."""
+    if after // _SLOW_PIECE_BYTES > before // _SLOW_PIECE_BYTES:
+        slow_down()
