@@ -78,7 +78,7 @@ class SkippedRecord:
 
 @dataclass(frozen=True)
 class LogMark:
-    """Where a journal's log stood at one version of a table (``Journal.updated_ids``).
+    """Where a journal's log stood at one version of a table (``Journal.log_mark``).
 
     Attributes:
         version: the table's version then.
@@ -142,14 +142,20 @@ class Journal(Protocol):
         for)."""
         ...
 
-    def updated_ids(
-        self, name: str, version: int, since: LogMark | None = None
-    ) -> tuple[LogMark, list[np.ndarray]] | None:
-        """Which ids changed the table since ``since`` (a lock-free copy patches what they touched,
-        ``store/live_copy.py``). Called under the table's update lock, the table at ``version``: a mark
-        of the log there, and the ids (int64 arrays, one per update, as logged) of every update after
-        ``since`` up to ``version`` (none when ``since`` is None). None when the journal cannot say: it
-        keeps no log, or the log was replaced or had an unfinished update cut off since ``since``."""
+    def log_mark(self, name: str, version: int, since: LogMark | None = None) -> LogMark | None:
+        """Where the table's log stands at ``version`` (a lock-free copy patches what was logged between
+        two marks, ``store/live_copy.py``). Called under the table's update lock, the table at
+        ``version``; cheap (no record is read: the lock is held for it). None when the journal cannot
+        say: it keeps no log, or the log was replaced or had an unfinished update cut off since
+        ``since``."""
+        ...
+
+    def updated_ids(self, name: str, since: LogMark, until: LogMark) -> list[np.ndarray] | None:
+        """The ids (int64 arrays, one per update, as logged) of every update after ``since`` up to
+        ``until`` (two marks of ``log_mark``, ``until`` the later). No lock needed: what is logged up to
+        a mark never changes. None when they can no longer be read (the log was replaced since
+        ``until``); ``CorruptionError`` when the log between the marks does not hold exactly those
+        versions."""
         ...
 
     def recover(self, name: str, version: int) -> Table | None:
@@ -216,10 +222,11 @@ class NullJournal:
             self.snapshot(name, table, version)
             return version
 
-    def updated_ids(
-        self, name: str, version: int, since: LogMark | None = None
-    ) -> tuple[LogMark, list[np.ndarray]] | None:
+    def log_mark(self, name: str, version: int, since: LogMark | None = None) -> LogMark | None:
         return None  # no log: unknown
+
+    def updated_ids(self, name: str, since: LogMark, until: LogMark) -> list[np.ndarray] | None:
+        return None
 
     def recover(self, name: str, version: int) -> Table | None:
         return None

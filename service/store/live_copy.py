@@ -7,16 +7,18 @@ positions its ids' chunks cover (``table.hash(ids)``: offsets ``o``, each coveri
 weight and of every state tensor of the weight's length), plus the small tensors (adam's ``step``); and
 every update is logged, with its version, before it is applied. So ``consistent_copy``:
 
-1. under the lock: notes the version V0 and where the log stands (``Journal.updated_ids``);
+1. under the lock: notes the version V0 and where the log ends (``Journal.log_mark``: no record read);
 2. without the lock: copies every tensor from the live shared array into the target (torn reads are
    fine: every position an update changed after V0 is copied again below);
-3. while many updates came in (up to ``_ROUNDS`` times): notes V_k under the lock, then, without it,
-   copies again the granules the updates V_{k-1}+1..V_k touched;
-4. under the lock at V1: reads the granules of the updates since the last note, and the small tensors
-   whole, into private memory; after the lock, writes them into the target (a write into a snapshot
-   file's page may wait for that page's writeback to the disk: never under the lock). The target is then
-   bitwise the state at V1; the lock was held to read the rows changed during the last round, not the
-   table.
+3. while many updates came in (up to ``_ROUNDS`` times): notes V_k and the log's end under the lock,
+   then, without it, reads the ids of the updates V_{k-1}+1..V_k from the log (``Journal.updated_ids``),
+   hashes them and copies again the granules they touched;
+4. under the lock at V1 (once the last round saw at most ``_FEW_UPDATES`` updates): reads the ids of the
+   updates since the last note, and the granules they touched and the small tensors whole into private
+   memory; after the lock, writes them into the target (a write into a snapshot file's page may wait
+   for that page's writeback to the disk: never under the lock). The target is then bitwise the state
+   at V1; the lock was held to read the few updates logged during the last round and their rows, never
+   for work that grows with the updates made during the copy.
 
 Where the journal cannot say which ids changed (no data directory: ``NullJournal``; the log replaced by
 another worker's snapshot or a load, or an unfinished update cut off it by a repair), the copy is made
@@ -29,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import TypeVar
 
 import numpy as np
@@ -49,13 +51,12 @@ T = TypeVar("T")
 GRANULE = 64
 # The lock-free copy goes in pieces of this many bytes (a test's pause after each: faults.slow_down).
 _PIECE_BYTES = 1 << 24
-# At most this many lock-free patch rounds; one more is taken only while the last one patched more than
-# _SMALL_PATCH granules (the rest are patched under the lock). At 2**28 under a pusher at full speed two
-# rounds left the rows of ~110 updates to the locked one (0.3-0.5 s of lock); five left 3-5. Kept at two
-# while a push waiting one test-hook pause in the big-tables tests (seen with two and with five) is not
-# understood.
-_ROUNDS = 2
-_SMALL_PATCH = 4096
+# At most this many lock-free patch rounds; the last, locked round comes earlier once a round ends with at
+# most _FEW_UPDATES updates logged since the one before (their ids are read and hashed, and their granules
+# gathered, under the lock). At 2**28 under a pusher at full speed five rounds left the rows of 3-5
+# updates to the locked one (two left ~110: 0.3-0.5 s of lock).
+_ROUNDS = 5
+_FEW_UPDATES = 8
 
 
 def consistent_copy(
@@ -104,39 +105,52 @@ def _copy(
     finish: Callable[[Table, int, LogMark | None], T],
 ) -> tuple[T, int, str]:
     """``consistent_copy``: (finish's result, the version copied, how it was copied)."""
+
+    def whole(why: str) -> tuple[T, int, str]:
+        """The copy made again, whole, under the lock (the log cannot say what changed)."""
+        with exclusive() as (now, version):
+            _copy_whole(now, targets, slow=False)
+            return finish(now, version, None), version, f"whole, under the lock: {why}"
+
     with exclusive() as (table, version):
-        noted = journal.updated_ids(name, version)
-        if noted is None:
+        mark = journal.log_mark(name, version)
+        if mark is None:
             _copy_whole(table, targets, slow=False)
             return finish(table, version, None), version, "whole, under the lock: no log"
-        mark = noted[0]
         source = _arrays(table, targets)
     _copy_whole(table, targets, slow=True)
+    cannot_tell = "the log could not say what changed during the copy"
     for round_ in range(_ROUNDS + 1):
         with exclusive() as (now, version):
-            changed = None if _arrays(now, targets) != source else journal.updated_ids(name, version, mark)
-            if changed is None:
-                # Replaced, or the log cannot say what changed: the whole copy, under the lock.
+            until = None if _arrays(now, targets) != source else journal.log_mark(name, version, mark)
+            if until is None:  # replaced, or the log swapped or cut meanwhile
                 _copy_whole(now, targets, slow=False)
-                how = "whole, under the lock: the log could not say what changed during the copy"
-                return finish(now, version, None), version, how
+                return finish(now, version, None), version, f"whole, under the lock: {cannot_tell}"
             updates = version - mark.version
-            mark, ids = changed
-            marks = _touched(now, ids)
-            patched = int(np.count_nonzero(marks))
-            if round_ == _ROUNDS or patched <= _SMALL_PATCH:
-                # Under the lock the changed granules are only read into private memory; they are
-                # written into the target after it: a snapshot file's page being written back to the
-                # disk makes a write to it wait (measured at 2**28: 0.9 s under the lock for 14k
-                # granules written straight into the file's mapping).
+            if round_ == _ROUNDS or updates <= _FEW_UPDATES:
+                # The last round: the few updates since the last note are read and their granules
+                # gathered into private memory under the lock; written into the target after it (a
+                # snapshot file's page being written back to the disk makes a write to it wait:
+                # measured at 2**28, 0.9 s under the lock for 14k granules written into the mapping).
+                ids = journal.updated_ids(name, mark, until)
+                if ids is None:
+                    _copy_whole(now, targets, slow=False)
+                    return finish(now, version, None), version, f"whole, under the lock: {cannot_tell}"
+                marks = _touched(now, ids)
                 gathered = _gather(now, marks)
-                result = finish(now, version, mark)
+                result = finish(now, version, until)
                 how = (
-                    f"lock-free, {round_} lock-free patch round(s), then {patched} granules of "
-                    f"{updates} update(s) read under the lock"
+                    f"lock-free, {round_} lock-free patch round(s), then {int(np.count_nonzero(marks))} "
+                    f"granules of {updates} update(s) read under the lock"
                 )
                 break
-        _scatter(targets, _gather(table, marks))  # lock-free: what changes meanwhile is in the next round
+        # Lock-free: which ids the updates between the two notes changed (read from the log, hashed),
+        # and their granules copied again; what changes meanwhile is in the next round.
+        ids = journal.updated_ids(name, mark, until)
+        if ids is None:
+            return whole(cannot_tell)
+        _scatter(targets, _gather(table, _touched(table, ids)))
+        mark = until
     else:  # pragma: no cover
         raise AssertionError("unreachable")
     _scatter(targets, gathered)
@@ -176,18 +190,30 @@ def _touched(table: Table, ids: list[np.ndarray]) -> np.ndarray:
     m, z = config.memory_size, config.chunk_size
     marks = np.zeros(-(-m // GRANULE), dtype=np.uint8)
     spread = (z - 1) // GRANULE + 2  # granules one chunk can touch, at most
-    for update_ids in ids:
-        if update_ids.size == 0:
-            continue
-        try:
-            offsets = table.hash(torch.from_numpy(np.ascontiguousarray(update_ids, dtype=np.int64)))
-        except InvalidInputError:
-            continue  # an update refused as a whole changed nothing
-        first = offsets.numpy().reshape(-1) // GRANULE
-        last = (offsets.numpy().reshape(-1) + (z - 1)) // GRANULE
+    for offsets in _hashed(table, ids):
+        first = offsets // GRANULE
+        last = (offsets + (z - 1)) // GRANULE
         for step in range(spread):
             marks[np.minimum(first + step, last)] = 1
     return marks
+
+
+def _hashed(table: Table, ids: list[np.ndarray]) -> Iterator[np.ndarray]:
+    """The chunk offsets (flat) of every update of ``ids``: in one call to the hash for all of them (a
+    lock-free round may patch thousands of updates), each update alone where one of them is refused
+    (an update refused as a whole changed nothing)."""
+    if not ids:
+        return
+    try:
+        yield _hash(table, np.concatenate(ids))
+    except InvalidInputError:
+        for update_ids in ids:
+            with suppress(InvalidInputError):
+                yield _hash(table, update_ids)
+
+
+def _hash(table: Table, ids: np.ndarray) -> np.ndarray:
+    return table.hash(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))).numpy().reshape(-1)
 
 
 _Gathered = list[tuple[str, np.ndarray | None, np.ndarray, np.ndarray | None]]

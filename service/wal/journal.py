@@ -523,18 +523,17 @@ class WalJournal:
                 if staged is not None:
                     staged.unlink(missing_ok=True)
 
-    def updated_ids(
-        self, name: str, version: int, since: LogMark | None = None
-    ) -> tuple[LogMark, list[np.ndarray]] | None:
-        """The ids logged after ``since`` up to ``version``, read from the table's log (``Journal``);
-        caller holds the update lock. The mark is (log inode, generation, byte after ``version``'s
-        record, cuts): None when the log was replaced (a snapshot, a load) or had an unfinished update
-        cut off (``recover``) since ``since``, or does not match meta.json (an interrupted snapshot)."""
+    def log_mark(self, name: str, version: int, since: LogMark | None = None) -> LogMark | None:
+        """Where the table's log stands at ``version`` (``Journal``); caller holds the update lock, so
+        no append runs and the log ends with ``version``'s record. The mark is (log inode, generation,
+        the log's end, cuts); None when the log was replaced (a snapshot, a load) or had an unfinished
+        update cut off (``recover``) since ``since``, or does not match meta.json (an interrupted
+        snapshot). Reads the header alone: the versions are checked by ``updated_ids``, which reads the
+        records from a mark on (a mark at a wrong place fails there, never silently)."""
         meta = self._read_meta(name)
         if meta is None:
             return None
         path = self.table_dir(name) / LOG_FILE
-        where = f"table {name!r} log {path}"
         cuts = self._cuts(name)
         try:
             handle = open(path, "rb")  # noqa: SIM115 (closed below)
@@ -545,21 +544,40 @@ class WalJournal:
             stat = os.fstat(fd)
             if since is None:
                 try:
-                    self._check_header(fd, meta, where)
+                    self._check_header(fd, meta, f"table {name!r} log {path}")
                 except CorruptionError:
                     return None  # an interrupted snapshot's: the caller's locked path deals with it
-                ids: list[np.ndarray] = []  # the headers alone: the log may be long
-                end, reached = follow_records(fd, LOG_HEADER_SIZE, stat.st_size, meta.version, where)
             elif (stat.st_ino, meta.generation, since.where[3]) != (since.where[0], since.where[1], cuts):
                 return None
-            else:
-                ids, end, reached = read_record_ids(fd, since.where[2], stat.st_size, since.version, where)
-        if reached != version:
-            raise CorruptionError(f"{where} holds versions up to {reached}, the table is at {version}")
-        return LogMark(version, (stat.st_ino, meta.generation, end, cuts)), ids
+        return LogMark(version, (stat.st_ino, meta.generation, stat.st_size, cuts))
+
+    def updated_ids(self, name: str, since: LogMark, until: LogMark) -> list[np.ndarray] | None:
+        """The ids logged after ``since`` up to ``until`` (``Journal``), read from the table's log
+        without the update lock: the records up to a mark never change (a cut removes only records
+        after the table's version, a snapshot writes a new log). None when the log file is no longer the
+        marks' (replaced since); ``CorruptionError`` when the records between the marks do not produce
+        exactly the versions after ``since.version`` up to ``until.version``."""
+        path = self.table_dir(name) / LOG_FILE
+        where = f"table {name!r} log {path}"
+        try:
+            handle = open(path, "rb")  # noqa: SIM115 (closed below)
+        except FileNotFoundError:
+            return None
+        inode, generation, end = until.where[:3]
+        with handle:
+            fd = handle.fileno()
+            if os.fstat(fd).st_ino != inode or read_log_header(fd, where)[0] != generation:
+                return None
+            ids, reached_end, reached = read_record_ids(fd, since.where[2], end, since.version, where)
+        if (reached_end, reached) != (end, until.version):
+            raise CorruptionError(
+                f"{where} holds versions up to {reached} by byte {reached_end}, the table is at "
+                f"{until.version} (byte {end})"
+            )
+        return ids
 
     def _cuts(self, name: str) -> int:
-        """How many times ``recover`` cut an unfinished update off the table's log (``updated_ids``)."""
+        """How many times ``recover`` cut an unfinished update off the table's log (``log_mark``)."""
         try:
             return int((self.table_dir(name) / _CUTS_FILE).read_text() or 0)
         except FileNotFoundError:
@@ -567,7 +585,7 @@ class WalJournal:
 
     def _count_cut(self, name: str) -> None:
         """One more cut (under the update lock): a lock-free copy running since before it may hold values
-        of the cut update, which the log no longer names; ``updated_ids`` then says it cannot tell."""
+        of the cut update, which the log no longer names; ``log_mark`` then says it cannot tell."""
         count = self._cuts(name) + 1
         with open_private(self.table_dir(name) / _CUTS_FILE) as handle:  # 0600, as every file here
             handle.write(str(count).encode())

@@ -830,34 +830,45 @@ def test_recover_rebuilds_the_version_and_cuts_the_unfinished_record(
         journal.recover("t", 9)
 
 
-def test_updated_ids_names_what_was_logged_since_a_mark_and_nothing_after_a_cut_or_a_snapshot(
+def test_log_marks_name_what_was_logged_between_them_and_nothing_after_a_cut_or_a_snapshot(
     journal: WalJournal,
 ) -> None:
-    """What a lock-free copy patches (store/live_copy.py): the ids of the records after a mark; None
-    (unknown: copy under the lock) once an unfinished update was cut off the log, whose values a copy
-    may hold though no record names them any more, or once the log was replaced."""
+    """What a lock-free copy patches (store/live_copy.py): the ids of the records between two marks, read
+    while later records are appended; None (unknown: copy under the lock) once an unfinished update was
+    cut off the log, whose values a copy may hold though no record names them any more, or once the log
+    was replaced."""
     initial = _table()
     journal.create("t", initial, 0)
     server = _Server(journal, "t", _copy(initial))
     server.update()
-    noted = journal.updated_ids("t", 1)
-    assert noted is not None and noted[0].version == 1 and noted[1] == []
+    first = journal.log_mark("t", 1)
+    assert first is not None and first.version == 1
+    assert journal.updated_ids("t", first, first) == []
     for _ in range(3):
         server.update()
-    changed = journal.updated_ids("t", 4, noted[0])
-    assert changed is not None and changed[0].version == 4
-    assert [ids.tolist() for ids in changed[1]] == [ids.tolist() for ids, _, _ in server.updates[1:]]
+    second = journal.log_mark("t", 4, first)
+    assert second is not None and second.version == 4
+    logged = [ids.tolist() for ids, _, _ in server.updates[1:]]
+    assert [ids.tolist() for ids in journal.updated_ids("t", first, second) or []] == logged
+    wrong = journal.log_mark("t", 5, second)  # the store says 5, the log ends at 4
+    assert wrong is not None
     with pytest.raises(CorruptionError, match="the table is at 5"):
-        journal.updated_ids("t", 5, changed[0])  # the store and the log disagree: never silent
-    journal.append(UpdateRecord("t", 5, torch.tensor([7]), torch.ones(1, DIM), 0.1))  # its worker dies
-    journal.recover("t", 4)
-    assert journal.updated_ids("t", 4, changed[0]) is None
-    fresh = journal.updated_ids("t", 4)
+        journal.updated_ids("t", second, wrong)  # the store and the log disagree: never silent
+    server.update()  # appended after the mark: not named by it
+    assert [ids.tolist() for ids in journal.updated_ids("t", first, second) or []] == logged
+    fifth = journal.log_mark("t", 5, second)
+    assert fifth is not None
+    journal.append(UpdateRecord("t", 6, torch.tensor([7]), torch.ones(1, DIM), 0.1))  # its worker dies
+    journal.recover("t", 5)
+    assert journal.log_mark("t", 5, fifth) is None
+    fresh = journal.log_mark("t", 5)
     assert fresh is not None
     server.update()
-    assert journal.updated_ids("t", 5, fresh[0]) is not None
-    journal.snapshot("t", server.table, 5)
-    assert journal.updated_ids("t", 5, fresh[0]) is None
+    later = journal.log_mark("t", 6, fresh)
+    assert later is not None and journal.updated_ids("t", fresh, later) is not None
+    journal.snapshot("t", server.table, 6)
+    assert journal.log_mark("t", 6, fresh) is None
+    assert journal.updated_ids("t", fresh, later) is None  # the log the marks name is gone
 
 
 def test_salvage_keeps_the_later_of_a_repeated_version(journal: WalJournal) -> None:
