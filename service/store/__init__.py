@@ -27,7 +27,7 @@ from .api import (
     UpdateResult,
     validate_table_name,
 )
-from .tables import TableStore, apply_record
+from .tables import TableStore, apply_record, prepare_record
 
 __all__ = [
     "POOLINGS",
@@ -40,5 +40,6 @@ __all__ = [
     "TableStore",
     "UpdateResult",
     "apply_record",
+    "prepare_record",
     "validate_table_name",
 ]
