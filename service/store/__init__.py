@@ -27,7 +27,7 @@ from .api import (
     UpdateResult,
     validate_table_name,
 )
-from .tables import TableStore, apply_record, prepare_record
+from .tables import TableStore, apply_record
 
 __all__ = [
     "POOLINGS",
@@ -40,6 +40,5 @@ __all__ = [
     "TableStore",
     "UpdateResult",
     "apply_record",
-    "prepare_record",
     "validate_table_name",
 ]

@@ -528,7 +528,7 @@ def apply_record(
     grads: Tensor | np.ndarray,
     lr: float,
     *,
-    step: PreparedStep | SkippedRecord | None = None,
+    step: PreparedStep | None = None,
     logged_as: tuple[str, int] | None = None,
     checked_when_logged: bool = False,
 ) -> tuple[float, float] | SkippedRecord:
@@ -545,9 +545,7 @@ def apply_record(
         lr: the learning rate to apply, resolved (the request's or the table's).
         step: ``table.prepare_step`` of this very update, already checked (``_check_step``) under the
             lock: only applied. The live path with a journal checks before it appends, so a refused
-            update never reaches the log. Or ``prepare_record``'s result for a logged record (the
-            replay prepares the next record while this one is applied): a ``SkippedRecord`` is skipped
-            (its warning logged) and returned.
+            update never reaches the log.
         logged_as: (table name, version) of the log record this update is. Every check is then made
             here (the lr too) and an update that fails one (``RefusedUpdateError``: bad lr, ids or
             gradients, or a step that would leave a non-finite value) is skipped with one warning and a
@@ -561,8 +559,6 @@ def apply_record(
 
     Returns (seconds hashing, seconds coalescing, checking and stepping), or the ``SkippedRecord``.
     """
-    if isinstance(step, SkippedRecord):
-        return skipped(step)
     if step is not None:
         start = time.perf_counter()
         table.apply_step(step)
@@ -584,23 +580,6 @@ def apply_record(
         return skipped(SkippedRecord(*logged_as, error.reason, str(error)))
     table.apply_step(step)
     return hash_seconds, time.perf_counter() - start
-
-
-def prepare_record(
-    table: Table, ids: Tensor | np.ndarray, grads: Tensor | np.ndarray, lr: float, logged_as: tuple[str, int]
-) -> PreparedStep | SkippedRecord:
-    """What ``apply_record(..., logged_as=..., checked_when_logged=True)`` computes before it changes
-    anything, for a record of this server's own log: every check of the inputs, the hash and the
-    coalesced step; the ``SkippedRecord`` where a check fails. It reads only the table's config, so it
-    may run on another thread while the record before is applied; ``apply_record(..., step=...)``
-    applies the result (bitwise the same as ``apply_record`` on the record: the same step, the same
-    kernels)."""
-    try:
-        _check_lr(table, lr)
-        step, _ = _prepare(table, _tensor(ids), _tensor(grads), lr)
-    except RefusedUpdateError as error:
-        return SkippedRecord(*logged_as, error.reason, str(error))
-    return step
 
 
 def apply_logged_record(

@@ -8,7 +8,6 @@ import json
 import logging
 import mmap
 import os
-import queue
 import shutil
 import threading
 import time
@@ -26,15 +25,14 @@ from robez_core.table import CheckpointFile, CheckpointWriter, fsync_dir
 
 from ..errors import StorageFullError
 from ..faults import die_at, fault_file, slow_down
-from ..store import apply_record, prepare_record
-from ..store.journal import LogMark, SkippedRecord, UpdateRecord, is_storage_full
+from ..store import apply_record
+from ..store.journal import LogMark, UpdateRecord, is_storage_full
 from ..store.live_copy import consistent_copy
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from robez_core.config import OptimizerConfig, TableConfig
-    from robez_core.optim import PreparedStep
     from robez_core.table import Table
 
     from ..config import Settings
@@ -764,22 +762,18 @@ class WalJournal:
             raise CorruptionError(
                 f"table {name!r}: snapshot {snapshot_file} does not hold the table it names"
             )
-        # meta.json's crc32 covers every byte, so the per-tensor checksums would only read it twice. It
-        # is computed beside the reading, on a thread of its own (a third of a cached load's time).
+        # meta.json's crc32 covers every byte, so the per-tensor checksums would only read it twice.
+        crc = _crc(checkpoint.header)
         size = len(checkpoint.header)
-        summing = _CrcBeside(_crc(checkpoint.header))
 
         def add(piece: memoryview) -> None:
-            nonlocal size
-            summing.add(piece)
+            nonlocal crc, size
+            crc = _crc(piece, crc)
             before, size = size, size + len(piece)
             _slow_down_per_piece(before, size)  # testing only: a slow load without a big table
 
         started = time.perf_counter()
-        try:
-            checkpoint.read_into(table.tensors(), verify=False, each_piece=add)
-        finally:
-            crc = summing.total()
+        checkpoint.read_into(table.tensors(), verify=False, each_piece=add)
         if (crc, size) != (meta.snapshot_crc32, meta.snapshot_bytes):
             raise CorruptionError(
                 f"table {name!r}: snapshot {snapshot_file} fails its checksum "
@@ -822,8 +816,8 @@ class WalJournal:
             fd = handle.fileno()
             generation, base_version, dim, size = read_log_header(fd, where)
             self._check_log_matches(name, generation, base_version, dim, meta)
-            cut, reached, _tail = _replay_records(
-                fd, size, where, base_version, dim, table, name, stop_after=version
+            cut, reached, _tail = stream_records(
+                fd, size, where, base_version, dim, _applier(table, name), stop_after=version
             )
             if reached != version:
                 raise CorruptionError(f"{where}: holds versions up to {reached}, cannot recover {version}")
@@ -1067,8 +1061,8 @@ class WalJournal:
             if not stale:
                 self._check_log_matches(name, generation, base_version, dim, meta)
                 # Record by record: memory holds one record, never the log.
-                good_length, version, tail_problem = _replay_records(
-                    fd, size, where, base_version, dim, table, name
+                good_length, version, tail_problem = stream_records(
+                    fd, size, where, base_version, dim, _applier(table, name)
                 )
                 if tail_problem is not None:
                     logger.warning(
@@ -1349,91 +1343,15 @@ class WalJournal:
             raise error
 
 
-def _replay_records(
-    fd: int,
-    size: int,
-    where: str,
-    base_version: int,
-    embedding_dim: int,
-    table: Table,
-    name: str,
-    stop_after: int | None = None,
-) -> tuple[int, int, str | None]:
-    """``stream_records`` of a table's log applied to ``table`` in order (``apply_record``), as a
-    pipeline: a thread reads, checks and decodes each record and prepares its step (hash, coalesce:
-    ``prepare_record``; every record was checked before it was logged) while this one applies the record
-    before it (the kernels run without the GIL). Memory: the ``_REPLAY_AHEAD`` records in between.
-    Returns and raises as ``stream_records``; records before a failure have been applied."""
-    ready: queue.Queue[_Prepared | None] = queue.Queue(_REPLAY_AHEAD)
-    outcome: list[tuple[int, int, str | None] | BaseException] = []
-    stopped = threading.Event()
+def _applier(table: Table, name: str) -> Callable[[RecordSpan, bytes], None]:
+    """What replaying one record does: ``apply_record`` of its ids and grads (decoded from its bytes);
+    every record was checked before it was logged (``checked_when_logged``)."""
 
-    def prepare(span: RecordSpan, data: bytes) -> None:
-        if stopped.is_set():
-            raise _ReplayStopped
+    def apply(span: RecordSpan, data: bytes) -> None:
         ids, grads = decode_record(data, span_in(span))
-        ready.put((span, ids, grads, prepare_record(table, ids, grads, span.lr, (name, span.version))))
+        apply_record(table, ids, grads, span.lr, logged_as=(name, span.version), checked_when_logged=True)
 
-    def read() -> None:
-        try:
-            outcome.append(stream_records(fd, size, where, base_version, embedding_dim, prepare, stop_after))
-        except BaseException as error:  # handed to the applying thread, which raises it
-            outcome.append(error)
-        finally:
-            ready.put(None)
-
-    reader = threading.Thread(target=read, name="robez-replay-read", daemon=True)
-    reader.start()
-    try:
-        while (item := ready.get()) is not None:
-            span, ids, grads, step = item
-            apply_record(table, ids, grads, span.lr, step=step)
-    finally:
-        stopped.set()
-        while reader.is_alive():  # let a reader blocked on a full queue finish
-            with contextlib.suppress(queue.Empty):
-                ready.get(timeout=0.1)
-        reader.join()
-    (result,) = outcome
-    if isinstance(result, BaseException):
-        raise result
-    return result
-
-
-# Records read and prepared ahead of the one being applied (each: its ids, grads and coalesced step).
-_REPLAY_AHEAD = 4
-_Prepared = tuple[RecordSpan, "Tensor", "Tensor", "PreparedStep | SkippedRecord"]
-
-
-class _ReplayStopped(Exception):
-    """The applying thread failed: the reader stops."""
-
-
-class _CrcBeside:
-    """The crc32 of the pieces given to ``add``, in order, computed on a thread of its own (zlib runs
-    without the GIL) while the caller reads the next ones; ``total()`` waits for the last. A piece must
-    not change until then (the load's pieces are the table's memory, which nothing else writes)."""
-
-    def __init__(self, crc: int) -> None:
-        self._crc = crc
-        self._pieces: queue.Queue[memoryview | None] = queue.Queue(_CRC_AHEAD)
-        self._thread = threading.Thread(target=self._run, name="robez-load-crc", daemon=True)
-        self._thread.start()
-
-    def add(self, piece: memoryview) -> None:
-        self._pieces.put(piece)
-
-    def total(self) -> int:
-        self._pieces.put(None)
-        self._thread.join()
-        return self._crc
-
-    def _run(self) -> None:
-        while (piece := self._pieces.get()) is not None:
-            self._crc = _crc(piece, self._crc)
-
-
-_CRC_AHEAD = 16  # pieces read ahead of the checksum (4 MiB each: robez_core.table._PIECE_BYTES)
+    return apply
 
 
 def _copy_range(source: int, target: int, begin: int, end: int) -> None:

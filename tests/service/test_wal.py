@@ -911,10 +911,9 @@ def test_a_snapshot_the_old_journal_writer_made_still_loads(journal: WalJournal)
 def test_the_replay_skips_a_record_that_fails_a_check_and_applies_the_rest_in_order(
     journal: WalJournal, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The replay prepares each record on a reader thread (service/wal/journal.py: _replay_records) and
-    applies them in log order here: a record that fails a check (an lr over the table's max_lr, as a log
-    written under another config could hold) is an empty version, with its warning; those around it are
-    applied, bitwise as one at a time."""
+    """A record of the log that fails a check at the replay (an lr over the table's max_lr, as a log
+    written under another config could hold) is an empty version, with its warning; those around it, of
+    the small-batch path and of the general one, are applied in order."""
     initial = _table()
     journal.create("t", initial, 0)
     generator = torch.Generator().manual_seed(8)
@@ -934,33 +933,3 @@ def test_the_replay_skips_a_record_that_fails_a_check_and_applies_the_rest_in_or
         f"table 't': log entry 17 applied as an empty version (bad_lr): lr {initial.optimizer.max_lr * 2:g} "
         f"is over this table's max_lr={initial.optimizer.max_lr:g} (its optimizer config)"
     ]
-
-
-def test_a_failure_while_applying_a_replayed_record_stops_its_reader(
-    journal: WalJournal, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The error of the applying thread is raised, and the reader thread (blocked on its full queue of
-    prepared records) stops: no thread left behind, nothing hangs."""
-    initial = _table()
-    journal.create("t", initial, 0)
-    server = _Server(journal, "t", _copy(initial))
-    for _ in range(30):
-        server.update()
-    applied = 0
-    real = Table.apply_step
-
-    def failing(self: Table, step: object) -> None:
-        nonlocal applied
-        applied += 1
-        if applied == 3:
-            raise OSError("injected: the third step fails")
-        real(self, step)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Table, "apply_step", failing)
-    with pytest.raises(OSError, match="injected"):
-        journal.load("t")
-    assert not [thread for thread in threading.enumerate() if thread.name == "robez-replay-read"]
-    monkeypatch.undo()
-    loaded = journal.load("t")
-    assert loaded is not None and loaded[1] == 30
-    _assert_same(loaded[0], server.table)
