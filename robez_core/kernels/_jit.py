@@ -98,6 +98,10 @@ _PREFETCH_ROWS = 4
 # The backward prefetches the (N, d) output gradients it streams through this far ahead, so reading them
 # overlaps its adds at random places of the array (docs/benchmarks/kernel-constants.md#_stream_ahead_floats).
 _STREAM_AHEAD_FLOATS = 2048
+# The sparse optimizer steps ask for the cache lines of the location this many ahead, at every eighth
+# location: their sorted runs of Z land at random places of arrays bigger than the caches and the TLB
+# (docs/benchmarks/kernel-constants.md#_step_prefetch_ahead). 0 turns it off.
+_STEP_PREFETCH_AHEAD = 64
 # The row loops (gather, lookup, dense backward) copy or add a row as d // Z whole chunks and a shorter
 # last one. Compiled for one chunk size, those lengths are constants and LLVM unrolls each chunk into a
 # few vector moves, where a run-time Z runs three length loops. These sizes (the paper's Z range and its
@@ -343,6 +347,7 @@ _copy_4 = _make_vector_copy(4)
 _add_scaled_16 = _make_vector_add_scaled(16)
 _add_scaled_4 = _make_vector_add_scaled(4)
 _U1, _U4, _U16 = np.uint64(1), np.uint64(4), np.uint64(16)
+_NO_LOCATION = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
@@ -399,6 +404,17 @@ def _prefetch_chunk(array, position, length, for_write):
         _prefetch_write(array, last)
     else:
         _prefetch_read(array, last)
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _step_ahead(locations, k, distance):
+    """The location a sparse step at ``k`` prefetches: the one ``distance`` ahead (the caller's
+    ``_STEP_PREFETCH_AHEAD``, a compile-time constant; 0: none), at every eighth location, as uint64;
+    ``_NO_LOCATION`` when none."""
+    ahead = k + distance
+    if distance == 0 or (k & 7) != 0 or ahead >= locations.shape[0]:
+        return _NO_LOCATION
+    return np.uint64(locations[ahead])
 
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
@@ -1063,12 +1079,19 @@ def _coalesce_sorted_kernel(grad_rows, offsets, embedding_dim, chunk_size):
 @_parallel_kernel
 def _sgd_kernel(weight, locations, values, lr):
     for k in prange(locations.shape[0]):
+        ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
+        if ahead != _NO_LOCATION:
+            _prefetch_write(weight, ahead)
         weight[locations[k]] -= lr * values[k]
 
 
 @_parallel_kernel
 def _adagrad_kernel(weight, state_sum, locations, values, lr, eps):
     for k in prange(locations.shape[0]):
+        ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
+        if ahead != _NO_LOCATION:
+            _prefetch_write(weight, ahead)
+            _prefetch_write(state_sum, ahead)
         i = locations[k]
         g = values[k]
         s = state_sum[i] + g * g
@@ -1081,6 +1104,11 @@ def _adam_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, e
     one_minus_beta1 = np.float32(1.0) - beta1
     one_minus_beta2 = np.float32(1.0) - beta2
     for k in prange(locations.shape[0]):
+        ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
+        if ahead != _NO_LOCATION:
+            _prefetch_write(weight, ahead)
+            _prefetch_write(exp_avg, ahead)
+            _prefetch_write(exp_avg_sq, ahead)
         i = locations[k]
         g = values[k]
         m = exp_avg[i] + (g - exp_avg[i]) * one_minus_beta1
@@ -1098,6 +1126,9 @@ def _adam_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, e
 def _sgd_nonfinite_kernel(weight, locations, values, lr):
     bad = 0
     for k in prange(locations.shape[0]):
+        ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
+        if ahead != _NO_LOCATION:
+            _prefetch_read(weight, ahead)
         g = values[k]
         w = weight[locations[k]] - lr * g
         if not (np.isfinite(g) and np.isfinite(w)):
@@ -1109,6 +1140,10 @@ def _sgd_nonfinite_kernel(weight, locations, values, lr):
 def _adagrad_nonfinite_kernel(weight, state_sum, locations, values, lr, eps):
     bad = 0
     for k in prange(locations.shape[0]):
+        ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
+        if ahead != _NO_LOCATION:
+            _prefetch_read(weight, ahead)
+            _prefetch_read(state_sum, ahead)
         i = locations[k]
         g = values[k]
         s = state_sum[i] + g * g
@@ -1124,6 +1159,11 @@ def _adam_nonfinite_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1
     one_minus_beta2 = np.float32(1.0) - beta2
     bad = 0
     for k in prange(locations.shape[0]):
+        ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
+        if ahead != _NO_LOCATION:
+            _prefetch_read(weight, ahead)
+            _prefetch_read(exp_avg, ahead)
+            _prefetch_read(exp_avg_sq, ahead)
         i = locations[k]
         g = values[k]
         m = exp_avg[i] + (g - exp_avg[i]) * one_minus_beta1
