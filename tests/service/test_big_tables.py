@@ -114,10 +114,16 @@ def _pushes_during(work: Callable[[], Any], push: Callable[[], None]) -> tuple[l
 # the data dir sees them): what they measure is the update lock, and a disk's fsync can stall for a
 # second on its own on a shared VM (seen once in a fresh-clone suite: 1.05 s).
 _NO_FSYNC = {"wal_fsync": "never"}
+# Nor do the periodic snapshots run: pushing at full speed, the pushes pass the 10,000-update trigger
+# during a test, and that snapshot's commit (renames and fsyncs under the lock) made a push wait 1.5 s
+# once in a fresh-clone suite: what these tests time is the copy of the snapshot or checksum they make.
+_UNSCHEDULED = {"snapshot_every_updates": 0, "snapshot_every_seconds": 0, "snapshot_log_ratio": 0}
 
 
 def _big_client(client_factory: Callable[..., TestClient], tmp_path: Path, **overrides: Any) -> TestClient:
-    client = client_factory(data_dir=tmp_path / "data", default_table=False, **{**_NO_FSYNC, **overrides})
+    client = client_factory(
+        data_dir=tmp_path / "data", default_table=False, **{**_NO_FSYNC, **_UNSCHEDULED, **overrides}
+    )
     response = client.post(
         "/v1/tables", json={"name": "big", "config": BIG, "optimizer": {"name": "adagrad"}}
     )
@@ -179,7 +185,7 @@ def test_a_push_completes_while_a_snapshot_of_its_table_is_written(
 
 
 def _big_adam(client_factory: Callable[..., TestClient], tmp_path: Path, **overrides: Any) -> TestClient:
-    client = client_factory(default_table=False, **{**_NO_FSYNC, **overrides})
+    client = client_factory(default_table=False, **{**_NO_FSYNC, **_UNSCHEDULED, **overrides})
     response = client.post("/v1/tables", json={"name": "big", "config": BIG, "optimizer": {"name": "adam"}})
     assert response.status_code == 201, response.text
     return client
@@ -324,12 +330,7 @@ def test_a_copy_reads_under_the_lock_only_the_updates_of_its_last_round(
     """The updates made while the state is copied are read from the log and hashed without the lock (in
     one locked note per round); under it only those of the last round, a few. Reading them all under
     the lock made a push wait ~1 s in the tests above (as many updates as a slow copy lets through)."""
-    no_scheduled_snapshot = {
-        "snapshot_every_updates": 0,
-        "snapshot_every_seconds": 0,
-        "snapshot_log_ratio": 0,
-    }
-    client = _big_adam(client_factory, tmp_path, data_dir=tmp_path / "data", **no_scheduled_snapshot)
+    client = _big_adam(client_factory, tmp_path, data_dir=tmp_path / "data")
     store = store_of(client)
     pushes = _Pushes(client, seed=13)
     reads = _LockedReads(store, monkeypatch)
