@@ -106,17 +106,15 @@ def _copy(
 ) -> tuple[T, int, str]:
     """``consistent_copy``: (finish's result, the version copied, how it was copied)."""
 
-    def whole(why: str) -> tuple[T, int, str]:
-        """The copy made again, whole, under the lock (the log cannot say what changed)."""
-        with exclusive() as (now, version):
-            _copy_whole(now, targets, slow=False)
-            return finish(now, version, None), version, f"whole, under the lock: {why}"
+    def whole(now: Table, version: int, why: str) -> tuple[T, int, str]:
+        """The copy made whole, the lock held (the log cannot say what changed)."""
+        _copy_whole(now, targets, slow=False)
+        return finish(now, version, None), version, f"whole, under the lock: {why}"
 
     with exclusive() as (table, version):
         mark = journal.log_mark(name, version)
         if mark is None:
-            _copy_whole(table, targets, slow=False)
-            return finish(table, version, None), version, "whole, under the lock: no log"
+            return whole(table, version, "no log")
         source = _arrays(table, targets)
     _copy_whole(table, targets, slow=True)
     cannot_tell = "the log could not say what changed during the copy"
@@ -124,8 +122,7 @@ def _copy(
         with exclusive() as (now, version):
             until = None if _arrays(now, targets) != source else journal.log_mark(name, version, mark)
             if until is None:  # replaced, or the log swapped or cut meanwhile
-                _copy_whole(now, targets, slow=False)
-                return finish(now, version, None), version, f"whole, under the lock: {cannot_tell}"
+                return whole(now, version, cannot_tell)
             updates = version - mark.version
             if round_ == _ROUNDS or updates <= _FEW_UPDATES:
                 # The last round: the few updates since the last note are read and their granules
@@ -134,8 +131,7 @@ def _copy(
                 # measured at 2**28, 0.9 s under the lock for 14k granules written into the mapping).
                 ids = journal.updated_ids(name, mark, until)
                 if ids is None:
-                    _copy_whole(now, targets, slow=False)
-                    return finish(now, version, None), version, f"whole, under the lock: {cannot_tell}"
+                    return whole(now, version, cannot_tell)
                 marks = _touched(now, ids)
                 gathered = _gather(now, marks)
                 result = finish(now, version, until)
@@ -148,7 +144,8 @@ def _copy(
         # and their granules copied again; what changes meanwhile is in the next round.
         ids = journal.updated_ids(name, mark, until)
         if ids is None:
-            return whole(cannot_tell)
+            with exclusive() as (now, version):
+                return whole(now, version, cannot_tell)
         _scatter(targets, _gather(table, _touched(table, ids)))
         mark = until
     else:  # pragma: no cover
