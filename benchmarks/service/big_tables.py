@@ -16,7 +16,9 @@ and measures, from a client on the same machine:
   such restart, since sampling slows it; goal < 1.25 x state + 300 MB), against the time to read the
   snapshot and the log from the disk (64 MiB reads front to back, as ``cat``, after the same eviction;
   goal: restart < 2 x that); the same restart again with the files in the page cache; and the start of
-  a server with no table (process start-up alone);
+  a server with no table (process start-up alone); where a restart's time went (the supervisor's
+  imports, the load, the rest: from the server log's timestamps), and the same load alone in one process
+  (no worker importing beside it);
 - the data directory's size; a graceful stop (SIGTERM to exit).
 
     python -m benchmarks.service.big_tables [--memory-size 268435456] [--workers 2] [--updates 2000]
@@ -91,6 +93,7 @@ class _Server:
         self.data_dir, self.shm_dir, self.workers, self.log = data_dir, shm_dir, workers, log
         self.process: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.exec_time = 0.0
 
     @property
     def url(self) -> str:
@@ -118,6 +121,7 @@ class _Server:
         command = [sys.executable, "-m", "service", "serve", "--data-dir", str(self.data_dir)]
         command += ["--port", str(self.port), "--workers", str(self.workers)]
         start = time.monotonic()
+        self.exec_time = time.time()  # wall clock, for the server log's timestamps (_restart_phases)
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -262,6 +266,70 @@ def _load_log(log: Path, after: int) -> str:
     return found[-1] if found else "not logged (a server before the load was timed)"
 
 
+def _restart_phases(log: Path, after: int, exec_time: float, ready_seconds: float) -> str:
+    """Where a restart's time went, from the server log's timestamps since byte ``after``: exec to the
+    supervisor's first line (its imports: torch, the service), then to the table loaded (the snapshot
+    and the replay, while the workers import beside it), then to ``/readyz`` 200."""
+    with open(log, "rb") as handle:
+        handle.seek(after)
+        text = handle.read().decode(errors="replace")
+
+    def at(pattern: str) -> float | None:
+        found = re.search(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) .*{pattern}", text, re.MULTILINE)
+        if found is None:
+            return None
+        when = datetime.datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f")
+        return when.timestamp() - exec_time
+
+    imported, loaded = at("robez.cli: shared tables in"), at("loaded table big at version")
+    if imported is None or loaded is None:
+        return "not logged"
+    return (
+        f"{imported:.1f} s to the supervisor's first log line (imports), {loaded - imported:.1f} s loading "
+        f"the table, {ready_seconds - loaded:.1f} s to ready"
+    )
+
+
+def load_alone(data_dir: str, shm_dir: str) -> None:
+    """The load a restart does (``TableStore.prepare``: snapshot into shared memory, log replayed), in
+    this process alone (no worker importing beside it); prints the load's own log line and its seconds.
+    Run by ``main`` in a fresh interpreter."""
+    import logging
+
+    from service.config import Settings
+    from service.store import TableStore
+    from service.wal import WalJournal
+
+    started = time.perf_counter()
+    logging.basicConfig(level="INFO", format="%(message)s", stream=sys.stdout)
+    settings = Settings(data_dir=Path(data_dir), shm_dir=Path(shm_dir), default_table=False)
+    journal = WalJournal.from_settings(settings)
+    try:
+        prepared = TableStore.prepare(settings, journal)
+        loaded = time.perf_counter()
+        prepared.remove()
+    finally:
+        journal.close()
+    print(f"load {loaded - started:.1f} s")
+
+
+def _load_alone(data_dir: Path, shm_dir: Path) -> str:
+    """``load_alone`` in a fresh interpreter (files as they are in the page cache)."""
+    code = "import sys; from benchmarks.service.big_tables import load_alone; load_alone(*sys.argv[1:])"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(data_dir), str(shm_dir)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=True,
+        env={key: value for key, value in os.environ.items() if not key.startswith("ROBEZ_")},
+    )
+    lines = done.stdout.splitlines()
+    loaded = next((line for line in lines if "replayed in" in line), "")
+    found = re.search(r"(snapshot of .* replayed in [\d.]+ s)", loaded)
+    return f"{lines[-1]} ({found.group(1) if found else 'load not logged'})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.service.big_tables", description=__doc__)
     parser.add_argument("--memory-size", type=int, default=1 << 28)
@@ -363,6 +431,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             seconds, _ = server.start(sample_memory=False)
             row(what, f"{seconds:.1f} s ({seconds / baseline:.1f} x {against})")
             row("... of which the table's load (server log)", _load_log(server.log, logged))
+            row(
+                "... exec to ready (server log's timestamps)",
+                _restart_phases(server.log, logged, server.exec_time, seconds),
+            )
 
         drop_from_page_cache(files)
         timed_restart(
@@ -380,6 +452,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"goal 1.25 x state + 300 MB = {(1.25 * state_bytes + 300e6) / MiB:,.0f} MiB",
         )
         server.kill()
+        drop_from_page_cache(files)
+        row(
+            "the same load alone in one process (no worker starting beside it), files evicted",
+            _load_alone(data_dir, shm_dir),
+        )
         timed_restart(
             "the same restart again (kill -9), files in the page cache",
             cached_read,
