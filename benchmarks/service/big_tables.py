@@ -237,12 +237,21 @@ def _read_seconds(paths: list[Path], *, from_disk: bool) -> float:
     return time.perf_counter() - start
 
 
+def _log_since(log: Path, after: int) -> str:
+    """The server log's text from byte ``after`` on (what one step of the benchmark made it print)."""
+    with open(log, "rb") as handle:
+        handle.seek(after)
+        return handle.read().decode(errors="replace")
+
+
+# The line ``WalJournal.load_into`` logs once a table is loaded: the snapshot's read and the replay, timed.
+_LOADED = re.compile(r"table 'big': (snapshot of .* replayed in [\d.]+ s)")
+
+
 def _copy_log(log: Path, after: int) -> str:
     """What the server logged of the last copy of a table's state since byte ``after`` of its log
     (``service/store/live_copy.py``): the longest update-lock hold, and how it was copied."""
-    with open(log, "rb") as handle:
-        handle.seek(after)
-        text = handle.read().decode(errors="replace")
+    text = _log_since(log, after)
     found = re.findall(
         r"state copied at version \d+ in ([\d.]+) s \((.*?)\); the update lock held at most ([\d.]+) ms", text
     )
@@ -259,10 +268,8 @@ def _copy_log(log: Path, after: int) -> str:
 def _load_log(log: Path, after: int) -> str:
     """What the server logged of its last load of the table since byte ``after`` of its log
     (``WalJournal.load_into``): the snapshot's read and the log's replay, each timed."""
-    with open(log, "rb") as handle:
-        handle.seek(after)
-        text = handle.read().decode(errors="replace")
-    found = re.findall(r"table 'big': (snapshot of .* replayed in [\d.]+ s)", text)
+    text = _log_since(log, after)
+    found = _LOADED.findall(text)
     return found[-1] if found else "not logged (a server before the load was timed)"
 
 
@@ -270,9 +277,7 @@ def _restart_phases(log: Path, after: int, exec_time: float, ready_seconds: floa
     """Where a restart's time went, from the server log's timestamps since byte ``after``: exec to the
     supervisor's first line (its imports: torch, the service), then to the table loaded (the snapshot
     and the replay, while the workers import beside it), then to ``/readyz`` 200."""
-    with open(log, "rb") as handle:
-        handle.seek(after)
-        text = handle.read().decode(errors="replace")
+    text = _log_since(log, after)
 
     def at(pattern: str) -> float | None:
         found = re.search(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) .*{pattern}", text, re.MULTILINE)
@@ -324,10 +329,8 @@ def _load_alone(data_dir: Path, shm_dir: Path) -> str:
         check=True,
         env={key: value for key, value in os.environ.items() if not key.startswith("ROBEZ_")},
     )
-    lines = done.stdout.splitlines()
-    loaded = next((line for line in lines if "replayed in" in line), "")
-    found = re.search(r"(snapshot of .* replayed in [\d.]+ s)", loaded)
-    return f"{lines[-1]} ({found.group(1) if found else 'load not logged'})"
+    found = _LOADED.search(done.stdout)
+    return f"{done.stdout.splitlines()[-1]} ({found.group(1) if found else 'load not logged'})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
