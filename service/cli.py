@@ -300,11 +300,13 @@ def _refuse_replica_dir(data_dir: Path, advice: str) -> None:
 def serve(settings: Settings) -> int:
     """Take the data directory, prepare the shared tables, run uvicorn until it is stopped, clean up;
     returns an exit status. Raises ``ConflictError`` if another server holds the data directory."""
+    from .tls import check_files
     from .wal import ServerLock
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    check_files(settings)  # a bad certificate, key or CA stops the start here, before the tables load
     if settings.data_dir is not None:
         from .replication.localsnap import LocalSnapshots
 
