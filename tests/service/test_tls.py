@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -187,5 +188,50 @@ def test_lookups_over_https_and_what_is_refused(tmp_path: Path) -> None:
             pytest.raises(httpx.TransportError),  # the server requires a client certificate
         ):
             client.lookup("demo", ids)
+    finally:
+        server.stop()
+
+
+def test_grpc_serves_the_same_mutual_tls_as_https(tmp_path: Path) -> None:
+    """With --tls-cert/--tls-key/--tls-client-ca and --grpc-port, gRPC required no certificate and
+    served plaintext (issue 40.3): now a client needs one from the CA, and plaintext is refused."""
+    import grpc
+    import numpy as np
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc
+
+    from .test_oip import _Server
+
+    ca = trustme.CA()
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    cert, key = _write_pair(ca, tmp_path, "server")
+    client = ca.issue_cert("trainer")
+    server = _Server(tmp_path / "data", grpc_port=0, tls_cert=cert, tls_key=key, tls_client_ca=ca_file)
+    try:
+        port = server.server.config.loaded_app.app.state.grpc_port  # type: ignore[union-attr]
+        address = f"127.0.0.1:{port}"
+        request = pb.ModelInferRequest(model_name="demo")
+        tensor = request.inputs.add(name="ids", datatype="INT64", shape=[3])
+        tensor.contents.int64_contents.extend([1, 5, 99])
+
+        def infer(channel: grpc.Channel) -> Any:
+            with channel:
+                return service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=20)
+
+        with_certificate = grpc.ssl_channel_credentials(
+            root_certificates=ca.cert_pem.bytes(),
+            private_key=client.private_key_pem.bytes(),
+            certificate_chain=client.cert_chain_pems[0].bytes(),
+        )
+        response = infer(grpc.secure_channel(address, with_certificate))
+        rows = np.array(response.outputs[0].contents.fp32_contents, dtype=np.float32)
+        assert rows.shape == (3 * 64,)
+
+        without_certificate = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
+        for channel in (grpc.secure_channel(address, without_certificate), grpc.insecure_channel(address)):
+            with pytest.raises(grpc.RpcError) as refused:
+                infer(channel)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop()
