@@ -105,7 +105,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             if grpc_server is not None:
                 from .grpc.server import stop_grpc
 
-                await stop_grpc(grpc_server)
+                await stop_grpc(grpc_server, settings.shutdown_grace_s)
             if app.state.replica is not None:
                 await app.state.replica.stop()
                 app.state.replica = None

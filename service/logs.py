@@ -72,16 +72,19 @@ class ClientInputLogLimit(logging.Filter):
         return True
 
 
-_installed = False
 _install_lock = threading.Lock()
+
+
+def limit_logs(names: tuple[str, ...], every_s: float = EVERY_S) -> None:
+    """Install a ``ClientInputLogLimit`` (one line of a kind per ``every_s``) on each logger of
+    ``names`` that has none yet."""
+    with _install_lock:
+        for name in names:
+            named = logging.getLogger(name)
+            if not any(isinstance(existing, ClientInputLogLimit) for existing in named.filters):
+                named.addFilter(ClientInputLogLimit(every_s=every_s))
 
 
 def limit_client_input_logs() -> None:
     """Install ``ClientInputLogLimit`` on every logger of ``CLIENT_INPUT_LOGGERS`` (once per process)."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        for name in CLIENT_INPUT_LOGGERS:
-            logging.getLogger(name).addFilter(ClientInputLogLimit())
-        _installed = True
+    limit_logs(CLIENT_INPUT_LOGGERS)

@@ -317,6 +317,7 @@ async def start_grpc(app: FastAPI, settings: Settings) -> tuple[grpc.aio.Server,
     return server, port
 
 
-async def stop_grpc(server: grpc.aio.Server) -> None:
-    """Stop taking calls and give the calls under way a few seconds to finish."""
-    await server.stop(_GRACE_S)
+async def stop_grpc(server: grpc.aio.Server, grace_s: float = _GRACE_S) -> None:
+    """Stop taking calls and give the calls under way ``grace_s`` seconds to finish (the server's
+    ``shutdown_grace_s``), then cancel them."""
+    await server.stop(grace_s)

@@ -1,0 +1,239 @@
+"""How long ``robez serve`` takes to stop on SIGTERM while hostile or broken peers hold it (issue 40.5).
+
+Each scenario starts a real server (1 worker unless ``--workers``; the demo table; 127.0.0.1), sets up
+what the peers hold, sends SIGTERM to the server process (what ``docker stop`` / Kubernetes send) and
+measures the time until it exits, its exit status, and whether its ``/dev/shm`` directory is left:
+
+- ``plain-idle``: one idle HTTP keep-alive client (the reference);
+- ``https-idle``: one idle HTTPS keep-alive client;
+- ``https-handshakes``: ``--handshakes`` TCP connections to the HTTPS port that never send a
+  ClientHello; also counted: how many the server still holds open ``header_timeout_s`` + 3 s later;
+- ``grpc-idle``: an open gRPC channel (HTTP/2 connection) that made one call, idle;
+- ``otlp-down`` / ``otlp-silent``: tracing on, the OTLP collector's port closed / accepting and never
+  answering, after a few traced requests; also counted: the log lines about the export.
+
+Run (figures in docs/security/hostile-client-*.md):
+
+    flock /tmp/robez-bench.lock .venv/bin/python -m benchmarks.service.hostile_stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+SCENARIOS = ("plain-idle", "https-idle", "https-handshakes", "grpc-idle", "otlp-down", "otlp-silent")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class _Certificates:
+    def __init__(self, directory: Path) -> None:
+        import trustme
+
+        self.ca = trustme.CA()
+        server = self.ca.issue_cert("127.0.0.1")
+        self.ca_file, self.cert, self.key = (
+            directory / "ca.pem",
+            directory / "server.pem",
+            directory / "server.key",
+        )
+        self.ca.cert_pem.write_to_path(str(self.ca_file))
+        server.cert_chain_pems[0].write_to_path(str(self.cert))
+        server.private_key_pem.write_to_path(str(self.key))
+
+
+@contextlib.contextmanager
+def _silent_collector() -> Iterator[int]:
+    """A TCP port that accepts connections and never answers (a hung collector); yields the port."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield int(listener.getsockname()[1])
+    finally:
+        stop.set()
+        thread.join()
+        for sock in held:
+            sock.close()
+        listener.close()
+
+
+class _Server:
+    def __init__(self, workdir: Path, env: dict[str, str], args: list[str], verify: Any = None) -> None:
+        self.port = _free_port()
+        self.shm = workdir / "shm"
+        self.log_path = workdir / "server.log"
+        self.verify = verify
+        scheme = "https" if verify is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ROBEZ_", "OTEL_"))}
+        full_env.update({"ROBEZ_SHM_DIR": str(self.shm), "ROBEZ_THREADS_PER_WORKER": "1", **env})
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "service", "serve", "--port", str(self.port), *args],
+                env=full_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.log_path.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/readyz", timeout=2, verify=verify or True).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError("server not ready")
+
+    def stop(self, timeout_s: float = 60.0) -> tuple[float, int | None, bool]:
+        """SIGTERM to the server process; (seconds to exit, exit status, /dev/shm directory left)."""
+        started = time.monotonic()
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            status: int | None = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            status = None
+        elapsed = time.monotonic() - started
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+        return elapsed, status, any(self.shm.glob("robez-*"))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _still_open(sockets: list[socket.socket]) -> int:
+    """How many of ``sockets`` the server has not closed (a read would block rather than see EOF)."""
+    count = 0
+    for sock in sockets:
+        sock.setblocking(False)
+        try:
+            count += sock.recv(1) != b""
+        except BlockingIOError:
+            count += 1
+        except OSError:
+            pass
+    return count
+
+
+def run_scenario(name: str, workdir: Path, workers: int, handshakes: int) -> dict[str, Any]:
+    certs = _Certificates(workdir)
+    args = ["--workers", str(workers)]
+    env: dict[str, str] = {"ROBEZ_LOG_LEVEL": "info"}
+    verify: Any = None
+    if name.startswith("https"):
+        env.update({"ROBEZ_TLS_CERT": str(certs.cert), "ROBEZ_TLS_KEY": str(certs.key)})
+        verify = ssl.create_default_context(cafile=str(certs.ca_file))
+    result: dict[str, Any] = {"scenario": name, "workers": workers}
+    with contextlib.ExitStack() as stack:
+        if name == "grpc-idle":
+            grpc_port = _free_port()
+            args += ["--grpc-port", str(grpc_port)]
+        if name.startswith("otlp"):
+            # otlp-down: nothing listens on the port; otlp-silent: it accepts and never answers.
+            collector = _free_port() if name == "otlp-down" else stack.enter_context(_silent_collector())
+            env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector}"})
+        server = _Server(workdir, env, args, verify)
+        held: list[Any] = []
+        try:
+            if name in ("plain-idle", "https-idle"):
+                client = httpx.Client(base_url=server.url, verify=verify or True)
+                assert client.get("/healthz").status_code == 200  # the connection stays open, idle
+                held.append(client)
+            elif name == "https-handshakes":
+                sockets = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(handshakes)]
+                held.extend(sockets)
+                wait_s = 10.0 + 3.0  # the default header_timeout_s, and a sweep's margin
+                time.sleep(wait_s)
+                result["handshakes_open_after_s"] = wait_s
+                result["handshakes_open"] = _still_open(sockets)
+            elif name == "grpc-idle":
+                import grpc
+                from tritonclient.grpc import service_pb2 as pb
+                from tritonclient.grpc import service_pb2_grpc
+
+                channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+                service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+                    pb.ServerLiveRequest(), timeout=30
+                )
+                held.append(channel)
+            else:
+                for _ in range(5):
+                    headers = {"traceparent": f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01"}
+                    httpx.post(f"{server.url}/v1/tables/demo/lookup", json={"ids": [1, 2]}, headers=headers)
+                time.sleep(1.0)
+            # Wait under the keep-alive timeout (5 s) for the first scenarios: the client stays connected.
+            seconds, status, shm_left = server.stop()
+        finally:
+            for thing in held:
+                with contextlib.suppress(Exception):
+                    thing.close()
+        result.update(stop_s=round(seconds, 2), exit_status=status, shm_left=shm_left)
+        log = server.log()
+        result["otlp_log_lines"] = sum(
+            1 for line in log.splitlines() if "otlp" in line.lower() or "export" in line.lower()
+        )
+        result["log_lines"] = len(log.splitlines())
+    return result
+
+
+def machine_info() -> str:
+    """Date, CPU model, CPUs and load average: the context the figures were taken in."""
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown",
+    )
+    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
+    return f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {model}; {os.cpu_count()} CPUs; load average {load}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="default: all")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--handshakes", type=int, default=300)
+    args = parser.parse_args()
+    print(machine_info())
+    for name in args.scenario or SCENARIOS:
+        with tempfile.TemporaryDirectory(prefix="robez-hostile-") as workdir:
+            print(run_scenario(name, Path(workdir), args.workers, args.handshakes), flush=True)
+
+
+if __name__ == "__main__":
+    main()
