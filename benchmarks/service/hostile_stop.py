@@ -12,9 +12,15 @@ measures the time until it exits, its exit status, and whether its ``/dev/shm`` 
 - ``otlp-down`` / ``otlp-silent``: tracing on, the OTLP collector's port closed / accepting and never
   answering, after a few traced requests; also counted: the log lines about the export.
 
+And two that are no stop: ``bad-key`` (a start with a key that is not the certificate's: does it stop,
+how, how many log lines) and ``traceparent-flood`` (1,000 ``/healthz`` calls with a 600-character
+``traceparent``, tracing on: the log lines they write).
+
 Run (figures in docs/security/hostile-client-*.md):
 
     flock /tmp/robez-bench.lock .venv/bin/python -m benchmarks.service.hostile_stop
+    flock /tmp/robez-bench.lock .venv/bin/python -m benchmarks.service.hostile_stop --workers 2 \
+        --scenario bad-key --scenario traceparent-flood
 """
 
 from __future__ import annotations
@@ -37,6 +43,83 @@ from typing import Any
 import httpx
 
 SCENARIOS = ("plain-idle", "https-idle", "https-handshakes", "grpc-idle", "otlp-down", "otlp-silent")
+# Not stops: what a start with a bad TLS key does, and what 1,000 over-long traceparents write to the log.
+OTHER_SCENARIOS = ("bad-key", "traceparent-flood")
+
+
+def bad_key(workdir: Path, workers: int, wait_s: float = 60.0) -> dict[str, Any]:
+    """``robez serve --workers N`` with a key that is not the certificate's: whether it stopped within
+    ``wait_s``, its exit status and how many log lines it wrote."""
+    import trustme
+
+    ca = trustme.CA()
+    certs = _Certificates(workdir)
+    ca.issue_cert("127.0.0.1").private_key_pem.write_to_path(str(workdir / "other.key"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROBEZ_", "OTEL_"))}
+    env.update({"ROBEZ_SHM_DIR": str(workdir / "shm"), "ROBEZ_TLS_CERT": str(certs.cert)})
+    env["ROBEZ_TLS_KEY"] = str(workdir / "other.key")
+    log_path = workdir / "server.log"
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "service",
+                "serve",
+                "--port",
+                str(_free_port()),
+                "--workers",
+                str(workers),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        status: int | None = process.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        status = None
+    elapsed = time.monotonic() - started
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    lines = log_path.read_text(errors="replace").splitlines()
+    return {
+        "scenario": "bad-key",
+        "workers": workers,
+        "stopped_within_s": round(elapsed, 1) if status is not None else f"no, still running at {wait_s:g}",
+        "exit_status": status,
+        "log_lines": len(lines),
+        "first_line": lines[0][:160] if lines else "",
+    }
+
+
+def traceparent_flood(workdir: Path, workers: int, requests: int = 1000) -> dict[str, Any]:
+    """``requests`` unauthenticated ``GET /healthz`` with a 600-character traceparent, tracing on (the
+    collector's port closed): the log lines written about them, and the time they took."""
+    env = {"ROBEZ_LOG_LEVEL": "info", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_free_port()}"}
+    server = _Server(workdir, env, ["--workers", str(workers)])
+    header = {"traceparent": "00-" + "a" * 597}
+    try:
+        before = len(server.log().splitlines())
+        started = time.monotonic()
+        with httpx.Client(base_url=server.url) as client:
+            for _ in range(requests):
+                client.get("/healthz", headers=header)
+        elapsed = time.monotonic() - started
+        time.sleep(1.0)
+        new = server.log().splitlines()[before:]
+    finally:
+        server.stop()
+    return {
+        "scenario": "traceparent-flood",
+        "workers": workers,
+        "requests": requests,
+        "seconds": round(elapsed, 2),
+        "traceparent_log_lines": sum("traceparent" in line for line in new),
+    }
 
 
 def _free_port() -> int:
@@ -225,14 +308,22 @@ def machine_info() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="default: all")
+    parser.add_argument(
+        "--scenario", action="append", choices=SCENARIOS + OTHER_SCENARIOS, help="default: every stop"
+    )
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--handshakes", type=int, default=300)
     args = parser.parse_args()
     print(machine_info())
     for name in args.scenario or SCENARIOS:
         with tempfile.TemporaryDirectory(prefix="robez-hostile-") as workdir:
-            print(run_scenario(name, Path(workdir), args.workers, args.handshakes), flush=True)
+            if name == "bad-key":
+                result = bad_key(Path(workdir), args.workers)
+            elif name == "traceparent-flood":
+                result = traceparent_flood(Path(workdir), args.workers)
+            else:
+                result = run_scenario(name, Path(workdir), args.workers, args.handshakes)
+            print(result, flush=True)
 
 
 if __name__ == "__main__":

@@ -291,6 +291,17 @@ class RobezHttpProtocol(HttpToolsProtocol):
         self.waiting_since = self.loop.time()
         self._sweep.watch()
 
+    def shutdown(self) -> None:
+        """Called by uvicorn when a stop begins: an idle TLS connection is dropped at once (a clean TLS
+        close would wait up to ``_TLS_CLOSE_S`` for the client's ``close_notify``, which an idle client
+        need not send; no response is cut, and the client opens a new connection for its next request);
+        the rest as uvicorn does (a plain close; a request under way finishes, then closes)."""
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and self.transport.get_extra_info("ssl_object") is not None:
+            self.transport.abort()
+        else:
+            super().shutdown()
+
     def keep_alive_timeout(self) -> None:
         """Called by the sweep: no byte within the keep-alive timeout after a response (as uvicorn's
         ``timeout_keep_alive_handler``, uncounted)."""
