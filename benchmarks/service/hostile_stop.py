@@ -9,6 +9,7 @@ measures the time until it exits, its exit status, and whether its ``/dev/shm`` 
 - ``https-handshakes``: ``--handshakes`` TCP connections to the HTTPS port that never send a
   ClientHello; also counted: how many the server still holds open ``header_timeout_s`` + 3 s later;
 - ``grpc-idle``: an open gRPC channel (HTTP/2 connection) that made one call, idle;
+- ``grpc-stalled``: 8 gRPC calls, each a message declared 1 MiB of which 4 KiB were sent, then nothing;
 - ``otlp-down`` / ``otlp-silent``: tracing on, the OTLP collector's port closed / accepting and never
   answering, after a few traced requests; also counted: the log lines about the export.
 
@@ -42,7 +43,15 @@ from typing import Any
 
 import httpx
 
-SCENARIOS = ("plain-idle", "https-idle", "https-handshakes", "grpc-idle", "otlp-down", "otlp-silent")
+SCENARIOS = (
+    "plain-idle",
+    "https-idle",
+    "https-handshakes",
+    "grpc-idle",
+    "grpc-stalled",
+    "otlp-down",
+    "otlp-silent",
+)
 # Not stops: what a start with a bad TLS key does, and what 1,000 over-long traceparents write to the log.
 OTHER_SCENARIOS = ("bad-key", "traceparent-flood")
 
@@ -217,6 +226,35 @@ class _Server:
         return self.log_path.read_text(errors="replace")
 
 
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def _stalled_grpc_call(port: int, declared: int = 1 << 20, sent: int = 4096) -> socket.socket:
+    """An HTTP/2 connection with one ModelInfer call whose message declares ``declared`` bytes and
+    sends ``sent`` of them, then nothing (HPACK literals, no Huffman: what any HTTP/2 peer accepts)."""
+    fields = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/inference.GRPCInferenceService/ModelInfer"),
+        (":authority", f"127.0.0.1:{port}"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+    block = b"".join(
+        b"\x00" + bytes([len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+        for name, value in fields
+    )
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+        + _frame(0x4, 0, 0, b"")  # SETTINGS
+        + _frame(0x1, 0x4, 1, block)  # HEADERS, END_HEADERS
+        + _frame(0x0, 0, 1, b"\x00" + declared.to_bytes(4, "big") + b"\x08" * sent)  # part of the message
+    )
+    return sock
+
+
 def _still_open(sockets: list[socket.socket]) -> int:
     """How many of ``sockets`` the server has not closed (a read would block rather than see EOF)."""
     count = 0
@@ -241,7 +279,7 @@ def run_scenario(name: str, workdir: Path, workers: int, handshakes: int) -> dic
         verify = ssl.create_default_context(cafile=str(certs.ca_file))
     result: dict[str, Any] = {"scenario": name, "workers": workers}
     with contextlib.ExitStack() as stack:
-        if name == "grpc-idle":
+        if name.startswith("grpc"):
             grpc_port = _free_port()
             args += ["--grpc-port", str(grpc_port)]
         if name.startswith("otlp"):
@@ -272,6 +310,9 @@ def run_scenario(name: str, workdir: Path, workers: int, handshakes: int) -> dic
                     pb.ServerLiveRequest(), timeout=30
                 )
                 held.append(channel)
+            elif name == "grpc-stalled":
+                held.extend(_stalled_grpc_call(grpc_port) for _ in range(8))
+                time.sleep(1.0)
             else:
                 for _ in range(5):
                     headers = {"traceparent": f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01"}
