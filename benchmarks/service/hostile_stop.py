@@ -17,7 +17,7 @@ And two that are no stop: ``bad-key`` (a start with a key that is not the certif
 how, how many log lines) and ``traceparent-flood`` (1,000 ``/healthz`` calls with a 600-character
 ``traceparent``, tracing on: the log lines they write).
 
-Run (figures in docs/security/hostile-client-*.md):
+Run (figures in docs/benchmarks/hostile-client-*.md):
 
     flock /tmp/robez-bench.lock .venv/bin/python -m benchmarks.service.hostile_stop
     flock /tmp/robez-bench.lock .venv/bin/python -m benchmarks.service.hostile_stop --workers 2 \
