@@ -30,9 +30,13 @@ OPTIONS = ("--tls-cert", "--tls-key", "--tls-client-ca")
 
 
 def _write_pair(
-    ca: trustme.CA, directory: Path, name: str, **validity: datetime.datetime
+    ca: trustme.CA,
+    directory: Path,
+    name: str,
+    not_before: datetime.datetime | None = None,
+    not_after: datetime.datetime | None = None,
 ) -> tuple[Path, Path]:
-    cert = ca.issue_cert("127.0.0.1", **validity)
+    cert = ca.issue_cert("127.0.0.1", not_before=not_before, not_after=not_after)
     cert_file, key_file = directory / f"{name}.pem", directory / f"{name}.key"
     cert.cert_chain_pems[0].write_to_path(str(cert_file))
     cert.private_key_pem.write_to_path(str(key_file))
@@ -62,6 +66,16 @@ def test_start_up_checks_name_the_file_and_the_problem(tmp_path: Path) -> None:
         not_before=now + datetime.timedelta(days=1),
         not_after=now + datetime.timedelta(days=10),
     )
+    from cryptography.hazmat.primitives import serialization
+
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(
+        serialization.load_pem_private_key(key.read_bytes(), password=None).private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
     cases = [
@@ -73,6 +87,7 @@ def test_start_up_checks_name_the_file_and_the_problem(tmp_path: Path) -> None:
         ((cert, tmp_path / "missing.key", None), r"--tls-key\) .*missing.key: cannot read it"),
         ((cert, cert, None), r"--tls-key\) .*server.pem: not a PEM private key"),
         ((garbage, key, None), r"--tls-cert\) .*garbage.pem: not a PEM certificate"),
+        ((cert, encrypted, None), r"--tls-key\) .*encrypted.key: the key is encrypted"),
         ((cert, other_key, None), rf"other.key: not the private key of the certificate {cert}"),
         ((expired, expired_key, None), r"expired.pem: expired on 20"),
         ((early, early_key, None), r"early.pem: not valid yet \(valid from 20"),
@@ -209,7 +224,7 @@ def test_grpc_serves_the_same_mutual_tls_as_https(tmp_path: Path) -> None:
     client = ca.issue_cert("trainer")
     server = _Server(tmp_path / "data", grpc_port=0, tls_cert=cert, tls_key=key, tls_client_ca=ca_file)
     try:
-        port = server.server.config.loaded_app.app.state.grpc_port  # type: ignore[union-attr]
+        port = server.server.config.loaded_app.app.state.grpc_port
         address = f"127.0.0.1:{port}"
         request = pb.ModelInferRequest(model_name="demo")
         tensor = request.inputs.add(name="ids", datatype="INT64", shape=[3])
