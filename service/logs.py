@@ -39,8 +39,9 @@ def clip(value: object, max_chars: int = MAX_CHARS) -> object:
 
 class ClientInputLogLimit(logging.Filter):
     """A ``logging.Filter``: of the records with one (logger, template), the first passes, then at most
-    one per ``every_s`` seconds, with the count dropped since appended; string arguments longer than
-    ``max_chars`` are cut (the record's message is formatted here, its ``args`` emptied)."""
+    one per ``every_s`` seconds, with the count dropped since appended (a record with a traceback always
+    passes); string arguments longer than ``max_chars`` are cut (the record's message is formatted
+    here, its ``args`` emptied)."""
 
     def __init__(self, every_s: float = EVERY_S, max_chars: int = MAX_CHARS) -> None:
         super().__init__()
@@ -52,14 +53,17 @@ class ClientInputLogLimit(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         kind = (record.name, str(record.msg))
         now = time.monotonic()
-        with self._lock:
-            last, dropped = self._kinds.get(kind, (-float("inf"), 0))
-            if now - last < self.every_s:
-                self._kinds[kind] = (last, dropped + 1)
-                return False
-            if len(self._kinds) > 1000:  # templates are few; this only bounds a pathological caller
-                self._kinds.clear()
-            self._kinds[kind] = (now, 0)
+        dropped, last = 0, now
+        # A line with a traceback is a bug (an unexpected error), never dropped; its text is still cut.
+        if record.exc_info is None:
+            with self._lock:
+                last, dropped = self._kinds.get(kind, (-float("inf"), 0))
+                if now - last < self.every_s:
+                    self._kinds[kind] = (last, dropped + 1)
+                    return False
+                if len(self._kinds) > 1000:  # templates are few; this only bounds a pathological caller
+                    self._kinds.clear()
+                self._kinds[kind] = (now, 0)
         args = record.args
         if isinstance(args, tuple):
             record.args = tuple(clip(arg, self.max_chars) for arg in args)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,13 @@ def test_the_limit_passes_one_line_per_interval_counting_the_rest(monkeypatch: p
     assert limit.filter(first) and first.getMessage() == "refused /short"
     assert not any(limit.filter(record("/again")) for _ in range(7))
     assert limit.filter(record("/other", template="another kind %s"))  # its own budget
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError:
+        bug = logger.makeRecord(
+            logger.name, logging.ERROR, __file__, 1, "refused %s", ("/bug",), sys.exc_info()
+        )
+    assert limit.filter(bug)  # a traceback is never dropped
     clock[0] += 10.0
     later = record("/p" + "x" * 5000)
     assert limit.filter(later)
