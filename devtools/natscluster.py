@@ -158,6 +158,8 @@ class NatsSecrets:
 
     def authorization_block(self, prefix: str | None) -> str:
         robez = {"publish": {"allow": robez_publish(prefix)}, "subscribe": {"allow": [">"]}}
+        # monitor gets replies on NATS's default inbox prefix; robez's own (``_INBOX_<prefix>``, set by
+        # JetStreamLog.connect) is not under ``_INBOX.>``, so monitor never sees its pull deliveries.
         monitor = {"publish": {"allow": MONITOR_PUBLISH}, "subscribe": {"allow": ["_INBOX.>"]}}
         users = [
             {"user": self.ROBEZ_USER, "password": self.robez_password, "permissions": robez},
@@ -241,7 +243,11 @@ class NatsCluster:
                 )
             )
         for node in self.nodes:
-            node.config_path.write_text(self._config(node))
+            # 0600: the config holds robez's and the routes' passwords in plaintext.
+            descriptor = os.open(node.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(descriptor, 0o600)  # also when the file was there before
+            with os.fdopen(descriptor, "w") as file:
+                file.write(self._config(node))
 
     @property
     def urls(self) -> list[str]:

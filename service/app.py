@@ -30,6 +30,7 @@ from .http.direct import LIFESPAN_DIRECT_KEY, DirectAnswers
 from .http.fastpath import FastPathMiddleware, FastRoutes
 from .http.middleware import InFlightLimitMiddleware, RequestBodyMiddleware, RequestMetricsMiddleware
 from .http.protocol import LIFESPAN_METRICS_KEY
+from .logs import limit_client_input_logs
 from .metrics import Metrics
 from .replication.replica import Replica, local_settings
 from .routes import checksum, durability, health, lookup, oip, tables, update
@@ -70,6 +71,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     keep_freed_buffers(settings.malloc_mmap_threshold_mb)
     buffers.set_max_bytes(settings.output_pool_mb << 20)
     tracing.configure(settings)  # this worker's tracer, when OTEL_* ask for one
+    limit_client_input_logs()  # lines a client's input causes: rate-limited, client text cut short
     replicated = settings.nats_url is not None
     # A replica's journal is the replicated log (service/replication/), not a local one.
     journal = NullJournal() if replicated else open_journal(settings)
@@ -103,7 +105,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             if grpc_server is not None:
                 from .grpc.server import stop_grpc
 
-                await stop_grpc(grpc_server)
+                await stop_grpc(grpc_server, settings.shutdown_grace_s)
             if app.state.replica is not None:
                 await app.state.replica.stop()
                 app.state.replica = None

@@ -300,11 +300,13 @@ def _refuse_replica_dir(data_dir: Path, advice: str) -> None:
 def serve(settings: Settings) -> int:
     """Take the data directory, prepare the shared tables, run uvicorn until it is stopped, clean up;
     returns an exit status. Raises ``ConflictError`` if another server holds the data directory."""
+    from .tls import check_files
     from .wal import ServerLock
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    check_files(settings)  # a bad certificate, key or CA stops the start here, before the tables load
     if settings.data_dir is not None:
         from .replication.localsnap import LocalSnapshots
 
@@ -350,8 +352,9 @@ def _serve_locked(settings: Settings) -> int:
 
     # uvicorn re-raises a SIGTERM once it has shut down; with the default action that would end the
     # process before the ``finally`` below removes the shared tables from /dev/shm (a SIGTERM while the
-    # tables load stops the start the same way).
-    previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # tables load stops the start the same way). A stop asked for is a clean exit, 0, whatever the
+    # worker count (the supervisor of several workers returns 0 too).
+    previous_sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         os.environ.update(_environment_for_workers(settings, directory.path))
         _warn_if_too_few_file_descriptors(settings.max_connections)
@@ -380,6 +383,9 @@ def _serve_locked(settings: Settings) -> int:
         # it starts them while the tables load.
         config = uvicorn.Config(_APP, **options)
         return run_workers(config, settings.workers, settings.worker_healthcheck_timeout_s, load_tables)
+    except _SigtermStop:
+        logger.info("stopped on SIGTERM")
+        return 0
     finally:
         journal.close()  # already closed once the tables loaded; not if the start failed before
         directory.remove()
@@ -419,8 +425,12 @@ def _warn_if_too_few_file_descriptors(max_connections: int) -> None:
         )
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+class _SigtermStop(BaseException):
+    """Raised by the SIGTERM handler: unwinds ``_serve_locked`` (its clean-up runs) to a clean exit."""
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise _SigtermStop
 
 
 def main(argv: Sequence[str] | None = None) -> int:

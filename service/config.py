@@ -57,6 +57,12 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
     )
     otel_sdk_disabled: bool = Field(default=False, validation_alias="OTEL_SDK_DISABLED")
+    trace_export_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="one export of spans to the OTLP collector, and the flush at a stop, wait at most "
+        "this (over OTEL_EXPORTER_OTLP_TIMEOUT); spans that cannot be sent are dropped",
+    )
     grpc_port: int | None = Field(
         default=None, ge=0, le=65535, description="gRPC inference protocol port (every worker); None: off"
     )
@@ -144,6 +150,13 @@ class Settings(BaseSettings):
         "response; else it is closed",
     )
     keep_alive_timeout_s: int = Field(default=5, ge=1, description="idle keep-alive connections closed")
+    # A stop (SIGTERM) must end within Kubernetes' 30 s grace whatever clients hold open: docs/api.md.
+    shutdown_grace_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="on a stop, requests and gRPC calls under way get this long to finish (each port), "
+        "then are cancelled and their connections closed",
+    )
     max_connections: int = Field(
         default=1000, ge=1, description="open connections per worker; more are closed on accept"
     )

@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -80,7 +81,15 @@ def _worker_main(
     )
     threading.Thread(target=_answer_pings, args=(conn,), name="robez-pong", daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C reaches the supervisor, which stops us too
-        config.load()  # what uvicorn would do first: import the app while the tables load
+        try:
+            config.load()  # what uvicorn would do first: import the app while the tables load
+        except (Exception, SystemExit) as exc:
+            # The app, its TLS files or its protocol are broken: a replacement would fail the same way
+            # (a bad key respawned workers forever, issue 40.4). uvicorn's status says "do not restart".
+            if isinstance(exc, SystemExit) and exc.code in (0, None):
+                raise
+            logger.error("worker start-up failed: %s: %s", type(exc).__name__, exc)
+            sys.exit(STARTUP_FAILURE)
         try:
             tables_ready.recv()
         except EOFError:

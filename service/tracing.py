@@ -6,8 +6,13 @@
 set. Otherwise nothing of OpenTelemetry is imported and ``TRACER`` stays None: the request paths test that
 one module global (``if tracing.TRACER is not None``) and pay nothing else.
 
-The exporter reads the rest of its configuration itself (endpoint, headers, timeout, batch delays,
-sampler, ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``); the service name defaults to ``robez``.
+The exporter reads the rest of its configuration itself (endpoint, headers, batch delays, sampler,
+``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``); the service name defaults to ``robez``.
+
+A collector that is down or silent never holds the server: one export waits at most
+``trace_export_timeout_s`` (2 s; the SDK's default is 10 s, retried, and its flush at shutdown waited up
+to 30 s: a stop took 31 s, issue 40.5), the flush at a stop is bounded the same way, and spans that
+cannot be sent are dropped, said once in the log (``_DroppingExporter``) and again when exports work.
 
 Spans (every helper below is called only while ``TRACER`` is set):
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -34,6 +40,7 @@ from typing import Any
 from robez_core.errors import ConfigError
 
 from .config import Settings
+from .logs import limit_logs
 
 logger = logging.getLogger("robez.tracing")
 
@@ -43,6 +50,13 @@ _provider: Any = None
 _propagator: Any = None
 _context_api: Any = None  # opentelemetry.context, imported by configure
 _trace_api: Any = None  # opentelemetry.trace
+
+_flush_timeout_s = 3.0  # set by configure: trace_export_timeout_s + 1 s
+# Where the OTLP exporter and the SDK's batch processor log failed exports and full queues.
+_EXPORT_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.sdk._shared_internal",
+)
 
 TRACEPARENT, TRACESTATE = "traceparent", "tracestate"
 _TRACE_HEADERS = (TRACEPARENT.encode(), TRACESTATE.encode())
@@ -76,16 +90,21 @@ def configure(settings: Settings) -> None:
     from opentelemetry import trace as trace_api
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    exporter: SpanExporter
+    exporter: Any  # a SpanExporter
     if exporter_name == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        exporter = OTLPSpanExporter()
+        exporter = _DroppingExporter(OTLPSpanExporter(timeout=settings.trace_export_timeout_s))
+        # The exporter's own lines (one per failed batch and retry while the collector is down): the
+        # first of each kind, then one per 10 min; _DroppingExporter says what it means once.
+        limit_logs(_EXPORT_LOGGERS, every_s=600.0)
     else:
         exporter = ConsoleSpanExporter()
+    global _flush_timeout_s
+    _flush_timeout_s = settings.trace_export_timeout_s + 1.0
     # Resource.create reads OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES; without a name there, "robez".
     resource = Resource.create()
     if str(resource.attributes.get("service.name", "unknown_service")).startswith("unknown_service"):
@@ -99,11 +118,56 @@ def configure(settings: Settings) -> None:
 
 
 def shutdown() -> None:
-    """Export what is pending and stop tracing in this process (a worker's shutdown)."""
+    """Export what is pending and stop tracing in this process (a worker's shutdown), waiting at most
+    ``trace_export_timeout_s`` + 1 s: spans a silent collector has not taken by then are dropped."""
     global TRACER, _provider
     provider, _provider, TRACER = _provider, None, None
-    if provider is not None:
-        provider.shutdown()
+    if provider is None:
+        return
+    # The SDK's shutdown joins its export thread for up to 30 s; on a daemon thread it cannot hold the
+    # process past the bound.
+    flush = threading.Thread(target=provider.shutdown, name="robez-trace-flush", daemon=True)
+    flush.start()
+    flush.join(_flush_timeout_s)
+    if flush.is_alive():
+        logger.warning(
+            "traces: the OTLP collector took no spans within %g s of the stop; dropping the rest",
+            _flush_timeout_s,
+        )
+
+
+class _DroppingExporter:
+    """An exporter's wrapper (``SpanExporter``'s methods) that says once that spans are being dropped
+    when exports fail (collector down, silent or refusing), and once when they work again."""
+
+    def __init__(self, exporter: Any) -> None:
+        self.exporter = exporter
+        self._dropped = 0
+        self._lock = threading.Lock()
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        result = self.exporter.export(spans)
+        with self._lock:
+            if result is not SpanExportResult.SUCCESS:
+                if self._dropped == 0:
+                    logger.warning(
+                        "traces: the OTLP collector did not take %d span(s); dropping spans until it "
+                        "does (each export waits at most the trace export timeout)",
+                        len(spans),
+                    )
+                self._dropped += len(spans)
+            elif self._dropped:
+                logger.warning("traces: the OTLP collector takes spans again; %d were dropped", self._dropped)
+                self._dropped = 0
+        return result
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return bool(self.exporter.force_flush(timeout_millis))
 
 
 def _context(carrier: Mapping[str, str]) -> Any:

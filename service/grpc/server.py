@@ -52,6 +52,7 @@ from ..oip import (
 )
 from ..routes.deps import INLINE_MAX_BODY_BYTES
 from ..store import LookupResult, TableStore
+from ..tls import server_credentials
 
 logger = logging.getLogger("robez.grpc")
 
@@ -294,12 +295,29 @@ async def start_grpc(app: FastAPI, settings: Settings) -> tuple[grpc.aio.Server,
         ]
     )
     server.add_generic_rpc_handlers((InferenceServicer(app).handler(),))
-    port = server.add_insecure_port(_address(settings.host, settings.grpc_port))
+    # One TLS policy for every port (docs/security.md): the HTTP port's certificate, and client
+    # certificates required when it requires them; plaintext only when HTTP is plaintext too.
+    address = _address(settings.host, settings.grpc_port)
+    tls = server_credentials(settings)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        credentials = grpc.ssl_server_credentials(
+            [(tls.private_key, tls.certificate_chain)],
+            root_certificates=tls.client_ca,
+            require_client_auth=tls.client_ca is not None,
+        )
+        port = server.add_secure_port(address, credentials)
     await server.start()
-    logger.info("gRPC inference protocol on %s", _address(settings.host, port))
+    logger.info(
+        "gRPC inference protocol on %s (%s)",
+        _address(settings.host, port),
+        "plaintext" if tls is None else "TLS" if tls.client_ca is None else "mutual TLS",
+    )
     return server, port
 
 
-async def stop_grpc(server: grpc.aio.Server) -> None:
-    """Stop taking calls and give the calls under way a few seconds to finish."""
-    await server.stop(_GRACE_S)
+async def stop_grpc(server: grpc.aio.Server, grace_s: float = _GRACE_S) -> None:
+    """Stop taking calls and give the calls under way ``grace_s`` seconds to finish (the server's
+    ``shutdown_grace_s``), then cancel them."""
+    await server.stop(grace_s)

@@ -13,6 +13,15 @@
   ``on_message_complete`` and ``data_received``).
 
 A stalled request *body* is the business of ``middleware.RequestBodyMiddleware`` (``body_timeout_s``).
+
+With TLS, a connection reaches the protocol only once its handshake is done; until then it is asyncio's
+(uvloop's), which waits 60 s for a handshake and 30 s for a peer's ``close_notify`` when closing: 300
+stalled handshakes were all open after 15 s, and a stop with one idle HTTPS keep-alive client took 31 s
+(issue 40.5). ``TlsTimeoutLoop`` is the event loop with those two bounded: the handshake by
+``header_timeout_s`` (it is part of getting a request's headers), the closing by ``_TLS_CLOSE_S``.
+A stop waits ``shutdown_grace_s`` for requests under way (uvicorn's ``timeout_graceful_shutdown``;
+it waited for ever), then cancels them.
+
 ``uvicorn_options(settings)`` gives ``uvicorn.run`` all of this.
 """
 
@@ -24,6 +33,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import uvloop
 from starlette.responses import Response
 from uvicorn.config import Config
 from uvicorn.logging import TRACE_LOG_LEVEL
@@ -47,6 +57,8 @@ from .fastpath import FastRoute
 _JOIN_MAX_BODY_BYTES = 16 * 1024
 # The key under which the app's lifespan state hands its ``Metrics`` to the connections.
 LIFESPAN_METRICS_KEY = "robez_metrics"
+# A TLS connection being closed waits this long for the peer's close_notify (asyncio's default: 30 s).
+_TLS_CLOSE_S = 2.0
 # The ServerState attribute that holds a worker's HeaderSweep (one per uvicorn server, shared by its
 # connections).
 _SWEEP_ATTRIBUTE = "robez_header_sweep"
@@ -279,6 +291,17 @@ class RobezHttpProtocol(HttpToolsProtocol):
         self.waiting_since = self.loop.time()
         self._sweep.watch()
 
+    def shutdown(self) -> None:
+        """Called by uvicorn when a stop begins: an idle TLS connection is dropped at once (a clean TLS
+        close would wait up to ``_TLS_CLOSE_S`` for the client's ``close_notify``, which an idle client
+        need not send; no response is cut, and the client opens a new connection for its next request);
+        the rest as uvicorn does (a plain close; a request under way finishes, then closes)."""
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and self.transport.get_extra_info("ssl_object") is not None:
+            self.transport.abort()
+        else:
+            super().shutdown()
+
     def keep_alive_timeout(self) -> None:
         """Called by the sweep: no byte within the keep-alive timeout after a response (as uvicorn's
         ``timeout_keep_alive_handler``, uncounted)."""
@@ -300,13 +323,38 @@ class RobezHttpProtocol(HttpToolsProtocol):
             metrics.connections_closed_total.labels(reason).inc()
 
 
+class TlsTimeoutLoop(uvloop.Loop):
+    """uvloop's event loop, whose TLS servers cut a handshake after ``handshake_timeout_s`` and wait
+    ``shutdown_timeout_s`` for a closing peer's ``close_notify`` (module docstring)."""
+
+    def __init__(self, handshake_timeout_s: float, shutdown_timeout_s: float) -> None:
+        super().__init__()
+        self.handshake_timeout_s = handshake_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    async def create_server(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("ssl") is not None:
+            kwargs.setdefault("ssl_handshake_timeout", self.handshake_timeout_s)
+            kwargs.setdefault("ssl_shutdown_timeout", self.shutdown_timeout_s)
+        return await super().create_server(*args, **kwargs)
+
+
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    """``uvicorn.run`` keyword arguments for the connection limits of ``settings``. The protocol is a
-    ``functools.partial`` of a module-level class, so it pickles into spawned workers."""
+    """``uvicorn.run`` keyword arguments for the connection limits of ``settings``. The protocol and the
+    loop factory are ``functools.partial``s of module-level classes, so they pickle into spawned
+    workers (uvicorn takes a callable ``loop`` as the factory of its event loop)."""
     limits = ConnectionLimits(
         settings.header_timeout_s, settings.max_connections, settings.keep_alive_timeout_s
     )
-    return {
+    options: dict[str, Any] = {
         "http": functools.partial(RobezHttpProtocol, limits=limits),
         "timeout_keep_alive": settings.keep_alive_timeout_s,
+        "timeout_graceful_shutdown": settings.shutdown_grace_s,
     }
+    if settings.tls_cert is not None:
+        options["loop"] = functools.partial(
+            TlsTimeoutLoop,
+            handshake_timeout_s=settings.header_timeout_s,
+            shutdown_timeout_s=min(_TLS_CLOSE_S, settings.shutdown_grace_s),
+        )
+    return options

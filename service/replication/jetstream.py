@@ -189,6 +189,9 @@ class JetStreamLog:
                 max_outstanding_pings=self.max_outstanding_pings,
                 reconnected_cb=self._on_reconnected,
                 error_cb=self._on_error,
+                # Replies and pull deliveries (entries with ids and gradients) come to this prefix, which
+                # only robez's login may subscribe to; NATS's default `_INBOX.>` is any user's (issue 40.6).
+                inbox_prefix=f"_INBOX_{self.prefix}",
                 **self.auth.connect_options(),
             )
             logger.info(

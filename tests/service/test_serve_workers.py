@@ -126,7 +126,8 @@ def test_two_workers_share_tables_and_see_each_others_updates(server: RobezServe
 
 def test_one_worker_removes_shared_tables_on_sigterm(tmp_path: Path) -> None:
     """With one worker uvicorn runs in the serve process and re-raises SIGTERM after its shutdown;
-    the shared tables must still be removed (docker stop sends SIGTERM)."""
+    the shared tables must still be removed (docker stop sends SIGTERM), and the exit status is 0, as
+    with several workers (it was 143, 128 + SIGTERM, issue 36)."""
     shm_dir = tmp_path / "shm"
     server = RobezServer(
         tmp_path / "server.log", [], {"ROBEZ_SHM_DIR": str(shm_dir), "ROBEZ_LOG_LEVEL": "warning"}
@@ -134,7 +135,7 @@ def test_one_worker_removes_shared_tables_on_sigterm(tmp_path: Path) -> None:
     try:
         server.start()
         (directory,) = shm_dir.glob("robez-*")
-        server.terminate()
+        assert server.terminate() == 0
         assert not directory.exists(), "shared memory left behind after SIGTERM"
     finally:
         server.stop()

@@ -12,7 +12,6 @@ import json
 import socket
 import ssl
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,6 +31,19 @@ pytestmark = pytest.mark.slow
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
     with running_cluster(tmp_path_factory.mktemp("nats-secured"), 1) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def replica(secured: NatsCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaServer]:
+    """One replica logged in as robez (prefix ``sec``), shared by the tests of this module."""
+    server = ReplicaServer(
+        "guarded", secured, tmp_path_factory.mktemp("replica"), "sec", ROBEZ_NATS_REPLICAS=1
+    )
+    try:
+        server.start().wait_ready()
+        yield server
+    finally:
+        server.stop()
 
 
 async def _refusal(cluster: NatsCluster, **options: Any) -> BaseException | None:
@@ -81,19 +93,14 @@ def test_a_connection_without_credentials_is_refused(secured: NatsCluster) -> No
 
 
 def test_the_monitor_user_cannot_write_to_a_table_or_the_catalog(
-    secured: NatsCluster, tmp_path: Path
+    secured: NatsCluster, replica: ReplicaServer
 ) -> None:
-    server = ReplicaServer("guarded", secured, tmp_path, "sec", ROBEZ_NATS_REPLICAS=1).start()
-    try:
-        server.wait_ready()
-        create_table(server, "guarded")
-        asyncio.run(_monitor_tries_to_write(secured))
-        # The table is intact on the replica: still there, nothing applied.
-        response = httpx.get(f"{server.url}/v1/tables/guarded", timeout=10)
-        assert response.status_code == 200, response.text
-        assert response.json()["version"] == 0
-    finally:
-        server.stop()
+    create_table(replica, "guarded")
+    asyncio.run(_monitor_tries_to_write(secured))
+    # The table is intact on the replica: still there, nothing applied.
+    response = httpx.get(f"{replica.url}/v1/tables/guarded", timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.json()["version"] == 0
 
 
 async def _monitor_tries_to_write(cluster: NatsCluster) -> None:
@@ -135,3 +142,53 @@ async def _monitor_tries_to_write(cluster: NatsCluster) -> None:
 async def _stream_names(js: Any) -> Any:
     for info in await js.streams_info():
         yield info.config.name
+
+
+def test_the_monitor_user_receives_none_of_robez_s_deliveries(
+    secured: NatsCluster, replica: ReplicaServer
+) -> None:
+    """The read-only login could subscribe to `_INBOX.>` and received the pull deliveries meant for robez:
+    log entries with their ids and gradients (issue 40.6). robez's inbox prefix is now its own, which the
+    monitor login may not subscribe to; robez still applies its pushes. The node configs are 0600."""
+    for node in secured.nodes:
+        assert node.config_path.stat().st_mode & 0o777 == 0o600
+    create_table(replica, "inboxes")
+    received, violations = asyncio.run(_monitor_listens_while_robez_applies(secured, replica))
+    assert received == [], f"monitor received {len(received)} messages meant for robez: {received[:3]}"
+    assert any("subscription" in v and '"_inbox_sec.>"' in v for v in violations), violations
+    assert any("subscription" in v and '">"' in v for v in violations), violations
+
+
+async def _monitor_listens_while_robez_applies(
+    cluster: NatsCluster, server: ReplicaServer
+) -> tuple[list[str], list[str]]:
+    """What the monitor login's subscriptions to every inbox it may name got while robez applied five
+    pushes (no request of its own meanwhile, so nothing is a reply to monitor), and its errors."""
+    received: list[str] = []
+    violations: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        violations.append(str(exc).lower())
+
+    async def on_message(message: Any) -> None:
+        received.append(f"{message.subject}: {message.data[:80]!r}")
+
+    monitor = await nats.connect(
+        servers=cluster.urls, error_cb=on_error, **cluster.connect_options("monitor")
+    )
+    try:
+        for subject in ("_INBOX.>", "_INBOX_sec.>", ">"):
+            await monitor.subscribe(subject, cb=on_message)
+        await monitor.flush()
+        body = {"ids": [1, 2], "grads": [[0.5] * 8, [0.25] * 8]}
+        for _ in range(5):
+            response = await asyncio.to_thread(
+                httpx.post, f"{server.url}/v1/tables/inboxes/update", json=body, timeout=30
+            )
+            assert response.status_code == 200, response.text
+        await asyncio.to_thread(server.wait_version, "inboxes", 5)
+        await asyncio.sleep(1.0)
+        await monitor.flush()
+    finally:
+        await monitor.close()
+    return received, violations
