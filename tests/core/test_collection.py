@@ -22,7 +22,7 @@ from robez_core import (
     kernels,
     reference,
 )
-from robez_core.collection import per_id_gradients, prepare_shared_step
+from robez_core.collection import parse_jagged, per_id_gradients, prepare_shared_step
 from robez_core.hashing import paper_random_numbers
 from robez_core.kernels import _jit
 
@@ -217,6 +217,8 @@ def test_a_keyed_jagged_tensor_is_taken_as_it_is():
     tables = tables_mixed()
     ebc = collection(tables)
     batch = make_batch(tables, batch_size=4, seed=5)
+    keys, ids, bounds = parse_jagged(FakeKJT(batch.keys, batch.ids, batch.lengths()))
+    assert keys == tuple(batch.keys) and torch.equal(ids, batch.ids) and torch.equal(bounds, batch.offsets)
     out = ebc(FakeKJT(batch.keys, batch.ids, batch.lengths()))
     assert torch.equal(out.values(), ebc(keys=batch.keys, values=batch.ids, offsets=batch.offsets).values())
     assert set(out.to_dict()) == set(batch.keys)
