@@ -1,9 +1,10 @@
 """Fused CPU kernels for ROBE-Z tables: hash + gather, bags, scatter, coalesce, optimizer steps.
 
-The checked API: every function here validates its tensors, sets the thread count (``runtime.py``) and
-calls the compiled code of ``_jit.py``, the only compiled code of the project, which agrees with the
-pure-torch reference in ``hashing.py`` bit for bit on forward and within float tolerance on gradients
-and optimizer updates (``tests/core/test_kernels.py``).
+The checked API (the collections' part lives in ``collection.py``, re-exported here): every function
+validates its tensors, sets the thread count (``runtime.py``) and calls the compiled code of ``_jit.py``,
+the only compiled code of the project, which agrees with the pure-torch reference in ``hashing.py`` bit
+for bit on forward and within float tolerance on gradients and optimizer updates
+(``tests/core/test_kernels.py``, ``tests/core/test_collection.py``).
 
 All functions take and return CPU torch tensors; numba works on zero-copy ``.numpy()`` views, so
 ``weight`` and optimizer state are updated in place (they may live in shared memory). Outputs are
@@ -53,15 +54,29 @@ from ._jit import (
     _warm_kernel,
 )
 from ._jit import OPTIMIZER_CODES as OPTIMIZER_CODES
-from .runtime import compile_target, set_kernel_threads
+from .collection import (
+    FeatureLayout,
+    coalesce_chunk_rows,
+    collection_coalesce_grad,
+    collection_first_bad_id,
+    collection_lookup,
+    collection_scatter_grad,
+)
+from .runtime import PREFETCH_READ_MIN_BYTES, PREFETCH_WRITE_MIN_BYTES, compile_target, set_kernel_threads
 from .runtime import hash_setup as _hash_setup
 from .runtime import wrap_int64 as _wrap_int64
 
 __all__ = [
+    "FeatureLayout",
     "adagrad_step",
     "adam_step",
     "chunk_offsets",
+    "coalesce_chunk_rows",
     "coalesce_grad",
+    "collection_coalesce_grad",
+    "collection_first_bad_id",
+    "collection_lookup",
+    "collection_scatter_grad",
     "compile_target",
     "fits_int32_offsets",
     "gather",
@@ -84,12 +99,9 @@ _PRIVATE_SCATTER_MAX_FLOATS = 16 << 20
 # Per-thread scratch buffers up to this size are kept for the next call (see ``_scratch``).
 _SCRATCH_MAX_BYTES = 64 << 20
 _thread_scratch = threading.local()
-# Prefetching pays once the table misses the caches. Reads: past L2 (below, it slows a lookup repeated
-# over a hot table). The dense backward's writes: from the size of a core's L2 (1 MB on Zen 4/5; Zen 2/3
-# have 512 KB), because in training the array is no longer in cache when the backward runs
-# (docs/benchmarks/kernel-constants.md#_prefetch_read_min_bytes-and-_prefetch_write_min_bytes).
-_PREFETCH_READ_MIN_BYTES = 4 << 20
-_PREFETCH_WRITE_MIN_BYTES = 1 << 20
+# Where prefetching starts: runtime.PREFETCH_READ_MIN_BYTES / PREFETCH_WRITE_MIN_BYTES (tests patch these).
+_PREFETCH_READ_MIN_BYTES = PREFETCH_READ_MIN_BYTES
+_PREFETCH_WRITE_MIN_BYTES = PREFETCH_WRITE_MIN_BYTES
 # Below the read-prefetch size, a gather that reads at least this many times the table's bytes first
 # reads the whole table once in order (``_warm_kernel``): in training the table is out of the caches
 # when the forward runs, and a sequential pass is streamed by the hardware prefetcher where random chunk
