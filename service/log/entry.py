@@ -20,6 +20,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,9 +35,9 @@ from ..errors import RefusedUpdateError
 logger = logging.getLogger("robez.store")
 
 
-@dataclass(frozen=True, slots=True)
-class UpdatePart:
-    """One table's share of a push, as a caller hands it to ``TableStore.update_many``.
+class UpdatePart(NamedTuple):
+    """One table's share of a push, as a caller hands it to ``TableStore.update_many`` (a named tuple:
+    made for every push on the hot path, where a dataclass costs a microsecond more).
 
     Attributes:
         table: table name.

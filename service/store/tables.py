@@ -350,12 +350,14 @@ class TableStore:
         elsewhere (the caller, on the event loop, then retries from a worker thread)."""
         if len(parts) == 1:  # the common push: no list of names to check
             part = parts[0]
-            entries = [self.registry.entry(part.table)]
-            lrs = self._check_request(entries, parts)
-            if self._small_unjournalled and _count(part.ids) <= SMALL_BATCH_MAX_IDS:
+            entry = self.registry.entry(part.table)
+            count = _count(part.ids)
+            self.limits.check_request(count, entry.table.config.embedding_dim)
+            lr = _resolve_lr(entry, part.lr)
+            if self._small_unjournalled and count <= SMALL_BATCH_MAX_IDS:
                 # Nothing to journal: a small batch is hashed, checked and applied in two compiled calls.
-                return self._propose_small(part, lrs[0], blocking)
-            names = [part.table]
+                return self._propose_small(part, lr, blocking)
+            names, entries, lrs = [part.table], [entry], [lr]
         else:
             names = [part.table for part in parts]
             if not parts:
@@ -493,12 +495,7 @@ class TableStore:
                     f"{values} gradient values in one request; the limit is "
                     f"max_values_per_request={self.limits.max_values_per_request}"
                 )
-        lrs = []
-        for entry, part in zip(entries, parts, strict=True):
-            applied_lr = entry.table.optimizer.lr if part.lr is None else float(part.lr)
-            check_lr(entry.table, applied_lr)
-            lrs.append(applied_lr)
-        return lrs
+        return [_resolve_lr(entry, part.lr) for entry, part in zip(entries, parts, strict=True)]
 
     # -- replicated mode: the log decides the order and the versions (service/replication/) ----------
 
@@ -619,6 +616,13 @@ class TableStore:
 
 # The checksum hashes its copy in pieces of this many bytes (so the test hook can slow it down).
 _HASH_PIECE_BYTES = 1 << 24
+
+
+def _resolve_lr(entry: TableEntry, lr: float | None) -> float:
+    """The lr a push applies to the table of ``entry``: its own (``lr``), else the table's; checked."""
+    applied_lr = entry.table.optimizer.lr if lr is None else float(lr)
+    check_lr(entry.table, applied_lr)
+    return applied_lr
 
 
 def _count(values: Tensor | np.ndarray) -> int:

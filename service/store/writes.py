@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio.to_thread
 
@@ -32,9 +32,8 @@ T = TypeVar("T")
 Offload = Callable[[Callable[[], T]], Awaitable[T]]
 
 
-@dataclass(frozen=True)
-class Written:
-    """What a push's write path answers.
+class Written(NamedTuple):
+    """What a push's write path answers (a named tuple: one per push, on the hot path).
 
     Attributes:
         results: each part's result (its table's new version), in the order of the parts.
@@ -114,21 +113,18 @@ class LocalWrites:
 
     def __init__(self, store: TableStore) -> None:
         self.store = store
+        self._memory_only = store.journal_is_memory_only()
 
     async def update(
         self, decode: Callable[[], list[UpdatePart]], key: str | None, offload: Offload[Any], *, small: bool
     ) -> Written:
         store = self.store
-
-        def work(blocking: bool) -> tuple[list[UpdateResult], int] | None:
-            return store.propose(decode(), blocking=blocking)
-
         # A small push runs on the event loop when the table's lock is free at once and the journal
         # writes nothing (the hop to a worker thread and back costs more than its whole work); otherwise
         # it waits for the lock in a worker thread.
-        done = work(False) if small and store.journal_is_memory_only() else None
+        done = store.propose(decode(), blocking=False) if small and self._memory_only else None
         if done is None:
-            done = await offload(lambda: work(True))
+            done = await offload(lambda: store.propose(decode()))
         assert done is not None
         results, ticket = done
         if ticket > 0:
