@@ -481,7 +481,7 @@ def test_an_interval_update_waits_for_its_flush_without_holding_the_lock(
     journal = WalJournal(tmp_path / "data", fsync="interval", fsync_interval_ms=5.0)
     store = TableStore(directory, settings, journal)
     store.create("t", TableSpec(CONFIG, OptimizerConfig()))
-    monkeypatch.setattr(service.wal.journal, "_sync_data", held_sync)
+    monkeypatch.setattr(service.wal.journal, "sync_data", held_sync)
     versions: list[int] = []
     writer = threading.Thread(
         target=lambda: versions.append(store.update("t", torch.tensor([1]), torch.ones(1, 8)).version)
@@ -714,10 +714,10 @@ def test_a_logged_update_that_fails_a_check_is_an_empty_version(
     id_tensor = torch.tensor(ids, dtype=torch.int64)
     with pytest.raises(InvalidInputError):
         store.validate_update("t", id_tensor, grads, lr)
-    result = store.apply_logged(UpdateRecord("t", 2, id_tensor, grads, lr))
+    result = store.apply(UpdateRecord("t", 2, id_tensor, grads, lr))
     assert isinstance(result, SkippedRecord) and result.reason == reason, result
     assert store.checksum("t") == (2, before)
-    applied = store.apply_logged(UpdateRecord("t", 3, torch.tensor([4]), torch.ones(1, 8), 0.1))
+    applied = store.apply(UpdateRecord("t", 3, torch.tensor([4]), torch.ones(1, 8), 0.1))
     assert applied is not None and not isinstance(applied, SkippedRecord)
     assert store.checksum("t")[0] == 3 and store.checksum("t")[1] != before
 
