@@ -32,7 +32,7 @@ from .http.middleware import InFlightLimitMiddleware, RequestBodyMiddleware, Req
 from .http.protocol import LIFESPAN_METRICS_KEY
 from .metrics import Metrics
 from .replication.replica import Replica, local_settings
-from .routes import checksum, durability, health, lookup, oip, tables, update
+from .routes import checksum, durability, health, lookup, oip, tables, update, update_many
 from .shm import SharedDirectory
 from .store import TableStore
 from .store.journal import Journal, NullJournal
@@ -155,13 +155,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics(metrics_dir, settings.max_metric_tables)
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (health, tables, lookup, update, durability, checksum, oip):
+    for module in (health, tables, lookup, update, update_many, durability, checksum, oip):
         app.include_router(module.router)
     # Added innermost first: metrics see every answer, including the 503s, 413s and 408s below them; a
     # request takes an in-flight slot only once its whole body has arrived; the fast path (the hot routes
     # without FastAPI's per-request machinery) sits under all of them.
     fast_routes = FastRoutes(
-        [*health.fast_routes, *lookup.fast_routes, *update.fast_routes, *oip.fast_routes]
+        [
+            *health.fast_routes,
+            *lookup.fast_routes,
+            *update.fast_routes,
+            *update_many.fast_routes,
+            *oip.fast_routes,
+        ]
     )
     # One admission (limits, in-flight, body bytes, metrics) for the stack and the direct answers.
     admission = Admission.from_settings(settings, metrics)

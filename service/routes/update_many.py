@@ -1,0 +1,123 @@
+"""Multi-table gradient pushes: every table's ids and gradients of one training step in one request
+(JSON or binary), applied all-or-nothing, the answer carrying each table's version."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from starlette.responses import Response
+
+from robez_core.errors import ConflictError
+
+from ..auth import WriteAccess, require_write_key
+from ..codec import (
+    SHAPES_HEADER,
+    TABLES_HEADER,
+    VERSION_HEADER,
+    MultiUpdateResponse,
+    RawResponse,
+    TableArrays,
+    decode_multi_update_binary,
+    decode_multi_update_json,
+    json_bytes,
+    milliseconds,
+    update_json,
+)
+from ..http.fastpath import FastRoute
+from ..metrics import Metrics, update_server_timing
+from ..multi_update import TableUpdateItem, update_many
+from ..store import TableStore, UpdateResult
+from .deps import body_doc, compute, is_binary, raw_headers, read_body
+
+router = APIRouter(prefix="/v1", tags=["update"])
+
+_BINARY_MULTI_UPDATE = (
+    f"{TABLES_HEADER}: name=n,... and {SHAPES_HEADER}: n,d;... in body order; body = each table's n "
+    "little-endian int64 ids then n*d little-endian float32 gradients, in that order"
+)
+_TABLES = TABLES_HEADER.lower().encode()
+_SHAPES = SHAPES_HEADER.lower().encode()
+_VERSION = VERSION_HEADER.lower().encode()
+_JSON = b"application/json"
+
+
+@router.post(
+    "/update",
+    response_model=MultiUpdateResponse,
+    openapi_extra=body_doc("MultiUpdateRequest", _BINARY_MULTI_UPDATE),
+    summary="Apply the optimizers of several tables to one step's gradients, all or nothing",
+)
+async def update_several(
+    request: Request,
+    _: WriteAccess,
+    lr: Annotated[float | None, Query(gt=0, description="overrides every table's lr for this push")] = None,
+) -> Response:
+    return await apply_update_many(request, lr)
+
+
+async def apply_update_many(request: Request, lr: float | None = None) -> Response:
+    """``POST /v1/update`` once access is granted (FastAPI's endpoint and the fast path)."""
+    start = time.perf_counter()
+    state = request.app.state
+    store: TableStore = state.store
+    metrics: Metrics = state.metrics
+    if state.replica is not None:
+        raise ConflictError(
+            "replicas do not take multi-table pushes yet: push each table with POST /v1/tables/{name}/update"
+        )
+    body = await read_body(request)
+    headers = raw_headers(request)
+    binary = is_binary(request, headers)
+
+    def decode() -> list[TableArrays]:
+        if binary:
+            tables, shapes = headers.get(_TABLES), headers.get(_SHAPES)
+            return decode_multi_update_binary(
+                body,
+                tables.decode("latin-1") if tables is not None else None,
+                shapes.decode("latin-1") if shapes is not None else None,
+            )
+        return decode_multi_update_json(body, lambda name: store.table(name).config.embedding_dim)
+
+    def work() -> tuple[list[str], list[UpdateResult]]:
+        items = [
+            TableUpdateItem(name, ids, grads, lr if lr is not None else item_lr)
+            for name, ids, grads, item_lr in decode()
+        ]
+        return [item.table for item in items], update_many(store, items)
+
+    names, results = await compute(request, work)
+    for name, result in zip(names, results, strict=True):
+        stages = metrics.stages(name)
+        stages.hash_seconds.observe(result.hash_seconds)
+        stages.update_apply_seconds.observe(result.apply_seconds)
+    hash_seconds = sum(result.hash_seconds for result in results)
+    apply_seconds = sum(result.apply_seconds for result in results)
+    total = time.perf_counter() - start
+    response_headers = [
+        (b"server-timing", update_server_timing(hash_seconds, apply_seconds, total)),
+        (_VERSION, ",".join(str(result.version) for result in results).encode("latin-1")),
+    ]
+    payload = {
+        "results": [
+            update_json(name, result, result.hash_seconds + result.apply_seconds)
+            for name, result in zip(names, results, strict=True)
+        ],
+        "timing": {
+            "hash_ms": milliseconds(hash_seconds),
+            "apply_ms": milliseconds(apply_seconds),
+            "total_ms": milliseconds(total),
+        },
+    }
+    return RawResponse(json_bytes(payload), _JSON, response_headers)
+
+
+async def _update_many_fast(request: Request, _: str) -> Response:
+    await require_write_key(request)
+    return await apply_update_many(request)
+
+
+# With a query string (?lr=...) the request goes through FastAPI, which validates the parameter.
+fast_routes = [FastRoute.of(router, "POST", "/v1/update", _update_many_fast, query=False)]
