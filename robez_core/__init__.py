@@ -1,6 +1,7 @@
 """robez_core: ROBE-Z compressed embedding tables with fused CPU kernels."""
 
 from .allocator import MallocTuning, tune_malloc
+from .collection import EmbeddingBagConfig, PooledEmbeddings, RobezEmbeddingBagCollection
 from .config import OptimizerConfig, TableConfig
 from .errors import (
     BusyError,
@@ -22,13 +23,16 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "CorruptionError",
+    "EmbeddingBagConfig",
     "InvalidInputError",
     "LimitExceededError",
     "MallocTuning",
     "NotFoundError",
     "OptimizerConfig",
+    "PooledEmbeddings",
     "RobezEmbedding",
     "RobezEmbeddingBag",
+    "RobezEmbeddingBagCollection",
     "RobezError",
     "Table",
     "TableConfig",

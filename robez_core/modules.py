@@ -49,13 +49,13 @@ def _as_int64_ids(ids: Tensor, what: str = "ids", contiguous: bool = True) -> Te
     return ids.contiguous() if contiguous else ids
 
 
-def _sparse_from_coalesced(locations: Tensor, values: Tensor, memory_size: int) -> Tensor:
+def sparse_from_coalesced(locations: Tensor, values: Tensor, memory_size: int) -> Tensor:
     return torch.sparse_coo_tensor(
         locations.unsqueeze(0), values, (memory_size,), is_coalesced=True, check_invariants=False
     )
 
 
-def _keep_coalesced_flag(param: Tensor) -> None:
+def keep_coalesced_flag(param: Tensor) -> None:
     """Post-accumulate hook: re-mark ``param.grad`` coalesced when its indices prove it is.
 
     Autograd rebuilds a sparse gradient when it stores it in ``.grad`` and drops the coalesced flag, so
@@ -77,7 +77,7 @@ def _weight_grad(
     """The (m,) gradient of ``weight`` from output-row gradients (N, d) at chunk ``offsets`` (N, C)."""
     if sparse:
         locations, values = kernels.coalesce_grad(grad_rows, offsets, chunk_size, memory_size)
-        return _sparse_from_coalesced(locations, values, memory_size)
+        return sparse_from_coalesced(locations, values, memory_size)
     grad = torch.from_numpy(buffers.zeros((memory_size,), np.float32))  # reused once .grad lets go
     kernels.scatter_grad(grad_rows, offsets, chunk_size, grad)
     return grad
@@ -246,7 +246,7 @@ class _RobezBase(nn.Module):
         )
         self.register_buffer("random_numbers", constants)
         if self.sparse and not getattr(self.weight, "_robez_coalesced_hook", False):
-            self.weight.register_post_accumulate_grad_hook(_keep_coalesced_flag)
+            self.weight.register_post_accumulate_grad_hook(keep_coalesced_flag)
             self.weight._robez_coalesced_hook = True  # type: ignore[attr-defined]  # one hook per array
 
     @classmethod

@@ -1215,3 +1215,312 @@ def _checked_step_kernel(
             return False
         _adam_serial(weight, first, second, locations, values, beta1, beta2, eps, step_size)
     return True
+
+
+# --------------------------------------------------------------------------------------------------
+# collections: many features over one shared array in one call (table-batched, as FBGEMM's TBE)
+#
+# A collection's input is jagged and key-major, like a torchrec ``KeyedJaggedTensor``: F features of B
+# bags each, bag g = f * B + b holding ``ids[bag_bounds[g]:bag_bounds[g + 1]]``. Feature f has its own
+# embedding dim ``feature_dims[f]``, ``val_offset``, pooling and output columns ``[feature_columns[f],
+# + feature_dims[f])`` of the (B, sum of dims) output. Every chunk of every id has one slot in a flat
+# chunk array, feature by feature, id by id, chunk by chunk: id n of feature f owns
+# ``chunk_base[f] + (n - bag_bounds[f * B]) * C_f + c``. That order is the one a table-by-table
+# concatenation of the features' (offsets, grad rows) has, so the coalesced gradient below is the same
+# bits as ``_coalesce_*_kernel`` of that concatenation (one Table update of the shared array).
+
+# Bags hashed and pooled together per work item: the group's ids are hashed a block at a time first, so
+# one-id bags (the usual categorical feature) still get whole hash blocks and rows prefetched ahead.
+_COLLECTION_BAG_GROUP = 256
+
+
+@_parallel_kernel
+def _collection_forward_kernel(
+    weight,
+    ids,
+    bag_bounds,
+    batch_size,
+    feature_val_offsets,
+    feature_dims,
+    feature_columns,
+    feature_mean,
+    chunk_base,
+    chunk_size,
+    mode,
+    random_numbers,
+    prefetch,
+    out,
+    chunk_offsets,
+):
+    # Pools exactly as ``_lookup_bag_kernel`` does (zero, add each row in order with scale 1, then times
+    # float32(1) / count for a non-empty mean bag), so each feature's output is the per-feature module's,
+    # bit for bit; the hashed offsets are kept in ``chunk_offsets`` for the backward.
+    range_size = weight.shape[0] - chunk_size + 1
+    num_features = feature_dims.shape[0]
+    width = out.shape[1]
+    flat = out.reshape(-1)
+    groups_per_feature = (batch_size + _COLLECTION_BAG_GROUP - 1) // _COLLECTION_BAG_GROUP
+    for item in prange(num_features * groups_per_feature):
+        f = item // groups_per_feature
+        first_bag = (item - f * groups_per_feature) * _COLLECTION_BAG_GROUP
+        last_bag = min(batch_size, first_bag + _COLLECTION_BAG_GROUP)
+        embedding_dim = feature_dims[f]
+        num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
+        feature_first = bag_bounds[f * batch_size]
+        id_begin = bag_bounds[f * batch_size + first_bag]
+        id_end = bag_bounds[f * batch_size + last_bag]
+        chunks_begin = chunk_base[f] + (id_begin - feature_first) * num_chunks
+        scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
+        for block_begin in range(id_begin, id_end, _HASH_BLOCK):
+            _hash_block(
+                ids,
+                block_begin,
+                min(_HASH_BLOCK, id_end - block_begin),
+                feature_val_offsets[f],
+                num_chunks,
+                mode,
+                random_numbers,
+                range_size,
+                scratch,
+                chunk_offsets,
+                chunk_base[f] + (block_begin - feature_first) * num_chunks,
+            )
+        chunks_end = chunks_begin + (id_end - id_begin) * num_chunks
+        ahead_chunks = _PREFETCH_ROWS * num_chunks
+        column = feature_columns[f]
+        for b in range(first_bag, last_bag):
+            g = f * batch_size + b
+            begin = bag_bounds[g]
+            end = bag_bounds[g + 1]
+            base = b * width + column
+            for j in range(embedding_dim):
+                flat[base + j] = 0.0
+            for n in range(begin, end):
+                k = chunk_base[f] + (n - feature_first) * num_chunks
+                if prefetch and k + ahead_chunks < chunks_end:
+                    for c in range(num_chunks):
+                        length = min(chunk_size, embedding_dim - c * chunk_size)
+                        _prefetch_chunk(weight, chunk_offsets[k + ahead_chunks + c], length, False)
+                for c in range(num_chunks):
+                    start = c * chunk_size
+                    _add_scaled(
+                        flat,
+                        base + start,
+                        weight,
+                        chunk_offsets[k + c],
+                        min(chunk_size, embedding_dim - start),
+                        np.float32(1.0),
+                    )
+            if feature_mean[f] and end > begin:
+                inv_count = np.float32(1.0) / np.float32(end - begin)
+                for j in range(embedding_dim):
+                    flat[base + j] *= inv_count
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _collection_first_bad_id(ids, bag_bounds, batch_size, feature_num_embeddings):
+    """Index of the first id outside ``[0, num_embeddings)`` of its feature, or -1."""
+    for f in range(feature_num_embeddings.shape[0]):
+        limit = feature_num_embeddings[f]
+        for n in range(bag_bounds[f * batch_size], bag_bounds[(f + 1) * batch_size]):
+            if ids[n] < 0 or ids[n] >= limit:
+                return n
+    return -1
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _collection_chunk_sources(
+    bag_bounds, batch_size, feature_dims, feature_columns, feature_mean, chunk_base, chunk_size, width
+):
+    """Where each chunk's gradient comes from: (position in the flat (B, width) output gradient, length,
+    divisor: the bag's length for a mean bag, else 1), one entry per slot of the flat chunk array."""
+    total = chunk_base[chunk_base.shape[0] - 1]
+    sources = np.empty(total, dtype=np.int64)
+    lengths = np.empty(total, dtype=np.int64)
+    divisors = np.empty(total, dtype=np.float32)
+    for f in range(feature_dims.shape[0]):
+        embedding_dim = feature_dims[f]
+        num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
+        feature_first = bag_bounds[f * batch_size]
+        for b in range(batch_size):
+            g = f * batch_size + b
+            begin = bag_bounds[g]
+            end = bag_bounds[g + 1]
+            divisor = np.float32(end - begin) if feature_mean[f] else np.float32(1.0)
+            for n in range(begin, end):
+                k = chunk_base[f] + (n - feature_first) * num_chunks
+                for c in range(num_chunks):
+                    sources[k + c] = b * width + feature_columns[f] + c * chunk_size
+                    lengths[k + c] = min(chunk_size, embedding_dim - c * chunk_size)
+                    divisors[k + c] = divisor
+    return sources, lengths, divisors
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _add_divided(dst, dst_pos, src, src_pos, length, divisor):
+    """``dst[d:d+length] += src[s:s+length] / divisor``; a plain add when ``divisor`` is 1 (x / 1 == x)."""
+    if divisor == np.float32(1.0):
+        _add(dst, dst_pos, src, src_pos, length)
+    else:
+        for j in range(length):
+            dst[dst_pos + j] += src[src_pos + j] / divisor
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _coalesce_chunks_kernel(
+    grads, keys, sources, lengths, divisors, memory_size, dense, values_dense, coverage
+):
+    """Coalesce chunks given one by one: chunk k adds ``grads[sources[k]:+lengths[k]] / divisors[k]`` at
+    array location ``keys[k]``. The same two variants as ``_coalesce_dense_kernel`` (``dense``: scratch
+    of m, chunks in their order) and ``_coalesce_sorted_kernel`` (chunks in stable order of their start),
+    with the same sums in the same order: for chunks laid out row by row they give the same bits."""
+    num = keys.shape[0]
+    if dense:
+        values_dense[:memory_size] = 0.0
+        coverage[: memory_size + 1] = 0
+        for k in range(num):
+            dst = keys[k]
+            length = lengths[k]
+            _add_divided(values_dense, dst, grads, sources[k], length, divisors[k])
+            coverage[dst] += 1
+            coverage[dst + length] -= 1
+        count = 0
+        depth = 0
+        for i in range(memory_size):
+            depth += coverage[i]
+            count += depth > 0
+        locations = np.empty(count, dtype=np.int64)
+        values = np.empty(count, dtype=np.float32)
+        k = 0
+        depth = 0
+        for i in range(memory_size):
+            depth += coverage[i]
+            if depth > 0:
+                locations[k] = i
+                values[k] = values_dense[i]
+                k += 1
+        return locations, values
+    order = _radix_argsort(keys)
+    total = 0
+    run_end = np.int64(-1)
+    for k in range(num):
+        idx = order[k]
+        dst = keys[idx]
+        end = dst + lengths[idx]
+        if dst > run_end:
+            total += lengths[idx]
+            run_end = end
+        elif end > run_end:
+            total += end - run_end
+            run_end = end
+    locations = np.empty(total, dtype=np.int64)
+    values = np.zeros(total, dtype=np.float32)
+    base = 0
+    run_start = np.int64(0)
+    run_end = np.int64(-1)
+    filled = 0
+    for k in range(num):
+        idx = order[k]
+        dst = keys[idx]
+        end = dst + lengths[idx]
+        if dst > run_end:
+            base = filled
+            run_start = dst
+            run_end = dst
+        if end > run_end:
+            for j in range(end - run_end):
+                locations[filled + j] = run_end + j
+            filled += end - run_end
+            run_end = end
+        _add_divided(values, base + (dst - run_start), grads, sources[idx], lengths[idx], divisors[idx])
+    return locations, values
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _collection_coalesce_kernel(
+    grad_output,
+    bag_bounds,
+    batch_size,
+    feature_dims,
+    feature_columns,
+    feature_mean,
+    chunk_base,
+    chunk_size,
+    chunk_offsets,
+    memory_size,
+    dense,
+    values_dense,
+    coverage,
+):
+    """The sparse backward of ``_collection_forward_kernel``: sorted unique locations and their summed
+    gradients, every feature's chunks at once, from the (B, width) output gradient itself (no (N, d)
+    per-id gradient is built)."""
+    sources, lengths, divisors = _collection_chunk_sources(
+        bag_bounds,
+        batch_size,
+        feature_dims,
+        feature_columns,
+        feature_mean,
+        chunk_base,
+        chunk_size,
+        grad_output.shape[1],
+    )
+    return _coalesce_chunks_kernel(
+        grad_output.reshape(-1),
+        chunk_offsets,
+        sources,
+        lengths,
+        divisors,
+        memory_size,
+        dense,
+        values_dense,
+        coverage,
+    )
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _collection_scatter_kernel(
+    grad_output,
+    bag_bounds,
+    batch_size,
+    feature_dims,
+    feature_columns,
+    feature_mean,
+    chunk_base,
+    chunk_size,
+    chunk_offsets,
+    prefetch,
+    out,
+):
+    """The dense backward of ``_collection_forward_kernel``, serial, in place: ``out[location] +=`` every
+    chunk's gradient, feature by feature, id by id (one thread, so the sums are grouped as the serial
+    ``_scatter_serial_kernel``'s of the concatenated rows)."""
+    grads = grad_output.reshape(-1)
+    width = grad_output.shape[1]
+    for f in range(feature_dims.shape[0]):
+        embedding_dim = feature_dims[f]
+        num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
+        feature_first = bag_bounds[f * batch_size]
+        chunks_end = chunk_base[f + 1]
+        ahead_chunks = _PREFETCH_ROWS * num_chunks
+        for b in range(batch_size):
+            g = f * batch_size + b
+            begin = bag_bounds[g]
+            end = bag_bounds[g + 1]
+            divisor = np.float32(end - begin) if feature_mean[f] else np.float32(1.0)
+            for n in range(begin, end):
+                k = chunk_base[f] + (n - feature_first) * num_chunks
+                if prefetch and k + ahead_chunks < chunks_end:
+                    for c in range(num_chunks):
+                        length = min(chunk_size, embedding_dim - c * chunk_size)
+                        _prefetch_chunk(out, chunk_offsets[k + ahead_chunks + c], length, True)
+                for c in range(num_chunks):
+                    start = c * chunk_size
+                    _add_divided(
+                        out,
+                        chunk_offsets[k + c],
+                        grads,
+                        b * width + feature_columns[f] + start,
+                        min(chunk_size, embedding_dim - start),
+                        divisor,
+                    )
