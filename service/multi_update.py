@@ -1,22 +1,28 @@
 """``update_many``: one training step's pushes to several tables, all-or-nothing (``POST /v1/update``).
 
 Interim, until the store's own multi-table apply lands (issue 36's log seam): every part is checked
-first (limits, lr, ids, gradients, the step leaving the values finite), then the parts are applied one
-table after another through the store's one apply path, and the route answers once all are durable.
-So bad input in any table changes nothing anywhere. What it does not give yet: each table's part is
-its own log record, so a crash between two parts replays the first without the second (the push was
-not acknowledged, so no acknowledged update is lost), and a concurrent push to the same table between
-the check and the apply could make a later part's step refuse after earlier parts were applied.
+first (limits, lr, ids, gradients, the step leaving the values finite), then applied, so bad input in
+any table changes nothing anywhere.
+
+Tables that share one array (``share_array_with``: a whole model's tables in one ROBE-Z array, possible
+only without a data directory) get **one** coalesced step of all their parts, in request order
+(``robez_core.collection.prepare_shared_step``): the step a local ``RobezEmbeddingBagCollection`` makes,
+so a remote collection trains the array bit for bit as the local one. Tables with their own array are
+applied one after another through the store's one apply path. What it does not give yet: each table's
+part is its own log record, so a crash between two parts replays the first without the second (the push
+was not acknowledged, so no acknowledged update is lost).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from robez_core.collection import prepare_shared_step
 from robez_core.errors import InvalidInputError, LimitExceededError
 
 from .store import TableStore, UpdateResult
@@ -57,16 +63,61 @@ def update_many(store: TableStore, items: list[TableUpdateItem]) -> list[UpdateR
             lrs.append(store.validate_update(item.table, ids, grads, item.lr))
         except InvalidInputError as error:
             raise InvalidInputError(f"table {item.table!r}: {error}") from error
-    results, last_ticket = [], 0
-    for item, (ids, grads), lr in zip(items, tensors, lrs, strict=True):
-        done = store.apply_update(item.table, ids, grads, lr)
+    groups: dict[str, list[int]] = {}  # array -> the parts over it, in request order
+    for index, name in enumerate(names):
+        groups.setdefault(store.info(name).array, []).append(index)
+    shared = [group for group in groups.values() if len(group) > 1]
+    for group in shared:
+        if len({lrs[i] for i in group}) > 1:
+            raise InvalidInputError(
+                f"tables {[names[i] for i in group]} share one array: their parts need one lr"
+            )
+    results: list[UpdateResult | None] = [None] * len(items)
+    last_ticket = 0
+    for group in groups.values():
+        if len(group) > 1:
+            for index, result in zip(
+                group, _apply_shared(store, group, names, tensors, lrs[group[0]]), strict=True
+            ):
+                results[index] = result
+            continue
+        (index,) = group
+        done = store.apply_update(names[index], *tensors[index], lrs[index])
         assert done is not None  # blocking
-        result, ticket = done
-        results.append(result)
+        results[index], ticket = done
         last_ticket = max(last_ticket, ticket)
     if last_ticket > 0:
         store.journal.wait_durable(last_ticket)
-    return results
+    return [result for result in results if result is not None]
+
+
+def _apply_shared(
+    store: TableStore, group: list[int], names: list[str], tensors: list[tuple[Tensor, Tensor]], lr: float
+) -> list[UpdateResult]:
+    """One coalesced step of the parts ``group`` (tables over one array, which share one update lock);
+    each table's version moves by one. Only without a journal: the store refuses shared arrays with one."""
+    first = names[group[0]]
+    with store.registry.locked(first) as held:
+        entries = [held] + [store.registry.entry(names[i]) for i in group[1:]]
+        if any(entry.lock is not held.lock for entry in entries):
+            raise InvalidInputError(f"tables {[names[i] for i in group]} do not share one update lock")
+        start = time.perf_counter()
+        step = prepare_shared_step(
+            [entry.table for entry in entries],
+            [tensors[i][0] for i in group],
+            [tensors[i][1] for i in group],
+            lr,
+        )
+        held.table.check_step(step)
+        versions = [entry.version + 1 for entry in entries]
+        for entry, version in zip(entries, versions, strict=True):
+            entry.set_pending(version)
+        held.table.apply_step(step)
+        for entry, version in zip(entries, versions, strict=True):
+            entry.set_version(version)
+            entry.set_pending(0)
+        seconds = (time.perf_counter() - start) / len(group)
+    return [UpdateResult(version, 0.0, seconds) for version in versions]
 
 
 def _tensor(values: np.ndarray | Tensor) -> Tensor:

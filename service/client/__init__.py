@@ -7,7 +7,8 @@ row-major rows, ``X-Robez-Shape: n,d``); the smaller control calls use JSON. One
 - ``calls``: every request as data (``Call``), shared by both clients;
 - ``base``: what both clients share (retries, bookkeeping, multi-request plans, TLS);
 - ``sync_client`` (``RobezClient``) and ``async_client`` (``AsyncRobezClient``);
-- ``modules``: ``RemoteEmbedding`` and ``RemoteEmbeddingBag`` (one table each).
+- ``modules``: ``RemoteEmbedding`` and ``RemoteEmbeddingBag`` (one table each);
+- ``collection``: ``RemoteEmbeddingBagCollection`` (a whole model's tables: one pull, one push a step).
 
 Example::
 
@@ -19,6 +20,7 @@ Example::
 
 from .async_client import AsyncRobezClient
 from .base import DEFAULT_BUSY_RETRIES, DEFAULT_TIMEOUT_S, DEFAULT_URL, TLSVerify, tls_verify
+from .collection import RemoteEmbeddingBagCollection, StepStats
 from .modules import RemoteEmbedding, RemoteEmbeddingBag
 from .sync_client import RobezClient
 from .wire import (
@@ -58,8 +60,10 @@ __all__ = [
     "IdsLike",
     "RemoteEmbedding",
     "RemoteEmbeddingBag",
+    "RemoteEmbeddingBagCollection",
     "RobezClient",
     "RobezClientError",
+    "StepStats",
     "TLSVerify",
     "decode_rows",
     "encode_ids",

@@ -1,5 +1,6 @@
-"""``POST /v1/update``: one step's pushes to several tables in one request (issue 37). The result equals
-the same pushes made one table at a time; bad input in any one table changes no table."""
+"""``POST /v1/update``: one step's pushes to several tables in one request (issue 37). Tables over one
+array get one coalesced step (the local collection's), a table with its own array its one-table push;
+bad input in any one table changes no table."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from robez_core.collection import prepare_shared_step
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.table import Table
 from service.client import RobezClient, RobezClientError
 from service.client.calls import update_many_calls
 
-from .conftest import assert_unchanged, create_table, error_of, table_state
+from .conftest import SMALL_TABLE, assert_unchanged, create_table, error_of, table_state
 
 OCTET = "application/octet-stream"
 ADAGRAD = {"name": "adagrad", "lr": 0.05}
@@ -68,13 +72,34 @@ def step_parts(seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     }
 
 
-@pytest.mark.parametrize("encoding", ["binary", "json"])
-def test_one_request_equals_one_push_per_table(
-    client_factory: Callable[..., TestClient], encoding: str
+def twins(lr: float | None = None) -> dict[str, Table]:
+    """Local tables as ``three_tables`` makes them on the server: a and b over one array and state."""
+    adagrad = OptimizerConfig(**ADAGRAD)  # type: ignore[arg-type]
+    a = Table(TableConfig(**SMALL_TABLE), adagrad)  # type: ignore[arg-type]
+    b_config = TableConfig(**{**SMALL_TABLE, "num_embeddings": 500, "val_offset": 1000})  # type: ignore[arg-type]
+    b = Table(b_config, adagrad, weight=a.weight, state=a.state)
+    c = Table(TableConfig(**{**SMALL_TABLE, "embedding_dim": 4}), OptimizerConfig("adam", lr=0.01))  # type: ignore[arg-type]
+    return {"a": a, "b": b, "c": c}
+
+
+def step_twins(
+    tables: dict[str, Table], parts: dict[str, tuple[np.ndarray, np.ndarray]], lr: float | None
 ) -> None:
+    """What one multi-table push does: one coalesced step of a and b (one array), c's own step."""
+    ids = [torch.from_numpy(parts[n][0]) for n in ("a", "b")]
+    grads = [torch.from_numpy(parts[n][1]) for n in ("a", "b")]
+    step = prepare_shared_step([tables["a"], tables["b"]], ids, grads, lr)
+    tables["a"].check_step(step)
+    tables["a"].apply_step(step)
+    tables["c"].apply_gradients(torch.from_numpy(parts["c"][0]), torch.from_numpy(parts["c"][1]), lr=lr)
+
+
+@pytest.mark.parametrize("encoding", ["binary", "json"])
+def test_one_request_is_one_step_per_array(client_factory: Callable[..., TestClient], encoding: str) -> None:
     many, single = client_factory(), client_factory()
     three_tables(many)
     three_tables(single)
+    local = twins()
     for step in range(3):
         parts = step_parts(step)
         if encoding == "binary":
@@ -95,13 +120,16 @@ def test_one_request_equals_one_push_per_table(
         ]
         assert response.headers["x-robez-version"] == ",".join([str(step + 1)] * 3)
         assert set(body["timing"]) == {"hash_ms", "apply_ms", "total_ms"}
-        for name, (ids, grads) in parts.items():
-            assert single.post(f"/v1/tables/{name}/update", **binary_update(ids, grads)).status_code == 200
+        step_twins(local, parts, None)
+        ids, grads = parts["c"]
+        assert single.post("/v1/tables/c/update", **binary_update(ids, grads)).status_code == 200
     for name in ("a", "b", "c"):
-        got, want = table_state(many, name), table_state(single, name)
-        assert got[1] == want[1]
-        for key, tensor in want[0].items():
+        got = table_state(many, name)
+        assert got[1] == 3
+        for key, tensor in local[name].tensors().items():
             assert torch.equal(got[0][key], tensor), (name, key)
+    # A table with its own array: the same bits as its one-table pushes.
+    assert torch.equal(table_state(many, "c")[0]["weight"], table_state(single, "c")[0]["weight"])
 
 
 def binary_update(ids: np.ndarray, grads: np.ndarray) -> dict[str, Any]:
@@ -110,16 +138,14 @@ def binary_update(ids: np.ndarray, grads: np.ndarray) -> dict[str, Any]:
     return {"content": body, "headers": {"content-type": OCTET, "x-robez-shape": f"{n},{d}"}}
 
 
-def test_lr_applies_to_every_table(client_factory: Callable[..., TestClient]) -> None:
-    many, single = client_factory(), client_factory()
-    three_tables(many)
-    three_tables(single)
+def test_lr_applies_to_every_table(client: TestClient) -> None:
+    three_tables(client)
+    local = twins()
     parts = step_parts(0)
-    assert many.post("/v1/update?lr=0.5", **binary_many(parts)).status_code == 200
-    for name, (ids, grads) in parts.items():
-        assert single.post(f"/v1/tables/{name}/update?lr=0.5", **binary_update(ids, grads)).status_code == 200
+    assert client.post("/v1/update?lr=0.5", **binary_many(parts)).status_code == 200
+    step_twins(local, parts, 0.5)
     for name in parts:
-        assert torch.equal(table_state(many, name)[0]["weight"], table_state(single, name)[0]["weight"])
+        assert torch.equal(table_state(client, name)[0]["weight"], local[name].weight)
 
 
 def test_bad_input_in_one_table_changes_no_table(client: TestClient) -> None:
