@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -71,9 +71,10 @@ class RobezClient(ClientCore):
     ) -> None:
         super().__init__(api_key, busy_retries)
         self._owns_http = http_client is None
-        self._http = http_client or httpx.Client(
+        self._new_http: Callable[[], httpx.Client] = lambda: httpx.Client(
             base_url=base_url, timeout=timeout, transport=transport, verify=tls_verify(verify, cert)
         )
+        self._http = http_client or self._new_http()
 
     def _send(self, call: Call[T]) -> T:
         for attempt in range(self.busy_retries + 1):
@@ -109,6 +110,20 @@ class RobezClient(ClientCore):
     def close(self) -> None:
         if self._owns_http:
             self._http.close()
+
+    def worker(self) -> int:
+        """The pid of the server worker this client's keep-alive connection reached (``/healthz``)."""
+        return int(self.health()["pid"])
+
+    def reconnect(self) -> None:
+        """Drop this client's connections; the next request opens a new one, which ``robez serve
+        --workers N`` may hand to another worker (the kernel gives a new connection to whichever worker
+        accepts it first). Trainers each keep one connection, so with several trainers and workers, a
+        trainer whose ``worker()`` is already another trainer's can reconnect to spread the load."""
+        if not self._owns_http:
+            raise RuntimeError("a client over a given http_client cannot reconnect it")
+        self._http.close()
+        self._http = self._new_http()
 
     def __enter__(self) -> RobezClient:
         return self
