@@ -24,6 +24,7 @@ from torch import Tensor
 
 from robez_core.collection import prepare_shared_step
 from robez_core.errors import InvalidInputError, LimitExceededError
+from robez_core.optim import PreparedStep
 
 from .store import TableStore, UpdateResult
 
@@ -57,32 +58,30 @@ def update_many(store: TableStore, items: list[TableUpdateItem]) -> list[UpdateR
             f"max_values_per_request={store.limits.max_values_per_request}"
         )
     tensors = [(_tensor(item.ids), _tensor(item.grads)) for item in items]
-    lrs = []
-    for item, (ids, grads) in zip(items, tensors, strict=True):
-        try:
-            lrs.append(store.validate_update(item.table, ids, grads, item.lr))
-        except InvalidInputError as error:
-            raise InvalidInputError(f"table {item.table!r}: {error}") from error
     groups: dict[str, list[int]] = {}  # array -> the parts over it, in request order
     for index, name in enumerate(names):
         groups.setdefault(store.info(name).array, []).append(index)
-    shared = [group for group in groups.values() if len(group) > 1]
-    for group in shared:
-        if len({lrs[i] for i in group}) > 1:
-            raise InvalidInputError(
-                f"tables {[names[i] for i in group]} share one array: their parts need one lr"
-            )
+    # Every check before anything changes: a shared group's one step is prepared (hashed, coalesced,
+    # its inputs checked) here, outside the lock, as the store does for one table.
+    prepared: dict[int, PreparedStep] = {}
+    for group in groups.values():
+        for index in group if len(group) == 1 else ():
+            try:
+                store.validate_update(names[index], *tensors[index], items[index].lr)
+            except InvalidInputError as error:
+                raise InvalidInputError(f"table {names[index]!r}: {error}") from error
+        if len(group) > 1:
+            prepared[group[0]] = _prepare_shared(store, group, names, items, tensors)
     results: list[UpdateResult | None] = [None] * len(items)
     last_ticket = 0
     for group in groups.values():
         if len(group) > 1:
-            for index, result in zip(
-                group, _apply_shared(store, group, names, tensors, lrs[group[0]]), strict=True
-            ):
+            shared = _apply_shared(store, group, names, prepared[group[0]])
+            for index, result in zip(group, shared, strict=True):
                 results[index] = result
             continue
         (index,) = group
-        done = store.apply_update(names[index], *tensors[index], lrs[index])
+        done = store.apply_update(names[index], *tensors[index], items[index].lr)
         assert done is not None  # blocking
         results[index], ticket = done
         last_ticket = max(last_ticket, ticket)
@@ -91,23 +90,45 @@ def update_many(store: TableStore, items: list[TableUpdateItem]) -> list[UpdateR
     return [result for result in results if result is not None]
 
 
+def _prepare_shared(
+    store: TableStore,
+    group: list[int],
+    names: list[str],
+    items: list[TableUpdateItem],
+    tensors: list[tuple[Tensor, Tensor]],
+) -> PreparedStep:
+    """The one coalesced step of the parts ``group`` over one array (``prepare_shared_step``: ids and
+    gradients checked, hashed, coalesced in request order); the parts must resolve to one lr."""
+    tables = [store.table(names[i]) for i in group]
+    lrs = {
+        table.optimizer.lr if items[i].lr is None else float(items[i].lr)
+        for i, table in zip(group, tables, strict=True)
+    }
+    if len(lrs) > 1:
+        raise InvalidInputError(
+            f"tables {[names[i] for i in group]} share one array: their parts need one lr"
+        )
+    for i, table in zip(group, tables, strict=True):
+        store.limits.check_request(int(tensors[i][0].shape[0]), table.config.embedding_dim)
+    try:
+        return prepare_shared_step(
+            tables, [tensors[i][0] for i in group], [tensors[i][1] for i in group], lrs.pop()
+        )
+    except InvalidInputError as error:
+        raise InvalidInputError(f"tables {[names[i] for i in group]}: {error}") from error
+
+
 def _apply_shared(
-    store: TableStore, group: list[int], names: list[str], tensors: list[tuple[Tensor, Tensor]], lr: float
+    store: TableStore, group: list[int], names: list[str], step: PreparedStep
 ) -> list[UpdateResult]:
-    """One coalesced step of the parts ``group`` (tables over one array, which share one update lock);
-    each table's version moves by one. Only without a journal: the store refuses shared arrays with one."""
-    first = names[group[0]]
-    with store.registry.locked(first) as held:
+    """Apply the prepared step of the parts ``group`` (tables over one array, which share one update
+    lock), checked under the lock; each table's version moves by one. Only without a journal: the store
+    refuses shared arrays with one, so no log ever replays this step."""
+    with store.registry.locked(names[group[0]]) as held:
         entries = [held] + [store.registry.entry(names[i]) for i in group[1:]]
         if any(entry.lock is not held.lock for entry in entries):
             raise InvalidInputError(f"tables {[names[i] for i in group]} do not share one update lock")
         start = time.perf_counter()
-        step = prepare_shared_step(
-            [entry.table for entry in entries],
-            [tensors[i][0] for i in group],
-            [tensors[i][1] for i in group],
-            lr,
-        )
         held.table.check_step(step)
         versions = [entry.version + 1 for entry in entries]
         for entry, version in zip(entries, versions, strict=True):
