@@ -100,10 +100,10 @@ def _prepare_shared(
     """The one coalesced step of the parts ``group`` over one array (``prepare_shared_step``: ids and
     gradients checked, hashed, coalesced in request order); the parts must resolve to one lr."""
     tables = [store.table(names[i]) for i in group]
-    lrs = {
-        table.optimizer.lr if items[i].lr is None else float(items[i].lr)
-        for i, table in zip(group, tables, strict=True)
-    }
+    lrs = set()
+    for i, table in zip(group, tables, strict=True):
+        lr = items[i].lr
+        lrs.add(table.optimizer.lr if lr is None else float(lr))
     if len(lrs) > 1:
         raise InvalidInputError(
             f"tables {[names[i] for i in group]} share one array: their parts need one lr"
