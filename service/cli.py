@@ -326,10 +326,10 @@ def _serve_locked(settings: Settings) -> int:
 
     from .app import open_journal
     from .http.protocol import uvicorn_options
+    from .log.journal import NullJournal
     from .replication.replica import local_settings
     from .shm import SharedDirectory
     from .store import TableStore
-    from .store.journal import NullJournal
     from .supervisor import run_workers
 
     replicated = settings.nats_url is not None

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 UPDATE_APPENDED = "update:appended"
+# A multi-table push: its first part appended to its table's log, the other parts not yet.
+GROUP_APPENDED = "update:group-appended"
 FAULT_FILE_VARIABLE = "ROBEZ_FAULT_DIE_AFTER_APPEND"
 # Testing only: seconds a replica waits after each snapshot chunk it uploads, so a test can keep an
 # upload running for a while without a table of gigabytes.

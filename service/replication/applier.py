@@ -2,7 +2,7 @@
 
 It follows the catalog (tables created and dropped through the log), creates each table from its newest
 snapshot in the log's snapshot store (or fresh, deterministically seeded), then reads the table's log
-from there on and applies every entry in order with ``TableStore.apply_logged`` (``apply_record``, as
+from there on and applies every entry in order with ``TableStore.apply`` (``apply_record``, as
 a private rebuild does too). It uploads a snapshot every ``replica_snapshot_every_updates`` updates, and
 ``replica_snapshot_interval_s`` after the last upload when updates came since (a timer, so a burst
 followed by silence is uploaded too), and then trims the log below it, keeping ``replica_trim_keep``
@@ -46,10 +46,9 @@ from robez_core.table import CheckpointFile, PendingCheckpoint, Table
 
 from .. import tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
+from ..log.entry import SkippedRecord, UpdateRecord, apply_logged_record, skipped
 from ..metrics import Metrics
 from ..store import TableStore, UpdateResult
-from ..store.journal import SkippedRecord, UpdateRecord
-from ..store.tables import apply_logged_record, skipped
 from .localsnap import SCRATCH_PREFIX, LocalSnapshots, remove_stale_files
 from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog, Snapshot, SnapshotLease
 from .records import LoadRecord, decode_entry
@@ -347,12 +346,12 @@ class Applier:
             if isinstance(record, LoadRecord):
                 result = await self._apply_load(entry, record)
             elif tracing.TRACER is None:
-                result = await anyio.to_thread.run_sync(self.store.apply_logged, record)
+                result = await anyio.to_thread.run_sync(self.store.apply, record)
             else:  # a span of the trace the push's headers carry, on every replica
                 parent = tracing.from_headers(item.headers)
                 count = int(record.ids.numel()) if isinstance(record, UpdateRecord) else 0
                 with tracing.span("apply", name, count, item.position, parent=parent):
-                    result = await anyio.to_thread.run_sync(self.store.apply_logged, record)
+                    result = await anyio.to_thread.run_sync(self.store.apply, record)
             position = item.position
             now = time.time()
             if isinstance(result, SkippedRecord):
@@ -442,10 +441,10 @@ class Applier:
         self, entry: CatalogEntry, record: LoadRecord
     ) -> UpdateResult | SkippedRecord | None:
         """Switch the table to the checkpoint a load entry names, at its position (``restore``); an entry
-        whose checkpoint is missing or does not check out is an empty version (``apply_logged``)."""
+        whose checkpoint is missing or does not check out is an empty version (``TableStore.apply``)."""
         loaded = await load_checkpoint(self.log, entry, record)
         if isinstance(loaded, SkippedRecord):
-            return await anyio.to_thread.run_sync(self.store.apply_logged, loaded)
+            return await anyio.to_thread.run_sync(self.store.apply, loaded)
         start = time.perf_counter()
         restore = functools.partial(self.store.restore, after=record.version - 1)
         if not await anyio.to_thread.run_sync(restore, entry.name, loaded, record.version):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UpdateTooLargeError
-from ..store.journal import SkippedRecord, UpdateRecord
+from ..log.entry import SkippedRecord, UpdateRecord
 
 SHAPE = "Robez-Shape"
 LR = "Robez-Lr"

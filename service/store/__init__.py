@@ -3,10 +3,8 @@
 - ``tables.py``: ``TableStore``, the one entry point: lookups, updates, the replicated apply.
 - ``registry.py``: ``TableRegistry``, the registry view of one worker (entries, the registry lock,
   publish) and the table's update lock every change of a table takes; what admin and repair use.
-- ``journal.py``: the ``Journal`` seam the store makes tables durable through (``service/wal/``
-  implements it; ``NullJournal`` keeps nothing).
-- ``live_copy.py``: ``consistent_copy``, the state at one version copied while updates go on (a lock-free
-  copy, then under the lock the rows the log says changed meanwhile): snapshots and checksums.
+- ``journal.py``: the names of the log seam (``service/log/``: ``Journal``, ``UpdatePart``,
+  ``UpdateRecord``...) where callers have always imported them.
 - ``admin.py``: ``TableAdmin``, behind ``TableStore.create`` / ``create_from`` / ``delete`` / ``restore`` /
   ``snapshot``: the changes of the registry, arrays and counters.
 - ``repair.py``: what the next holder of a table's lock does when a worker died holding it (an update, a
@@ -27,7 +25,8 @@ from .api import (
     UpdateResult,
     validate_table_name,
 )
-from .tables import TableStore, apply_record
+from .journal import UpdatePart
+from .tables import TableStore
 
 __all__ = [
     "POOLINGS",
@@ -38,7 +37,7 @@ __all__ = [
     "Pooling",
     "TableInfo",
     "TableStore",
+    "UpdatePart",
     "UpdateResult",
-    "apply_record",
     "validate_table_name",
 ]

@@ -42,6 +42,7 @@ from robez_core.table import CheckpointFile, Table
 from .. import faults
 from ..config import TableSpec
 from ..errors import StorageFullError
+from ..log.journal import Journal, NullJournal, is_storage_full
 from ..shm import (
     DELETED,
     DELETING,
@@ -58,7 +59,6 @@ from ..shm import (
     shape_numel,
 )
 from .api import Limits, validate_table_name
-from .journal import Journal, NullJournal, is_storage_full
 from .registry import TableRegistry
 from .repair import remove_orphans, write_journal
 

@@ -66,6 +66,7 @@ import torch
 from robez_core.errors import CorruptionError
 from robez_core.table import Table
 
+from ..log.journal import Journal
 from ..shm import (
     DELETED,
     DELETING,
@@ -78,7 +79,6 @@ from ..shm import (
     SharedDirectory,
     TableEntry,
 )
-from .journal import Journal
 from .registry import TableRegistry
 
 logger = logging.getLogger("robez.store")

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -41,13 +40,25 @@ from robez_core.errors import (
     InvalidInputError,
     LimitExceededError,
 )
-from robez_core.optim import PreparedStep
 from robez_core.small import SMALL_BATCH_MAX_IDS
 from robez_core.table import CheckpointFile, Table
 
 from .. import faults, tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
-from ..errors import RefusedUpdateError
+from ..log.entry import (
+    EntryGroup,
+    SkippedRecord,
+    UpdatePart,
+    UpdateRecord,
+    apply_logged_record,
+    apply_record,
+    as_tensor,
+    check_lr,
+    check_step,
+    prepare,
+)
+from ..log.journal import Journal, NullJournal
+from ..log.live_copy import consistent_copy
 from ..shm import (
     SharedDirectory,
     TableEntry,
@@ -63,8 +74,6 @@ from .api import (
     UpdateResult,
     validate_table_name,
 )
-from .journal import Journal, NullJournal, SkippedRecord, UpdateRecord
-from .live_copy import consistent_copy
 from .registry import TableRegistry
 from .repair import repair
 
@@ -87,7 +96,7 @@ class TableStore:
         # Testing only (service/faults.py): die half-way through an update; see _fault_point.
         self._fault_file = faults.fault_file()
         # The null journal itself (not a subclass that observes appends): an update appends nothing, so a
-        # small one can skip the append and be checked and applied in one compiled call (_apply_unjournalled).
+        # small one can skip the append and be checked and applied in one compiled call (_propose_small).
         self._small_unjournalled = type(journal) is NullJournal and self._fault_file is None
         # The registry view and the tables' update locks (registry.py); whoever takes a lock its last
         # holder left in the middle of a change repairs the table first (repair.py).
@@ -280,13 +289,34 @@ class TableStore:
 
     def update(self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None) -> UpdateResult:
         """Apply the table's optimizer to the gradients ``grads`` (float32 (n, d)) of the rows of ``ids``
-        (int64 (n,)); duplicates are summed. Journalled before it is applied; nothing changes on error.
-        Returns once the update is as durable as the journal's fsync policy promises."""
-        done = self.apply_update(name, ids, grads, lr)
+        (int64 (n,)); duplicates are summed. ``update_many`` of one part: journalled before it is
+        applied; nothing changes on error. Returns once the update is as durable as the journal's fsync
+        policy promises."""
+        return self.update_many([UpdatePart(name, ids, grads, lr)])[0]
+
+    def update_many(
+        self, parts: Sequence[UpdatePart], *, idempotency_key: str | None = None
+    ) -> list[UpdateResult]:
+        """Apply one push of one or more tables (a training step's gradients of every table), all or
+        nothing: every part is validated (request limits on their sum, lr, ids, gradients, a step that
+        would leave a non-finite value) before anything is logged, and the parts are logged as one entry
+        (``EntryGroup``: a restart after a kill -9 in the middle keeps all of them or none). Returns each
+        part's result (its table's new version), in the order of ``parts``, once the entry is as durable
+        as the fsync policy promises.
+
+        Args:
+            parts: ``UpdatePart(table, ids int64 (N,), grads float32 (N, d), lr or None)``, one per table
+                (a table named twice is refused).
+            idempotency_key: the request's ``Idempotency-Key``. A single server applies each request it
+                acknowledges once and keeps no key; the replicated write path
+                (``service/replication/replica.py``) uses it to append a retried push once.
+        """
+        del idempotency_key  # see above: meaningful to a replicated log only
+        done = self.propose(parts)
         assert done is not None  # blocking
-        result, ticket = done
+        results, ticket = done
         self.journal.wait_durable(ticket)
-        return result
+        return results
 
     def journal_is_memory_only(self) -> bool:
         """True when updates are journalled nowhere (no data directory): applying one does no I/O."""
@@ -301,115 +331,204 @@ class TableStore:
         *,
         blocking: bool = True,
     ) -> tuple[UpdateResult, int] | None:
-        """``update`` without the final wait: returns the journal ticket to pass to
-        ``journal.wait_durable`` before acknowledging. The HTTP route waits outside its compute slot, so
-        updates waiting for one group-commit flush do not hold back others from joining it. ``ids`` and
-        ``grads`` may be numpy arrays (the route's decoded body): a small update without a journal then
-        makes no tensor.
+        """``propose`` of one table's push: (its result, the journal ticket), or None (nothing changed)
+        with ``blocking=False`` when the table's lock is held elsewhere."""
+        done = self.propose([UpdatePart(name, ids, grads, lr)], blocking=blocking)
+        return None if done is None else (done[0][0], done[1])
 
-        ``blocking=False``: returns None, having changed nothing, when the table's update lock is held
+    def propose(
+        self, parts: Sequence[UpdatePart], *, blocking: bool = True
+    ) -> tuple[list[UpdateResult], int] | None:
+        """``update_many`` without the final wait: validate the push (once), propose its records to the
+        journal under the tables' locks, apply them (``_commit``: the one version bump); returns the
+        results and the journal ticket to pass to ``journal.wait_durable`` before acknowledging. The HTTP
+        route waits outside its compute slot, so pushes waiting for one group-commit flush do not hold
+        back others from joining it. ``ids`` and ``grads`` may be numpy arrays (the route's decoded
+        body): a small push without a journal then makes no tensor.
+
+        ``blocking=False``: returns None, having changed nothing, when a table's update lock is held
         elsewhere (the caller, on the event loop, then retries from a worker thread)."""
-        entry = self.registry.entry(name)
-        table = entry.table
-        applied_lr = self._check_request(table, _count(ids), lr)
-        if self._small_unjournalled and _count(ids) <= SMALL_BATCH_MAX_IDS:
-            # Nothing to journal: a small batch is hashed, checked and applied in two compiled calls.
-            locked = self.registry.acquire(name, blocking)
-            if locked is None:
-                return None
-            try:
-                result = self._apply_unjournalled(locked, ids, grads, applied_lr)
-            finally:
-                locked.lock.release()
-            if tracing.TRACER is not None:
-                _trace_update(name, _count(ids), result)
-            return result, 0
-        ids, grads = _tensor(ids), _tensor(grads)
+        if len(parts) == 1:  # the common push: no list of names to check
+            part = parts[0]
+            entries = [self.registry.entry(part.table)]
+            lrs = self._check_request(entries, parts)
+            if self._small_unjournalled and _count(part.ids) <= SMALL_BATCH_MAX_IDS:
+                # Nothing to journal: a small batch is hashed, checked and applied in two compiled calls.
+                return self._propose_small(part, lrs[0], blocking)
+            names = [part.table]
+        else:
+            names = [part.table for part in parts]
+            if not parts:
+                raise InvalidInputError("an update needs at least one table")
+            if len(set(names)) != len(names):
+                twice = next(name for name in names if names.count(name) > 1)
+                raise InvalidInputError(f"table {twice!r} is named more than once in one update")
+            entries = [self.registry.entry(name) for name in names]
+            lrs = self._check_request(entries, parts)
+        tensors = [(as_tensor(part.ids), as_tensor(part.grads)) for part in parts]
         start = time.perf_counter()
-        # Checked before anything changes; the table's config is all they read, so they run outside the
-        # lock (so does coalescing the step).
-        step, hash_seconds = _prepare(table, ids, grads, applied_lr)
-        prepare_seconds = time.perf_counter() - start - hash_seconds
-        with self.registry.try_locked(name, blocking) as locked:
-            if locked is None:
-                return None
-            if locked is not entry:  # a load switched the table meanwhile (same config: checked again)
-                table = locked.table
-                step, _ = _prepare(table, ids, grads, applied_lr)
-            version = locked.version + 1
-            # Before the log: a step that would leave a non-finite value is refused, nothing changed.
-            _check_step(table, step)
-            # Marked before the append, cleared after the bump: a worker that dies in between leaves the
-            # mark for the next holder of the lock to repair (see repair.py).
-            locked.set_pending(version)
-            try:
-                if tracing.TRACER is None:
-                    ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
-                else:
-                    with tracing.span("log-append", name, int(ids.numel()), version):
-                        ticket = self.journal.append(UpdateRecord(name, version, ids, grads, applied_lr))
-            except BaseException:
-                locked.set_pending(0)  # a failed append leaves the log as it was
-                raise
+        # Validation, before anything changes: the table's config is all it reads, so it runs outside
+        # the lock (so does coalescing the step).
+        prepared = [
+            prepare(entry.table, ids, grads, lr)
+            for entry, (ids, grads), lr in zip(entries, tensors, lrs, strict=True)
+        ]
+        prepare_seconds = time.perf_counter() - start - sum(seconds for _, seconds in prepared)
+        locked = self.registry.acquire_many(names, blocking)
+        if locked is None:
+            return None
+        try:
+            steps = [step for step, _ in prepared]
+            for index, held in enumerate(locked):
+                if held is not entries[index]:  # a load switched the table meanwhile (same config)
+                    ids, grads = tensors[index]
+                    steps[index], _ = prepare(held.table, ids, grads, lrs[index])
+                # Before the log: a step that would leave a non-finite value is refused, nothing changed.
+                check_step(held.table, steps[index])
+            versions = [held.version + 1 for held in locked]
+            group = EntryGroup.new(list(zip(names, versions, strict=True))) if len(parts) > 1 else None
+            records = [
+                UpdateRecord(name, version, ids, grads, lr, group)
+                for name, version, (ids, grads), lr in zip(names, versions, tensors, lrs, strict=True)
+            ]
+            ticket = self._propose_records(locked, records)
             if self._fault_file is not None:
-                self._fault_point(table, ids, grads, applied_lr)
-            timings = apply_record(table, ids, grads, applied_lr, step=step)  # if it raises, the mark stays
-            locked.set_version(version)
-            locked.set_pending(0)
+                self._fault_point(locked[0].table, *tensors[0], lrs[0])
+            applied = [
+                apply_record(held.table, record.ids, record.grads, record.lr, step=step)
+                for held, record, step in zip(locked, records, steps, strict=True)
+            ]  # if one raises, the marks stay: the next holder of the lock repairs
+            self._commit(locked, versions)
+        finally:
+            self.registry.release_many(locked)
         # The caller waits for durability outside the lock (group commit): the next updates append
         # while this one waits for its flush.
-        assert isinstance(timings, tuple)  # a live push is refused, never skipped
-        result = UpdateResult(version, hash_seconds, prepare_seconds + timings[1])
-        if tracing.TRACER is not None:
-            _trace_update(name, int(ids.numel()), result)
-        return result, ticket
+        results = []
+        for index, timings in enumerate(applied):
+            assert isinstance(timings, tuple)  # a live push is refused, never skipped
+            hash_seconds = prepared[index][1]
+            share = prepare_seconds / len(parts)
+            results.append(UpdateResult(versions[index], hash_seconds, share + timings[1]))
+            if tracing.TRACER is not None:
+                _trace_update(names[index], int(tensors[index][0].numel()), results[-1])
+        return results, ticket
 
-    def _apply_unjournalled(
-        self, entry: TableEntry, ids: Tensor | np.ndarray, grads: Tensor | np.ndarray, lr: float
-    ) -> UpdateResult:
-        """The next version of ``entry`` (its lock held) with nothing to journal: the whole update under
-        the lock, a small batch in two compiled calls."""
-        version = entry.version + 1
-        entry.set_pending(version)  # as apply_update: a worker that dies mid-step leaves the mark
+    def _propose_records(self, locked: list[TableEntry], records: list[UpdateRecord]) -> int:
+        """Mark every table pending, then append the entry's records to the journal (the proposal);
+        returns the ticket of the last. A failed append takes back the records appended before it
+        (``repair``: the journal cuts them), so a refused entry leaves no part in any log."""
+        # Marked before the append, cleared after the bump: a worker that dies in between leaves the
+        # marks for the next holder of each lock to repair (repair.py), which cuts the record off.
+        for held, record in zip(locked, records, strict=True):
+            held.set_pending(record.version)
+        ticket = 0
+        appended = 0
         try:
-            timings = apply_record(entry.table, ids, grads, lr)
-        except InvalidInputError:  # refused before anything changed
-            entry.set_pending(0)
+            for record in records:
+                if tracing.TRACER is None:
+                    ticket = max(ticket, self.journal.append(record))
+                else:
+                    with tracing.span("log-append", record.table, int(record.ids.numel()), record.version):
+                        ticket = max(ticket, self.journal.append(record))
+                appended += 1
+                if record.group is not None and appended < len(records) and self._fault_file is not None:
+                    faults.die_at(self._fault_file, faults.GROUP_APPENDED)
+        except BaseException:
+            for held in locked[:appended]:
+                repair(self.registry, self.journal, held)  # cuts the appended record, clears the mark
+            for held in locked[appended:]:
+                held.set_pending(0)  # a failed append leaves the log as it was
             raise
-        assert isinstance(timings, tuple)  # a live push is refused, never skipped
-        entry.set_version(version)
-        entry.set_pending(0)
-        return UpdateResult(version, *timings)
+        return ticket
 
-    def _check_request(self, table: Table, num_ids: int, lr: float | None) -> float:
-        """The checks of an update that read neither its ids nor its gradients: the request limits and the
-        lr (``_check_lr``); returns the lr to apply (the request's, else the table's). The rest of the
-        validation is ``_prepare``'s, and ``_check_step``'s under the lock."""
-        self.limits.check_request(num_ids, table.config.embedding_dim)
-        applied_lr = table.optimizer.lr if lr is None else float(lr)
-        _check_lr(table, applied_lr)
-        return applied_lr
+    @staticmethod
+    def _commit(locked: list[TableEntry], versions: list[int]) -> None:
+        """The one version bump: every table of an entry, once its records are applied (live, small,
+        replicated alike), then the marks cleared."""
+        for held, version in zip(locked, versions, strict=True):
+            held.set_version(version)
+        for held in locked:
+            held.set_pending(0)
+
+    def _propose_small(
+        self, part: UpdatePart, lr: float, blocking: bool
+    ) -> tuple[list[UpdateResult], int] | None:
+        """One small push with nothing to journal: the whole update under the lock, checked and applied
+        in two compiled calls (``apply_record`` without a prepared step)."""
+        locked = self.registry.acquire(part.table, blocking)
+        if locked is None:
+            return None
+        try:
+            version = locked.version + 1
+            locked.set_pending(version)  # as propose: a worker that dies mid-step leaves the mark
+            try:
+                timings = apply_record(locked.table, part.ids, part.grads, lr)
+            except InvalidInputError:  # refused before anything changed
+                locked.set_pending(0)
+                raise
+            assert isinstance(timings, tuple)  # a live push is refused, never skipped
+            self._commit([locked], [version])
+        finally:
+            locked.lock.release()
+        result = UpdateResult(version, *timings)
+        if tracing.TRACER is not None:
+            _trace_update(part.table, _count(part.ids), result)
+        return [result], 0
+
+    def _check_request(self, entries: list[TableEntry], parts: Sequence[UpdatePart]) -> list[float]:
+        """The checks of a push that read neither its ids nor its gradients: the request limits (on the
+        sum of its parts) and each part's lr (``check_lr``); returns the lrs to apply (the request's,
+        else the table's). The rest of the validation is ``prepare``'s, and ``check_step``'s under the
+        lock."""
+        if len(parts) == 1:
+            self.limits.check_request(_count(parts[0].ids), entries[0].table.config.embedding_dim)
+        else:
+            counts = [_count(part.ids) for part in parts]
+            self.limits.check_request(sum(counts), 0)
+            values = sum(
+                count * entry.table.config.embedding_dim for count, entry in zip(counts, entries, strict=True)
+            )
+            if values > self.limits.max_values_per_request:
+                raise LimitExceededError(
+                    f"{values} gradient values in one request; the limit is "
+                    f"max_values_per_request={self.limits.max_values_per_request}"
+                )
+        lrs = []
+        for entry, part in zip(entries, parts, strict=True):
+            applied_lr = entry.table.optimizer.lr if part.lr is None else float(part.lr)
+            check_lr(entry.table, applied_lr)
+            lrs.append(applied_lr)
+        return lrs
 
     # -- replicated mode: the log decides the order and the versions (service/replication/) ----------
 
     def validate_update(self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None) -> float:
-        """Every check ``apply_update`` makes before it changes anything; returns the lr to apply. A
-        replica runs it before publishing, so a bad push is a 4xx and never reaches the log."""
-        table = self.registry.entry(name).table
-        applied_lr = self._check_request(table, int(ids.numel()), lr)
-        step, _ = _prepare(table, ids, grads, applied_lr)
-        # A step that would leave a non-finite value on the table as this replica has it now is refused
-        # before it is published (apply_logged checks again, at its version).
-        _check_step(table, step)
-        return applied_lr
+        """``validate_many`` of one part; returns the lr to apply."""
+        return self.validate_many([UpdatePart(name, ids, grads, lr)])[0]
 
-    def apply_logged(self, record: UpdateRecord | SkippedRecord) -> UpdateResult | SkippedRecord | None:
-        """Apply the entry at log position ``record.version``: the table goes from ``version - 1`` to
-        ``version``. None if the table already has it (a replay). An entry that fails a check (decoding
-        it, or ``apply_record``'s) is an empty version: the ``SkippedRecord`` is returned. A gap is a
-        ``CorruptionError``: the caller reads the log from the wrong place. The journal is not called:
-        the log is the journal. The request limits are not applied: they are this server's settings,
-        and a log must be applied alike everywhere."""
+    def validate_many(self, parts: Sequence[UpdatePart]) -> list[float]:
+        """Every check ``propose`` makes before it changes anything; returns the lrs to apply. A replica
+        runs it before publishing, so a bad push is a 4xx and never reaches the log (its applier checks
+        again, at the entry's version: a log entry may have been written by anyone)."""
+        names = [part.table for part in parts]
+        if not parts or len(set(names)) != len(names):
+            raise InvalidInputError("an update names each of its tables once, and at least one")
+        entries = [self.registry.entry(name) for name in names]
+        lrs = self._check_request(entries, parts)
+        for entry, part, lr in zip(entries, parts, lrs, strict=True):
+            step, _ = prepare(entry.table, as_tensor(part.ids), as_tensor(part.grads), lr)
+            # A step that would leave a non-finite value on the table as this replica has it now is
+            # refused before it is published (``apply`` checks again, at its version).
+            check_step(entry.table, step)
+        return lrs
+
+    def apply(self, record: UpdateRecord | SkippedRecord) -> UpdateResult | SkippedRecord | None:
+        """Apply the entry at log position ``record.version`` (the replicated log's commit): the table
+        goes from ``version - 1`` to ``version``. None if the table already has it (a replay). An entry
+        that fails a check (decoding it, or ``apply_record``'s) is an empty version: the
+        ``SkippedRecord`` is returned. A gap is a ``CorruptionError``: the caller reads the log from the
+        wrong place. The journal is not called: the log is the journal. The request limits are not
+        applied: they are this server's settings, and a log must be applied alike everywhere."""
         with self.registry.locked(record.table) as locked:
             if locked.version >= record.version:
                 return None
@@ -419,7 +538,8 @@ class TableStore:
                     f"log position {record.version} cannot follow it"
                 )
             outcome = apply_logged_record(locked.table, record)
-            locked.set_version(record.version)  # a skipped entry too: versions stay equal on every replica
+            # A skipped entry too moves the version: versions stay equal on every replica.
+            self._commit([locked], [record.version])
         if isinstance(outcome, SkippedRecord):
             return outcome
         return UpdateResult(record.version, *outcome)
@@ -506,10 +626,6 @@ def _count(values: Tensor | np.ndarray) -> int:
     return int(values.size if isinstance(values, np.ndarray) else values.numel())
 
 
-def _tensor(values: Tensor | np.ndarray) -> Tensor:
-    return torch.from_numpy(values) if isinstance(values, np.ndarray) else values
-
-
 def _trace_lookup(name: str, ids: int, version: int, hash_seconds: float, gather_seconds: float) -> None:
     """A lookup's ``hash`` and ``gather`` spans, from its own stage timers (it just ended)."""
     gather_start = tracing.stage("gather", name, ids, version, gather_seconds)
@@ -520,125 +636,6 @@ def _trace_update(name: str, ids: int, result: UpdateResult) -> None:
     """An update's ``hash`` and ``apply`` spans, from its own stage timers (it just ended)."""
     apply_start = tracing.stage("apply", name, ids, result.version, result.apply_seconds)
     tracing.stage("hash", name, ids, result.version, result.hash_seconds, ended_ns=apply_start)
-
-
-def apply_record(
-    table: Table,
-    ids: Tensor | np.ndarray,
-    grads: Tensor | np.ndarray,
-    lr: float,
-    *,
-    step: PreparedStep | None = None,
-    logged_as: tuple[str, int] | None = None,
-    checked_when_logged: bool = False,
-) -> tuple[float, float] | SkippedRecord:
-    """Apply one update to ``table``: the one place an update reaches a table's array. Live pushes
-    (``TableStore.apply_update``), records replayed from the write-ahead log (``WalJournal.load`` and
-    ``recover``), entries of the replicated log (``TableStore.apply_logged``) and the applier's private
-    rebuild all come here; ``TableStore`` holds the table's update lock and moves its version around it.
-    The table need not be served (a replay at start-up, a rebuild): nothing here reads the registry.
-
-    Args:
-        table: the table to change.
-        ids: int64 (N,) ids, as sent (duplicates not yet summed); a tensor or a numpy array.
-        grads: float32 (N, d) gradients of their rows; a tensor or a numpy array.
-        lr: the learning rate to apply, resolved (the request's or the table's).
-        step: ``table.prepare_step`` of this very update, already checked (``_check_step``) under the
-            lock: only applied. The live path with a journal checks before it appends, so a refused
-            update never reaches the log.
-        logged_as: (table name, version) of the log record this update is. Every check is then made
-            here (the lr too) and an update that fails one (``RefusedUpdateError``: bad lr, ids or
-            gradients, or a step that would leave a non-finite value) is skipped with one warning and a
-            ``SkippedRecord`` returned: the log holds it, so every replica and every replay skips it
-            alike, and the version still advances. Without (a live push, not logged yet, its lr checked
-            by the caller) it is refused with the error.
-        checked_when_logged: the record is from this server's own write-ahead log, whose records all
-            passed ``check_step`` before they were appended: the replay applies the same step to the
-            same bytes, so the check (a third of a replay's time) is not made again. The inputs' own
-            checks still are.
-
-    Returns (seconds hashing, seconds coalescing, checking and stepping), or the ``SkippedRecord``.
-    """
-    if step is not None:
-        start = time.perf_counter()
-        table.apply_step(step)
-        return 0.0, time.perf_counter() - start
-    try:
-        if logged_as is not None:
-            _check_lr(table, lr)
-        # A small batch is hashed, checked and applied in two compiled calls; None: the general path.
-        timings = table.try_checked_update(ids, grads, lr)
-        if timings is not None:
-            return timings
-        start = time.perf_counter()
-        step, hash_seconds = _prepare(table, _tensor(ids), _tensor(grads), lr)
-        if not checked_when_logged:
-            _check_step(table, step)
-    except RefusedUpdateError as error:
-        if logged_as is None:
-            raise
-        return skipped(SkippedRecord(*logged_as, error.reason, str(error)))
-    table.apply_step(step)
-    return hash_seconds, time.perf_counter() - start
-
-
-def apply_logged_record(
-    table: Table, record: UpdateRecord | SkippedRecord
-) -> tuple[float, float] | SkippedRecord:
-    """One entry of the replicated log applied to ``table`` (served, under its lock, or a private
-    rebuild): ``apply_record``, or nothing for an entry that could not even be decoded."""
-    if isinstance(record, SkippedRecord):
-        return skipped(record)
-    return apply_record(table, record.ids, record.grads, record.lr, logged_as=(record.table, record.version))
-
-
-def skipped(record: SkippedRecord) -> SkippedRecord:
-    """Log the one warning a skipped entry gets wherever it is applied; returns it."""
-    logger.warning(
-        "table %r: log entry %d applied as an empty version (%s): %s",
-        record.table,
-        record.version,
-        record.reason,
-        record.detail,
-    )
-    return record
-
-
-def _check_lr(table: Table, lr: float) -> None:
-    """The lr of an update, resolved: positive, finite and at most the table's ``max_lr``."""
-    if not (isinstance(lr, float | int) and lr > 0 and math.isfinite(lr)):
-        raise RefusedUpdateError(f"lr must be a positive finite number, got {lr}", "bad_lr")
-    if lr > table.optimizer.max_lr:
-        raise RefusedUpdateError(
-            f"lr {lr:g} is over this table's max_lr={table.optimizer.max_lr:g} (its optimizer config)",
-            "bad_lr",
-        )
-
-
-def _prepare(table: Table, ids: Tensor, grads: Tensor, lr: float) -> tuple[PreparedStep, float]:
-    """``hash`` (it checks the ids) and ``prepare_step`` (the gradients: finite, one row of d per id; lr
-    <= the table's max_lr) of an update: the checks that read only the table's config, so they need no
-    lock. Returns the coalesced step and the seconds hashing took. ``RefusedUpdateError`` names the
-    check that failed."""
-    start = time.perf_counter()
-    try:
-        chunk_offsets = table.hash(ids)
-    except InvalidInputError as error:
-        raise RefusedUpdateError(str(error), "bad_ids") from error
-    hash_seconds = time.perf_counter() - start
-    try:
-        step = table.prepare_step(chunk_offsets, grads, lr, offsets_from_hash=True)
-    except InvalidInputError as error:
-        raise RefusedUpdateError(str(error), "bad_grads") from error
-    return step, hash_seconds
-
-
-def _check_step(table: Table, step: PreparedStep) -> None:
-    """``table.check_step`` (under the update lock): the step leaves every value it touches finite."""
-    try:
-        table.check_step(step)
-    except InvalidInputError as error:
-        raise RefusedUpdateError(str(error), "non_finite_step") from error
 
 
 def _validate_pooling(

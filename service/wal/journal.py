@@ -25,9 +25,9 @@ from robez_core.table import CheckpointFile, CheckpointWriter, fsync_dir
 
 from ..errors import StorageFullError
 from ..faults import die_at, fault_file, slow_down
-from ..store import apply_record
-from ..store.journal import LogMark, UpdateRecord, is_storage_full
-from ..store.live_copy import consistent_copy
+from ..log.entry import EntryGroup, UpdateRecord, apply_record
+from ..log.journal import LogMark, is_storage_full
+from ..log.live_copy import consistent_copy
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -63,9 +63,11 @@ from .records import (
     FsyncPolicy,
     RecordSpan,
     _crc,
+    decode_group,
     decode_record,
     encode_log_header,
     encode_record,
+    find_record,
     follow_records,
     read_log_header,
     read_record_ids,
@@ -346,7 +348,7 @@ class WalJournal:
                 f"table {record.table!r}: update would produce version {record.version}, but the log's last "
                 f"record produces {log.last_version}"
             )
-        buffers = encode_record(record.version, record.ids, record.grads, record.lr)
+        buffers = encode_record(record.version, record.ids, record.grads, record.lr, record.group)
         try:
             _write_all(log.fd, buffers)
             if self.fsync == "always":
@@ -1060,10 +1062,31 @@ class WalJournal:
             stale = generation < meta.generation
             if not stale:
                 self._check_log_matches(name, generation, base_version, dim, meta)
+                apply_one = _applier(table, name)
+                held: list[tuple[RecordSpan, bytes]] = []
+
+                def apply(span: RecordSpan, data: bytes) -> None:
+                    # A part of a multi-table entry waits for the record after it: only the last record
+                    # can belong to an entry whose other parts were never written (see _incomplete_tail).
+                    if held:
+                        apply_one(*held.pop())
+                    if span.extra:
+                        held.append((span, data))
+                    else:
+                        apply_one(span, data)
+
                 # Record by record: memory holds one record, never the log.
-                good_length, version, tail_problem = stream_records(
-                    fd, size, where, base_version, dim, _applier(table, name)
-                )
+                good_length, version, tail_problem = stream_records(fd, size, where, base_version, dim, apply)
+                if held:
+                    span, data = held.pop()
+                    if self._incomplete_tail(name, span, data):
+                        version = span.version - 1
+                        os.ftruncate(fd, span.offset)  # with any torn tail after it
+                        os.fsync(fd)
+                        self._count_cut(name)
+                        tail_problem = None
+                    else:
+                        apply_one(span, data)
                 if tail_problem is not None:
                     logger.warning(
                         "table %r: dropping a torn tail of %d bytes from %s (%s); every update before it "
@@ -1117,6 +1140,50 @@ class WalJournal:
             os.ftruncate(fd, scan.good_length)
             os.fsync(fd)
         return version
+
+    def _incomplete_tail(self, name: str, span: RecordSpan, data: bytes) -> bool:
+        """Whether the last record of table ``name``'s log is a part of a multi-table entry whose other
+        parts are not all in their tables' data directories (in the snapshot, or a record with the
+        entry's key at their version): a kill -9 in the middle of the push, never acknowledged. The
+        caller cuts it off (all or nothing). A part's table deleted since counts as written."""
+        group = decode_group(data, span_in(span))
+        if group is None:
+            return False
+        for table, version in group.parts:
+            if table != name and not self._holds_part(table, version, group):
+                logger.warning(
+                    "table %r: cutting version %d off its log: a part of a multi-table update whose part "
+                    "for table %r (version %d) was never written (the server died in the middle of it, "
+                    "before acknowledging it)",
+                    name,
+                    span.version,
+                    table,
+                    version,
+                )
+                return True
+        return False
+
+    def _holds_part(self, table: str, version: int, group: EntryGroup) -> bool:
+        """Whether ``table``'s data directory holds the part of ``group`` producing ``version``."""
+        meta = self._read_meta(table)
+        if meta is None:
+            return True  # deleted since: nothing to keep apart from
+        if meta.version >= version:
+            return True  # in its snapshot
+        path = self.table_dir(table) / LOG_FILE
+        try:
+            with open(path, "rb") as handle:
+                fd = handle.fileno()
+                generation, base_version, _dim, size = read_log_header(fd, str(path))
+                if generation < meta.generation:
+                    return False  # a stale log: its records are in the snapshot, which is before version
+                found = find_record(fd, size, base_version, version)
+        except (OSError, CorruptionError):
+            return False
+        if found is None:
+            return False
+        other = decode_group(found[1], found[0])
+        return other is not None and other.key == group.key
 
     @staticmethod
     def _check_log_matches(

@@ -17,6 +17,8 @@ import torch
 from robez_core.errors import CorruptionError, InvalidInputError
 from robez_core.table import read_ahead
 
+from ..log.entry import EntryGroup
+
 if TYPE_CHECKING:
     pass
 
@@ -41,6 +43,12 @@ LOG_HEADER_SIZE = _LOG_HEADER.size + 4
 # n int64 ids then n * dim float32 gradients (little-endian), then the CRC32 of header + payload.
 RECORD_MAGIC = b"RZUP"
 RECORD_FORMAT_VERSION = 1
+# A part of a multi-table entry: the same header with format 2, its reserved field the length of a group
+# section (``encode_group``) placed between the header and the ids. Logs written before it (format 1
+# only) read as before; a server older than it refuses a log holding one (an unknown record format).
+RECORD_FORMAT_GROUP = 2
+_GROUP_HEAD = struct.Struct("<16sH")
+_GROUP_PART = struct.Struct("<HQ")
 _RECORD_HEADER = struct.Struct("<4sHHIQQd")
 RECORD_HEADER_SIZE = _RECORD_HEADER.size + 4
 _CRC = struct.Struct("<I")
@@ -56,14 +64,17 @@ def encode_log_header(embedding_dim: int, generation: int, base_version: int) ->
     return head + _CRC.pack(_crc(head))
 
 
-def encode_record(version: int, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> list[Any]:
-    """One log record as buffers for ``os.writev``: header, ids, grads, trailing CRC32.
+def encode_record(
+    version: int, ids: torch.Tensor, grads: torch.Tensor, lr: float, group: EntryGroup | None = None
+) -> list[Any]:
+    """One log record as buffers for ``os.writev``: header, (group section,) ids, grads, trailing CRC32.
 
     Args:
         version: the table version this update produces.
         ids: int64 (N,).
         grads: float32 (N, d).
         lr: the learning rate applied.
+        group: the multi-table entry this record is a part of (a format-2 record), or None.
     """
     ids_array = np.ascontiguousarray(ids.detach().cpu().numpy(), dtype="<i8")
     grads_array = np.ascontiguousarray(grads.detach().cpu().numpy(), dtype="<f4")
@@ -72,16 +83,61 @@ def encode_record(version: int, ids: torch.Tensor, grads: torch.Tensor, lr: floa
             f"record needs ids (N,) and grads (N, d); got {ids_array.shape}, {grads_array.shape}"
         )
     num_ids, embedding_dim = grads_array.shape
-    head = _RECORD_HEADER.pack(RECORD_MAGIC, RECORD_FORMAT_VERSION, 0, embedding_dim, num_ids, version, lr)
+    section = b"" if group is None else encode_group(group)
+    fmt = RECORD_FORMAT_VERSION if group is None else RECORD_FORMAT_GROUP
+    head = _RECORD_HEADER.pack(RECORD_MAGIC, fmt, len(section), embedding_dim, num_ids, version, lr)
     head += _CRC.pack(_crc(head))
-    crc = _crc(grads_array, _crc(ids_array, _crc(head)))
+    crc = _crc(grads_array, _crc(ids_array, _crc(section, _crc(head))))
     # Flat byte views: writev and the CRC see the same bytes, with no copy (empty updates included).
-    return [
-        head,
-        ids_array.reshape(-1).view(np.uint8),
-        grads_array.reshape(-1).view(np.uint8),
-        _CRC.pack(crc),
-    ]
+    buffers: list[Any] = [head]
+    if section:
+        buffers.append(section)
+    buffers += [ids_array.reshape(-1).view(np.uint8), grads_array.reshape(-1).view(np.uint8), _CRC.pack(crc)]
+    return buffers
+
+
+def encode_group(group: EntryGroup) -> bytes:
+    """A format-2 record's group section: the entry's 16-byte key, its number of parts, then each part's
+    table name (u16 length + UTF-8) and version (u64), little-endian."""
+    section = bytearray(_GROUP_HEAD.pack(group.key, len(group.parts)))
+    for table, version in group.parts:
+        name = table.encode()
+        section += _GROUP_PART.pack(len(name), version) + name
+    if len(section) > 0xFFFF:
+        raise InvalidInputError(
+            f"a multi-table update of {len(group.parts)} tables is too many for one log entry"
+        )
+    return bytes(section)
+
+
+def decode_group(data: Any, span: RecordSpan) -> EntryGroup | None:
+    """The group section of a verified record (None for a format-1 record), read from ``data`` (the
+    buffer ``span`` points into)."""
+    if span.extra == 0:
+        return None
+    start = span.offset + RECORD_HEADER_SIZE
+    section = bytes(data[start : start + span.extra])
+    key, count = _GROUP_HEAD.unpack_from(section)
+    parts = []
+    offset = _GROUP_HEAD.size
+    for _ in range(count):
+        length, version = _GROUP_PART.unpack_from(section, offset)
+        offset += _GROUP_PART.size
+        parts.append((section[offset : offset + length].decode(), version))
+        offset += length
+    return EntryGroup(key, tuple(parts))
+
+
+def record_length(fmt: int, extra: int, num_ids: int, embedding_dim: int) -> int:
+    """Bytes of a record from its header's fields (``extra``: the reserved field, a format-2 record's
+    group section; format 1 has none, whatever the field holds)."""
+    extra = extra if fmt == RECORD_FORMAT_GROUP else 0
+    return RECORD_HEADER_SIZE + extra + num_ids * 8 + num_ids * embedding_dim * 4 + 4
+
+
+def record_extra(fmt: int, reserved: int) -> int:
+    """The group section's bytes of a record with these header fields (0 for format 1)."""
+    return reserved if fmt == RECORD_FORMAT_GROUP else 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +150,7 @@ class RecordSpan:
     num_ids: int
     embedding_dim: int
     lr: float
+    extra: int = 0  # bytes of the group section after the header (a part of a multi-table entry)
 
 
 @dataclass(frozen=True)
@@ -115,21 +172,21 @@ def _parse_record(buf: Any, offset: int) -> RecordSpan | str:
     if size - offset < RECORD_HEADER_SIZE:
         return f"{size - offset} bytes, less than a record header"
     head = bytes(buf[offset : offset + _RECORD_HEADER.size])
-    magic, fmt, _reserved, dim, num_ids, version, lr = _RECORD_HEADER.unpack(head)
+    magic, fmt, reserved, dim, num_ids, version, lr = _RECORD_HEADER.unpack(head)
     if magic != RECORD_MAGIC:
         return "bad record magic"
     (head_crc,) = _CRC.unpack_from(buf, offset + _RECORD_HEADER.size)
     if head_crc != _crc(head):
         return "record header checksum mismatch"
-    if fmt != RECORD_FORMAT_VERSION:
+    if fmt not in (RECORD_FORMAT_VERSION, RECORD_FORMAT_GROUP):
         return f"unknown record format {fmt}"
-    length = RECORD_HEADER_SIZE + num_ids * 8 + num_ids * dim * 4 + 4
+    length = record_length(fmt, reserved, num_ids, dim)
     if offset + length > size:
         return f"record of {length} bytes cut short at {size - offset}"
     (crc,) = _CRC.unpack_from(buf, offset + length - 4)
     if crc != _crc(buf[offset : offset + length - 4]):
         return "record checksum mismatch"
-    return RecordSpan(offset, length, version, num_ids, dim, lr)
+    return RecordSpan(offset, length, version, num_ids, dim, lr, record_extra(fmt, reserved))
 
 
 def _valid_record_after(buf: Any, start: int) -> int | None:
@@ -222,11 +279,11 @@ def follow_records(fd: int, offset: int, size: int, last_version: int, where: st
         head = os.pread(fd, RECORD_HEADER_SIZE, offset)
         if len(head) < RECORD_HEADER_SIZE:
             raise CorruptionError(f"{where}: an unfinished record at byte {offset} ({size - offset} bytes)")
-        magic, _fmt, _reserved, dim, num_ids, version, _lr = _RECORD_HEADER.unpack_from(head)
+        magic, fmt, reserved, dim, num_ids, version, _lr = _RECORD_HEADER.unpack_from(head)
         (head_crc,) = _CRC.unpack_from(head, _RECORD_HEADER.size)
         if magic != RECORD_MAGIC or head_crc != _crc(head[: _RECORD_HEADER.size]):
             raise CorruptionError(f"{where}: a bad record header at byte {offset}")
-        length = RECORD_HEADER_SIZE + num_ids * 8 + num_ids * dim * 4 + 4
+        length = record_length(fmt, reserved, num_ids, dim)
         if offset + length > size:
             raise CorruptionError(
                 f"{where}: an unfinished record at byte {offset} ({size - offset} of {length} bytes)"
@@ -249,9 +306,11 @@ def read_record_ids(
     ids: list[np.ndarray] = []
     while offset < size:
         head = os.pread(fd, RECORD_HEADER_SIZE, offset)
+        extra = 0
         if len(head) == RECORD_HEADER_SIZE:
-            num_ids, dim = _RECORD_HEADER.unpack_from(head)[4], _RECORD_HEADER.unpack_from(head)[3]
-            length = min(RECORD_HEADER_SIZE + num_ids * 8 + num_ids * dim * 4 + 4, size - offset)
+            _magic, fmt, reserved, dim, num_ids, _version, _lr = _RECORD_HEADER.unpack_from(head)
+            extra = record_extra(fmt, reserved)
+            length = min(record_length(fmt, reserved, num_ids, dim), size - offset)
         else:
             length = size - offset
         end, last_version = follow_records(fd, offset, offset + length, last_version, where)
@@ -261,7 +320,9 @@ def read_record_ids(
         ):
             raise CorruptionError(f"{where}: record at byte {offset} fails its checksum")
         ids.append(
-            np.frombuffer(record, dtype="<i8", count=num_ids, offset=RECORD_HEADER_SIZE).astype(np.int64)
+            np.frombuffer(record, dtype="<i8", count=num_ids, offset=RECORD_HEADER_SIZE + extra).astype(
+                np.int64
+            )
         )
         offset = end
     return ids, offset, last_version
@@ -269,7 +330,7 @@ def read_record_ids(
 
 def decode_record(buf: Any, span: RecordSpan) -> tuple[torch.Tensor, torch.Tensor]:
     """The ids int64 (N,) and grads float32 (N, d) of a verified record, copied out of ``buf``."""
-    start = span.offset + RECORD_HEADER_SIZE
+    start = span.offset + RECORD_HEADER_SIZE + span.extra
     ids = np.frombuffer(buf, dtype="<i8", count=span.num_ids, offset=start).astype(np.int64)
     grads = np.frombuffer(
         buf, dtype="<f4", count=span.num_ids * span.embedding_dim, offset=start + span.num_ids * 8
@@ -322,15 +383,15 @@ def stream_records(
         if len(head) < RECORD_HEADER_SIZE:
             problem = f"{size - offset} bytes, less than a record header"
         else:
-            magic, fmt, _reserved, dim, num_ids, record_version, lr = _RECORD_HEADER.unpack_from(head)
+            magic, fmt, reserved, dim, num_ids, record_version, lr = _RECORD_HEADER.unpack_from(head)
             if magic != RECORD_MAGIC:
                 problem = "bad record magic"
             elif _CRC.unpack_from(head, _RECORD_HEADER.size)[0] != _crc(head[: _RECORD_HEADER.size]):
                 problem = "record header checksum mismatch"
-            elif fmt != RECORD_FORMAT_VERSION:
+            elif fmt not in (RECORD_FORMAT_VERSION, RECORD_FORMAT_GROUP):
                 problem = f"unknown record format {fmt}"
             else:
-                length = RECORD_HEADER_SIZE + num_ids * 8 + num_ids * dim * 4 + 4
+                length = record_length(fmt, reserved, num_ids, dim)
                 if offset + length > size:
                     problem = f"record of {length} bytes cut short at {size - offset}"
                 else:
@@ -355,7 +416,9 @@ def stream_records(
                 f"{where}: record at byte {offset} produces version {record_version}, "
                 f"expected {version + 1}{hint}"
             )
-        apply(RecordSpan(offset, length, record_version, num_ids, dim, lr), record)
+        apply(
+            RecordSpan(offset, length, record_version, num_ids, dim, lr, record_extra(fmt, reserved)), record
+        )
         offset += length
         version = record_version
     return offset, version, None
@@ -363,7 +426,7 @@ def stream_records(
 
 def span_in(span: RecordSpan) -> RecordSpan:
     """``span`` placed at offset 0: for ``decode_record`` on the record's own bytes."""
-    return RecordSpan(0, span.length, span.version, span.num_ids, span.embedding_dim, span.lr)
+    return RecordSpan(0, span.length, span.version, span.num_ids, span.embedding_dim, span.lr, span.extra)
 
 
 def _valid_record_in_file(fd: int, start: int) -> int | None:
@@ -373,3 +436,33 @@ def _valid_record_in_file(fd: int, start: int) -> int | None:
         return None
     with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as buf:
         return _valid_record_after(buf, start)
+
+
+def find_record(fd: int, size: int, base_version: int, version: int) -> tuple[RecordSpan, bytes] | None:
+    """The record producing ``version`` in an open log whose records start after ``base_version``, read
+    whole and its checksum verified: (its span, placed at offset 0 of its bytes; its bytes). None if
+    the log does not hold it whole (it ends before, a record on the way is damaged or cut short).
+    Reads only the headers of the records before it."""
+    offset, last_version = LOG_HEADER_SIZE, base_version
+    while offset < size and last_version < version:
+        head = os.pread(fd, RECORD_HEADER_SIZE, offset)
+        if len(head) < RECORD_HEADER_SIZE:
+            return None
+        magic, fmt, reserved, dim, num_ids, record_version, lr = _RECORD_HEADER.unpack_from(head)
+        if magic != RECORD_MAGIC or _CRC.unpack_from(head, _RECORD_HEADER.size)[0] != _crc(
+            head[: _RECORD_HEADER.size]
+        ):
+            return None
+        if fmt not in (RECORD_FORMAT_VERSION, RECORD_FORMAT_GROUP) or record_version != last_version + 1:
+            return None
+        length = record_length(fmt, reserved, num_ids, dim)
+        if record_version == version:
+            record = os.pread(fd, length, offset)
+            if len(record) != length or _CRC.unpack_from(record, length - 4)[0] != _crc(
+                memoryview(record)[: length - 4]
+            ):
+                return None
+            return RecordSpan(0, length, version, num_ids, dim, lr, record_extra(fmt, reserved)), record
+        offset += length
+        last_version = record_version
+    return None

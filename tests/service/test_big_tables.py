@@ -25,7 +25,8 @@ from robez_core.table import Table
 from service.app import create_app
 from service.config import Settings
 from service.faults import SLOW_VARIABLE
-from service.store import TableStore, live_copy
+from service.log import live_copy
+from service.store import TableStore
 from service.wal import WalJournal
 
 from .conftest import make_settings, store_of

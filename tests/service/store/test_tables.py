@@ -714,10 +714,10 @@ def test_a_logged_update_that_fails_a_check_is_an_empty_version(
     id_tensor = torch.tensor(ids, dtype=torch.int64)
     with pytest.raises(InvalidInputError):
         store.validate_update("t", id_tensor, grads, lr)
-    result = store.apply_logged(UpdateRecord("t", 2, id_tensor, grads, lr))
+    result = store.apply(UpdateRecord("t", 2, id_tensor, grads, lr))
     assert isinstance(result, SkippedRecord) and result.reason == reason, result
     assert store.checksum("t") == (2, before)
-    applied = store.apply_logged(UpdateRecord("t", 3, torch.tensor([4]), torch.ones(1, 8), 0.1))
+    applied = store.apply(UpdateRecord("t", 3, torch.tensor([4]), torch.ones(1, 8), 0.1))
     assert applied is not None and not isinstance(applied, SkippedRecord)
     assert store.checksum("t")[0] == 3 and store.checksum("t")[1] != before
 
