@@ -27,9 +27,9 @@ from ..codec import (
 )
 from ..http.fastpath import FastRoute
 from ..metrics import Metrics, update_server_timing
-from ..multi_update import TableUpdateItem, update_many
-from ..store import TableStore, UpdateResult
+from ..store import TableStore, UpdatePart, UpdateResult
 from .deps import body_doc, compute, is_binary, raw_headers, read_body
+from .update import IDEMPOTENCY_HEADER
 
 router = APIRouter(prefix="/v1", tags=["update"])
 
@@ -37,6 +37,7 @@ _BINARY_MULTI_UPDATE = (
     f"{TABLES_HEADER}: name=n,... and {SHAPES_HEADER}: n,d;... in body order; body = each table's n "
     "little-endian int64 ids then n*d little-endian float32 gradients, in that order"
 )
+_IDEMPOTENCY = IDEMPOTENCY_HEADER.lower().encode()
 _TABLES = TABLES_HEADER.lower().encode()
 _SHAPES = SHAPES_HEADER.lower().encode()
 _VERSION = VERSION_HEADER.lower().encode()
@@ -81,12 +82,15 @@ async def apply_update_many(request: Request, lr: float | None = None) -> Respon
             )
         return decode_multi_update_json(body, lambda name: store.table(name).config.embedding_dim)
 
+    idempotency_key = headers.get(_IDEMPOTENCY)
+    key = idempotency_key.decode("latin-1") if idempotency_key is not None else None
+
     def work() -> tuple[list[str], list[UpdateResult]]:
-        items = [
-            TableUpdateItem(name, ids, grads, lr if lr is not None else item_lr)
-            for name, ids, grads, item_lr in decode()
+        parts = [
+            UpdatePart(name, ids, grads, lr if lr is not None else part_lr)
+            for name, ids, grads, part_lr in decode()
         ]
-        return [item.table for item in items], update_many(store, items)
+        return [part.table for part in parts], store.update_many(parts, idempotency_key=key)
 
     names, results = await compute(request, work)
     for name, result in zip(names, results, strict=True):
