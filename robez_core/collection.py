@@ -151,32 +151,31 @@ class _CollectionBag(torch.autograd.Function):
         layout: kernels.FeatureLayout,
         module: RobezEmbeddingBagCollection,
     ) -> Tensor:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         pooled, chunk_offsets, _ = kernels.collection_lookup(
             weight, ids, bounds, layout, module.random_numbers, module.hash
         )
         # Intermediates no caller can modify in place: plain attributes, no version checks needed.
         ctx.ids, ctx.bounds, ctx.layout, ctx.chunk_offsets = ids, bounds, layout, chunk_offsets
         ctx.module = module
-        module.timings["lookup"] = time.perf_counter() - start
+        module._record("lookup", start, start_cpu)
         return pooled
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, None, None, None, None]:
         module: RobezEmbeddingBagCollection = ctx.module
         weight = module.weight
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         grad_output = grad_output.contiguous()
         grad: Tensor | None = None
         if module.optimizer is not None or module.sparse:
             locations, values = kernels.collection_coalesce_grad(
                 grad_output, ctx.ids, ctx.bounds, ctx.layout, ctx.chunk_offsets, weight.numel()
             )
-            coalesced = time.perf_counter()
-            module.timings["backward"] = coalesced - start
+            coalesced, coalesced_cpu = module._record("backward", start, start_cpu)
             if module.optimizer is not None:
                 optim.apply_coalesced(module.optimizer, weight, module.optimizer_state, locations, values)
-                module.timings["optimizer"] = time.perf_counter() - coalesced
+                module._record("optimizer", coalesced, coalesced_cpu)
             else:
                 grad = sparse_from_coalesced(locations, values, weight.numel())
         else:
@@ -185,7 +184,7 @@ class _CollectionBag(torch.autograd.Function):
             kernels.collection_scatter_grad(
                 grad_output, ctx.ids, ctx.bounds, ctx.layout, ctx.chunk_offsets, grad
             )
-            module.timings["backward"] = time.perf_counter() - start
+            module._record("backward", start, start_cpu)
         return grad, None, None, None, None
 
 
@@ -323,8 +322,16 @@ class RobezEmbeddingBagCollection(nn.Module):
             self.weight._robez_coalesced_hook = True  # type: ignore[attr-defined]
         self._layouts: dict[tuple[str, ...], kernels.FeatureLayout] = {}
         # Seconds of the last forward's kernel ("lookup"), backward's coalesce or scatter ("backward")
-        # and fused step ("optimizer"): the step's split, for benchmarks and profiling.
+        # and fused step ("optimizer"): the step's split, for benchmarks and profiling; wall clock, and
+        # this thread's CPU time (what a step costs on a machine whose other processes take the cores).
         self.timings: dict[str, float] = {}
+        self.cpu_timings: dict[str, float] = {}
+
+    def _record(self, part: str, start: float, start_cpu: float) -> tuple[float, float]:
+        """Store the seconds of ``part`` since (``start``, ``start_cpu``); returns (now, now CPU)."""
+        now, now_cpu = time.perf_counter(), time.thread_time()
+        self.timings[part], self.cpu_timings[part] = now - start, now_cpu - start_cpu
+        return now, now_cpu
 
     # ------------------------------------------------------------------ input
 

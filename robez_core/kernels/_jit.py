@@ -1232,6 +1232,9 @@ def _checked_step_kernel(
 # Bags hashed and pooled together per work item: the group's ids are hashed a block at a time first, so
 # one-id bags (the usual categorical feature) still get whole hash blocks and rows prefetched ahead.
 _COLLECTION_BAG_GROUP = 256
+# Rows prefetched ahead by the collection's forward: a pooled row of one id is a single short add, so the
+# gather's 4 rows ahead hide too little of a miss (docs/benchmarks/dlrm-2026-11-27.md).
+_COLLECTION_PREFETCH_ROWS = 16
 
 
 @_parallel_kernel
@@ -1286,7 +1289,7 @@ def _collection_forward_kernel(
                 chunk_base[f] + (block_begin - feature_first) * num_chunks,
             )
         chunks_end = chunks_begin + (id_end - id_begin) * num_chunks
-        ahead_chunks = _PREFETCH_ROWS * num_chunks
+        ahead_chunks = _COLLECTION_PREFETCH_ROWS * num_chunks
         column = feature_columns[f]
         for b in range(first_bag, last_bag):
             g = f * batch_size + b

@@ -32,11 +32,11 @@ from robez_core import (
     optim,
     reference,
 )
+from robez_core.checkpoint import CheckpointFile, CheckpointWriter
 from robez_core.config import MAX_INIT_SCALE
 from robez_core.hashing import PAPER_PRIME
 from robez_core.kernels import _jit
 from robez_core.small import SMALL_BATCH_MAX_IDS
-from robez_core.table import CheckpointFile, CheckpointWriter
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 OPTIMIZERS = [

@@ -1,0 +1,659 @@
+"""A DLRM-shaped model trained with each way of holding its embeddings, in one run (issue 37).
+
+Synthetic Criteo-Kaggle-shaped data with a planted click model: 26 categorical features with the
+Criteo-Kaggle cardinalities (as DLRM's preprocessing counts them) capped at 6M, ids drawn Zipf(1.1) per
+feature (then scattered over the feature's range), 13 dense features N(0, 1); a click's logit is a
+fixed linear function of the dense features plus a fixed per-(feature, id) score. The model: bottom MLP
+13 -> 64 -> 16, pairwise dot interaction of the 27 vectors (351 pairs + the 16 dense outputs = 367),
+top MLP 367 -> 128 -> 64 -> 1; batch 2048, d = 16, Adagrad for the embeddings (lr 0.05), Adam for the
+MLPs (lr 1e-3); 1 thread (``torch.set_num_threads(1)``, which the kernels follow).
+
+Variants (``VARIANTS``, a registry of builders; each runs in a child process of its own, one after the
+other, so that its memory is its own): full ``nn.EmbeddingBag(sparse=True)`` tables; torchrec's
+``EmbeddingBagCollection`` (its bags made sparse) and its fused FBGEMM TBE variant (when torchrec is
+installed: the ``torchrec`` extra, else skipped with a message); 26 ``RobezEmbeddingBag`` on one array
+(16x smaller than the full tables); robez's ``RobezEmbeddingBagCollection`` on the same array. Every
+variant sees the same batches. A step is timed in four parts: the embedding lookup; the dense model's
+forward + backward + Adam step (fed the pooled rows detached, so its backward stops there); the
+embedding backward (the pooled rows' gradient handed back); the embedding optimizer step (inside the
+backward for the fused variants: robez's collection reports its split, torchrec's fused one cannot).
+
+    python -m benchmarks.training.dlrm          # the issue's sizes: docs/benchmarks/dlrm-<date>.md
+    python -m benchmarks.training.dlrm --quick  # CI sizes, a few seconds a variant
+    python -m benchmarks.training.dlrm --variants robez_collection,full
+
+Run it alone on the machine (``flock /tmp/robez-bench.lock ...``); the goals are ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import itertools
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from benchmarks.common import DEFAULT_OUTPUT_DIR
+
+# Criteo Kaggle (Display Advertising Challenge) categorical cardinalities C1..C26, as DLRM counts them.
+CRITEO_KAGGLE_CARDINALITIES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+NUM_DENSE = 13
+ZIPF_EXPONENT = 1.1
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's sizes; ``--quick`` shrinks them for CI."""
+
+    batch_size: int = 2048
+    steps: int = 120
+    warmup: int = 20  # steps left out of the medians (compilation, first page faults)
+    eval_batches: int = 8
+    cardinality_cap: int = 6_000_000
+    embedding_dim: int = 16
+    compression: int = 16  # ROBE-Z array = sum(n) * d / compression floats
+    chunk_size: int = 32
+    embedding_lr: float = 0.05
+    dense_lr: float = 1e-3
+    init_scale: float = 0.01
+    seed: int = 0
+    threads: int = 1
+
+    @property
+    def cardinalities(self) -> list[int]:
+        return [min(n, self.cardinality_cap) for n in CRITEO_KAGGLE_CARDINALITIES]
+
+    @property
+    def memory_size(self) -> int:
+        return sum(self.cardinalities) * self.embedding_dim // self.compression
+
+
+QUICK = Settings(batch_size=256, steps=14, warmup=4, eval_batches=2, cardinality_cap=20_000)
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+@dataclass
+class Batch:
+    dense: Tensor  # float32 (B, 13)
+    values: Tensor  # int64 (26 * B,), key-major: feature f's ids are values[f * B:(f + 1) * B]
+    lengths: Tensor  # int64 (26 * B,), all ones: one id per feature per sample, as in Criteo
+    labels: Tensor  # float32 (B,)
+    keys: list[str] = field(default_factory=lambda: [f"C{i + 1}" for i in range(26)])
+
+
+def _id_scores(ids: np.ndarray, feature: int) -> np.ndarray:
+    """The planted per-(feature, id) score in [-1, 1): a fixed hash of the pair."""
+    with np.errstate(over="ignore"):  # wrapping uint64 arithmetic is the point
+        key = (ids.astype(np.uint64) + np.uint64(feature * 0x632BE59B)) * np.uint64(0x9E3779B97F4A7C15)
+    key ^= key >> np.uint64(29)
+    return (key >> np.uint64(11)).astype(np.float64) / float(1 << 53) * 2.0 - 1.0
+
+
+class SyntheticCriteo:
+    """Deterministic batches: the same seed gives every variant the same data."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.cardinalities = settings.cardinalities
+        rng = np.random.default_rng(settings.seed + 1000)
+        self.dense_weights = rng.normal(0.0, 0.4, NUM_DENSE)
+        self.feature_strength = rng.uniform(0.2, 0.8, len(self.cardinalities))
+        # scatter Zipf ranks over each feature's range, so the hot ids are not 0, 1, 2...
+        self.scatter = [(int(rng.integers(1, n)) | 1, int(rng.integers(0, n))) for n in self.cardinalities]
+
+    def _ids(self, rng: np.random.Generator, feature: int, size: int) -> np.ndarray:
+        n = self.cardinalities[feature]
+        ranks = (rng.zipf(ZIPF_EXPONENT, size) - 1) % n
+        multiplier, shift = self.scatter[feature]
+        if math.gcd(multiplier, n) != 1:
+            multiplier = 1
+        return (ranks.astype(np.int64) * multiplier + shift) % n
+
+    def batch(self, index: int) -> Batch:
+        """Batch ``index`` (training batches count from 0, evaluation ones from 10**6)."""
+        size = self.settings.batch_size
+        rng = np.random.default_rng([self.settings.seed, index])
+        dense = rng.normal(0.0, 1.0, (size, NUM_DENSE))
+        logit = dense @ self.dense_weights - 1.2
+        values = []
+        for f in range(len(self.cardinalities)):
+            ids = self._ids(rng, f, size)
+            logit = logit + self.feature_strength[f] * _id_scores(ids, f)
+            values.append(ids)
+        labels = rng.random(size) < 1.0 / (1.0 + np.exp(-logit))
+        return Batch(
+            torch.from_numpy(dense.astype(np.float32)),
+            torch.from_numpy(np.concatenate(values)),
+            torch.ones(size * len(self.cardinalities), dtype=torch.int64),
+            torch.from_numpy(labels.astype(np.float32)),
+        )
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+def _mlp(sizes: list[int], last_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        layers.append(nn.Linear(a, b))
+        if last_relu or i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DenseDLRM(nn.Module):
+    """DLRM's dense part: bottom MLP 13 -> 64 -> d, dot interaction of the 27 vectors, top MLP -> 1."""
+
+    def __init__(self, num_features: int, dim: int) -> None:
+        super().__init__()
+        self.bottom = _mlp([NUM_DENSE, 64, dim], last_relu=True)
+        vectors = num_features + 1
+        self.top = _mlp([dim + vectors * (vectors - 1) // 2, 128, 64, 1], last_relu=False)
+        pairs = torch.triu_indices(vectors, vectors, offset=1)
+        self.pair_rows: Tensor = pairs[0]
+        self.pair_cols: Tensor = pairs[1]
+        self.num_features, self.dim = num_features, dim
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """dense (B, 13), pooled (B, F * d) -> logits (B,)."""
+        bottom = self.bottom(dense)
+        vectors = torch.cat([bottom.unsqueeze(1), pooled.view(-1, self.num_features, self.dim)], dim=1)
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
+        return self.top(torch.cat([bottom, dots], dim=1)).squeeze(1)
+
+
+# ------------------------------------------------------------------------------------------ variants
+
+
+@dataclass
+class Embeddings:
+    """What a variant gives the training loop: ``lookup(batch)`` -> pooled float32 (B, 26 * d) in key order
+    (connected to autograd), ``step()`` the embedding optimizer after the backward, ``split()`` the (wall,
+    CPU) seconds of the last backward that were its optimizer step when that ran inside the backward."""
+
+    description: str
+    lookup: Callable[[Batch], Tensor]
+    step: Callable[[], None]
+    split: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)
+    keep: list[Any] = field(default_factory=list)  # modules and optimizers kept alive
+
+
+def _uniform_(tensor: Tensor, scale: float, seed: int) -> None:
+    with torch.no_grad():
+        tensor.uniform_(-scale, scale, generator=torch.Generator().manual_seed(seed))
+
+
+def full_tables(settings: Settings) -> Embeddings:
+    dim = settings.embedding_dim
+    bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in settings.cardinalities)
+    for f, bag in enumerate(bags):
+        _uniform_(bag.weight, settings.init_scale, f)  # type: ignore[arg-type]
+    optimizer = torch.optim.Adagrad(bags.parameters(), lr=settings.embedding_lr)
+    size = settings.batch_size
+
+    def lookup(batch: Batch) -> Tensor:
+        return torch.cat(
+            [bag(batch.values[f * size : (f + 1) * size].view(size, 1)) for f, bag in enumerate(bags)], dim=1
+        )
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Embeddings(
+        "26 x nn.EmbeddingBag(sparse=True) + torch Adagrad", lookup, step, keep=[bags, optimizer]
+    )
+
+
+def _torchrec_tables(settings: Settings) -> list[Any]:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    return [
+        EmbeddingBagConfig(name=f"t{f}", num_embeddings=n, embedding_dim=settings.embedding_dim,
+                           feature_names=[f"C{f + 1}"])
+        for f, n in enumerate(settings.cardinalities)
+    ]  # fmt: skip
+
+
+def _kjt(batch: Batch) -> Any:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    return KeyedJaggedTensor(keys=batch.keys, values=batch.values, lengths=batch.lengths)
+
+
+def torchrec_ebc(settings: Settings) -> Embeddings:
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    ebc = EmbeddingBagCollection(_torchrec_tables(settings), device=torch.device("cpu"))
+    for f, bag in enumerate(ebc.embedding_bags.values()):
+        # torchrec builds dense-gradient bags (its trainers shard them); a dense (n, d) gradient of 6M rows
+        # per step is no way to train on a CPU, so the bags are switched to sparse gradients
+        bag.sparse = True
+        _uniform_(bag.weight, settings.init_scale, f)
+    optimizer = torch.optim.Adagrad(ebc.parameters(), lr=settings.embedding_lr)
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Embeddings(
+        "torchrec EmbeddingBagCollection (bags sparse) + torch Adagrad",
+        lambda batch: ebc(_kjt(batch)).values(),
+        step,
+        keep=[ebc, optimizer],
+    )
+
+
+def torchrec_fused(settings: Settings) -> Embeddings:
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+
+    ebc = FusedEmbeddingBagCollection(
+        _torchrec_tables(settings),
+        optimizer_type=torch.optim.Adagrad,
+        optimizer_kwargs={"lr": settings.embedding_lr},
+        device=torch.device("cpu"),
+    )
+    for f, (_, weight) in enumerate(ebc.named_parameters()):
+        _uniform_(weight, settings.init_scale, f)
+    return Embeddings(
+        "torchrec FusedEmbeddingBagCollection (FBGEMM TBE, exact Adagrad in backward)",
+        lambda batch: ebc(_kjt(batch)).values(),
+        lambda: None,
+        keep=[ebc],
+    )
+
+
+def _robez_tables(settings: Settings) -> list[Any]:
+    from robez_core import EmbeddingBagConfig
+
+    return [
+        EmbeddingBagConfig(f"t{f}", n, settings.embedding_dim, (f"C{f + 1}",), pooling="sum")
+        for f, n in enumerate(settings.cardinalities)
+    ]
+
+
+def robez_per_feature(settings: Settings) -> Embeddings:
+    from robez_core import RobezEmbeddingBagCollection
+
+    # the collection only places the 26 tables on one array; the modules do the work, one per feature
+    layout = RobezEmbeddingBagCollection(
+        _robez_tables(settings), settings.memory_size, chunk_size=settings.chunk_size,
+        init_scale=settings.init_scale, seed=1 + settings.seed,
+    )  # fmt: skip
+    bags = nn.ModuleList(layout.feature_module(f"C{f + 1}", sparse=True) for f in range(26))
+    optimizer = torch.optim.Adagrad([layout.weight], lr=settings.embedding_lr)
+    size = settings.batch_size
+
+    def lookup(batch: Batch) -> Tensor:
+        return torch.cat(
+            [bag(batch.values[f * size : (f + 1) * size].view(size, 1)) for f, bag in enumerate(bags)], dim=1
+        )
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Embeddings(
+        f"26 x RobezEmbeddingBag on one array ({settings.memory_size * 4 / 1e6:.0f} MB) + torch Adagrad",
+        lookup,
+        step,
+        keep=[layout, bags, optimizer],
+    )
+
+
+def robez_collection(settings: Settings) -> Embeddings:
+    from robez_core import OptimizerConfig, RobezEmbeddingBagCollection
+
+    ebc = RobezEmbeddingBagCollection(
+        _robez_tables(settings), settings.memory_size, chunk_size=settings.chunk_size,
+        init_scale=settings.init_scale, seed=1 + settings.seed,
+        optimizer=OptimizerConfig("adagrad", lr=settings.embedding_lr),
+    )  # fmt: skip
+    return Embeddings(
+        "RobezEmbeddingBagCollection, same array, robez's fused Adagrad in backward",
+        lambda batch: ebc(keys=batch.keys, values=batch.values, lengths=batch.lengths).values(),
+        lambda: None,
+        split=lambda: (ebc.timings["optimizer"], ebc.cpu_timings["optimizer"]),
+        keep=[ebc],
+    )
+
+
+VARIANTS: dict[str, Callable[[Settings], Embeddings]] = {
+    "full": full_tables,
+    "torchrec_ebc": torchrec_ebc,
+    "torchrec_fused": torchrec_fused,
+    "robez_per_feature": robez_per_feature,
+    "robez_collection": robez_collection,
+}
+NEEDS_TORCHREC = {"torchrec_ebc", "torchrec_fused"}
+# ---- remote variants (the service's RemoteEmbeddingBagCollection: 1 trainer with and without prefetch,
+# 2 trainers) register here: VARIANTS["remote_collection"] = ...; a builder that needs a server starts it
+# (127.0.0.1, its own data dir) and returns its stop in ``Embeddings.keep``. --------------------------
+
+
+# ------------------------------------------------------------------------------------------ one variant
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+CLOCKS = ("wall", "cpu")
+PARTS = ("lookup", "dense", "backward", "optimizer", "step")
+# variants whose optimizer step runs inside the backward without a split of its own
+OPTIMIZER_IN_BACKWARD = {"torchrec_fused"}
+
+
+def _now() -> tuple[float, float]:
+    """(wall, this thread's CPU) seconds: on a shared machine a step's wall time includes waiting for a
+    core; its CPU time is what it cost (1 thread: torch, numba and OpenMP all run in this one)."""
+    return time.perf_counter(), time.thread_time()
+
+
+def train(name: str, settings: Settings) -> dict[str, Any]:
+    """Build variant ``name``, train it ``settings.steps`` steps, evaluate; the figures as a dict."""
+    torch.set_num_threads(settings.threads)
+    torch.manual_seed(settings.seed)
+    data = SyntheticCriteo(settings)
+    dense_model = DenseDLRM(len(settings.cardinalities), settings.embedding_dim)
+    dense_optimizer = torch.optim.Adam(dense_model.parameters(), lr=settings.dense_lr)
+    built = time.perf_counter()
+    embeddings = VARIANTS[name](settings)
+    build_seconds = time.perf_counter() - built
+    loss_fn = nn.BCEWithLogitsLoss()
+    # per clock ("wall": perf_counter, "cpu": this thread's CPU time), per part, one value a step
+    parts: dict[str, dict[str, list[float]]] = {clock: {p: [] for p in PARTS} for clock in CLOCKS}
+    losses = []
+    for step in range(settings.steps):
+        batch = data.batch(step)
+        t0 = _now()
+        pooled = embeddings.lookup(batch)
+        t1 = _now()
+        rows = pooled.detach().requires_grad_(True)
+        loss = loss_fn(dense_model(batch.dense, rows), batch.labels)
+        dense_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        dense_optimizer.step()
+        t2 = _now()
+        pooled.backward(rows.grad)
+        t3 = _now()
+        embeddings.step()
+        t4 = _now()
+        split = embeddings.split()
+        for c, clock in enumerate(CLOCKS):
+            in_backward = split[c]
+            for part, value in (
+                ("lookup", t1[c] - t0[c]),
+                ("dense", t2[c] - t1[c]),
+                ("backward", t3[c] - t2[c] - in_backward),
+                ("optimizer", t4[c] - t3[c] + in_backward),
+                ("step", t4[c] - t0[c]),
+            ):
+                parts[clock][part].append(value)
+        losses.append(float(loss.detach()))
+        if (step + 1) % 20 == 0 or step + 1 == settings.steps:
+            print(
+                f"  {name}: step {step + 1}/{settings.steps}, {1e3 * (t4[0] - t0[0]):.1f} ms, "
+                f"loss {losses[-1]:.4f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    eval_losses = []
+    with torch.no_grad():
+        for i in range(settings.eval_batches):
+            batch = data.batch(10**6 + i)
+            eval_losses.append(
+                float(loss_fn(dense_model(batch.dense, embeddings.lookup(batch)), batch.labels))
+            )
+    medians: dict[str, dict[str, float]] = {}
+    for clock, by_part in parts.items():
+        timed = {part: values[settings.warmup :] for part, values in by_part.items()}
+        medians[clock] = {part: statistics.median(values) for part, values in timed.items()}
+        embedding = [sum(v) for v in zip(timed["lookup"], timed["backward"], timed["optimizer"], strict=True)]
+        medians[clock]["embedding"] = statistics.median(embedding)
+    gc.collect()
+    return {
+        "name": name,
+        "description": embeddings.description,
+        "build_seconds": build_seconds,
+        "median_seconds": medians,
+        "samples_per_second": settings.batch_size / medians["wall"]["step"],
+        "train_loss_last20": statistics.fmean(losses[-20:]),
+        "eval_loss": statistics.fmean(eval_losses),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_mib": _rss_mib(),
+        "optimizer_in_backward": name in OPTIMIZER_IN_BACKWARD,
+    }
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+
+def torchrec_available() -> str | None:
+    """None when torchrec and its CPU fbgemm import, else why not."""
+    try:
+        import torchrec  # noqa: F401
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection  # noqa: F401
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def run_in_child(name: str, settings: Settings) -> dict[str, Any]:
+    """Train one variant in a fresh process (its memory its own), 1 thread for torch, numba and OpenMP."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "NUMBA_NUM_THREADS": str(settings.threads)}
+    command = [
+        sys.executable, "-m", "benchmarks.training.dlrm", "--worker", name,
+        "--settings", json.dumps(asdict(settings)),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"variant {name} failed (exit {done.returncode})")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def goals(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The issue's local goals, as ratios of this run, by each clock."""
+    lines = []
+    coll, full, per = (results.get(k) for k in ("robez_collection", "full", "robez_per_feature"))
+    for clock in CLOCKS:
+        if coll and full:
+            ratio = coll["median_seconds"][clock]["step"] / full["median_seconds"][clock]["step"]
+            verdict = "met" if ratio <= 1.0 else "missed"
+            lines.append(
+                f"{clock}: collection step / full nn.EmbeddingBag step = {ratio:.2f} (goal <= 1.00): "
+                f"{verdict}"
+            )
+        if coll and per:
+            ratio = coll["median_seconds"][clock]["embedding"] / per["median_seconds"][clock]["embedding"]
+            verdict = "met" if ratio <= 0.5 else "missed"
+            lines.append(
+                f"{clock}: collection embedding part / 26 RobezEmbeddingBag embedding part = {ratio:.2f} "
+                f"(goal <= 0.50): {verdict}"
+            )
+    return lines
+
+
+def write_report(
+    results: dict[str, dict[str, Any]],
+    skipped: dict[str, str],
+    settings: Settings,
+    command: str,
+    load: tuple[tuple[float, ...], tuple[float, ...]],
+    output_dir: Path,
+    quick: bool,
+) -> Path:
+    from robez_core.hostinfo import machine_facts
+
+    now = dt.datetime.now(dt.UTC)
+    stem = f"dlrm-{now:%Y-%m-%d}" + ("-quick" if quick else "")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    png = output_dir / f"{stem}.png"
+    plotted = plot(results, png)
+    lines = [
+        f"# DLRM-shaped training, embeddings held five ways ({now:%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"Command: `{command}` (each variant in its own process, one after the other).",
+        "",
+        f"Sizes: batch {settings.batch_size}, d = {settings.embedding_dim}, 26 features with the "
+        f"Criteo-Kaggle cardinalities capped at {settings.cardinality_cap:,} "
+        f"(sum {sum(settings.cardinalities):,} rows), "
+        f"Zipf({ZIPF_EXPONENT}) ids; ROBE-Z array {settings.memory_size:,} floats "
+        f"({settings.memory_size * 4 / 1e6:.0f} MB, {settings.compression}x), Z = {settings.chunk_size}; "
+        f"{settings.steps} steps, medians of the last {settings.steps - settings.warmup}; eval loss over "
+        f"{settings.eval_batches} held-out batches; {settings.threads} thread(s) (torch, numba, OpenMP).",
+        f"Load average before / after: {load[0]} / {load[1]}.",
+        "",
+    ]
+    for clock, title in (("wall", "Wall clock"), ("cpu", "CPU time of the trainer thread")):
+        lines += [
+            f"### {title} (medians, ms)",
+            "",
+            "| variant | step | samples/s | lookup | dense fwd+bwd+step | emb backward | emb optimizer "
+            "| embedding part | eval loss | peak RSS |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in results.values():
+            m = {k: 1e3 * v for k, v in r["median_seconds"][clock].items()}
+            optimizer = "(in backward)" if r["optimizer_in_backward"] else f"{m['optimizer']:.1f}"
+            lines.append(
+                f"| {r['description']} | {m['step']:.1f} | {settings.batch_size / m['step']:.1f}k "
+                f"| {m['lookup']:.1f} | {m['dense']:.1f} | {m['backward']:.1f} | {optimizer} "
+                f"| {m['embedding']:.1f} | {r['eval_loss']:.4f} | {r['peak_rss_mib'] / 1024:.2f} GiB |"
+            )
+        lines.append("")
+    lines += ["Goals (issue 37, local half), by both clocks:", ""]
+    lines += [f"- {line}" for line in goals(results)] or ["- (not all variants ran)"]
+    if skipped:
+        lines += ["", "Skipped:", ""] + [f"- {name}: {why}" for name, why in skipped.items()]
+    if plotted:
+        lines += ["", f"![step split]({png.name})"]
+    lines += ["", "## Machine", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in machine_facts().items()]
+    path = output_dir / f"{stem}.md"
+    path.write_text("\n".join(lines) + "\n")
+    (output_dir / f"{stem}.json").write_text(
+        json.dumps({"settings": asdict(settings), "results": results}, indent=1)
+    )
+    return path
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> bool:
+    """Stacked bars of each variant's step split; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bottom = np.zeros(len(names))
+    for part, label in (
+        ("lookup", "lookup"),
+        ("dense", "dense fwd+bwd+step"),
+        ("backward", "embedding backward"),
+        ("optimizer", "embedding optimizer"),
+    ):
+        heights = np.array([1e3 * results[n]["median_seconds"]["cpu"][part] for n in names])
+        ax.barh(names, heights, left=bottom, label=label)
+        bottom += heights
+    for i, n in enumerate(names):
+        ax.text(bottom[i], i, f" {results[n]['samples_per_second'] / 1e3:.1f}k samples/s", va="center")
+    ax.set_xlabel("CPU ms per training step (median, 1 thread); label: wall-clock samples/s")
+    ax.set_xlim(0, bottom.max() * 1.35)
+    ax.invert_yaxis()
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("DLRM-shaped training step, split by part")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CI sizes (batch 256, cardinalities <= 20k)")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS)
+    )
+    parser.add_argument("--steps", type=int, help="training steps (default 120, quick 14)")
+    parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        settings = Settings(**json.loads(args.settings))
+        print(json.dumps(train(args.worker, settings)))
+        return 0
+    settings = QUICK if args.quick else Settings()
+    if args.steps:
+        settings = Settings(
+            **{**asdict(settings), "steps": args.steps, "warmup": min(settings.warmup, args.steps // 4)}
+        )
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    skipped: dict[str, str] = {}
+    why = torchrec_available()
+    if why is not None:
+        for n in names:
+            if n in NEEDS_TORCHREC:
+                skipped[n] = (
+                    f"torchrec is not installed (the `torchrec` extra, see benchmarks/README.md): {why}"
+                )
+                print(f"skipping {n}: {skipped[n]}", file=sys.stderr)
+    load_before = os.getloadavg()
+    results: dict[str, dict[str, Any]] = {}
+    for n in names:
+        if n in skipped:
+            continue
+        print(
+            f"{n}: training {settings.steps} steps of {settings.batch_size}...", file=sys.stderr, flush=True
+        )
+        results[n] = run_in_child(n, settings)
+        r = results[n]
+        print(
+            f"{n}: {1e3 * r['median_seconds']['wall']['step']:.1f} ms/step, "
+            f"{r['samples_per_second']:.0f} samples/s, "
+            f"eval loss {r['eval_loss']:.4f}, peak RSS {r['peak_rss_mib']:.0f} MiB",
+            file=sys.stderr,
+            flush=True,
+        )
+    command = "python -m benchmarks.training.dlrm " + " ".join(sys.argv[1:] if argv is None else argv)
+    path = write_report(results, skipped, settings, command.strip(), (load_before, os.getloadavg()),
+                        args.output_dir, args.quick)  # fmt: skip
+    for line in goals(results):
+        print(line)
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
