@@ -30,12 +30,14 @@ from .http.direct import LIFESPAN_DIRECT_KEY, DirectAnswers
 from .http.fastpath import FastPathMiddleware, FastRoutes
 from .http.middleware import InFlightLimitMiddleware, RequestBodyMiddleware, RequestMetricsMiddleware
 from .http.protocol import LIFESPAN_METRICS_KEY
+from .log.journal import Journal, NullJournal
 from .metrics import Metrics
 from .replication.replica import Replica, local_settings
+from .replication.writes import ReplicatedWrites
 from .routes import checksum, durability, health, lookup, oip, tables, update, update_many
 from .shm import SharedDirectory
 from .store import TableStore
-from .store.journal import Journal, NullJournal
+from .store.writes import LocalWrites
 from .wal import WalJournal
 
 logger = logging.getLogger("robez.app")
@@ -83,8 +85,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         await anyio.to_thread.run_sync(store.warm_up)
         app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
         app.state.store = store
+        app.state.writes = LocalWrites(store)
         if replicated:
             app.state.replica = Replica(store, settings, app.state.metrics)
+            app.state.writes = ReplicatedWrites(store, app.state.replica)
             await app.state.replica.start()
         grpc_server: Any = None  # a grpc.aio.Server when --grpc-port is set
         logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())
@@ -107,7 +111,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             if app.state.replica is not None:
                 await app.state.replica.stop()
                 app.state.replica = None
-            del app.state.store
+            del app.state.store, app.state.writes
             store.close()
     finally:
         journal.close()
@@ -148,7 +152,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         **docs,  # type: ignore[arg-type]
     )
     app.state.settings = settings
-    app.state.replica = None  # a Replica in replicated mode (--nats), set at start-up
+    # Set at start-up: the write path routes call (LocalWrites, or ReplicatedWrites with --nats) and,
+    # in replicated mode, this worker's Replica (its life cycle; routes go through the write path).
+    app.state.replica = None
     metrics_dir = (
         settings.shm_path / "metrics" if settings.shm_path is not None and settings.workers > 1 else None
     )

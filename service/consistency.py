@@ -9,7 +9,6 @@ no in-flight slot but one of ``max_version_waiters`` (service/http/admission.py)
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import Request
@@ -17,10 +16,9 @@ from fastapi import Request
 from robez_core.errors import BusyError, InvalidInputError
 
 from .store import TableStore
+from .store.writes import WritePath
 
 MIN_VERSION_HEADER = "X-Robez-Min-Version"
-_POLL_S = 0.0005
-_MAX_POLL_S = 0.005
 
 
 def parse_min_versions(header: str | None, default_table: str | None = None) -> dict[str, int]:
@@ -67,26 +65,12 @@ async def wait_min_versions(request: Request, store: TableStore, wanted: dict[st
 async def _wait(request: Request, store: TableStore, wanted: dict[str, int]) -> None:
     settings = request.app.state.settings
     timeout_s = settings.min_version_wait_ms / 1000.0
-    replica = request.app.state.replica
+    writes: WritePath = request.app.state.writes
     deadline = time.monotonic() + timeout_s
     for name, version in wanted.items():
-        if replica is not None:
-            reached = await replica.wait_version(name, version, max(0.0, deadline - time.monotonic()))
-        else:
-            reached = await _poll(store, name, version, deadline)
+        reached = await writes.wait_version(name, version, max(0.0, deadline - time.monotonic()))
         if not reached:
             raise BusyError(
                 f"table {name!r} is at version {store.version(name)} here, behind the requested {version}; "
                 "retry (this replica is catching up)"
             )
-
-
-async def _poll(store: TableStore, name: str, version: int, deadline: float) -> bool:
-    delay = _POLL_S
-    while store.version(name) < version:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        await asyncio.sleep(min(delay, remaining))
-        delay = min(2 * delay, _MAX_POLL_S)
-    return True

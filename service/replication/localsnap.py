@@ -23,7 +23,7 @@ from pathlib import Path
 from robez_core.errors import ConfigError
 from robez_core.table import Table
 
-from ..wal.files import _write_file_durably
+from ..wal.files import write_file_durably
 
 logger = logging.getLogger("robez.replication")
 
@@ -81,7 +81,7 @@ class LocalSnapshots:
         self.directory.mkdir(parents=True, exist_ok=True)
         marker = data_dir / MARKER_FILE
         if not marker.exists():
-            _write_file_durably(marker, b"robez replica data directory\n")
+            write_file_durably(marker, b"robez replica data directory\n")
 
     def _all(self) -> list[LocalSnapshot]:
         found = []

@@ -6,38 +6,33 @@ the router's lifespan, which FastAPI nests inside the app's: the store exists wh
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
+from functools import partial
+from typing import Annotated, Any, BinaryIO
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from starlette.responses import Response, StreamingResponse
 
 from robez_core.config import OptimizerConfig, OptimizerName
-from robez_core.errors import ConflictError, NotFoundError
+from robez_core.errors import ConflictError
 from robez_core.table import Table
 
 from ..auth import WriteAccess
 from ..codec import OCTET_STREAM, VERSION_HEADER, TableInfoResponse, table_info_json
-from ..config import TableSpec
 from ..store import TableStore
+from ..store.writes import WritePath
 from ..wal import (
     CheckpointFormat,
     SnapshotScheduler,
     WalJournal,
-    align_checkpoint,
     read_checkpoint,
 )
 from .deps import StoreDep, compute
 from .update import IDEMPOTENCY_HEADER
-
-if TYPE_CHECKING:
-    from ..replication.replica import Replica
 
 logger = logging.getLogger("robez.durability")
 
@@ -132,59 +127,10 @@ async def load(
         )
 
     request.state.table = name
-    replica = request.app.state.replica
-    if replica is not None:
-        return await _load_replicated(request, store, replica, name, read)
-
-    def work() -> dict[str, Any]:
-        imported, kind = read()
-        return table_info_json(store.info(_install(store, name, imported, from_paper=kind == "paper")))
-
-    return await compute(request, work)
-
-
-async def _load_replicated(
-    request: Request, store: TableStore, replica: Replica, name: str, read: Callable[[], tuple[Table, str]]
-) -> dict[str, Any]:
-    """A load on a replica: checked here like on a single server (a bad checkpoint is a 4xx and
-    nothing is published), then the checkpoint as the table will hold it goes through the log
-    (``Replica.load``): every replica switches to it at the same version. A new table is created
-    through the log first, with the checkpoint's config and optimizer."""
-    imported, kind = await compute(request, read)
-    try:
-        store.table(name)
-    except NotFoundError:
-        with contextlib.suppress(ConflictError):  # created by another request meanwhile: load into it
-            await replica.create_table(name, TableSpec(imported.config, imported.optimizer))
-        await replica.wait_serving(name)
-
+    writes: WritePath = request.app.state.writes
     key = request.headers.get(IDEMPOTENCY_HEADER)
-    with tempfile.TemporaryDirectory(prefix="robez-load-") as tmp:
-        path = Path(tmp) / "checkpoint.safetensors"
-
-        def checkpoint() -> Table:
-            aligned = align_checkpoint(imported, store.table(name), keep_optimizer_state=kind != "paper")
-            aligned.save(path)
-            return aligned
-
-        aligned = await compute(request, checkpoint)
-        await replica.load(name, aligned, path, key)
+    await writes.load(name, read, key, partial(compute, request))
     return table_info_json(store.info(name))
-
-
-def _install(store: TableStore, name: str, imported: Table, *, from_paper: bool) -> str:
-    """Make ``imported`` table ``name`` at version 0: a new table is created from it; an existing one is
-    switched atomically to a new array holding it, made durable first (snapshot + empty log)."""
-    try:
-        existing = store.table(name)
-    except NotFoundError:
-        try:
-            store.create_from(name, imported)
-            return name
-        except ConflictError:  # created by another request meanwhile: load into it
-            existing = store.table(name)
-    store.restore(name, align_checkpoint(imported, existing, keep_optimizer_state=not from_paper), 0)
-    return name
 
 
 @router.get(
@@ -202,13 +148,9 @@ async def checkpoint(
         Query(ge=0, description="replicas: the table as it was at this version, while the log keeps it"),
     ] = None,
 ) -> Response:
-    replica = request.app.state.replica
     if version is not None and version != store.version(name):
-        if replica is None:
-            raise ConflictError(
-                f"table {name!r} is at version {store.version(name)}; only replicas keep older ones"
-            )
-        table = await replica.table_at(name, version)
+        writes: WritePath = request.app.state.writes
+        table = await writes.table_at(name, version)
         data = await compute(request, lambda: _checkpoint_bytes(table))
         request.state.table = name
         headers = {

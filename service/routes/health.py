@@ -69,17 +69,18 @@ async def readyz(
     store = getattr(request.app.state, "store", None)
     if store is None:
         return JSONBytesResponse({"status": "starting"}, status_code=503)
-    replica = getattr(request.app.state, "replica", None)
-    if replica is not None and not replica.ready():
-        # Replicated: not ready until it has applied the log as it stood when the replica started.
-        status = replica.status()
-        tables = status.tables if status is not None else {}
-        return JSONBytesResponse({"status": "catching up", "replication": tables}, status_code=503)
-    body: dict[str, Any] = {"status": "ready", "tables": len(store.names()), "writable": True}
-    problem = store.journal.write_problem()
-    if replica is not None:
-        body["log_server"] = replica.log_server()
-        problem = replica.write_problem()
+    readiness = request.app.state.writes.readiness()
+    if readiness.catching_up is not None:
+        return JSONBytesResponse(
+            {"status": "catching up", "replication": readiness.catching_up}, status_code=503
+        )
+    body: dict[str, Any] = {
+        "status": "ready",
+        "tables": len(store.names()),
+        "writable": True,
+        **readiness.extra,
+    }
+    problem = readiness.write_problem
     if problem is not None:
         body.update(writable=False, write_problem=problem)
         if writes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request, status
@@ -9,7 +10,7 @@ from starlette.responses import Response
 
 from ..auth import ReadAccess, WriteAccess
 from ..codec import TableInfoResponse, TableListResponse, decode_create_json, table_info_json
-from ..store import TableInfo
+from ..store.writes import WritePath
 from .deps import StoreDep, TableNameParam, body_doc, compute
 
 router = APIRouter(prefix="/v1/tables", tags=["tables"])
@@ -32,31 +33,17 @@ async def get_table(name: TableNameParam, store: StoreDep, _: ReadAccess) -> dic
     openapi_extra=body_doc("CreateTableRequest"),
     summary="Create a table (its own new array, or share_array_with another table's)",
 )
-async def create_table(request: Request, store: StoreDep, _: WriteAccess) -> dict[str, Any]:
-    body = await request.body()
-    replica = request.app.state.replica
-    if replica is not None:  # through the log, so every replica creates it
-        parsed = decode_create_json(body)
-        info = await replica.create_table(parsed.name, parsed.spec())
-        request.state.table = info.name
-        return table_info_json(info)
-
-    def work() -> TableInfo:
-        # Read by hand like every other body, so any malformed body is one 422 shape; initialising a
-        # large array takes a while, hence off the event loop.
-        parsed = decode_create_json(body)
-        return store.create(parsed.name, parsed.spec())
-
-    info = await compute(request, work)
+async def create_table(request: Request, _: WriteAccess) -> dict[str, Any]:
+    # Read by hand like every other body, so any malformed body is one 422 shape.
+    parsed = decode_create_json(await request.body())
+    writes: WritePath = request.app.state.writes
+    info = await writes.create_table(parsed.name, parsed.spec(), partial(compute, request))
     request.state.table = info.name
     return table_info_json(info)
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete a table")
-async def delete_table(name: TableNameParam, request: Request, store: StoreDep, _: WriteAccess) -> Response:
-    replica = request.app.state.replica
-    if replica is not None:  # through the log, so every replica drops it
-        await replica.drop_table(name)
-    else:
-        await compute(request, lambda: store.delete(name))
+async def delete_table(name: TableNameParam, request: Request, _: WriteAccess) -> Response:
+    writes: WritePath = request.app.state.writes
+    await writes.drop_table(name, partial(compute, request))
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Annotated
 
-import anyio
-import numpy as np
-import torch
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
-from torch import Tensor
 
 from ..auth import WriteAccess, require_write_key
 from ..codec import (
@@ -25,7 +22,8 @@ from ..codec import (
 )
 from ..http.fastpath import FastRoute
 from ..metrics import Metrics, server_timing, set_table_label, update_server_timing
-from ..store import TableStore, UpdateResult
+from ..store import TableStore, UpdatePart
+from ..store.writes import WritePath
 from .deps import (
     INLINE_MAX_BODY_BYTES,
     TableNameParam,
@@ -81,57 +79,32 @@ async def apply_update(request: Request, name: str, lr: float | None = None) -> 
     shape = headers.get(_SHAPE)
     shape_header = shape.decode("latin-1") if shape is not None else None
 
-    def decode() -> tuple[np.ndarray, np.ndarray, float | None]:
+    def decode() -> list[UpdatePart]:
         if binary:
             ids, grads = decode_update_binary(body, shape_header)
-            return ids, grads, lr
+            return [UpdatePart(name, ids, grads, lr)]
         ids, grads, body_lr = decode_update_json(body, store.table(name).config.embedding_dim)
-        return ids, grads, lr if lr is not None else body_lr
+        return [UpdatePart(name, ids, grads, lr if lr is not None else body_lr)]
 
-    replica = state.replica
-    if replica is not None:
-        # Replicated: validate, append to the log, answer once this replica applied it.
-        def validate() -> tuple[Tensor, Tensor, float]:
-            ids_array, grads_array, wanted_lr = decode()
-            ids, grads = torch.from_numpy(ids_array), torch.from_numpy(grads_array)
-            return ids, grads, store.validate_update(name, ids, grads, wanted_lr)
-
-        ids, grads, applied_lr = await compute(request, validate)
-        idempotency_key = headers.get(_IDEMPOTENCY)
-        key = idempotency_key.decode("latin-1") if idempotency_key is not None else None
-        logged = await replica.update(name, ids, grads, applied_lr, key)
-        # The applier hashes and applies (and records those times); here: the log's ack, then the wait.
-        result = UpdateResult(logged.version, 0.0, logged.apply_wait_seconds)
-        stages = {"publish": logged.publish_seconds, "apply_wait": logged.apply_wait_seconds}
-    else:
-
-        def work(blocking: bool) -> tuple[UpdateResult, int] | None:
-            return store.apply_update(name, *decode(), blocking=blocking)
-
-        # A small push runs on the event loop when the table's lock is free at once and the journal
-        # writes nothing (the hop to a worker thread and back costs more than its whole work); otherwise
-        # it waits for the lock in a worker thread.
-        inline = len(body) <= INLINE_MAX_BODY_BYTES and store.journal_is_memory_only()
-        done = work(False) if inline else None
-        if done is None:
-            done = await compute(request, lambda: work(True))
-        assert done is not None
-        result, ticket = done
-        if ticket > 0:
-            # Wait for the flush outside the compute slots, so concurrent updates share one group commit.
-            await anyio.to_thread.run_sync(store.journal.wait_durable, ticket)
+    idempotency_key = headers.get(_IDEMPOTENCY)
+    key = idempotency_key.decode("latin-1") if idempotency_key is not None else None
+    writes: WritePath = state.writes
+    written = await writes.update(
+        decode, key, partial(compute, request), small=len(body) <= INLINE_MAX_BODY_BYTES
+    )
+    (result,) = written.results
+    set_table_label(request, name)
+    total = time.perf_counter() - start
+    if written.stages is None:
         table_stages = metrics.stages(name)
         table_stages.hash_seconds.observe(result.hash_seconds)
         table_stages.update_apply_seconds.observe(result.apply_seconds)
-    set_table_label(request, name)
-    total = time.perf_counter() - start
-    if replica is None:
         timing = update_server_timing(result.hash_seconds, result.apply_seconds, total)
     else:
-        timing = server_timing(**stages, total=total).encode("latin-1")
+        timing = server_timing(**written.stages, total=total).encode("latin-1")
     response_headers = [(b"server-timing", timing), (_VERSION, b"%d" % result.version)]
-    if replica is not None:  # tells clients that a resent Idempotency-Key is applied once here
-        response_headers.append((_REPLICA, replica.name.encode("latin-1")))
+    if written.replica is not None:  # tells clients that a resent Idempotency-Key is applied once here
+        response_headers.append((_REPLICA, written.replica.encode("latin-1")))
     return RawResponse(json_bytes(update_json(name, result, total)), _JSON, response_headers)
 
 

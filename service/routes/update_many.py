@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
-
-from robez_core.errors import ConflictError
 
 from ..auth import WriteAccess, require_write_key
 from ..codec import (
@@ -18,7 +17,6 @@ from ..codec import (
     VERSION_HEADER,
     MultiUpdateResponse,
     RawResponse,
-    TableArrays,
     decode_multi_update_binary,
     decode_multi_update_json,
     json_bytes,
@@ -26,10 +24,11 @@ from ..codec import (
     update_json,
 )
 from ..http.fastpath import FastRoute
-from ..metrics import Metrics, update_server_timing
-from ..store import TableStore, UpdatePart, UpdateResult
+from ..metrics import Metrics, server_timing, update_server_timing
+from ..store import TableStore, UpdatePart
+from ..store.writes import WritePath
 from .deps import body_doc, compute, is_binary, raw_headers, read_body
-from .update import IDEMPOTENCY_HEADER
+from .update import IDEMPOTENCY_HEADER, REPLICA_HEADER
 
 router = APIRouter(prefix="/v1", tags=["update"])
 
@@ -38,6 +37,7 @@ _BINARY_MULTI_UPDATE = (
     "little-endian int64 ids then n*d little-endian float32 gradients, in that order"
 )
 _IDEMPOTENCY = IDEMPOTENCY_HEADER.lower().encode()
+_REPLICA = REPLICA_HEADER.lower().encode()
 _TABLES = TABLES_HEADER.lower().encode()
 _SHAPES = SHAPES_HEADER.lower().encode()
 _VERSION = VERSION_HEADER.lower().encode()
@@ -64,46 +64,51 @@ async def apply_update_many(request: Request, lr: float | None = None) -> Respon
     state = request.app.state
     store: TableStore = state.store
     metrics: Metrics = state.metrics
-    if state.replica is not None:
-        raise ConflictError(
-            "replicas do not take multi-table pushes yet: push each table with POST /v1/tables/{name}/update"
-        )
     body = await read_body(request)
     headers = raw_headers(request)
     binary = is_binary(request, headers)
 
-    def decode() -> list[TableArrays]:
+    names: list[str] = []  # the parts' tables, in order, once decoded
+
+    def decode() -> list[UpdatePart]:
         if binary:
             tables, shapes = headers.get(_TABLES), headers.get(_SHAPES)
-            return decode_multi_update_binary(
+            parts = decode_multi_update_binary(
                 body,
                 tables.decode("latin-1") if tables is not None else None,
                 shapes.decode("latin-1") if shapes is not None else None,
             )
-        return decode_multi_update_json(body, lambda name: store.table(name).config.embedding_dim)
+        else:
+            parts = decode_multi_update_json(body, lambda name: store.table(name).config.embedding_dim)
+        names[:] = [name for name, _, _, _ in parts]
+        return [
+            UpdatePart(name, ids, grads, lr if lr is not None else part_lr)
+            for name, ids, grads, part_lr in parts
+        ]
 
     idempotency_key = headers.get(_IDEMPOTENCY)
     key = idempotency_key.decode("latin-1") if idempotency_key is not None else None
-
-    def work() -> tuple[list[str], list[UpdateResult]]:
-        parts = [
-            UpdatePart(name, ids, grads, lr if lr is not None else part_lr)
-            for name, ids, grads, part_lr in decode()
-        ]
-        return [part.table for part in parts], store.update_many(parts, idempotency_key=key)
-
-    names, results = await compute(request, work)
-    for name, result in zip(names, results, strict=True):
-        stages = metrics.stages(name)
-        stages.hash_seconds.observe(result.hash_seconds)
-        stages.update_apply_seconds.observe(result.apply_seconds)
+    writes: WritePath = state.writes
+    # Never inline: a multi-table push is a training step's worth of rows.
+    written = await writes.update(decode, key, partial(compute, request), small=False)
+    results = written.results
     hash_seconds = sum(result.hash_seconds for result in results)
     apply_seconds = sum(result.apply_seconds for result in results)
     total = time.perf_counter() - start
+    if written.stages is None:
+        for name, result in zip(names, results, strict=True):
+            stages = metrics.stages(name)
+            stages.hash_seconds.observe(result.hash_seconds)
+            stages.update_apply_seconds.observe(result.apply_seconds)
+        timing = update_server_timing(hash_seconds, apply_seconds, total)
+    else:
+        timing = server_timing(**written.stages, total=total).encode("latin-1")
     response_headers = [
-        (b"server-timing", update_server_timing(hash_seconds, apply_seconds, total)),
+        (b"server-timing", timing),
         (_VERSION, ",".join(str(result.version) for result in results).encode("latin-1")),
     ]
+    if written.replica is not None:  # tells clients that a resent Idempotency-Key is applied once here
+        response_headers.append((_REPLICA, written.replica.encode("latin-1")))
     payload = {
         "results": [
             update_json(name, result, result.hash_seconds + result.apply_seconds)

@@ -17,12 +17,12 @@ if TYPE_CHECKING:
     from robez_core.table import Table
 
 
-from .records import _crc
+from .records import crc32
 
 logger = logging.getLogger("robez.wal")
 
 
-def _sync_data(fd: int) -> None:
+def sync_data(fd: int) -> None:
     # fdatasync also flushes the file size, which is all an appended log needs.
     if hasattr(os, "fdatasync"):
         os.fdatasync(fd)
@@ -30,9 +30,9 @@ def _sync_data(fd: int) -> None:
         os.fsync(fd)
 
 
-def _write_file_durably(path: Path, data: bytes) -> None:
+def write_file_durably(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the folder."""
-    os.replace(_write_temp_file(path, data), path)
+    os.replace(write_temp_file(path, data), path)
     fsync_dir(path.parent)
 
 
@@ -44,7 +44,7 @@ def open_private(path: Path) -> BinaryIO:
     return os.fdopen(fd, "wb")
 
 
-def _write_temp_file(path: Path, data: bytes) -> Path:
+def write_temp_file(path: Path, data: bytes) -> Path:
     """``data`` in a fsynced temporary file beside ``path``, to be renamed over it; removed on failure (a
     full disk must not keep the space of a half-written file)."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -59,21 +59,21 @@ def _write_temp_file(path: Path, data: bytes) -> Path:
     return tmp
 
 
-def _file_crc(path: Path, chunk_bytes: int = 1 << 24) -> tuple[int, int]:
+def file_crc(path: Path, chunk_bytes: int = 1 << 24) -> tuple[int, int]:
     """CRC32 and size of a file, read in chunks."""
     crc, size = 0, 0
     with open(path, "rb") as handle:
         while chunk := handle.read(chunk_bytes):
-            crc = _crc(chunk, crc)
+            crc = crc32(chunk, crc)
             size += len(chunk)
     return crc, size
 
 
-def _table_bytes(table: Table) -> int:
+def table_bytes(table: Table) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in table.tensors().values())
 
 
-def _write_all(fd: int, buffers: list[Any]) -> None:
+def write_all(fd: int, buffers: list[Any]) -> None:
     total = sum(memoryview(b).nbytes for b in buffers)
     written = os.writev(fd, buffers)
     if written != total:  # a short writev (rare on regular files): finish with one joined write
@@ -83,7 +83,7 @@ def _write_all(fd: int, buffers: list[Any]) -> None:
             view = view[os.write(fd, view) :]
 
 
-def _lock_data_dir(data_dir: Path, exclusive: bool) -> int | None:
+def lock_data_dir(data_dir: Path, exclusive: bool) -> int | None:
     """flock the data directory's lock file: shared for servers (all their workers), exclusive for an
     offline tool, so ``robez import`` cannot rewrite tables under a running server."""
     fd = os.open(data_dir / ".robez.lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -141,7 +141,7 @@ class ServerLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             self._remove_leftovers_if_free()
-            self._shared_fd = _lock_data_dir(self.data_dir, exclusive=False)
+            self._shared_fd = lock_data_dir(self.data_dir, exclusive=False)
         except BaseException:
             os.close(fd)
             raise
@@ -149,7 +149,7 @@ class ServerLock:
 
     def _remove_leftovers_if_free(self) -> None:
         try:
-            exclusive_fd = _lock_data_dir(self.data_dir, exclusive=True)
+            exclusive_fd = lock_data_dir(self.data_dir, exclusive=True)
         except ConflictError:
             return  # a worker that outlived its server, or a tool: its create may be under way
         try:

@@ -39,22 +39,22 @@ if TYPE_CHECKING:
 
 from .files import (
     CREATING_PREFIX,
-    _file_crc,
-    _lock_data_dir,
-    _sync_data,
-    _table_bytes,
-    _write_all,
-    _write_file_durably,
-    _write_temp_file,
+    file_crc,
+    lock_data_dir,
     open_private,
     remove_creation_leftovers,
+    sync_data,
+    table_bytes,
     validate_table_name,
+    write_all,
+    write_file_durably,
+    write_temp_file,
 )
 from .records import (
-    _CRC,
-    _LOG_HEADER,
+    CRC,
     FSYNC_POLICIES,
     LOG_FILE,
+    LOG_HEADER,
     LOG_HEADER_SIZE,
     LOG_MAGIC,
     META_FILE,
@@ -62,7 +62,7 @@ from .records import (
     META_FORMAT_VERSION,
     FsyncPolicy,
     RecordSpan,
-    _crc,
+    crc32,
     decode_group,
     decode_record,
     encode_log_header,
@@ -173,7 +173,7 @@ class WalJournal:
             raise ConfigError("the snapshot_* policies must be >= 0")
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._dir_lock = _lock_data_dir(self.data_dir, exclusive)
+        self._dir_lock = lock_data_dir(self.data_dir, exclusive)
         if exclusive:  # no server can be creating a table now: what a crashed create left can go
             remove_creation_leftovers(self.data_dir)
         self._remove_dropped()  # start-up of a server, a worker or a tool
@@ -306,7 +306,7 @@ class WalJournal:
             fsync_dir(self.data_dir)
         except Exception as error:
             if is_storage_full(error):
-                raise self._storage_full(f"creating table {name!r}", _table_bytes(table)) from error
+                raise self._storage_full(f"creating table {name!r}", table_bytes(table)) from error
             raise
         finally:
             if staging.exists():
@@ -350,9 +350,9 @@ class WalJournal:
             )
         buffers = encode_record(record.version, record.ids, record.grads, record.lr, record.group)
         try:
-            _write_all(log.fd, buffers)
+            write_all(log.fd, buffers)
             if self.fsync == "always":
-                _sync_data(log.fd)
+                sync_data(log.fd)
         except BaseException as error:
             os.ftruncate(log.fd, size_before)
             if is_storage_full(error):
@@ -407,7 +407,7 @@ class WalJournal:
             self._write_generation(directory, table, version, generation=meta.generation + 1)
         except Exception as error:  # nothing committed: the old snapshot and log stand
             if is_storage_full(error):
-                raise self._storage_full(f"snapshot of table {name!r}", _table_bytes(table)) from error
+                raise self._storage_full(f"snapshot of table {name!r}", table_bytes(table)) from error
             raise
         # meta.json now names the new generation; the old log is stale from here on.
         if self.fault_file is not None:  # testing only: a crash between the two renames
@@ -457,7 +457,7 @@ class WalJournal:
                     self._finish_interrupted_snapshot(name, meta)
                     if version == meta.version and self._log_is_empty(name):
                         return version  # the committed snapshot is this version already
-                    needed = _table_bytes(table)
+                    needed = table_bytes(table)
                     tensors, metadata = table.tensors(), table.metadata()  # the layout: fixed
                     embedding_dim = table.config.embedding_dim
                 generation = meta.generation + 1
@@ -624,11 +624,11 @@ class WalJournal:
     @staticmethod
     def _check_header(fd: int, meta: _Meta, where: str) -> None:
         head = os.pread(fd, LOG_HEADER_SIZE, 0)
-        if len(head) != LOG_HEADER_SIZE or _CRC.unpack_from(head, _LOG_HEADER.size)[0] != _crc(
-            head[: _LOG_HEADER.size]
+        if len(head) != LOG_HEADER_SIZE or CRC.unpack_from(head, LOG_HEADER.size)[0] != crc32(
+            head[: LOG_HEADER.size]
         ):
             raise CorruptionError(f"{where} has a bad header")
-        magic, _fmt, _dim, generation, base_version = _LOG_HEADER.unpack(head[: _LOG_HEADER.size])
+        magic, _fmt, _dim, generation, base_version = LOG_HEADER.unpack(head[: LOG_HEADER.size])
         if magic != LOG_MAGIC or (generation, base_version) != (meta.generation, meta.version):
             raise CorruptionError(f"{where} (generation {generation}) does not match meta.json")
 
@@ -715,7 +715,7 @@ class WalJournal:
             os.replace(staged, directory / snapshot.snapshot)
             fsync_dir(directory)
             snapshot.created_unix = time.time()
-            meta_tmp = _write_temp_file(directory / META_FILE, snapshot.to_json())
+            meta_tmp = write_temp_file(directory / META_FILE, snapshot.to_json())
         except BaseException:
             new_log.unlink(missing_ok=True)  # nothing committed: the old generation stands
             raise
@@ -765,12 +765,12 @@ class WalJournal:
                 f"table {name!r}: snapshot {snapshot_file} does not hold the table it names"
             )
         # meta.json's crc32 covers every byte, so the per-tensor checksums would only read it twice.
-        crc = _crc(checkpoint.header)
+        crc = crc32(checkpoint.header)
         size = len(checkpoint.header)
 
         def add(piece: memoryview) -> None:
             nonlocal crc, size
-            crc = _crc(piece, crc)
+            crc = crc32(piece, crc)
             before, size = size, size + len(piece)
             _slow_down_per_piece(before, size)  # testing only: a slow load without a big table
 
@@ -831,7 +831,7 @@ class WalJournal:
                     path,
                 )
                 os.ftruncate(fd, cut)
-                _sync_data(fd)
+                sync_data(fd)
                 self._count_cut(name)
         return table
 
@@ -842,7 +842,7 @@ class WalJournal:
         snapshot_file = self.table_dir(name) / meta.snapshot
         if not snapshot_file.is_file():
             raise CorruptionError(f"table {name!r}: snapshot {snapshot_file} named by meta.json is missing")
-        crc, size = _file_crc(snapshot_file)
+        crc, size = file_crc(snapshot_file)
         if (crc, size) != (meta.snapshot_crc32, meta.snapshot_bytes):
             raise CorruptionError(
                 f"table {name!r}: snapshot {snapshot_file} fails its checksum "
@@ -993,7 +993,7 @@ class WalJournal:
                 os.fsync(handle.fileno())
             fsync_dir(directory)
             meta = _Meta(generation, version, snapshot_name, crc, size, embedding_dim, time.time())
-            meta_tmp = _write_temp_file(directory / META_FILE, meta.to_json())
+            meta_tmp = write_temp_file(directory / META_FILE, meta.to_json())
         except BaseException:
             # Nothing is committed yet: leave the folder as it was (a full disk is the likely cause, and
             # the next start would remove these anyway).
@@ -1106,7 +1106,7 @@ class WalJournal:
                 generation,
                 meta.generation,
             )
-            _write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
+            write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
         return version
 
     def _replay_salvaged(self, name: str, meta: _Meta, table: Table, handle: BinaryIO, where: str) -> int:
@@ -1125,7 +1125,7 @@ class WalJournal:
                     apply_record(table, ids, grads, span.lr, logged_as=(name, span.version))
                     version = span.version
         if stale:
-            _write_file_durably(
+            write_file_durably(
                 self.table_dir(name) / LOG_FILE,
                 encode_log_header(meta.embedding_dim, meta.generation, meta.version),
             )
@@ -1227,11 +1227,11 @@ class WalJournal:
         fd = os.open(path, os.O_RDWR | os.O_APPEND)
         try:
             head = os.pread(fd, LOG_HEADER_SIZE, 0)
-            if len(head) != LOG_HEADER_SIZE or _CRC.unpack_from(head, _LOG_HEADER.size)[0] != _crc(
-                head[: _LOG_HEADER.size]
+            if len(head) != LOG_HEADER_SIZE or CRC.unpack_from(head, LOG_HEADER.size)[0] != crc32(
+                head[: LOG_HEADER.size]
             ):
                 raise CorruptionError(f"table {name!r}: log {path} has a bad header")
-            magic, _fmt, dim, generation, base_version = _LOG_HEADER.unpack(head[: _LOG_HEADER.size])
+            magic, _fmt, dim, generation, base_version = LOG_HEADER.unpack(head[: LOG_HEADER.size])
             if magic != LOG_MAGIC or (generation, base_version) != (meta.generation, meta.version):
                 raise CorruptionError(
                     f"table {name!r}: log {path} (generation {generation}) does not match meta.json "
@@ -1260,12 +1260,12 @@ class WalJournal:
         path = self.table_dir(name) / LOG_FILE
         try:
             with open(path, "rb") as handle:
-                head = handle.read(_LOG_HEADER.size)
+                head = handle.read(LOG_HEADER.size)
         except FileNotFoundError:
             return False
-        if len(head) < _LOG_HEADER.size:
+        if len(head) < LOG_HEADER.size:
             return False
-        magic, _fmt, _dim, generation, _base = _LOG_HEADER.unpack(head)
+        magic, _fmt, _dim, generation, _base = LOG_HEADER.unpack(head)
         if magic != LOG_MAGIC or generation >= meta.generation:
             return False
         fresh = self._committed_fresh_log(name, meta)
@@ -1288,7 +1288,7 @@ class WalJournal:
                 generation,
                 meta.generation,
             )
-            _write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
+            write_file_durably(path, encode_log_header(meta.embedding_dim, meta.generation, meta.version))
         self._remove_stale_files(path.parent, meta)
         self._forget_log(name)
         return True
@@ -1344,7 +1344,7 @@ class WalJournal:
         ``_lock``. The flusher no longer sees it, so a failure here fails the waiting writers too."""
         try:
             if log.dirty:
-                _sync_data(log.fd)
+                sync_data(log.fd)
                 log.dirty = False
         except OSError as error:
             with self._tickets:
@@ -1396,7 +1396,7 @@ class WalJournal:
         error: OSError | None = None
         for log in dirty:
             try:
-                _sync_data(log.fd)
+                sync_data(log.fd)
             except OSError as exc:
                 error = error or exc
         with self._tickets:
@@ -1467,7 +1467,7 @@ def _finish_snapshot(fd: int, path: Path, writer: CheckpointWriter) -> tuple[int
         _slow_down_per_piece(before, hashed)
 
     writer.finish(fd, each_piece=pause)
-    return _file_crc(path)
+    return file_crc(path)
 
 
 _SLOW_PIECE_BYTES = 1 << 24  # a test's pause per this much hashed, as the store's checksum pauses

@@ -35,8 +35,8 @@ META_FORMAT_VERSION = 1
 # Log file header: magic, format version, embedding_dim, generation, base_version; then its CRC32.
 LOG_MAGIC = b"ROBEZWAL"
 LOG_FORMAT_VERSION = 1
-_LOG_HEADER = struct.Struct("<8sIIQQ")
-LOG_HEADER_SIZE = _LOG_HEADER.size + 4
+LOG_HEADER = struct.Struct("<8sIIQQ")
+LOG_HEADER_SIZE = LOG_HEADER.size + 4
 
 # Record header: magic, format version, reserved (0), embedding_dim, n ids, version produced, lr; then
 # the CRC32 of those 36 bytes, so a flipped length field is caught before it is trusted. The payload is
@@ -51,17 +51,17 @@ _GROUP_HEAD = struct.Struct("<16sH")
 _GROUP_PART = struct.Struct("<HQ")
 _RECORD_HEADER = struct.Struct("<4sHHIQQd")
 RECORD_HEADER_SIZE = _RECORD_HEADER.size + 4
-_CRC = struct.Struct("<I")
+CRC = struct.Struct("<I")
 
 
-def _crc(data: Any, value: int = 0) -> int:
+def crc32(data: Any, value: int = 0) -> int:
     return zlib.crc32(data, value) & 0xFFFFFFFF
 
 
 def encode_log_header(embedding_dim: int, generation: int, base_version: int) -> bytes:
     """The 36-byte header that starts every log file."""
-    head = _LOG_HEADER.pack(LOG_MAGIC, LOG_FORMAT_VERSION, embedding_dim, generation, base_version)
-    return head + _CRC.pack(_crc(head))
+    head = LOG_HEADER.pack(LOG_MAGIC, LOG_FORMAT_VERSION, embedding_dim, generation, base_version)
+    return head + CRC.pack(crc32(head))
 
 
 def encode_record(
@@ -86,13 +86,13 @@ def encode_record(
     section = b"" if group is None else encode_group(group)
     fmt = RECORD_FORMAT_VERSION if group is None else RECORD_FORMAT_GROUP
     head = _RECORD_HEADER.pack(RECORD_MAGIC, fmt, len(section), embedding_dim, num_ids, version, lr)
-    head += _CRC.pack(_crc(head))
-    crc = _crc(grads_array, _crc(ids_array, _crc(section, _crc(head))))
+    head += CRC.pack(crc32(head))
+    crc = crc32(grads_array, crc32(ids_array, crc32(section, crc32(head))))
     # Flat byte views: writev and the CRC see the same bytes, with no copy (empty updates included).
     buffers: list[Any] = [head]
     if section:
         buffers.append(section)
-    buffers += [ids_array.reshape(-1).view(np.uint8), grads_array.reshape(-1).view(np.uint8), _CRC.pack(crc)]
+    buffers += [ids_array.reshape(-1).view(np.uint8), grads_array.reshape(-1).view(np.uint8), CRC.pack(crc)]
     return buffers
 
 
@@ -175,16 +175,16 @@ def _parse_record(buf: Any, offset: int) -> RecordSpan | str:
     magic, fmt, reserved, dim, num_ids, version, lr = _RECORD_HEADER.unpack(head)
     if magic != RECORD_MAGIC:
         return "bad record magic"
-    (head_crc,) = _CRC.unpack_from(buf, offset + _RECORD_HEADER.size)
-    if head_crc != _crc(head):
+    (head_crc,) = CRC.unpack_from(buf, offset + _RECORD_HEADER.size)
+    if head_crc != crc32(head):
         return "record header checksum mismatch"
     if fmt not in (RECORD_FORMAT_VERSION, RECORD_FORMAT_GROUP):
         return f"unknown record format {fmt}"
     length = record_length(fmt, reserved, num_ids, dim)
     if offset + length > size:
         return f"record of {length} bytes cut short at {size - offset}"
-    (crc,) = _CRC.unpack_from(buf, offset + length - 4)
-    if crc != _crc(buf[offset : offset + length - 4]):
+    (crc,) = CRC.unpack_from(buf, offset + length - 4)
+    if crc != crc32(buf[offset : offset + length - 4]):
         return "record checksum mismatch"
     return RecordSpan(offset, length, version, num_ids, dim, lr, record_extra(fmt, reserved))
 
@@ -214,10 +214,10 @@ def scan_log(buf: Any, where: str = "log", *, salvage: bool = False) -> LogScan:
     size = len(buf)
     if size < LOG_HEADER_SIZE:
         raise CorruptionError(f"{where}: {size} bytes, too short for the log header")
-    head = bytes(buf[: _LOG_HEADER.size])
-    magic, fmt, dim, generation, base_version = _LOG_HEADER.unpack(head)
-    (head_crc,) = _CRC.unpack_from(buf, _LOG_HEADER.size)
-    if magic != LOG_MAGIC or head_crc != _crc(head):
+    head = bytes(buf[: LOG_HEADER.size])
+    magic, fmt, dim, generation, base_version = LOG_HEADER.unpack(head)
+    (head_crc,) = CRC.unpack_from(buf, LOG_HEADER.size)
+    if magic != LOG_MAGIC or head_crc != crc32(head):
         raise CorruptionError(f"{where}: bad log header (magic or checksum)")
     if fmt != LOG_FORMAT_VERSION:
         raise CorruptionError(f"{where}: unknown log format version {fmt}")
@@ -280,8 +280,8 @@ def follow_records(fd: int, offset: int, size: int, last_version: int, where: st
         if len(head) < RECORD_HEADER_SIZE:
             raise CorruptionError(f"{where}: an unfinished record at byte {offset} ({size - offset} bytes)")
         magic, fmt, reserved, dim, num_ids, version, _lr = _RECORD_HEADER.unpack_from(head)
-        (head_crc,) = _CRC.unpack_from(head, _RECORD_HEADER.size)
-        if magic != RECORD_MAGIC or head_crc != _crc(head[: _RECORD_HEADER.size]):
+        (head_crc,) = CRC.unpack_from(head, _RECORD_HEADER.size)
+        if magic != RECORD_MAGIC or head_crc != crc32(head[: _RECORD_HEADER.size]):
             raise CorruptionError(f"{where}: a bad record header at byte {offset}")
         length = record_length(fmt, reserved, num_ids, dim)
         if offset + length > size:
@@ -315,7 +315,7 @@ def read_record_ids(
             length = size - offset
         end, last_version = follow_records(fd, offset, offset + length, last_version, where)
         record = os.pread(fd, end - offset, offset)
-        if len(record) != end - offset or _CRC.unpack_from(record, len(record) - 4)[0] != _crc(
+        if len(record) != end - offset or CRC.unpack_from(record, len(record) - 4)[0] != crc32(
             memoryview(record)[:-4]
         ):
             raise CorruptionError(f"{where}: record at byte {offset} fails its checksum")
@@ -344,9 +344,9 @@ def read_log_header(fd: int, where: str) -> tuple[int, int, int, int]:
     if size < LOG_HEADER_SIZE:
         raise CorruptionError(f"{where}: {size} bytes, too short for the log header")
     head = os.pread(fd, LOG_HEADER_SIZE, 0)
-    magic, fmt, dim, generation, base_version = _LOG_HEADER.unpack_from(head)
-    (head_crc,) = _CRC.unpack_from(head, _LOG_HEADER.size)
-    if magic != LOG_MAGIC or head_crc != _crc(head[: _LOG_HEADER.size]):
+    magic, fmt, dim, generation, base_version = LOG_HEADER.unpack_from(head)
+    (head_crc,) = CRC.unpack_from(head, LOG_HEADER.size)
+    if magic != LOG_MAGIC or head_crc != crc32(head[: LOG_HEADER.size]):
         raise CorruptionError(f"{where}: bad log header (magic or checksum)")
     if fmt != LOG_FORMAT_VERSION:
         raise CorruptionError(f"{where}: unknown log format version {fmt}")
@@ -386,7 +386,7 @@ def stream_records(
             magic, fmt, reserved, dim, num_ids, record_version, lr = _RECORD_HEADER.unpack_from(head)
             if magic != RECORD_MAGIC:
                 problem = "bad record magic"
-            elif _CRC.unpack_from(head, _RECORD_HEADER.size)[0] != _crc(head[: _RECORD_HEADER.size]):
+            elif CRC.unpack_from(head, _RECORD_HEADER.size)[0] != crc32(head[: _RECORD_HEADER.size]):
                 problem = "record header checksum mismatch"
             elif fmt not in (RECORD_FORMAT_VERSION, RECORD_FORMAT_GROUP):
                 problem = f"unknown record format {fmt}"
@@ -396,7 +396,7 @@ def stream_records(
                     problem = f"record of {length} bytes cut short at {size - offset}"
                 else:
                     record = os.pread(fd, length, offset)
-                    if len(record) != length or _CRC.unpack_from(record, length - 4)[0] != _crc(
+                    if len(record) != length or CRC.unpack_from(record, length - 4)[0] != crc32(
                         memoryview(record)[: length - 4]
                     ):
                         problem = "record checksum mismatch"
@@ -449,7 +449,7 @@ def find_record(fd: int, size: int, base_version: int, version: int) -> tuple[Re
         if len(head) < RECORD_HEADER_SIZE:
             return None
         magic, fmt, reserved, dim, num_ids, record_version, lr = _RECORD_HEADER.unpack_from(head)
-        if magic != RECORD_MAGIC or _CRC.unpack_from(head, _RECORD_HEADER.size)[0] != _crc(
+        if magic != RECORD_MAGIC or CRC.unpack_from(head, _RECORD_HEADER.size)[0] != crc32(
             head[: _RECORD_HEADER.size]
         ):
             return None
@@ -458,7 +458,7 @@ def find_record(fd: int, size: int, base_version: int, version: int) -> tuple[Re
         length = record_length(fmt, reserved, num_ids, dim)
         if record_version == version:
             record = os.pread(fd, length, offset)
-            if len(record) != length or _CRC.unpack_from(record, length - 4)[0] != _crc(
+            if len(record) != length or CRC.unpack_from(record, length - 4)[0] != crc32(
                 memoryview(record)[: length - 4]
             ):
                 return None

@@ -41,7 +41,7 @@ from service.config import Settings, TableSpec
 from service.shm import REPLACED, STATE, SharedDirectory
 from service.store import TableStore
 from service.wal import LOG_FILE, META_FILE, WalJournal
-from service.wal.files import _lock_data_dir
+from service.wal.files import lock_data_dir
 
 from ..conftest import make_settings
 from ..subprocess_server import RobezServer
@@ -377,7 +377,7 @@ def _wait_until_free(data_dir: Path, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            fd = _lock_data_dir(data_dir, exclusive=True)
+            fd = lock_data_dir(data_dir, exclusive=True)
         except ConflictError:
             assert time.monotonic() < deadline, "the killed server's workers still hold the directory"
             time.sleep(0.05)

@@ -1,0 +1,124 @@
+"""``ReplicatedWrites``: the write path (``service/store/writes.py``) of a replica.
+
+A push is validated here once (``TableStore.validate_many``: the request limits, lr, ids, gradients and
+the step's finiteness, against this replica's copy), then each part is appended to its table's stream
+and this replica waits for its own applier to reach it; the applier checks every entry again (an entry
+can be written by anyone) and skips a bad one alike on every replica.
+
+A multi-table push is one stream entry per table (a stream per table: docs/replication.md). What holds:
+all of it is validated before any part is published, so a bad part publishes nothing; the parts are
+published in order, each with the request's Idempotency-Key and its table (``key/table``); if the
+replica or its connection fails between two parts, the parts already stored stay and the client's
+retry with the same key stores the rest once (the stored parts are deduplicated by the log). A replica
+that applies the log never sees a part half-applied, but a lookup may see one table's part before the
+next one's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from robez_core.errors import ConflictError, NotFoundError
+from robez_core.table import Table
+
+from ..config import TableSpec
+from ..store import TableInfo, TableStore, UpdateResult
+from ..store.journal import UpdatePart
+from ..store.writes import Offload, Readiness, Written
+from ..wal.checkpoints import align_checkpoint
+from .replica import Replica
+
+
+class ReplicatedWrites:
+    """The write path of a replica (see the module's docstring).
+
+    Args:
+        store: this worker's table store (its journal is NullJournal: the log is the journal).
+        replica: this worker's part of the replica (the log, the version waits, the applier).
+    """
+
+    def __init__(self, store: TableStore, replica: Replica) -> None:
+        self.store = store
+        self.replica = replica
+
+    async def update(
+        self, decode: Callable[[], list[UpdatePart]], key: str | None, offload: Offload[Any], *, small: bool
+    ) -> Written:
+        def validate() -> list[UpdatePart]:
+            parts = [
+                UpdatePart(part.table, torch.as_tensor(part.ids), torch.as_tensor(part.grads), part.lr)
+                for part in decode()
+            ]
+            lrs = self.store.validate_many(parts)
+            return [
+                UpdatePart(part.table, part.ids, part.grads, lr) for part, lr in zip(parts, lrs, strict=True)
+            ]
+
+        parts = await offload(validate)
+        results: list[UpdateResult] = []
+        publish = apply_wait = 0.0
+        for part in parts:
+            part_key = key if key is None or len(parts) == 1 else f"{key}/{part.table}"
+            assert isinstance(part.ids, torch.Tensor) and isinstance(part.grads, torch.Tensor)
+            assert part.lr is not None
+            logged = await self.replica.update(part.table, part.ids, part.grads, part.lr, part_key)
+            # The applier hashes and applies (and records those times); here: the log's ack, then the wait.
+            results.append(UpdateResult(logged.version, 0.0, logged.apply_wait_seconds))
+            publish += logged.publish_seconds
+            apply_wait += logged.apply_wait_seconds
+        stages = {"publish": publish, "apply_wait": apply_wait}
+        return Written(results, stages, self.replica.name)
+
+    async def wait_version(self, name: str, version: int, timeout_s: float) -> bool:
+        return await self.replica.wait_version(name, version, timeout_s)
+
+    async def create_table(self, name: str, spec: TableSpec, offload: Offload[Any]) -> TableInfo:
+        return await self.replica.create_table(name, spec)  # through the log: every replica creates it
+
+    async def drop_table(self, name: str, offload: Offload[Any]) -> None:
+        await self.replica.drop_table(name)  # through the log: every replica drops it
+
+    def readiness(self) -> Readiness:
+        if not self.replica.ready():
+            # Not ready until it has applied the log as it stood when the replica started.
+            status = self.replica.status()
+            return Readiness(catching_up=status.tables if status is not None else {})
+        return Readiness(
+            write_problem=self.replica.write_problem(), extra={"log_server": self.replica.log_server()}
+        )
+
+    async def load(
+        self, name: str, read: Callable[[], tuple[Table, str]], key: str | None, offload: Offload[Any]
+    ) -> None:
+        """Checked here like on a single server (a bad checkpoint is a 4xx and nothing is published),
+        then the checkpoint as the table will hold it goes through the log (``Replica.load``): every
+        replica switches to it at the same version. A new table is created through the log first, with
+        the checkpoint's config and optimizer."""
+        imported, kind = await offload(read)
+        try:
+            self.store.table(name)
+        except NotFoundError:
+            with contextlib.suppress(ConflictError):  # created by another request meanwhile: load into it
+                await self.replica.create_table(name, TableSpec(imported.config, imported.optimizer))
+            await self.replica.wait_serving(name)
+        with tempfile.TemporaryDirectory(prefix="robez-load-") as tmp:
+            path = Path(tmp) / "checkpoint.safetensors"
+
+            def checkpoint() -> Table:
+                aligned = align_checkpoint(
+                    imported, self.store.table(name), keep_optimizer_state=kind != "paper"
+                )
+                aligned.save(path)
+                return aligned
+
+            aligned = await offload(checkpoint)
+            await self.replica.load(name, aligned, path, key)
+
+    async def table_at(self, name: str, version: int) -> Table:
+        return await self.replica.table_at(name, version)
