@@ -360,6 +360,10 @@ REMOTE_URL_ENV = "ROBEZ_BENCH_URL"
 REMOTE_WORKER_ENV = "ROBEZ_BENCH_WORKER"  # the server worker (pid) this trainer's connection should reach
 REMOTE_WORKERS = {"remote_collection": 1, "remote_prefetch": 1, "remote_2_trainers": 2}
 REMOTE_TRAINERS = {"remote_collection": 1, "remote_prefetch": 1, "remote_2_trainers": 2}
+REMOTE_MEANS = {
+    "requests_per_step", "server_ms_per_step", "pull_wait_ms_per_step", "push_wait_ms_per_step",
+    "aggregate_samples_per_second", "server_rss_mib", "server_pss_mib",
+}  # fmt: skip
 _RECONNECTS = 50  # tries to reach the assigned worker (each a new connection: the kernel picks the worker)
 
 
@@ -630,6 +634,23 @@ def _finish_child(name: str, child: subprocess.Popen[str]) -> dict[str, Any]:
     return dict(json.loads(stdout.strip().splitlines()[-1]))
 
 
+def combine(passes: list[dict[str, Any]], settings: Settings) -> dict[str, Any]:
+    """One variant's passes as one result: times the mean of the passes' medians, the largest peak RSS,
+    the first pass's eval loss (the same data and code give the same loss), each pass's wall step kept."""
+    result = dict(passes[0])
+    result["median_seconds"] = {
+        clock: {part: statistics.fmean(p["median_seconds"][clock][part] for p in passes) for part in parts}
+        for clock, parts in passes[0]["median_seconds"].items()
+    }
+    result["samples_per_second"] = settings.batch_size / result["median_seconds"]["wall"]["step"]
+    result["peak_rss_mib"] = max(p["peak_rss_mib"] for p in passes)
+    result["pass_wall_steps"] = [p["median_seconds"]["wall"]["step"] for p in passes]
+    for key in REMOTE_MEANS & result.keys():  # a remote variant's own figures: the passes' mean
+        result[key] = statistics.fmean(p[key] for p in passes)
+    result["pass_eval_losses"] = [p["eval_loss"] for p in passes]
+    return result
+
+
 def goals(results: dict[str, dict[str, Any]]) -> list[str]:
     """The issue's local goals, as ratios of this run, by each clock."""
     lines = []
@@ -774,7 +795,20 @@ def write_report(
                 f"| {m['embedding']:.1f} | {r['eval_loss']:.4f} | {r['peak_rss_mib'] / 1024:.2f} GiB |"
             )
         lines.append("")
-    lines += remote_rows(results, settings.batch_size)
+    passes = max((len(r["pass_wall_steps"]) for r in results.values()), default=0)
+    lines += [
+        f"Each time is the mean over {passes} passes (every other "
+        "one in reverse order) of the pass's median. Wall ms/step per pass, and eval loss per pass:",
+        "",
+    ]
+    lines += [
+        f"- {r['description']}: "
+        + " / ".join(f"{1e3 * v:.1f}" for v in r["pass_wall_steps"])
+        + "; eval loss "
+        + " / ".join(f"{v:.4f}" for v in r["pass_eval_losses"])
+        for r in results.values()
+    ]
+    lines += ["", *remote_rows(results, settings.batch_size)]
     lines += ["Goals (issue 37), by both clocks where they mean something:", ""]
     lines += [f"- {line}" for line in goals(results)] or ["- (not all variants ran)"]
     if skipped:
@@ -842,6 +876,12 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS)
     )
     parser.add_argument("--steps", type=int, help="training steps (default 120, quick 14)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="passes over the variants, every other one reversed (default 2)",
+    )
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -869,22 +909,27 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"skipping {n}: {skipped[n]}", file=sys.stderr)
     load_before = os.getloadavg()
-    results: dict[str, dict[str, Any]] = {}
-    for n in names:
-        if n in skipped:
-            continue
-        print(
-            f"{n}: training {settings.steps} steps of {settings.batch_size}...", file=sys.stderr, flush=True
-        )
-        results[n] = run_in_child(n, settings)
-        r = results[n]
-        print(
-            f"{n}: {1e3 * r['median_seconds']['wall']['step']:.1f} ms/step, "
-            f"{r['samples_per_second']:.0f} samples/s, "
-            f"eval loss {r['eval_loss']:.4f}, peak RSS {r['peak_rss_mib']:.0f} MiB",
-            file=sys.stderr,
-            flush=True,
-        )
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names if n not in skipped}
+    for repeat in range(args.repeats):
+        # every other pass in reverse order, so a drift in the machine's load favours no variant
+        order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
+        for n in order:
+            print(
+                f"{n} (pass {repeat + 1}/{args.repeats}): training {settings.steps} steps of "
+                f"{settings.batch_size}...",
+                file=sys.stderr,
+                flush=True,
+            )
+            r = run_in_child(n, settings)
+            runs[n].append(r)
+            print(
+                f"{n}: {1e3 * r['median_seconds']['wall']['step']:.1f} ms/step, "
+                f"{r['samples_per_second']:.0f} samples/s, "
+                f"eval loss {r['eval_loss']:.4f}, peak RSS {r['peak_rss_mib']:.0f} MiB",
+                file=sys.stderr,
+                flush=True,
+            )
+    results = {n: combine(passes, settings) for n, passes in runs.items()}
     command = "python -m benchmarks.training.dlrm " + " ".join(sys.argv[1:] if argv is None else argv)
     path = write_report(results, skipped, settings, command.strip(), (load_before, os.getloadavg()),
                         args.output_dir, args.quick)  # fmt: skip

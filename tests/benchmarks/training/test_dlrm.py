@@ -51,7 +51,17 @@ def test_goals_are_read_from_the_ratios():
 def test_quick_run_writes_a_report(tmp_path: Path):
     # two variants, few steps: each trains in a child process as the real run does
     code = dlrm.main(
-        ["--quick", "--variants", "full,robez_collection", "--steps", "6", "--output-dir", str(tmp_path)]
+        [
+            "--quick",
+            "--variants",
+            "full,robez_collection",
+            "--steps",
+            "6",
+            "--repeats",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+        ]
     )
     assert code == 0
     (report,) = tmp_path.glob("dlrm-*-quick.md")
@@ -111,3 +121,14 @@ def test_quick_remote_run_trains_the_local_bits_through_a_server(tmp_path: Path)
     text = next(tmp_path.glob("dlrm-*-quick.md")).read_text()
     assert "### Remote collection" in text and "| 2.00 |" in text
     assert "eval loss, remote (no prefetch) vs local: bit for bit the same" in text
+
+
+def test_passes_combine_into_means_and_the_largest_peak():
+    passes = [
+        {**_result(0.100, 0.040), "peak_rss_mib": 100.0, "eval_loss": 0.5},
+        {**_result(0.300, 0.060), "peak_rss_mib": 300.0, "eval_loss": 0.5},
+    ]
+    combined = dlrm.combine(passes, dlrm.QUICK)
+    assert combined["median_seconds"]["cpu"]["step"] == pytest.approx(0.200)
+    assert combined["peak_rss_mib"] == 300.0 and combined["pass_wall_steps"] == [0.100, 0.300]
+    assert combined["samples_per_second"] == pytest.approx(dlrm.QUICK.batch_size / 0.200)
