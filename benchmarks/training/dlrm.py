@@ -723,7 +723,7 @@ def remote_rows(results: dict[str, dict[str, Any]], batch_size: int) -> list[str
     for r in remote:
         m = {k: 1e3 * v for k, v in r["median_seconds"]["wall"].items()}
         trainers = r.get("trainers", [r])
-        rate = f"{batch_size / m['step'] / 1e3:.1f}k"
+        rate = f"{batch_size / m['step']:.1f}k"  # m is in ms: samples per ms = thousands per second
         if len(trainers) > 1:
             rate = " + ".join(f"{t['samples_per_second'] / 1e3:.1f}k" for t in trainers)
             rate += f" = {r['aggregate_samples_per_second'] / 1e3:.1f}k"
