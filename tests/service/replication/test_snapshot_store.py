@@ -21,8 +21,9 @@ import pytest
 from devtools.natscluster import NatsCluster
 from robez_core.errors import ConflictError
 from service import faults
-from service.replication.jetstream import SNAPSHOT_CHUNK_BYTES, JetStreamLog
+from service.replication.jetstream import JetStreamLog
 from service.replication.log import CatalogEntry, Snapshot
+from service.replication.objects import SNAPSHOT_CHUNK_BYTES
 
 from .conftest import running_cluster
 
