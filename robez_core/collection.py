@@ -36,8 +36,10 @@ from .table import Table
 
 __all__ = [
     "EmbeddingBagConfig",
+    "JaggedFeatures",
     "PooledEmbeddings",
     "RobezEmbeddingBagCollection",
+    "parse_jagged",
     "per_id_gradients",
     "prepare_shared_step",
 ]
@@ -128,6 +130,71 @@ class PooledEmbeddings:
 
     def __repr__(self) -> str:
         return f"PooledEmbeddings(keys={self._keys}, values={tuple(self._values.shape)})"
+
+
+def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Zeros in memory numpy allocated: numpy asks the kernel for transparent huge pages on large arrays
+    and torch does not, and the random reads and steps over a 100 MB array then miss the TLB far less
+    (forward -15%, adagrad step -50% CPU on the DLRM benchmark's array: docs/benchmarks/dlrm-*.md)."""
+    return torch.from_numpy(np.zeros(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype))
+
+
+def _int_tensor(value: Any, what: str) -> Tensor:
+    if not isinstance(value, Tensor) or value.dtype not in _INTEGER_DTYPES or value.dim() != 1:
+        raise InvalidInputError(f"{what} must be a 1-D int64 (or int32) tensor")
+    if value.device.type != "cpu" or value.layout != torch.strided:
+        raise InvalidInputError(f"{what} must be a dense CPU tensor")
+    return value.to(torch.int64).contiguous()
+
+
+def parse_jagged(
+    features: JaggedFeatures | None = None,
+    *,
+    keys: Sequence[str] | None = None,
+    values: Tensor | None = None,
+    lengths: Tensor | None = None,
+    offsets: Tensor | None = None,
+) -> tuple[tuple[str, ...], Tensor, Tensor]:
+    """A collection's input, checked: (keys, ids int64 (N,), bag bounds int64 (F * B + 1,)).
+
+    ``features`` is a torchrec ``KeyedJaggedTensor`` (or anything with ``keys()``, ``values()`` and
+    ``offsets()`` or ``lengths()``), else ``keys`` + ``values`` + ``lengths`` (F * B,) or ``offsets``
+    (F * B + 1,). Bag ``f * B + b`` is sample b of key f. ``InvalidInputError`` on a malformed batch
+    (what a remote collection checks before it sends anything, as the local one does)."""
+    if features is not None:
+        if keys is not None or values is not None or lengths is not None or offsets is not None:
+            raise InvalidInputError("give either features or keys/values/lengths|offsets, not both")
+        keys, values = list(features.keys()), features.values()
+        # torchrec's KJT keeps whichever it was built with and computes the other on demand
+        get_offsets = getattr(features, "offsets", None)
+        offsets = get_offsets() if callable(get_offsets) else None
+        if offsets is None:
+            lengths = features.lengths()  # type: ignore[attr-defined]
+    if keys is None or values is None:
+        raise InvalidInputError("keys and values are required")
+    key_tuple = tuple(keys)
+    ids = _int_tensor(values, "values")
+    if (lengths is None) == (offsets is None):
+        raise InvalidInputError("give exactly one of lengths and offsets")
+    if offsets is not None:
+        bounds = _int_tensor(offsets, "offsets")
+        if bounds.numel() == 0 or int(bounds[0]) != 0 or bool((bounds[1:] < bounds[:-1]).any()):
+            raise InvalidInputError("offsets must start at 0 and be non-decreasing")
+        if int(bounds[-1]) != ids.numel():
+            raise InvalidInputError(f"offsets end at {int(bounds[-1])} but there are {ids.numel()} values")
+    else:
+        counts = _int_tensor(lengths, "lengths")
+        if counts.numel() and int(counts.min()) < 0:
+            raise InvalidInputError("lengths must be >= 0")
+        bounds = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=bounds[1:])
+        if int(bounds[-1]) != ids.numel():
+            raise InvalidInputError(f"lengths sum to {int(bounds[-1])} but there are {ids.numel()} values")
+    if (bounds.numel() - 1) % max(len(key_tuple), 1):
+        raise InvalidInputError(
+            f"{bounds.numel() - 1} bags do not split into {len(key_tuple)} keys of B bags each"
+        )
+    return key_tuple, ids, bounds
 
 
 @dataclass(frozen=True)
@@ -303,7 +370,8 @@ class RobezEmbeddingBagCollection(nn.Module):
         self.optimizer = optimizer
         self.validate_ids = bool(validate_ids)
         if weight is None:
-            self.weight = nn.Parameter(init_weight(memory_size, init_scale, seed))
+            array = _huge_page_zeros((memory_size,), torch.float32)
+            self.weight = nn.Parameter(init_weight(memory_size, init_scale, seed, out=array))
         elif isinstance(weight, nn.Parameter):
             self.weight = weight
         else:
@@ -314,7 +382,12 @@ class RobezEmbeddingBagCollection(nn.Module):
         self.register_buffer("random_numbers", constants)
         self.optimizer_state: dict[str, Tensor] = {}
         if optimizer is not None:
-            self.optimizer_state = optim.init_state(optimizer, memory_size)
+            layout = optim.state_layout(optimizer, memory_size)
+            self.optimizer_state = optim.init_state(
+                optimizer,
+                memory_size,
+                out={name: _huge_page_zeros(shape, dtype) for name, (shape, dtype) in layout.items()},
+            )
             for name, tensor in self.optimizer_state.items():
                 self.register_buffer(f"optimizer_{name}", tensor)
         if self.sparse and not getattr(self.weight, "_robez_coalesced_hook", False):
@@ -360,62 +433,6 @@ class RobezEmbeddingBagCollection(nn.Module):
             )
         return layout
 
-    @staticmethod
-    def _int_tensor(value: Any, what: str) -> Tensor:
-        if not isinstance(value, Tensor) or value.dtype not in _INTEGER_DTYPES or value.dim() != 1:
-            raise InvalidInputError(f"{what} must be a 1-D int64 (or int32) tensor")
-        if value.device.type != "cpu" or value.layout != torch.strided:
-            raise InvalidInputError(f"{what} must be a dense CPU tensor")
-        return value.to(torch.int64).contiguous()
-
-    def _parse(
-        self,
-        features: JaggedFeatures | None,
-        keys: Sequence[str] | None,
-        values: Tensor | None,
-        lengths: Tensor | None,
-        offsets: Tensor | None,
-    ) -> tuple[tuple[str, ...], Tensor, Tensor]:
-        """(keys, ids int64 (N,), bag bounds int64 (F * B + 1,)) of a jagged batch, checked."""
-        if features is not None:
-            if keys is not None or values is not None or lengths is not None or offsets is not None:
-                raise InvalidInputError("give either features or keys/values/lengths|offsets, not both")
-            keys, values = list(features.keys()), features.values()
-            # torchrec's KJT keeps whichever it was built with and computes the other on demand
-            get_offsets = getattr(features, "offsets", None)
-            offsets = get_offsets() if callable(get_offsets) else None
-            if offsets is None:
-                lengths = features.lengths()  # type: ignore[attr-defined]
-        if keys is None or values is None:
-            raise InvalidInputError("keys and values are required")
-        key_tuple = tuple(keys)
-        ids = self._int_tensor(values, "values")
-        if (lengths is None) == (offsets is None):
-            raise InvalidInputError("give exactly one of lengths and offsets")
-        if offsets is not None:
-            bounds = self._int_tensor(offsets, "offsets")
-            if bounds.numel() == 0 or int(bounds[0]) != 0 or bool((bounds[1:] < bounds[:-1]).any()):
-                raise InvalidInputError("offsets must start at 0 and be non-decreasing")
-            if int(bounds[-1]) != ids.numel():
-                raise InvalidInputError(
-                    f"offsets end at {int(bounds[-1])} but there are {ids.numel()} values"
-                )
-        else:
-            counts = self._int_tensor(lengths, "lengths")
-            if counts.numel() and int(counts.min()) < 0:
-                raise InvalidInputError("lengths must be >= 0")
-            bounds = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-            torch.cumsum(counts, 0, out=bounds[1:])
-            if int(bounds[-1]) != ids.numel():
-                raise InvalidInputError(
-                    f"lengths sum to {int(bounds[-1])} but there are {ids.numel()} values"
-                )
-        if (bounds.numel() - 1) % max(len(key_tuple), 1):
-            raise InvalidInputError(
-                f"{bounds.numel() - 1} bags do not split into {len(key_tuple)} keys of B bags each"
-            )
-        return key_tuple, ids, bounds
-
     def _check_ids(
         self, keys: tuple[str, ...], ids: Tensor, bounds: Tensor, layout: kernels.FeatureLayout
     ) -> None:
@@ -440,7 +457,9 @@ class RobezEmbeddingBagCollection(nn.Module):
         lengths: Tensor | None = None,
         offsets: Tensor | None = None,
     ) -> PooledEmbeddings:
-        key_tuple, ids, bounds = self._parse(features, keys, values, lengths, offsets)
+        key_tuple, ids, bounds = parse_jagged(
+            features, keys=keys, values=values, lengths=lengths, offsets=offsets
+        )
         layout = self._layout(key_tuple)
         if self.validate_ids:
             self._check_ids(key_tuple, ids, bounds, layout)

@@ -24,7 +24,21 @@ from ._jit import (
     _SPLIT_PRIME_RANGE,
 )
 
-__all__ = ["compile_target", "hash_setup", "set_kernel_threads", "wrap_int64"]
+__all__ = [
+    "PREFETCH_READ_MIN_BYTES",
+    "PREFETCH_WRITE_MIN_BYTES",
+    "compile_target",
+    "hash_setup",
+    "set_kernel_threads",
+    "wrap_int64",
+]
+
+# Prefetching pays once the table misses the caches. Reads: past L2 (below, it slows a lookup repeated
+# over a hot table). The dense backward's writes: from the size of a core's L2 (1 MB on Zen 4/5; Zen 2/3
+# have 512 KB), because in training the array is no longer in cache when the backward runs
+# (docs/benchmarks/kernel-constants.md#_prefetch_read_min_bytes-and-_prefetch_write_min_bytes).
+PREFETCH_READ_MIN_BYTES = 4 << 20
+PREFETCH_WRITE_MIN_BYTES = 1 << 20
 
 
 def _start_numba_threads() -> None:

@@ -22,7 +22,7 @@ from robez_core import (
     kernels,
     reference,
 )
-from robez_core.collection import per_id_gradients, prepare_shared_step
+from robez_core.collection import parse_jagged, per_id_gradients, prepare_shared_step
 from robez_core.hashing import paper_random_numbers
 from robez_core.kernels import _jit
 
@@ -217,6 +217,8 @@ def test_a_keyed_jagged_tensor_is_taken_as_it_is():
     tables = tables_mixed()
     ebc = collection(tables)
     batch = make_batch(tables, batch_size=4, seed=5)
+    keys, ids, bounds = parse_jagged(FakeKJT(batch.keys, batch.ids, batch.lengths()))
+    assert keys == tuple(batch.keys) and torch.equal(ids, batch.ids) and torch.equal(bounds, batch.offsets)
     out = ebc(FakeKJT(batch.keys, batch.ids, batch.lengths()))
     assert torch.equal(out.values(), ebc(keys=batch.keys, values=batch.ids, offsets=batch.offsets).values())
     assert set(out.to_dict()) == set(batch.keys)
@@ -453,3 +455,14 @@ def test_prepare_shared_step_refuses_tables_of_different_arrays_and_nan():
         prepare_shared_step([ebc.table("t0"), other.table("t1")], [ids, ids], [grads, grads])
     with pytest.raises(InvalidInputError, match="NaN"):
         prepare_shared_step([ebc.table("t0"), ebc.table("t1")], [ids, ids], [grads, grads * float("nan")])
+
+
+def test_a_new_array_and_state_start_as_a_table_s_do():
+    # the collection allocates them itself (huge pages): the values must be init_weight's and zeros
+    from robez_core.init import init_weight
+
+    ebc = RobezEmbeddingBagCollection(tables_equal(2, 8), 5000, seed=3, optimizer=OptimizerConfig("adam"))
+    assert torch.equal(ebc.weight.detach(), init_weight(5000, seed=3))
+    assert set(ebc.optimizer_state) == {"exp_avg", "exp_avg_sq", "step"}
+    assert all(int(t.count_nonzero()) == 0 for t in ebc.optimizer_state.values())
+    assert dict(ebc.named_buffers())["optimizer_exp_avg"] is ebc.optimizer_state["exp_avg"]

@@ -1,0 +1,343 @@
+"""The checked kernel API of collections: many features over one shared array in one call each way.
+
+A collection's batch is jagged and key-major, like a torchrec ``KeyedJaggedTensor``: F features of B bags
+each, bag ``f * B + b`` holding ``ids[bag_bounds[g]:bag_bounds[g + 1]]``. ``FeatureLayout`` gives each
+feature its dim, ``val_offset``, pooling and output columns; ``collection_lookup`` pools every feature in
+one compiled call (``_jit._collection_forward_kernel``), ``collection_coalesce_grad`` and
+``collection_scatter_grad`` are its sparse and dense backward, one call each, and ``coalesce_chunk_rows``
+coalesces several tables' row gradients into one update of their array (a server's step of a
+collection). Re-exported by ``robez_core.kernels``; tests: tests/core/test_collection.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import buffers
+from ..errors import ConfigError, InvalidInputError
+from ._jit import (
+    _DENSE_COALESCE_FACTOR,
+    _coalesce_chunks_kernel,
+    _collection_coalesce_kernel,
+    _collection_first_bad_id,
+    _collection_forward_kernel,
+    _collection_scatter_kernel,
+)
+from .runtime import (
+    PREFETCH_READ_MIN_BYTES,
+    PREFETCH_WRITE_MIN_BYTES,
+    hash_setup,
+    set_kernel_threads,
+    wrap_int64,
+)
+
+__all__ = [
+    "FeatureLayout",
+    "coalesce_chunk_rows",
+    "collection_coalesce_grad",
+    "collection_first_bad_id",
+    "collection_lookup",
+    "collection_scatter_grad",
+]
+
+
+def _ids_np(ids: torch.Tensor) -> np.ndarray:
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+        raise InvalidInputError("ids must be a 1-D int64 tensor")
+    return ids.contiguous().numpy()
+
+
+def _weight_np(weight: torch.Tensor) -> np.ndarray:
+    if weight.dtype != torch.float32 or weight.dim() != 1 or not weight.is_contiguous():
+        raise ConfigError("weight must be a contiguous 1-D float32 tensor")
+    return weight.detach().numpy()
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """The per-feature numbers of a collection's kernels, F features over one array: numpy (F,) arrays.
+
+    ``val_offsets`` int64 (already wrapped to int64), ``dims`` int64 d_f, ``columns`` int64 (where feature
+    f's d_f values start in the (B, width) output), ``mean`` bool (mean pooling, else sum),
+    ``num_embeddings`` int64 (ids must lie in ``[0, n_f)``); ``chunk_size`` Z and ``width`` = sum of dims.
+    """
+
+    val_offsets: np.ndarray
+    dims: np.ndarray
+    columns: np.ndarray
+    mean: np.ndarray
+    num_embeddings: np.ndarray
+    chunk_size: int
+    width: int
+
+    @classmethod
+    def build(
+        cls,
+        val_offsets: Sequence[int],
+        dims: Sequence[int],
+        mean: Sequence[bool],
+        num_embeddings: Sequence[int],
+        chunk_size: int,
+        columns: Sequence[int] | None = None,
+    ) -> FeatureLayout:
+        """Checked layout; output ``columns`` default to the features' order (a collection fed its
+        features in another order passes where each one's values go)."""
+        if not len(val_offsets) == len(dims) == len(mean) == len(num_embeddings) or not dims:
+            raise ConfigError("a collection needs one val_offset, dim, pooling and size per feature (>= 1)")
+        if chunk_size < 1 or min(dims) < 1 or min(num_embeddings) < 1:
+            raise ConfigError("chunk_size, embedding dims and num_embeddings must be >= 1")
+        dims_np = np.asarray(dims, dtype=np.int64)
+        width = int(dims_np.sum())
+        if columns is None:
+            columns_np = np.concatenate([[0], np.cumsum(dims_np)[:-1]]).astype(np.int64)
+        else:
+            columns_np = np.asarray(columns, dtype=np.int64)
+            covered = np.zeros(width + 1, dtype=np.int64)
+            if (
+                columns_np.shape != dims_np.shape
+                or columns_np.min() < 0
+                or (columns_np + dims_np).max() > width
+            ):
+                raise ConfigError("feature columns must place every feature inside the output width")
+            np.add.at(covered, columns_np, 1)
+            np.add.at(covered, columns_np + dims_np, -1)
+            if not np.all(np.cumsum(covered)[:width] == 1):
+                raise ConfigError("feature columns must cover the output once, without overlap")
+        return cls(
+            np.asarray([wrap_int64(v) for v in val_offsets], dtype=np.int64),
+            dims_np,
+            columns_np,
+            np.asarray(mean, dtype=np.bool_),
+            np.asarray(num_embeddings, dtype=np.int64),
+            int(chunk_size),
+            width,
+        )
+
+    @property
+    def num_features(self) -> int:
+        return int(self.dims.shape[0])
+
+    @property
+    def num_chunks(self) -> np.ndarray:
+        """C_f = ceil(d_f / Z) per feature: int64 (F,)."""
+        return -(-self.dims // self.chunk_size)
+
+
+def _bag_bounds_np(
+    ids: torch.Tensor, bag_bounds: torch.Tensor, layout: FeatureLayout
+) -> tuple[np.ndarray, int]:
+    """numpy view of key-major ``bag_bounds`` (F * B + 1,) checked against ``ids``; returns it and B."""
+    if bag_bounds.dtype != torch.int64 or bag_bounds.dim() != 1:
+        raise InvalidInputError("bag bounds must be a 1-D int64 tensor (offsets, F * B + 1 entries)")
+    bounds = bag_bounds.contiguous().numpy()
+    num_bags = bounds.shape[0] - 1
+    if num_bags < 0 or num_bags % layout.num_features:
+        raise InvalidInputError(
+            f"{num_bags} bags do not split into {layout.num_features} features of B bags each"
+        )
+    if bounds[0] != 0 or bounds[-1] != ids.shape[0] or (num_bags and np.any(bounds[1:] < bounds[:-1])):
+        raise InvalidInputError("offsets must start at 0, be non-decreasing and end at len(values)")
+    return bounds, num_bags // layout.num_features
+
+
+def _chunk_base(bounds: np.ndarray, batch_size: int, layout: FeatureLayout) -> np.ndarray:
+    """Where each feature's chunks start in the flat chunk array: int64 (F + 1,)."""
+    feature_ids = np.diff(bounds[::batch_size]) if batch_size else np.zeros(layout.num_features, np.int64)
+    return np.concatenate([[0], np.cumsum(feature_ids * layout.num_chunks)]).astype(np.int64)
+
+
+def collection_first_bad_id(ids: torch.Tensor, bag_bounds: torch.Tensor, layout: FeatureLayout) -> int:
+    """Index of the first id outside ``[0, num_embeddings)`` of its feature, or -1 when all are in range."""
+    ids_np = _ids_np(ids)
+    bounds, batch_size = _bag_bounds_np(ids, bag_bounds, layout)
+    if batch_size == 0:
+        return -1
+    return int(_collection_first_bad_id(ids_np, bounds, batch_size, layout.num_embeddings))
+
+
+def collection_lookup(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    bag_bounds: torch.Tensor,
+    layout: FeatureLayout,
+    random_numbers: torch.Tensor,
+    hash: str = "paper",
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """Every feature's pooled rows in one call: (pooled float32 (B, width), chunk offsets int64 (K_c,),
+    chunk base int64 (F + 1,)).
+
+    ``ids`` int64 (N,) and ``bag_bounds`` int64 (F * B + 1,) are a key-major jagged batch (a torchrec
+    ``KeyedJaggedTensor``'s values and offsets): bag ``f * B + b`` is sample b of feature f. Feature f
+    is pooled into columns ``[columns[f], columns[f] + dims[f])`` exactly as ``lookup_bag`` pools it (the
+    same bits); the chunk offsets of every id, feature by feature, are what the backward takes.
+    """
+    max_dim = int(layout.dims.max())
+    hash_mode, constants, _ = hash_setup(hash, random_numbers, weight.shape[0], layout.chunk_size, max_dim)
+    weight_np = _weight_np(weight)
+    ids_np = _ids_np(ids)
+    bounds, batch_size = _bag_bounds_np(ids, bag_bounds, layout)
+    chunk_base = _chunk_base(bounds, batch_size, layout)
+    out = torch.from_numpy(buffers.empty((batch_size, layout.width), np.float32))
+    chunk_offsets = np.empty(int(chunk_base[-1]), dtype=np.int64)
+    if batch_size:
+        set_kernel_threads()
+        _collection_forward_kernel(
+            weight_np,
+            ids_np,
+            bounds,
+            batch_size,
+            layout.val_offsets,
+            layout.dims,
+            layout.columns,
+            layout.mean,
+            chunk_base,
+            layout.chunk_size,
+            hash_mode,
+            constants,
+            weight_np.nbytes >= PREFETCH_READ_MIN_BYTES,
+            out.numpy(),
+            chunk_offsets,
+            work=ids_np.shape[0] * max_dim,
+        )
+    return out, torch.from_numpy(chunk_offsets), chunk_base
+
+
+def _collection_grad_np(grad_output: torch.Tensor, batch_size: int, layout: FeatureLayout) -> np.ndarray:
+    if tuple(grad_output.shape) != (batch_size, layout.width):
+        raise InvalidInputError(
+            f"the output gradient must be ({batch_size}, {layout.width}), got {tuple(grad_output.shape)}"
+        )
+    return grad_output.detach().to(torch.float32).contiguous().numpy()
+
+
+def collection_scatter_grad(
+    grad_output: torch.Tensor,
+    ids: torch.Tensor,
+    bag_bounds: torch.Tensor,
+    layout: FeatureLayout,
+    chunk_offsets: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Dense backward of ``collection_lookup``, in place into ``out`` float32 (m,): every feature's
+    gradient (``grad_output`` (B, width); mean bags divided by their length) added at its chunks. Serial,
+    so at any thread count the sums are grouped as one thread's ``scatter_grad`` of the rows."""
+    bounds, batch_size = _bag_bounds_np(ids, bag_bounds, layout)
+    grads = _collection_grad_np(grad_output, batch_size, layout)
+    chunk_base = _chunk_base(bounds, batch_size, layout)
+    if chunk_offsets.dtype != torch.int64 or tuple(chunk_offsets.shape) != (int(chunk_base[-1]),):
+        raise InvalidInputError("chunk offsets must be the int64 (K_c,) that collection_lookup returned")
+    out_np = _weight_np(out)
+    if chunk_base[-1] == 0:
+        return
+    _collection_scatter_kernel(
+        grads,
+        bounds,
+        batch_size,
+        layout.dims,
+        layout.columns,
+        layout.mean,
+        chunk_base,
+        layout.chunk_size,
+        chunk_offsets.contiguous().numpy(),
+        out_np.nbytes >= PREFETCH_WRITE_MIN_BYTES,
+        out_np,
+    )
+
+
+def _coalesce_scratch(memory_size: int, total_values: int) -> tuple[bool, np.ndarray, np.ndarray]:
+    """(dense?, values scratch, coverage scratch) by ``coalesce_grad``'s rule, so the same gradient gives
+    the same variant and the same bits."""
+    if memory_size <= _DENSE_COALESCE_FACTOR * total_values:  # small m: scratch of m is cheap
+        return True, np.empty(memory_size, np.float32), np.empty(memory_size + 1, np.int32)
+    return False, np.empty(0, np.float32), np.empty(0, np.int32)
+
+
+def collection_coalesce_grad(
+    grad_output: torch.Tensor,
+    ids: torch.Tensor,
+    bag_bounds: torch.Tensor,
+    layout: FeatureLayout,
+    chunk_offsets: torch.Tensor,
+    memory_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse backward of ``collection_lookup``: sorted unique locations int64 (K,) and their summed
+    gradients float32 (K,), all features at once. The same bits as ``coalesce_grad`` of the per-feature
+    gradient rows concatenated in feature order (``coalesce_chunk_rows``): one update of the array."""
+    bounds, batch_size = _bag_bounds_np(ids, bag_bounds, layout)
+    grads = _collection_grad_np(grad_output, batch_size, layout)
+    chunk_base = _chunk_base(bounds, batch_size, layout)
+    if chunk_offsets.dtype != torch.int64 or tuple(chunk_offsets.shape) != (int(chunk_base[-1]),):
+        raise InvalidInputError("chunk offsets must be the int64 (K_c,) that collection_lookup returned")
+    if chunk_base[-1] == 0:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
+    feature_ids = np.diff(bounds[::batch_size])
+    dense, values_dense, coverage = _coalesce_scratch(memory_size, int((feature_ids * layout.dims).sum()))
+    locations, values = _collection_coalesce_kernel(
+        grads,
+        bounds,
+        batch_size,
+        layout.dims,
+        layout.columns,
+        layout.mean,
+        chunk_base,
+        layout.chunk_size,
+        chunk_offsets.contiguous().numpy(),
+        memory_size,
+        dense,
+        values_dense,
+        coverage,
+    )
+    return torch.from_numpy(locations), torch.from_numpy(values)
+
+
+def coalesce_chunk_rows(
+    offsets: Sequence[torch.Tensor], grad_rows: Sequence[torch.Tensor], chunk_size: int, memory_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One coalesced update of an array from several tables' updates: sorted unique locations int64 (K,)
+    and summed gradients float32 (K,) of table t's rows ``grad_rows[t]`` (N_t, d_t) at chunk
+    ``offsets[t]`` (N_t, C_t), tables in the order given (dims may differ).
+
+    What a server needs to apply one step of a collection's features that share an array: the same bits
+    as ``collection_coalesce_grad`` when table t is feature t with its per-id gradients, and, for one
+    table or equal dims, as ``coalesce_grad`` of the concatenated rows.
+    """
+    if len(offsets) != len(grad_rows) or not offsets:
+        raise InvalidInputError("give one offsets tensor per grad_rows tensor (at least one)")
+    keys, sources, lengths, flat = [], [], [], []
+    position = 0
+    for table_offsets, rows in zip(offsets, grad_rows, strict=True):
+        if rows.dim() != 2 or table_offsets.dim() != 2 or rows.shape[0] != table_offsets.shape[0]:
+            raise InvalidInputError("each table's grad_rows (N, d) and offsets (N, C) must have the same N")
+        if table_offsets.shape[1] != -(-rows.shape[1] // chunk_size):
+            raise InvalidInputError("offsets must have ceil(d / chunk_size) columns")
+        rows_np = rows.detach().to(torch.float32).contiguous().numpy()
+        offsets_np = table_offsets.to(torch.int64).contiguous().numpy()
+        num_rows, dim = rows_np.shape
+        starts = np.arange(offsets_np.shape[1], dtype=np.int64) * chunk_size
+        keys.append(offsets_np.reshape(-1))
+        sources.append((position + np.arange(num_rows, dtype=np.int64)[:, None] * dim + starts).reshape(-1))
+        lengths.append(np.tile(np.minimum(chunk_size, dim - starts), num_rows))
+        flat.append(rows_np.reshape(-1))
+        position += rows_np.size
+    keys_np = np.concatenate(keys)
+    if keys_np.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
+    if int(keys_np.min()) < 0 or int(keys_np.max()) > memory_size - chunk_size:
+        raise InvalidInputError(f"offsets must lie in [0, {memory_size - chunk_size}]")
+    dense, values_dense, coverage = _coalesce_scratch(memory_size, position)
+    locations, values = _coalesce_chunks_kernel(
+        np.concatenate(flat),
+        keys_np,
+        np.concatenate(sources),
+        np.concatenate(lengths).astype(np.int64),
+        np.ones(keys_np.shape[0], dtype=np.float32),
+        memory_size,
+        dense,
+        values_dense,
+        coverage,
+    )
+    return torch.from_numpy(locations), torch.from_numpy(values)
