@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from robez_core.collection import EmbeddingBagConfig, JaggedFeatures, PooledEmbeddings, per_id_gradients
+from robez_core.collection import (
+    EmbeddingBagConfig,
+    JaggedFeatures,
+    PooledEmbeddings,
+    parse_jagged,
+    per_id_gradients,
+)
 from robez_core.config import DEFAULT_INIT_SCALE, OptimizerConfig
 from robez_core.hashing import DEFAULT_SEED
 
@@ -414,7 +420,10 @@ class RemoteEmbeddingBagCollection(nn.Module):
         lengths: Tensor | None,
         offsets: Tensor | None,
     ) -> _Batch:
-        key_list, ids, bounds = parse_jagged(features, keys, values, lengths, offsets)
+        key_tuple, ids, bounds = parse_jagged(
+            features, keys=keys, values=values, lengths=lengths, offsets=offsets
+        )
+        key_list = list(key_tuple)
         unknown = [key for key in key_list if key not in self._features]
         if unknown:
             raise ValueError(f"unknown feature keys {unknown}; this collection has {self.feature_names}")
@@ -458,50 +467,4 @@ class RemoteEmbeddingBagCollection(nn.Module):
         )
 
 
-def parse_jagged(
-    features: JaggedFeatures | None,
-    keys: Sequence[str] | None,
-    values: Tensor | None,
-    lengths: Tensor | None,
-    offsets: Tensor | None,
-) -> tuple[list[str], Tensor, Tensor]:
-    """(keys, ids int64 (N,), bag bounds int64 (F * B + 1,)) of a key-major jagged batch: a torchrec
-    ``KeyedJaggedTensor`` (duck-typed) or ``keys`` + ``values`` + ``lengths`` or ``offsets``."""
-    if features is not None:
-        if keys is not None or values is not None or lengths is not None or offsets is not None:
-            raise ValueError("give either features or keys/values/lengths|offsets, not both")
-        keys, values = list(features.keys()), features.values()
-        get_offsets = getattr(features, "offsets", None)
-        offsets = get_offsets() if callable(get_offsets) else None
-        if offsets is None:
-            lengths = features.lengths()  # type: ignore[attr-defined]
-    if keys is None or values is None:
-        raise ValueError("keys and values are required")
-    key_list = list(keys)
-    ids = _int_tensor(values, "values")
-    if (lengths is None) == (offsets is None):
-        raise ValueError("give exactly one of lengths and offsets")
-    if offsets is not None:
-        bounds = _int_tensor(offsets, "offsets")
-        if bounds.numel() == 0 or int(bounds[0]) != 0 or bool((bounds[1:] < bounds[:-1]).any()):
-            raise ValueError("offsets must start at 0 and be non-decreasing")
-    else:
-        counts = _int_tensor(lengths, "lengths")
-        if counts.numel() and int(counts.min()) < 0:
-            raise ValueError("lengths must be >= 0")
-        bounds = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=bounds[1:])
-    if int(bounds[-1]) != ids.numel():
-        raise ValueError(f"the bags end at {int(bounds[-1])} but there are {ids.numel()} values")
-    if not key_list or (bounds.numel() - 1) % len(key_list):
-        raise ValueError(f"{bounds.numel() - 1} bags do not split into {len(key_list)} keys of B bags each")
-    return key_list, ids, bounds
-
-
-def _int_tensor(value: Any, what: str) -> Tensor:
-    if not isinstance(value, Tensor) or value.dtype not in (torch.int64, torch.int32) or value.dim() != 1:
-        raise ValueError(f"{what} must be a 1-D int64 (or int32) tensor")
-    return value.to(torch.int64).contiguous()
-
-
-__all__ = ["RemoteEmbeddingBagCollection", "StepStats", "parse_jagged"]
+__all__ = ["RemoteEmbeddingBagCollection", "StepStats"]
