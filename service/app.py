@@ -35,7 +35,7 @@ from .logs import limit_client_input_logs
 from .metrics import Metrics
 from .replication.replica import Replica, local_settings
 from .replication.writes import ReplicatedWrites
-from .routes import checksum, durability, health, lookup, oip, tables, update
+from .routes import checksum, durability, health, lookup, oip, tables, update, update_many
 from .shm import SharedDirectory
 from .store import TableStore
 from .store.writes import LocalWrites
@@ -163,13 +163,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics(metrics_dir, settings.max_metric_tables)
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (health, tables, lookup, update, durability, checksum, oip):
+    for module in (health, tables, lookup, update, update_many, durability, checksum, oip):
         app.include_router(module.router)
     # Added innermost first: metrics see every answer, including the 503s, 413s and 408s below them; a
     # request takes an in-flight slot only once its whole body has arrived; the fast path (the hot routes
     # without FastAPI's per-request machinery) sits under all of them.
     fast_routes = FastRoutes(
-        [*health.fast_routes, *lookup.fast_routes, *update.fast_routes, *oip.fast_routes]
+        [
+            *health.fast_routes,
+            *lookup.fast_routes,
+            *update.fast_routes,
+            *update_many.fast_routes,
+            *oip.fast_routes,
+        ]
     )
     # One admission (limits, in-flight, body bytes, metrics) for the stack and the direct answers.
     admission = Admission.from_settings(settings, metrics)

@@ -6,10 +6,13 @@ Binary format (little-endian, no framing beyond one header):
 - update request: ``X-Robez-Shape: n,d``, body = n int64 ids then n*d float32 gradients.
 - multi-table lookup request: ``X-Robez-Tables: name=n,name=n,...``, body = the ids of each table in
   that order; response body = the rows of each table in that order, ``X-Robez-Shapes: n,d;n,d;...``.
+- multi-table update request: ``X-Robez-Tables: name=n,...`` and ``X-Robez-Shapes: n,d;...`` in the same
+  order, body = each table's update body (n int64 ids then n*d float32 gradients) in that order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -90,6 +93,16 @@ class UpdateRequest(_Model):
     lr: float | None = Field(default=None, gt=0)
 
 
+class TableUpdate(UpdateRequest):
+    table: TableName
+
+
+class MultiUpdateRequest(_Model):
+    """One training step's pushes: each table at most once; applied all-or-nothing."""
+
+    updates: list[TableUpdate]
+
+
 class OptimizerModel(_Model):
     name: Literal["sgd", "adagrad", "adam"] = "sgd"
     lr: float = Field(default=0.01, gt=0)
@@ -159,6 +172,11 @@ class MultiLookupResponse(_Model):
 class UpdateResponse(_Model):
     table: str
     version: int
+    timing: UpdateTiming
+
+
+class MultiUpdateResponse(_Model):
+    results: list[UpdateResponse]
     timing: UpdateTiming
 
 
@@ -246,6 +264,10 @@ def decode_multi_lookup_json(body: bytes) -> MultiLookupRequest:
 def decode_update_json(body: bytes, embedding_dim: int) -> tuple[np.ndarray, np.ndarray, float | None]:
     """(ids int64 (n,), grads float32 (n, d), lr) from a JSON update, the arrays as numpy arrays."""
     request: UpdateRequest = _validated(UpdateRequest, body)
+    return (*_update_arrays(request, embedding_dim), request.lr)
+
+
+def _update_arrays(request: UpdateRequest, embedding_dim: int) -> tuple[np.ndarray, np.ndarray]:
     if any(len(row) != embedding_dim for row in request.grads):
         raise InvalidInputError(f"grads must be rows of embedding_dim = {embedding_dim} values")
     if len(request.grads) != len(request.ids):
@@ -254,7 +276,67 @@ def decode_update_json(body: bytes, embedding_dim: int) -> tuple[np.ndarray, np.
     # Values beyond float32's range become Inf here, which the table then rejects like any Inf.
     with np.errstate(over="ignore"):
         grads32 = grads.astype(np.float32)
-    return np.array(request.ids, dtype=np.int64), grads32, request.lr
+    return np.array(request.ids, dtype=np.int64), grads32
+
+
+TableArrays = tuple[str, np.ndarray, np.ndarray, float | None]
+"""(table, ids int64 (n,), grads float32 (n, d), lr or None) of one table's part of a multi-table push."""
+
+
+def decode_multi_update_json(body: bytes, embedding_dim: Callable[[str], int]) -> list[TableArrays]:
+    """The parts of a JSON multi-table push; ``embedding_dim(table)`` resolves each table (NotFoundError
+    for an unknown one)."""
+    request: MultiUpdateRequest = _validated(MultiUpdateRequest, body)
+    parts = []
+    for item in request.updates:
+        try:
+            ids, grads = _update_arrays(item, embedding_dim(item.table))
+        except InvalidInputError as error:
+            raise InvalidInputError(f"table {item.table!r}: {error}") from error
+        parts.append((item.table, ids, grads, item.lr))
+    _check_distinct([part[0] for part in parts])
+    return parts
+
+
+def decode_multi_update_binary(
+    body: bytes, tables_header: str | None, shapes_header: str | None
+) -> list[TableArrays]:
+    """The parts of a binary multi-table push: ``X-Robez-Tables: name=n,...`` and ``X-Robez-Shapes:
+    n,d;...`` in body order, each table's body n int64 ids then n*d float32 (as one-table updates)."""
+    tables = parse_tables_header(tables_header)
+    if not shapes_header:
+        raise InvalidInputError(f"a binary multi-table update needs the header {SHAPES_HEADER}: n,d;n,d;...")
+    shapes = [parse_shape(part, SHAPES_HEADER) for part in shapes_header.split(";")]
+    if len(shapes) != len(tables):
+        raise InvalidInputError(
+            f"{TABLES_HEADER} names {len(tables)} tables, {SHAPES_HEADER} has {len(shapes)} shapes"
+        )
+    _check_distinct([name for name, _ in tables])
+    sizes = []
+    for (name, count), (n, d) in zip(tables, shapes, strict=True):
+        if count != n:
+            raise InvalidInputError(f"table {name!r}: {TABLES_HEADER} says {count} ids, {SHAPES_HEADER} {n}")
+        sizes.append(n * _IDS_DTYPE.itemsize + n * d * _ROWS_DTYPE.itemsize)
+    if len(body) != sum(sizes):
+        raise InvalidInputError(
+            f"{SHAPES_HEADER}: {shapes_header} needs {sum(sizes)} bytes (per table n int64 ids, "
+            f"n*d float32), got {len(body)}"
+        )
+    parts: list[TableArrays] = []
+    start = 0
+    for (name, _), (n, d), size in zip(tables, shapes, sizes, strict=True):
+        ids, grads = decode_update_binary(body[start : start + size], f"{n},{d}")
+        parts.append((name, ids, grads, None))
+        start += size
+    return parts
+
+
+def _check_distinct(names: list[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidInputError(f"table {name!r} appears twice in one multi-table update; send it once")
+        seen.add(name)
 
 
 def decode_ids(body: bytes) -> np.ndarray:
@@ -270,13 +352,13 @@ def is_count(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def parse_shape(header: str | None) -> tuple[int, int]:
-    """``"n,d"`` -> (n, d)."""
+def parse_shape(header: str | None, header_name: str = SHAPE_HEADER) -> tuple[int, int]:
+    """``"n,d"`` -> (n, d); ``header_name`` for the message."""
     if header is None:
         raise InvalidInputError(f"a binary update needs the header {SHAPE_HEADER}: n,d")
     parts = header.split(",")
     if len(parts) != 2 or not all(is_count(part.strip()) for part in parts):
-        raise InvalidInputError(f"{SHAPE_HEADER} must be 'n,d' with non-negative integers, got {header!r}")
+        raise InvalidInputError(f"{header_name} must be 'n,d' with non-negative integers, got {header!r}")
     return int(parts[0]), int(parts[1])
 
 
@@ -298,7 +380,7 @@ def decode_update_binary(body: bytes, shape_header: str | None) -> tuple[np.ndar
 def parse_tables_header(header: str | None) -> list[tuple[str, int]]:
     """``"name=n,name=n"`` -> [(name, n), ...] for a binary multi-table lookup."""
     if not header:
-        raise InvalidInputError(f"a binary multi-table lookup needs the header {TABLES_HEADER}: name=n,...")
+        raise InvalidInputError(f"a binary multi-table request needs the header {TABLES_HEADER}: name=n,...")
     items = []
     for part in header.split(","):
         name, sep, count = part.strip().partition("=")

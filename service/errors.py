@@ -52,7 +52,7 @@ class StorageFullError(RobezError):
 
 
 # On a 413 for a push over what one replicated log entry holds: the largest binary update body
-# (ids * 8 + ids * dim * 4 bytes) that fits, so a client can split the push (service/client.py does).
+# (ids * 8 + ids * dim * 4 bytes) that fits, so a client can split the push (service/client/ does).
 MAX_UPDATE_BYTES_HEADER = "X-Robez-Max-Update-Bytes"
 
 

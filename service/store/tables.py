@@ -34,17 +34,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from robez_core.collection import prepare_shared_step
 from robez_core.config import TableConfig
 from robez_core.errors import (
     CorruptionError,
     InvalidInputError,
     LimitExceededError,
 )
+from robez_core.optim import PreparedStep
 from robez_core.small import SMALL_BATCH_MAX_IDS
 from robez_core.table import CheckpointFile, Table
 
 from .. import faults, tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
+from ..errors import RefusedUpdateError
 from ..log.entry import (
     EntryGroup,
     SkippedRecord,
@@ -371,10 +374,20 @@ class TableStore:
         start = time.perf_counter()
         # Validation, before anything changes: the table's config is all it reads, so it runs outside
         # the lock (so does coalescing the step).
-        prepared = [
-            prepare(entry.table, ids, grads, lr)
-            for entry, (ids, grads), lr in zip(entries, tensors, lrs, strict=True)
-        ]
+        # Tables over one array (share_array_with: only without a journal, so no log replays this) get
+        # one coalesced step of all their parts in order: a local RobezEmbeddingBagCollection's step.
+        shared = _shared_groups(entries) if len(parts) > 1 and self.journal_is_memory_only() else []
+        prepared: list[tuple[PreparedStep | None, float]] = []
+        for index, (entry, (ids, grads), lr) in enumerate(zip(entries, tensors, lrs, strict=True)):
+            in_shared = any(index in each for each in shared)
+            with _naming(names, [index]):
+                prepared.append((None, 0.0) if in_shared else prepare(entry.table, ids, grads, lr))
+        for parts_of_array in shared:
+            with _naming(names, parts_of_array):
+                shared_step = _prepare_shared(
+                    [entries[i].table for i in parts_of_array], parts_of_array, tensors, lrs
+                )
+            prepared[parts_of_array[0]] = (shared_step, 0.0)
         prepare_seconds = time.perf_counter() - start - sum(seconds for _, seconds in prepared)
         locked = self.registry.acquire_many(names, blocking)
         if locked is None:
@@ -384,9 +397,18 @@ class TableStore:
             for index, held in enumerate(locked):
                 if held is not entries[index]:  # a load switched the table meanwhile (same config)
                     ids, grads = tensors[index]
-                    steps[index], _ = prepare(held.table, ids, grads, lrs[index])
-                # Before the log: a step that would leave a non-finite value is refused, nothing changed.
-                check_step(held.table, steps[index])
+                    mine = [g for g in shared if index in g]
+                    if not mine:
+                        steps[index], _ = prepare(held.table, ids, grads, lrs[index])
+                    elif index == mine[0][0]:
+                        steps[index] = _prepare_shared(
+                            [locked[i].table for i in mine[0]], mine[0], tensors, lrs
+                        )
+                step = steps[index]
+                if step is not None:  # None: a shared group's later part, in its first part's step
+                    # Before the log: a step that would leave a non-finite value is refused.
+                    with _naming(names, next((g for g in shared if g[0] == index), [index])):
+                        check_step(held.table, step)
             versions = [held.version + 1 for held in locked]
             group = EntryGroup.new(list(zip(names, versions, strict=True))) if len(parts) > 1 else None
             records = [
@@ -398,6 +420,8 @@ class TableStore:
                 self._fault_point(locked[0].table, *tensors[0], lrs[0])
             applied = [
                 apply_record(held.table, record.ids, record.grads, record.lr, step=step)
+                if step is not None
+                else (0.0, 0.0)
                 for held, record, step in zip(locked, records, steps, strict=True)
             ]  # if one raises, the marks stay: the next holder of the lock repairs
             self._commit(locked, versions)
@@ -623,6 +647,41 @@ def _resolve_lr(entry: TableEntry, lr: float | None) -> float:
     applied_lr = entry.table.optimizer.lr if lr is None else float(lr)
     check_lr(entry.table, applied_lr)
     return applied_lr
+
+
+@contextmanager
+def _naming(names: list[str], indices: list[int]) -> Iterator[None]:
+    """In a push of several tables, a refused part's error names its table(s)."""
+    try:
+        yield
+    except RefusedUpdateError as error:
+        if len(names) == 1:
+            raise
+        which = ", ".join(repr(names[i]) for i in indices)
+        raise RefusedUpdateError(f"table {which}: {error}", error.reason) from error
+
+
+def _shared_groups(entries: Sequence[TableEntry]) -> list[list[int]]:
+    """The parts (indices, in order) of a push over one array, for each array more than one part reads."""
+    groups: dict[str, list[int]] = {}
+    for index, entry in enumerate(entries):
+        groups.setdefault(entry.array.array_id, []).append(index)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def _prepare_shared(
+    tables: list[Table], group: list[int], tensors: list[tuple[Tensor, Tensor]], lrs: list[float]
+) -> PreparedStep:
+    """One coalesced step of the parts ``group`` over one array (``prepare_shared_step``: their ids and
+    gradients checked, hashed and coalesced in order); they must have one lr."""
+    if len({lrs[i] for i in group}) > 1:
+        raise RefusedUpdateError("the parts of a push over tables sharing one array need one lr", "bad_lr")
+    try:
+        return prepare_shared_step(
+            tables, [tensors[i][0] for i in group], [tensors[i][1] for i in group], lrs[group[0]]
+        )
+    except InvalidInputError as error:
+        raise RefusedUpdateError(str(error), "bad_grads") from error
 
 
 def _count(values: Tensor | np.ndarray) -> int:

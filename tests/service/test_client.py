@@ -513,3 +513,17 @@ def test_remote_embedding_step_equals_local_sgd(ids: list[int], lr: float) -> No
     assert weight.grad is not None
     expected = weight.detach() - lr * weight.grad
     assert torch.allclose(server.rows, expected, atol=1e-4 * max(1.0, math.sqrt(len(ids))))
+
+
+def test_worker_and_reconnect() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"status": "ok", "pid": 4242})
+
+    client = RobezClient("http://fake", transport=httpx.MockTransport(handler))
+    first = client._http
+    assert client.worker() == 4242
+    client.reconnect()
+    assert client._http is not first and first.is_closed
+    assert client.worker() == 4242
+    with pytest.raises(RuntimeError, match="cannot reconnect"):
+        RobezClient(http_client=httpx.Client(transport=httpx.MockTransport(handler))).reconnect()

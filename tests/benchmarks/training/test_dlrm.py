@@ -71,6 +71,58 @@ def test_quick_run_writes_a_report(tmp_path: Path):
     assert "### CPU time of the trainer thread" in text and "## Machine" in text
 
 
+def _remote(step: float, eval_loss: float, samples: float, **extra: object) -> dict:
+    medians = {"step": step, "embedding": step}
+    return {
+        "name": "remote",
+        "median_seconds": {"wall": medians, "cpu": medians},
+        "eval_loss": eval_loss,
+        "samples_per_second": samples,
+        "requests_per_step": 2.0,
+        **extra,
+    }
+
+
+def test_remote_goals_are_read_from_the_wall_clock_ratios():
+    local = _remote(0.100, 0.4000, 20_000.0)
+    lines = dlrm.remote_goals(
+        {
+            "robez_collection": local,
+            "remote_collection": _remote(0.120, 0.4000, 17_000.0),
+            "remote_prefetch": _remote(0.120, 0.4030, 17_000.0),
+            "remote_2_trainers": _remote(
+                0.150,
+                0.4,
+                13_000.0,
+                aggregate_samples_per_second=26_000.0,
+                trainers=[{"server_worker": 7}, {"server_worker": 8}],
+            ),
+        }
+    )
+    assert "wall: remote collection step / local collection step = 1.20 (goal <= 1.3): met" in lines
+    assert (
+        "wall: remote collection + prefetch step / local collection step = 1.20 (goal <= 1.15): missed"
+        in lines
+    )
+    assert any("= 0.0030 (goal <= 0.002): missed" in line for line in lines)
+    assert any("bit for bit the same" in line for line in lines)
+    assert any("pids [7, 8]) / 1 trainer samples/s = 1.53 (goal >= 1.4): met" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_quick_remote_run_trains_the_local_bits_through_a_server(tmp_path: Path):
+    code = dlrm.main(
+        [
+            "--quick", "--variants", "robez_collection,remote_collection", "--steps", "6",
+            "--output-dir", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    text = next(tmp_path.glob("dlrm-*-quick.md")).read_text()
+    assert "### Remote collection" in text and "| 2.00 |" in text
+    assert "eval loss, remote (no prefetch) vs local: bit for bit the same" in text
+
+
 def test_passes_combine_into_means_and_the_largest_peak():
     passes = [
         {**_result(0.100, 0.040), "peak_rss_mib": 100.0, "eval_loss": 0.5},

@@ -1,0 +1,281 @@
+"""``POST /v1/update``: one step's pushes to several tables in one request (issue 37). Tables over one
+array get one coalesced step (the local collection's), a table with its own array its one-table push;
+bad input in any one table changes no table."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from robez_core.collection import prepare_shared_step
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.table import Table
+from service.client import RobezClient, RobezClientError
+from service.client.calls import update_many_calls
+
+from .conftest import SMALL_TABLE, assert_unchanged, create_table, error_of, table_state
+
+OCTET = "application/octet-stream"
+ADAGRAD = {"name": "adagrad", "lr": 0.05}
+
+
+def binary_many(parts: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+    body = b"".join(
+        np.asarray(ids, dtype="<i8").tobytes() + np.asarray(grads, dtype="<f4").tobytes()
+        for ids, grads in parts.values()
+    )
+    return {
+        "content": body,
+        "headers": {
+            "content-type": OCTET,
+            "x-robez-tables": ",".join(f"{name}={len(ids)}" for name, (ids, _) in parts.items()),
+            "x-robez-shapes": ";".join(f"{g.shape[0]},{g.shape[1]}" for _, g in parts.values()),
+        },
+    }
+
+
+def three_tables(client: TestClient) -> None:
+    """a and b share one array (different val_offset, the collection's layout); c has its own."""
+    create_table(client, "a", optimizer=ADAGRAD)
+    response = client.post(
+        "/v1/tables",
+        json={
+            "name": "b",
+            "config": {
+                "num_embeddings": 500,
+                "embedding_dim": 8,
+                "memory_size": 4096,
+                "chunk_size": 4,
+                "val_offset": 1000,
+            },
+            "optimizer": ADAGRAD,
+            "share_array_with": "a",
+        },
+    )
+    assert response.status_code == 201, response.text
+    create_table(client, "c", optimizer={"name": "adam", "lr": 0.01}, embedding_dim=4)
+
+
+def step_parts(seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    generator = np.random.default_rng(seed)
+    return {
+        "a": (generator.integers(0, 1000, 20), generator.standard_normal((20, 8)).astype(np.float32)),
+        "b": (generator.integers(0, 500, 7), generator.standard_normal((7, 8)).astype(np.float32)),
+        "c": (generator.integers(0, 1000, 5), generator.standard_normal((5, 4)).astype(np.float32)),
+    }
+
+
+def twins(lr: float | None = None) -> dict[str, Table]:
+    """Local tables as ``three_tables`` makes them on the server: a and b over one array and state."""
+    adagrad = OptimizerConfig(**ADAGRAD)  # type: ignore[arg-type]
+    a = Table(TableConfig(**SMALL_TABLE), adagrad)  # type: ignore[arg-type]
+    b_config = TableConfig(**{**SMALL_TABLE, "num_embeddings": 500, "val_offset": 1000})  # type: ignore[arg-type]
+    b = Table(b_config, adagrad, weight=a.weight, state=a.state)
+    c = Table(TableConfig(**{**SMALL_TABLE, "embedding_dim": 4}), OptimizerConfig("adam", lr=0.01))  # type: ignore[arg-type]
+    return {"a": a, "b": b, "c": c}
+
+
+def step_twins(
+    tables: dict[str, Table], parts: dict[str, tuple[np.ndarray, np.ndarray]], lr: float | None
+) -> None:
+    """What one multi-table push does: one coalesced step of a and b (one array), c's own step."""
+    ids = [torch.from_numpy(parts[n][0]) for n in ("a", "b")]
+    grads = [torch.from_numpy(parts[n][1]) for n in ("a", "b")]
+    step = prepare_shared_step([tables["a"], tables["b"]], ids, grads, lr)
+    tables["a"].check_step(step)
+    tables["a"].apply_step(step)
+    tables["c"].apply_gradients(torch.from_numpy(parts["c"][0]), torch.from_numpy(parts["c"][1]), lr=lr)
+
+
+@pytest.mark.parametrize("encoding", ["binary", "json"])
+def test_one_request_is_one_step_per_array(client_factory: Callable[..., TestClient], encoding: str) -> None:
+    many, single = client_factory(), client_factory()
+    three_tables(many)
+    three_tables(single)
+    local = twins()
+    for step in range(3):
+        parts = step_parts(step)
+        if encoding == "binary":
+            response = many.post("/v1/update", **binary_many(parts))
+        else:
+            payload = {
+                "updates": [
+                    {"table": n, "ids": i.tolist(), "grads": g.tolist()} for n, (i, g) in parts.items()
+                ]
+            }
+            response = many.post("/v1/update", json=payload)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert [(r["table"], r["version"]) for r in body["results"]] == [
+            ("a", step + 1),
+            ("b", step + 1),
+            ("c", step + 1),
+        ]
+        assert response.headers["x-robez-version"] == ",".join([str(step + 1)] * 3)
+        assert set(body["timing"]) == {"hash_ms", "apply_ms", "total_ms"}
+        step_twins(local, parts, None)
+        ids, grads = parts["c"]
+        assert single.post("/v1/tables/c/update", **binary_update(ids, grads)).status_code == 200
+    for name in ("a", "b", "c"):
+        got = table_state(many, name)
+        assert got[1] == 3
+        for key, tensor in local[name].tensors().items():
+            assert torch.equal(got[0][key], tensor), (name, key)
+    # A table with its own array: the same bits as its one-table pushes.
+    assert torch.equal(table_state(many, "c")[0]["weight"], table_state(single, "c")[0]["weight"])
+
+
+def binary_update(ids: np.ndarray, grads: np.ndarray) -> dict[str, Any]:
+    n, d = grads.shape
+    body = np.asarray(ids, dtype="<i8").tobytes() + np.asarray(grads, dtype="<f4").tobytes()
+    return {"content": body, "headers": {"content-type": OCTET, "x-robez-shape": f"{n},{d}"}}
+
+
+def test_lr_applies_to_every_table(client: TestClient) -> None:
+    three_tables(client)
+    local = twins()
+    parts = step_parts(0)
+    assert client.post("/v1/update?lr=0.5", **binary_many(parts)).status_code == 200
+    step_twins(local, parts, 0.5)
+    for name in parts:
+        assert torch.equal(table_state(client, name)[0]["weight"], local[name].weight)
+
+
+def test_bad_input_in_one_table_changes_no_table(client: TestClient) -> None:
+    three_tables(client)
+    before = {name: table_state(client, name) for name in ("a", "b", "c")}
+
+    def refused(case: dict[str, Any], status: int = 422) -> str:
+        response = client.post("/v1/update", **case)
+        error_of(response, status)
+        for name, state in before.items():
+            assert_unchanged(client, name, state)
+        return response.json()["error"]
+
+    nan_parts = step_parts(1)
+    nan_parts["c"][1][2, 1] = math.nan  # the last table's gradients: a and b were fine
+    assert "'c'" in refused(binary_many(nan_parts))
+    inf_parts = step_parts(1)
+    inf_parts["a"][1][0, 0] = math.inf
+    refused(binary_many(inf_parts))
+    unknown = step_parts(1)
+    unknown["nope"] = unknown.pop("b")
+    assert "nope" in refused(binary_many(unknown), 404)
+    wrong_dim = step_parts(1)
+    wrong_dim["c"] = (wrong_dim["c"][0], np.zeros((5, 8), dtype=np.float32))  # c has d = 4
+    refused(binary_many(wrong_dim))
+    short = binary_many(step_parts(1))
+    short["content"] = short["content"][:-4]
+    assert "bytes" in refused(short)
+    for header, value in [
+        ("x-robez-tables", "a=20,b=7"),  # a table fewer than shapes
+        ("x-robez-tables", "a=20,b=6,c=5"),  # counts disagree with the shapes
+        ("x-robez-tables", "a=20,b=7,a=5"),  # one table twice
+        ("x-robez-shapes", "20,8;7,8"),
+        ("x-robez-shapes", "20,8;7,x;5,4"),
+    ]:
+        case = binary_many(step_parts(1))
+        case["headers"][header] = value
+        refused(case)
+    for header in ("x-robez-tables", "x-robez-shapes"):
+        case = binary_many(step_parts(1))
+        del case["headers"][header]
+        refused(case)
+    row = [0.1] * 8
+    for updates in [
+        [
+            {"table": "a", "ids": [1], "grads": [row]},
+            {"table": "b", "ids": [1, 2], "grads": [row]},
+        ],  # lengths
+        [
+            {"table": "a", "ids": [1], "grads": [row]},
+            {"table": "b", "ids": [2**63], "grads": [row]},
+        ],  # id range
+        [
+            {"table": "a", "ids": [1], "grads": [row]},
+            {"table": "c", "ids": [1], "grads": [row]},
+        ],  # c's d is 4
+        [{"table": "a", "ids": [1], "grads": [row]}, {"table": "a", "ids": [2], "grads": [row]}],  # twice
+        [{"table": "a", "ids": [1], "grads": [row], "lr": -1}],
+    ]:
+        refused({"json": {"updates": updates}})
+    assert refused({"json": {"updates": [{"table": "zzz", "ids": [1], "grads": [row]}]}}, 404)
+    nan_json = (
+        b'{"updates": [{"table": "a", "ids": [1], "grads": [[' + b", ".join([b"0.5"] * 8) + b"]]},"
+        b' {"table": "b", "ids": [1], "grads": [[NaN' + b", 0.5" * 7 + b"]]}]}"
+    )
+    refused({"content": nan_json, "headers": {"content-type": "application/json"}})
+    refused({"json": {"updates": [{"table": "a", "ids": [1], "grads": [row]}]}, "params": {"lr": "-1"}})
+
+
+def test_the_limits_apply_to_the_sum_of_the_tables(client_factory: Callable[..., TestClient]) -> None:
+    client = client_factory(max_ids_per_request=30)
+    three_tables(client)
+    before = {name: table_state(client, name) for name in ("a", "b", "c")}
+    response = client.post("/v1/update", **binary_many(step_parts(0)))  # 32 ids in all
+    error_of(response, 422)
+    assert "max_ids_per_request=30" in response.json()["error"]
+    small = client_factory(max_body_bytes=1024)
+    three_tables(small)
+    response = small.post("/v1/update", **binary_many(step_parts(0)))
+    error_of(response, 413)
+    for name, state in before.items():
+        assert_unchanged(client, name, state)
+
+
+def test_the_client_sends_one_request_with_one_key(client: TestClient) -> None:
+    three_tables(client)
+    seen: list[httpx.Request] = []
+    robez = RobezClient(http_client=client, busy_retries=0)
+    client.event_hooks["request"].append(seen.append)
+    parts = step_parts(2)
+    versions = robez.update_many(
+        {name: (torch.from_numpy(i), torch.from_numpy(g)) for name, (i, g) in parts.items()}
+    )
+    assert versions == {"a": 1, "b": 1, "c": 1}
+    (request,) = [r for r in seen if r.url.path == "/v1/update"]
+    assert request.headers["idempotency-key"]
+    with pytest.raises(RobezClientError) as caught:
+        robez.update_many({"a": parts["a"], "zzz": parts["b"]})
+    assert caught.value.status == 404
+    assert table_state(client, "a")[1] == 1
+
+
+def test_a_push_over_the_update_limit_is_split_into_groups_of_tables() -> None:
+    rows = {
+        name: (np.arange(n), np.ones((n, 4), dtype=np.float32)) for name, n in [("a", 3), ("b", 2), ("c", 9)]
+    }
+    row_bytes = 8 + 4 * 4
+    (one,) = update_many_calls(rows, None, "k", None)
+    assert one.headers["X-Robez-Tables"] == "a=3,b=2,c=9"
+    calls = update_many_calls(rows, None, "k", 5 * row_bytes)
+    assert [c.headers["X-Robez-Tables"] for c in calls] == ["a=3,b=2", "c=5", "c=4"]
+    assert [c.headers["Idempotency-Key"] for c in calls] == ["k.0", "k.1", "k.2"]
+    assert sum(len(c.content or b"") for c in calls) == 14 * row_bytes
+    with pytest.raises(RobezClientError, match="over the server"):
+        update_many_calls(rows, None, "k", row_bytes - 1)
+
+
+def test_a_multi_table_push_needs_the_write_key(client_factory: Callable[..., TestClient]) -> None:
+    client = client_factory(api_key="w" * 16, read_api_key="r" * 16)
+    three_tables_with = {"authorization": "Bearer " + "w" * 16}
+    for name in ("a", "c"):
+        payload = {"name": name, "config": {"num_embeddings": 100, "embedding_dim": 8, "memory_size": 256}}
+        assert client.post("/v1/tables", json=payload, headers=three_tables_with).status_code == 201
+    push = binary_many(
+        {"a": (np.arange(2), np.ones((2, 8), np.float32)), "c": (np.arange(1), np.ones((1, 8), np.float32))}
+    )
+    for path in ("/v1/update", "/v1/update?lr=0.5"):  # the fast path and FastAPI's
+        assert error_of(client.post(path, **push), 401) == "UnauthorizedError"
+        read_only = {**push, "headers": {**push["headers"], "authorization": "Bearer " + "r" * 16}}
+        assert error_of(client.post(path, **read_only), 403) == "ForbiddenError"
+    assert table_state(client, "a")[1] == 0
+    allowed = {**push, "headers": {**push["headers"], **three_tables_with}}
+    assert client.post("/v1/update", **allowed).headers["x-robez-version"] == "1,1"
