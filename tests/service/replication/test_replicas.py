@@ -202,8 +202,9 @@ def test_kill9_replica_mid_stream_catches_up(replicas: list[ReplicaServer]) -> N
 
 
 def test_kill9_stream_leader_loses_nothing_acknowledged(
-    nats_cluster: NatsCluster, replicas: list[ReplicaServer]
+    replicas_nats: NatsCluster, replicas: list[ReplicaServer]
 ) -> None:
+    nats_cluster = replicas_nats  # the replicas' own cluster: a node is killed
     table = "killleader"
     create_table(replicas[0], table)
     pusher = _Pusher(replicas[1].url, table, 60, pause_s=0.01)
@@ -313,14 +314,14 @@ def test_replica_without_nats_is_not_ready(tmp_path: Path, nats_cluster: NatsClu
 
 
 def test_kill9_of_the_applying_worker_another_worker_takes_over(
-    nats_cluster: NatsCluster, replicas: list[ReplicaServer], tmp_path: Path
+    replicas_nats: NatsCluster, replicas: list[ReplicaServer], tmp_path: Path
 ) -> None:
     """A replica with 2 workers: kill -9 the one applying the log mid-stream; the other takes the
     applier lock, rebuilds the table privately from the log (the dead one may have stopped half-way
     through an update), and the replica ends with the same bytes."""
     table = "takeover"
     create_table(replicas[0], table)
-    server = ReplicaServer("w2", nats_cluster, tmp_path, "t", ROBEZ_WORKERS=2).start().wait_ready()
+    server = ReplicaServer("w2", replicas_nats, tmp_path, "t", ROBEZ_WORKERS=2).start().wait_ready()
     try:
         pusher = _Pusher(replicas[0].url, table, 60, pause_s=0.01)
         pusher.thread.start()
