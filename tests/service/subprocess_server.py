@@ -10,8 +10,6 @@ import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
 from loadtest.launch import RobezProcess, free_port
 
 __all__ = ["RobezServer", "free_port", "serve"]
@@ -58,7 +56,7 @@ class RobezServer(RobezProcess):
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample of ``/metrics`` (0 when absent)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        text = self.http.get("/metrics").text
         want = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
         for line in text.splitlines():
             match = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)

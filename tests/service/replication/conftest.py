@@ -119,12 +119,12 @@ class ReplicaServer(RobezProcess):
         return self.log_tail(4000)
 
     def checksum(self, table: str) -> dict[str, Any]:
-        response = httpx.get(f"{self.url}/v1/tables/{table}/checksum", timeout=10)
+        response = self.http.get(f"{self.url}/v1/tables/{table}/checksum")
         assert response.status_code == 200, response.text
         return dict(response.json())
 
     def version(self, table: str) -> int:
-        response = httpx.get(f"{self.url}/v1/tables/{table}", timeout=10)
+        response = self.http.get(f"{self.url}/v1/tables/{table}")
         assert response.status_code == 200, response.text
         return int(response.json()["version"])
 

@@ -138,7 +138,7 @@ def test_drop_goes_through_the_log(replicas: list[ReplicaServer]) -> None:
     )
     assert httpx.delete(f"{replicas[1].url}/v1/tables/{table}", timeout=30).status_code == 204
     deadline = time.monotonic() + 20
-    while httpx.get(f"{replicas[0].url}/v1/tables/{table}").status_code != 404:
+    while replicas[0].http.get(f"/v1/tables/{table}").status_code != 404:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     create_table(replicas[1], table)  # a new incarnation starts at version 0 with a fresh log
@@ -293,7 +293,7 @@ def test_replica_without_nats_is_not_ready(tmp_path: Path, nats_cluster: NatsClu
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200:
+                if server.http.get("/healthz", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
