@@ -1,4 +1,4 @@
-"""Fixtures for replication tests: real NATS JetStream clusters on loopback (one shared by the session,
+"""Fixtures for replication tests: real NATS JetStream clusters on loopback (one shared by the package,
 private ones for faults), and robez replicas as real ``python -m service serve --nats ...`` processes.
 Everything is stopped by pid."""
 
@@ -41,31 +41,32 @@ def running_cluster(directory: Path, size: int, **options: Any) -> Iterator[Nats
         cluster.stop()
 
 
-# One secured 3-node cluster for the whole session, shared by every module that leaves its nodes alone:
-# each module keeps to its own NATS prefix (and so its own streams and buckets) and table names.
+# One secured 3-node cluster for the replication tests (package scope: stopped when the last of them
+# ends, so its nodes and replicas do not idle beside the rest of the suite), shared by every module that
+# leaves its nodes alone: each keeps to its own NATS prefix (its own streams and buckets) and table names.
 # Private clusters remain for what changes the nodes themselves: kill -9 or SIGSTOP of a node
 # (``replicas_nats``), a secured cluster with a narrowed prefix (test_nats_security.py), a small
 # max_payload (test_scale_health.py).
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def shared_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
     with running_cluster(tmp_path_factory.mktemp("nats-shared"), 3) as cluster:
         yield cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def nats_cluster(shared_nats: NatsCluster) -> NatsCluster:
-    """The session's shared cluster (the name the modules have always used)."""
+    """The shared cluster (the name the modules have always used)."""
     return shared_nats
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def single_nats(shared_nats: NatsCluster) -> NatsCluster:
     """Where tests of ``JetStreamLog`` alone (streams of one replica, ``replicas=1``) run: the shared
     cluster too, each test under its own prefix."""
     return shared_nats
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def replicas_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
     """The cluster of ``replicas``, private to the tests that use that pair: some of them kill -9 or
     freeze its nodes (and restart or thaw them before they end), which no other module's streams should
@@ -135,11 +136,11 @@ class ReplicaServer(RobezProcess):
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def replicas(
     replicas_nats: NatsCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[ReplicaServer]]:
-    """Two replicas on ``replicas_nats`` (prefix ``t``) for the whole session: tests create their own
+    """Two replicas on ``replicas_nats`` (prefix ``t``) for every module here: tests create their own
     tables on them (names unique across the modules that use them) and restart what they kill."""
     workdir = tmp_path_factory.mktemp("replicas")
     with running_replicas(
