@@ -3,7 +3,8 @@
 Lookups and updates travel as binary ``application/octet-stream`` (little-endian int64 ids, float32
 row-major rows, ``X-Robez-Shape: n,d``); the smaller control calls use JSON. One concept per module:
 
-- ``wire``: headers, binary encoding and decoding, ``parse_server_timing``, ``RobezClientError``;
+- ``wire``: headers, binary encoding and decoding, ``RobezClientError`` (``parse_server_timing`` is
+  ``service.servertiming``'s, re-exported);
 - ``calls``: every request as data (``Call``), shared by both clients;
 - ``base``: what both clients share (retries, bookkeeping, multi-request plans, TLS);
 - ``sync_client`` (``RobezClient``) and ``async_client`` (``AsyncRobezClient``);
@@ -18,6 +19,7 @@ Example::
     client.last_timing                                              # {"hash": 0.01, "apply": ..., ...} ms
 """
 
+from ..servertiming import parse_server_timing
 from .async_client import AsyncRobezClient
 from .base import DEFAULT_BUSY_RETRIES, DEFAULT_TIMEOUT_S, DEFAULT_URL, TLSVerify, tls_verify
 from .collection import RemoteEmbeddingBagCollection, StepStats
@@ -39,7 +41,6 @@ from .wire import (
     encode_ids,
     encode_rows,
     encode_update,
-    parse_server_timing,
     parse_shape,
 )
 

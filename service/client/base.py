@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 from torch import Tensor
 
+from ..servertiming import parse_server_timing
 from .calls import Call, update_calls, update_many_calls
 from .wire import (
     REPLICA_HEADER,
@@ -26,7 +27,6 @@ from .wire import (
     IdsLike,
     RobezClientError,
     error_from_response,
-    parse_server_timing,
 )
 
 T = TypeVar("T")

@@ -8,7 +8,6 @@ and other tools may use it on its own.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import httpx
@@ -134,24 +133,6 @@ def decode_rows(body: bytes, shape: tuple[int, int]) -> Tensor:
     # astype copies into a writable native-order array, so the tensor owns its memory.
     array = np.frombuffer(body, dtype=ROWS_DTYPE).astype(np.float32)
     return torch.from_numpy(array).reshape(n, d)
-
-
-def parse_server_timing(header: str | None) -> dict[str, float]:
-    """Parses ``Server-Timing: hash;dur=0.1, lookup;dur=0.5, total;dur=0.7`` into {name: ms}.
-
-    Entries without a readable ``dur`` are skipped; an absent header gives ``{}``.
-    """
-    timing: dict[str, float] = {}
-    if not header:
-        return timing
-    for entry in header.split(","):
-        name, *params = (part.strip() for part in entry.split(";"))
-        for param in params:
-            key, _, value = param.partition("=")
-            if name and key.strip().lower() == "dur":
-                with contextlib.suppress(ValueError):
-                    timing[name] = float(value.strip().strip('"'))
-    return timing
 
 
 def error_from_response(response: httpx.Response) -> RobezClientError:

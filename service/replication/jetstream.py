@@ -71,8 +71,9 @@ from nats.js.object_store import (
 
 from robez_core.errors import BusyError, ConflictError, NotFoundError
 
+from ..natsauth import NatsAuth
 from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError
-from .natsauth import NatsAuth
+from .natspatch import bound_tls_close
 from .objects import SnapshotObjects, unavailable
 from .records import SHAPE, update_too_large
 
@@ -131,6 +132,7 @@ class JetStreamLog(SnapshotObjects):
         auth: NatsAuth | None = None,
         lease_ttl_s: float = 30.0,
     ) -> None:
+        bound_tls_close()  # a hung node's TLS close must not stall reconnects; refuses an unknown nats-py
         self.urls = urls
         self.auth = auth or NatsAuth()
         self.replicas = replicas

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,7 @@ from service.replication.jetstream import JetStreamLog
 from service.replication.log import CatalogEntry, Snapshot
 from service.replication.objects import SNAPSHOT_CHUNK_BYTES
 
-from .conftest import running_cluster
-
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def single_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
-    with running_cluster(tmp_path_factory.mktemp("nats-snap"), 1) as cluster:
-        yield cluster
 
 
 def _file(tmp_path: Path, name: str, chunks: float) -> Path:
