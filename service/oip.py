@@ -135,9 +135,21 @@ def model_metadata(name: str, embedding_dim: int) -> dict[str, Any]:
     }
 
 
+MAX_ECHO_CHARS = 64
+
+
+def shown(text: Any) -> str:
+    """Client text as an error message quotes it: its repr, cut to ``MAX_ECHO_CHARS`` characters (a
+    message may travel in a header, and a name may be a megabyte)."""
+    text = str(text)
+    if len(text) <= MAX_ECHO_CHARS:
+        return repr(text)
+    return f"{text[:MAX_ECHO_CHARS]!r}... ({len(text)} characters)"
+
+
 def _flag(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
-        raise InvalidInputError(f"{what} must be true or false, got {value!r}")
+        raise InvalidInputError(f"{what} must be true or false, got {shown(value)}")
     return value
 
 
@@ -145,54 +157,60 @@ def _flag(value: Any, what: str) -> bool:
 class TensorInput:
     """One input tensor as a transport hands it over: its values either as ``raw`` little-endian bytes
     (HTTP's binary tensor data, gRPC's ``raw_input_contents``) or as ``data``, a flat row-major sequence
-    (JSON's ``data``, gRPC's typed ``contents``)."""
+    (JSON's ``data``; gRPC's typed ``contents``, already an array)."""
 
     name: str
     datatype: str
     shape: Sequence[int]
-    data: Sequence[Any] | None = None
+    data: Sequence[Any] | np.ndarray | None = None
     raw: bytes | memoryview | None = None
 
 
-def _checked_type(name: str, datatype: str, shape: Sequence[int]) -> tuple[str, int]:
+def checked_type(name: str, datatype: str, shape: Sequence[int]) -> tuple[str, int]:
     """The input's datatype and element count, after the checks every transport shares."""
     expected = _INPUT_TYPES.get(name)
     if expected is None:
-        raise InvalidInputError(f"unknown input {name!r}; the inputs are {', '.join(sorted(_INPUT_TYPES))}")
+        raise InvalidInputError(
+            f"unknown input {shown(name)}; the inputs are {', '.join(sorted(_INPUT_TYPES))}"
+        )
     if datatype != expected:
-        raise InvalidInputError(f"input {name!r} must be {expected}, got {datatype!r}")
+        raise InvalidInputError(f"input {shown(name)} must be {expected}, got {shown(datatype)}")
     if len(shape) != 1 or shape[0] < 0:
-        raise InvalidInputError(f"input {name!r} must have shape [n], got {list(shape)}")
+        raise InvalidInputError(f"input {shown(name)} must have shape [n], got {shown(list(shape))}")
     return expected, int(shape[0])
 
 
 def _values(tensor: TensorInput) -> np.ndarray:
     """The tensor's values (1-D, little-endian), checked against its name, datatype and shape."""
     name = tensor.name
-    expected, count = _checked_type(name, tensor.datatype, tensor.shape)
+    expected, count = checked_type(name, tensor.datatype, tensor.shape)
     dtype = _DTYPES[expected]
     if tensor.raw is not None:
         size = len(tensor.raw)
         if size != count * dtype.itemsize:
             raise InvalidInputError(
-                f"input {name!r}: {size} bytes of raw data, but shape [{count}] of {expected} is "
+                f"input {shown(name)}: {size} bytes of raw data, but shape [{count}] of {expected} is "
                 f"{count * dtype.itemsize} ({count} x {dtype.itemsize} bytes)"
             )
         return np.frombuffer(tensor.raw, dtype=dtype, count=count)
     data = tensor.data
     if data is None:
-        raise InvalidInputError(f"input {name!r} needs data (or binary data)")
+        raise InvalidInputError(f"input {shown(name)} needs data (or binary data)")
+    if isinstance(data, np.ndarray):  # decoded by the transport (gRPC's int64_contents)
+        if data.shape != (count,):
+            raise InvalidInputError(f"input {shown(name)}: shape [{count}] but {data.size} values")
+        return data.astype(dtype, copy=False)
     if len(data) != count:
-        raise InvalidInputError(f"input {name!r}: shape [{count}] but {len(data)} values (flat)")
+        raise InvalidInputError(f"input {shown(name)}: shape [{count}] but {len(data)} values (flat)")
     if expected == "INT64":
         if not all(type(value) is int for value in data):
-            raise InvalidInputError(f"input {name!r}: INT64 data must be a flat list of integers")
+            raise InvalidInputError(f"input {shown(name)}: INT64 data must be a flat list of integers")
         try:
             return np.array(data, dtype=np.int64)
         except OverflowError:
-            raise InvalidInputError(f"input {name!r}: a value is outside the int64 range") from None
+            raise InvalidInputError(f"input {shown(name)}: a value is outside the int64 range") from None
     if not all(type(value) in (int, float) for value in data):
-        raise InvalidInputError(f"input {name!r}: FP32 data must be a flat list of numbers")
+        raise InvalidInputError(f"input {shown(name)}: FP32 data must be a flat list of numbers")
     with np.errstate(over="ignore"):  # beyond float32's range: Inf, which the lookup rejects
         return np.array(data, dtype=np.float64).astype(np.float32)
 
@@ -211,17 +229,18 @@ def inference_from(
     unknown = set(parameters) - _REQUEST_PARAMETERS
     if unknown:
         raise InvalidInputError(
-            f"unknown request parameters {sorted(unknown)}; known: {sorted(_REQUEST_PARAMETERS)}"
+            f"unknown request parameters {[shown(key) for key in sorted(unknown)[:8]]}; "
+            f"known: {sorted(_REQUEST_PARAMETERS)}"
         )
     pooling = parameters.get("pooling", "none")
     if pooling not in _POOLINGS:
-        raise InvalidInputError(f"parameter pooling must be one of {_POOLINGS}, got {pooling!r}")
+        raise InvalidInputError(f"parameter pooling must be one of {_POOLINGS}, got {shown(pooling)}")
     binary_output = binary_by_default
     if "binary_data_output" in parameters:
         binary_output = _flag(parameters["binary_data_output"], "parameter binary_data_output")
     for output_name, output_parameters in outputs:
         if output_name != EMBEDDINGS:
-            raise InvalidInputError(f"unknown output {output_name!r}; the output is {EMBEDDINGS!r}")
+            raise InvalidInputError(f"unknown output {shown(output_name)}; the output is {EMBEDDINGS!r}")
         if set(output_parameters) - {"binary_data"}:
             raise InvalidInputError(f"output {EMBEDDINGS!r}: the only parameter is binary_data")
         if "binary_data" in output_parameters:
@@ -229,13 +248,13 @@ def inference_from(
     arrays: dict[str, np.ndarray] = {}
     for tensor in tensors:
         if tensor.name in arrays:
-            raise InvalidInputError(f"input {tensor.name!r} is given twice")
+            raise InvalidInputError(f"input {shown(tensor.name)} is given twice")
         arrays[tensor.name] = _values(tensor)
     if IDS not in arrays:
         raise InvalidInputError(f"the input {IDS!r} (INT64, shape [n]) is required")
     offsets, weights = arrays.get(OFFSETS), arrays.get(WEIGHTS)
     return Inference(
-        ids=arrays[IDS].astype(np.int64),
+        ids=arrays[IDS].astype(np.int64, copy=False),
         offsets=None if offsets is None else torch.from_numpy(offsets.astype(np.int64)),
         pooling=pooling,
         per_sample_weights=None if weights is None else torch.from_numpy(weights.astype(np.float32)),
@@ -250,22 +269,24 @@ def _json_tensor(tensor: InferTensor, binary: memoryview, position: int) -> tupl
     parameters = tensor.parameters or {}
     unknown = set(parameters) - {"binary_data_size"}
     if unknown:
-        raise InvalidInputError(f"input {tensor.name!r}: unknown parameters {sorted(unknown)}")
+        raise InvalidInputError(
+            f"input {shown(tensor.name)}: unknown parameters {[shown(key) for key in sorted(unknown)[:8]]}"
+        )
     size = parameters.get("binary_data_size")
     if size is None:
         return TensorInput(tensor.name, tensor.datatype, tensor.shape, data=tensor.data), position
-    expected, count = _checked_type(tensor.name, tensor.datatype, tensor.shape)
+    expected, count = checked_type(tensor.name, tensor.datatype, tensor.shape)
     itemsize = _DTYPES[expected].itemsize
     if tensor.data is not None:
-        raise InvalidInputError(f"input {tensor.name!r} has both data and binary_data_size")
+        raise InvalidInputError(f"input {shown(tensor.name)} has both data and binary_data_size")
     if type(size) is not int or size != count * itemsize:
         raise InvalidInputError(
-            f"input {tensor.name!r}: binary_data_size must be {count * itemsize} "
-            f"({count} x {itemsize} bytes), got {size!r}"
+            f"input {shown(tensor.name)}: binary_data_size must be {count * itemsize} "
+            f"({count} x {itemsize} bytes), got {shown(size)}"
         )
     if position + size > len(binary):
         raise InvalidInputError(
-            f"input {tensor.name!r}: the body holds {len(binary) - position} more bytes, not {size}"
+            f"input {shown(tensor.name)}: the body holds {len(binary) - position} more bytes, not {size}"
         )
     raw = binary[position : position + size]
     return TensorInput(tensor.name, tensor.datatype, tensor.shape, raw=raw), position + size
@@ -279,7 +300,7 @@ def decode_infer(body: bytes, header_length: str | None) -> Inference:
         if not is_count(header_length.strip()) or int(header_length) > len(body):
             raise InvalidInputError(
                 f"{HEADER_LENGTH} must be the byte length of the JSON header (at most {len(body)}), "
-                f"got {header_length!r}"
+                f"got {shown(header_length)}"
             )
         split = int(header_length)
         json_part, binary = body[:split], memoryview(body)[split:]

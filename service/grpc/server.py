@@ -23,9 +23,10 @@ A call goes through what an HTTP request goes through, transport aside:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio.to_thread
@@ -34,24 +35,29 @@ from fastapi import FastAPI
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
+from robez_core.allocator import trim_free_memory
 from robez_core.errors import BusyError, InvalidInputError, RobezError
 
 from .. import tracing
 from ..auth import check_read_access
 from ..config import Settings
 from ..errors import grpc_code_for, status_for
+from ..http.admission import Admission
 from ..oip import (
     EMBEDDINGS,
     PLATFORM,
     SERVER_METADATA,
     Inference,
     TensorInput,
+    checked_type,
     infer,
     inference_from,
     model_metadata,
+    shown,
 )
 from ..routes.deps import INLINE_MAX_BODY_BYTES
 from ..store import LookupResult, TableStore
+from .wire import CONTENTS_FIELDS, WireRequest, decode_int64s, fp32_values, parse_request
 
 logger = logging.getLogger("robez.grpc")
 
@@ -60,25 +66,25 @@ SERVICE = "inference.GRPCInferenceService"
 # words): up to it, robez refuses it naming the limit, as HTTP's 413 does.
 _RECEIVE_HEADROOM_BYTES = 1 << 20
 _MAX_MESSAGE_BYTES = (1 << 31) - 1
-_CONTENTS_FIELD = {"INT64": "int64_contents", "FP32": "fp32_contents"}
+_CONTENTS_FIELD = {"INT64": 3, "FP32": 6}  # the InferTensorContents field of each datatype taken
 _GRACE_S = 5.0
+# A call's message is taken from the connection only once the servicer reads it: until then gRPC holds at
+# most this much of it (flow control; the bandwidth probe that would widen the window is off).
+_LOOKAHEAD_BYTES = 64 * 1024
+_MAX_CONCURRENT_STREAMS = 100  # per connection, as Envoy's and nginx's defaults
+_ROOM_POLL_S = 0.005
+_TRIM_AFTER_BYTES = 8 << 20
+_MAX_MESSAGE_CHARS = 1024  # of any error message (grpc-message is a header)
 
 # A method's handler: the request message's bytes -> (the response message, the table label).
 _Handler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[tuple[Any, str]]]
 
 
-def _parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
-    """A protobuf ``map<string, InferParameter>`` as plain values (bool, int, str, float)."""
-    values: dict[str, Any] = {}
-    for key, parameter in parameters.items():
-        which = parameter.WhichOneof("parameter_choice")
-        values[key] = None if which is None else getattr(parameter, which)
-    return values
-
-
-def _tensors(request: Any) -> list[TensorInput]:
-    """The request's inputs: raw (``raw_input_contents``, one per input, in order) or typed contents."""
-    raw: Sequence[bytes] = request.raw_input_contents
+def _tensors(request: WireRequest, max_ids: int) -> list[TensorInput]:
+    """The request's inputs: raw (``raw_input_contents``, one per input, in order: views of the message)
+    or typed contents (``int64_contents`` decoded into an array, refused past ``max_ids`` first;
+    ``fp32_contents`` as the raw little-endian bytes they are)."""
+    raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidInputError(
             f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: give every input "
@@ -86,36 +92,49 @@ def _tensors(request: Any) -> list[TensorInput]:
         )
     tensors = []
     for position, tensor in enumerate(request.inputs):
+        name, datatype, shape = tensor.name, tensor.datatype, tensor.shape
         if tensor.parameters:
-            raise InvalidInputError(f"input {tensor.name!r}: unknown parameters {sorted(tensor.parameters)}")
-        given = [field.name for field, _ in tensor.contents.ListFields()]
-        if raw:
-            if given:
-                raise InvalidInputError(f"input {tensor.name!r} has both contents and raw_input_contents")
-            tensors.append(TensorInput(tensor.name, tensor.datatype, list(tensor.shape), raw=raw[position]))
-            continue
-        field = _CONTENTS_FIELD.get(tensor.datatype)
-        if given and given != [field]:
             raise InvalidInputError(
-                f"input {tensor.name!r} ({tensor.datatype}) carries its values in {field}, got {given}"
+                f"input {shown(name)}: unknown parameters {sorted(tensor.parameters)[:8]}"
             )
-        data = list(getattr(tensor.contents, field)) if field is not None else []
-        tensors.append(TensorInput(tensor.name, tensor.datatype, list(tensor.shape), data=data))
+        if raw:
+            if tensor.contents:
+                raise InvalidInputError(f"input {shown(name)} has both contents and raw_input_contents")
+            tensors.append(TensorInput(name, datatype, shape, raw=raw[position]))
+            continue
+        checked_type(name, datatype, shape)  # a datatype robez does not take is refused by name first
+        number = _CONTENTS_FIELD[datatype]
+        given = sorted(tensor.contents)
+        if given and given != [number]:
+            raise InvalidInputError(
+                f"input {shown(name)} ({datatype}) carries its values in {CONTENTS_FIELDS[number]}, got "
+                f"{[CONTENTS_FIELDS.get(field, field) for field in given]}"
+            )
+        values = tensor.contents.get(number)
+        if values is None:
+            tensors.append(TensorInput(name, datatype, shape))  # no data: refused as such
+        elif datatype == "INT64":
+            array = decode_int64s(values, max_ids, f"input {shown(name)}")
+            tensors.append(TensorInput(name, datatype, shape, data=array))
+        else:
+            tensors.append(
+                TensorInput(name, datatype, shape, raw=fp32_values(values, f"input {shown(name)}"))
+            )
     return tensors
 
 
-def decode_request(request: Any) -> Inference:
-    """A ``ModelInferRequest`` as an ``Inference``: the REST request's checks (``oip.inference_from``).
-    The answer is raw (``raw_output_contents``) when the inputs were, unless a parameter says otherwise."""
+def decode_request(request: WireRequest, max_ids: int) -> Inference:
+    """A ``ModelInferRequest`` (its wire fields) as an ``Inference``: the REST request's checks
+    (``oip.inference_from``). The answer is raw (``raw_output_contents``) when the inputs were, unless a
+    parameter says otherwise."""
     if request.model_version:
         raise InvalidInputError(
-            f"model_version {request.model_version!r}: a table has one version served; leave it empty"
+            f"model_version {shown(request.model_version)}: a table has one version served; leave it empty"
         )
-    outputs = [(output.name, _parameters(output.parameters)) for output in request.outputs]
     return inference_from(
-        _tensors(request),
-        _parameters(request.parameters),
-        outputs,
+        _tensors(request, max_ids),
+        request.parameters,
+        request.outputs,
         request.id or None,
         binary_by_default=bool(request.raw_input_contents),
     )
@@ -139,32 +158,42 @@ class InferenceServicer:
     def __init__(self, app: FastAPI) -> None:
         self.app = app
         self.settings: Settings = app.state.settings
+        # What one message may hold while it arrives: gRPC refuses a longer declared length itself.
+        self.max_message_bytes = receive_limit(self.settings)
+        self.reading_bytes = min(self.max_message_bytes, self.settings.max_body_bytes_held)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The generic handler of every served method (messages are parsed here, so their size is known
-        before parsing, as a body's is)."""
-        methods: dict[str, _Handler] = {
-            "ServerLive": self._server_live,
-            "ServerReady": self._server_ready,
-            "ServerMetadata": self._server_metadata,
-            "ModelReady": self._model_ready,
-            "ModelMetadata": self._model_metadata,
-            "ModelInfer": self._model_infer,
+        """The generic handler of every served method. Each is served as a call with a request *stream*
+        (of the one message unary clients send): the servicer reads the message itself, once the read key
+        and the worker's room for it are checked, and within ``body_timeout_s``; until then gRPC holds at
+        most its first ``_LOOKAHEAD_BYTES`` (the server's flow-control window, ``start_grpc``)."""
+        methods: dict[str, tuple[_Handler, bool]] = {
+            "ServerLive": (self._server_live, False),
+            "ServerReady": (self._server_ready, False),
+            "ServerMetadata": (self._server_metadata, False),
+            "ModelReady": (self._model_ready, True),
+            "ModelMetadata": (self._model_metadata, True),
+            "ModelInfer": (self._model_infer, True),
         }
         return grpc.method_handlers_generic_handler(
             SERVICE,
-            {name: grpc.unary_unary_rpc_method_handler(self._unary(name, h)) for name, h in methods.items()},
+            {
+                name: grpc.stream_unary_rpc_method_handler(self._unary(name, handler, read_key))
+                for name, (handler, read_key) in methods.items()
+            },
         )
 
-    def _unary(self, name: str, handler: _Handler) -> Callable[[bytes, grpc.aio.ServicerContext], Any]:
+    def _unary(
+        self, name: str, handler: _Handler, read_key: bool
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
         path = f"/{SERVICE}/{name}"
+        timeout_s = self.settings.body_timeout_s
 
-        async def call(body: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def call(_: Any, context: grpc.aio.ServicerContext) -> bytes:
             start = time.perf_counter()
             state = self.app.state
             admission = state.admission
-            size = len(body)
-            slot, held, table, status = False, 0, "", 200
+            slot, held, reading, table, status = False, 0, 0, "", 200
             trace = None
             if tracing.TRACER is not None:
                 trace = tracing.start_request(
@@ -173,6 +202,15 @@ class InferenceServicer:
                     {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": name},
                 )
             try:
+                if read_key:  # before a byte of the message is taken from the connection
+                    self._check_read(context)
+                reading = await self._room_to_read(admission, start + timeout_s)
+                body = await asyncio.wait_for(context.read(), start + timeout_s - time.perf_counter())
+                admission.release(False, reading)
+                reading = 0
+                if not isinstance(body, bytes):  # grpc.aio.EOF: the client sent no message
+                    raise InvalidInputError("the call carries no request message")
+                size = len(body)
                 refused = admission.refusal(path, size)
                 if refused is not None:
                     raise refused
@@ -181,18 +219,33 @@ class InferenceServicer:
                 serialized: bytes = response.SerializeToString()
                 return serialized
             except Exception as exc:
-                status, message = _status(exc, path)
-                await context.abort(grpc.StatusCode[grpc_code_for(status)], message)
+                code, status, message = _status(exc, path, timeout_s)
+                if status == 408:
+                    admission.metrics.rejected_total.labels("body_timeout").inc()
+                await context.abort(code, message)
                 raise  # abort raises; never reached
             finally:
-                admission.release(slot, held)
+                admission.release(slot, held + reading)
                 state.metrics.observe_request(path, "GRPC", table, status, time.perf_counter() - start)
+                if status >= 400 and (status == 408 or held >= _TRIM_AFTER_BYTES):
+                    # The message's buffers, freed by gRPC and us, back to the system (glibc keeps them).
+                    await anyio.to_thread.run_sync(trim_free_memory)
                 if trace is not None:
                     code = grpc.StatusCode[grpc_code_for(status)] if status >= 400 else grpc.StatusCode.OK
                     attributes = {"rpc.grpc.status_code": code.value[0], tracing.TABLE: table}
                     tracing.end_request(trace, None, attributes, status >= 500)
 
         return call
+
+    async def _room_to_read(self, admission: Admission, deadline: float) -> int:
+        """Hold room for a message about to be read (``reading_bytes``, as much as it may hold while it
+        arrives) among the bodies the worker holds; waits for room until ``deadline`` (then TimeoutError),
+        as calls whose messages are in read and free theirs. Returns the bytes held."""
+        while not admission.hold(self.reading_bytes):
+            if time.perf_counter() >= deadline:
+                raise TimeoutError
+            await asyncio.sleep(_ROOM_POLL_S)
+        return self.reading_bytes
 
     def _store(self) -> TableStore:
         store: TableStore | None = getattr(self.app.state, "store", None)
@@ -219,13 +272,11 @@ class InferenceServicer:
 
     async def _model_ready(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
         request = pb.ModelReadyRequest.FromString(body)
-        self._check_read(context)
         self._store().table(request.name)  # NotFoundError: as GET /v2/models/{name}/ready's 404
         return pb.ModelReadyResponse(ready=True), request.name
 
     async def _model_metadata(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
         request = pb.ModelMetadataRequest.FromString(body)
-        self._check_read(context)
         config = self._store().table(request.name).config
         metadata = model_metadata(request.name, config.embedding_dim)
         response = pb.ModelMetadataResponse(name=request.name, platform=PLATFORM)
@@ -235,14 +286,14 @@ class InferenceServicer:
         return response, request.name
 
     async def _model_infer(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
-        self._check_read(context)
         store, metrics = self._store(), self.app.state.metrics
+        max_ids = self.settings.max_ids_per_request
 
         def work() -> tuple[str, Inference, LookupResult]:
             # Parsed here, off the event loop when the message is large (as a REST body is decoded).
-            request = pb.ModelInferRequest.FromString(body)
+            request = parse_request(body)
             name = request.model_name
-            return (name, *infer(store, metrics, name, lambda: decode_request(request)))
+            return (name, *infer(store, metrics, name, lambda: decode_request(request, max_ids)))
 
         if len(body) <= INLINE_MAX_BODY_BYTES:
             name, inference, result = work()
@@ -262,21 +313,34 @@ def _trace_carrier(context: grpc.aio.ServicerContext) -> dict[str, str]:
     }
 
 
-def _status(exc: Exception, path: str) -> tuple[int, str]:
-    """The HTTP status an error answers with (the one table) and its message."""
+def _status(exc: Exception, path: str, timeout_s: float) -> tuple[grpc.StatusCode, int, str]:
+    """The gRPC code, the HTTP status an error answers with (the one table) and its message (at most
+    ``_MAX_MESSAGE_CHARS``: it travels in a header, and may quote the client)."""
+    if isinstance(exc, TimeoutError):
+        message = f"the request message did not arrive within body_timeout_s={timeout_s:g}"
+        return grpc.StatusCode.DEADLINE_EXCEEDED, 408, message
     if isinstance(exc, RobezError):
         status = status_for(exc)
+        message = str(exc)
         if status >= 500:
-            logger.error("%s on %s: %s", type(exc).__name__, path, exc)
-        return status, str(exc)
-    if isinstance(exc, DecodeError):
-        return 422, f"invalid request message: {exc}"
-    logger.exception("unexpected error on %s", path, exc_info=exc)
-    return 500, "internal server error"
+            logger.error("%s on %s: %s", type(exc).__name__, path, message[:_MAX_MESSAGE_CHARS])
+    elif isinstance(exc, DecodeError):
+        status, message = 422, f"invalid request message: {exc}"
+    else:
+        logger.exception("unexpected error on %s", path, exc_info=exc)
+        status, message = 500, "internal server error"
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
+    return grpc.StatusCode[grpc_code_for(status)], status, message
 
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def receive_limit(settings: Settings) -> int:
+    """The longest message gRPC takes (it refuses a longer declared length before reading it)."""
+    return min(settings.max_body_bytes + _RECEIVE_HEADROOM_BYTES, _MAX_MESSAGE_BYTES)
 
 
 async def start_grpc(app: FastAPI, settings: Settings) -> tuple[grpc.aio.Server, int]:
@@ -286,11 +350,11 @@ async def start_grpc(app: FastAPI, settings: Settings) -> tuple[grpc.aio.Server,
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 1),
-            (
-                "grpc.max_receive_message_length",
-                min(settings.max_body_bytes + _RECEIVE_HEADROOM_BYTES, _MAX_MESSAGE_BYTES),
-            ),
+            ("grpc.max_receive_message_length", receive_limit(settings)),
             ("grpc.max_send_message_length", -1),
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", _LOOKAHEAD_BYTES),
+            ("grpc.max_concurrent_streams", _MAX_CONCURRENT_STREAMS),
         ]
     )
     server.add_generic_rpc_handlers((InferenceServicer(app).handler(),))
