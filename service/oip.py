@@ -19,7 +19,7 @@ response carries the same header.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
-from robez_core.errors import InvalidInputError
+from robez_core.errors import InvalidInputError, NotFoundError
 
 from .codec import is_count, rows_view
 from .errors import summarize_validation_errors
@@ -42,8 +42,19 @@ _INPUT_TYPES = {IDS: "INT64", OFFSETS: "INT64", WEIGHTS: "FP32"}
 _DTYPES: dict[str, np.dtype[Any]] = {"INT64": np.dtype("<i8"), "FP32": np.dtype("<f4")}
 _POOLINGS: tuple[str, ...] = ("none", "sum", "mean")
 _REQUEST_PARAMETERS = frozenset({"pooling", "binary_data_output"})
-SERVER_METADATA = {"name": "robez", "version": "1", "extensions": ["binary_tensor_data"]}
+# Triton's request parameters that mean nothing for a table, accepted and ignored: a unary call has no
+# final empty response to ask for; nothing queues, so nothing has a queue priority or timeout.
+IGNORED_REQUEST_PARAMETERS = frozenset({"triton_enable_empty_final_response", "priority", "timeout"})
+SERVER_METADATA = {
+    "name": "robez",
+    "version": "1",
+    "extensions": ["binary_tensor_data", "statistics", "model_configuration"],
+}
 PLATFORM = "robez"
+OPTIONAL_INPUTS = (
+    f"{OFFSETS} INT64 [B] and {WEIGHTS} FP32 [n], with the request parameter pooling (sum | mean): "
+    "bags of rows pooled, as /v1 lookups"
+)
 
 
 class _Model(BaseModel):
@@ -69,6 +80,8 @@ class InferRequest(_Model):
     """``POST /v2/models/{table}/infer``; parameters: ``pooling`` ("none" | "sum" | "mean"),
     ``binary_data_output`` (bool)."""
 
+    model_name: str | None = None  # official clients (kserve) repeat the path's; checked against it
+    model_version: str | None = None
     id: str | None = None
     parameters: dict[str, Any] | None = None
     inputs: list[InferTensor]
@@ -98,6 +111,7 @@ class TensorMetadata(_Model):
 
 class ModelMetadata(_Model):
     name: str
+    versions: list[str]
     platform: str
     inputs: list[TensorMetadata]
     outputs: list[TensorMetadata]
@@ -119,20 +133,149 @@ class Inference:
     per_sample_weights: Tensor | None
     request_id: str | None
     binary_output: bool
+    version: str | None = None  # the model version asked for; None: the one served
 
 
-def model_metadata(name: str, embedding_dim: int) -> dict[str, Any]:
-    """``GET /v2/models/{name}``: the inputs and output of a table of dimension ``embedding_dim``."""
+def model_metadata(name: str, embedding_dim: int, version: int) -> dict[str, Any]:
+    """``GET /v2/models/{name}``: the input and output of a table of dimension ``embedding_dim``, and the
+    one version it serves. Only the required input is listed: tools that fill every listed input with
+    generated data (perf_analyzer, which takes no empty shape) would send random offsets otherwise; the
+    optional ones are named in the model configuration's ``parameters`` (``OPTIONAL_INPUTS``)."""
+    return {
+        "name": name,
+        "versions": [str(version)],
+        "platform": PLATFORM,
+        "inputs": [{"name": IDS, "datatype": "INT64", "shape": [-1]}],
+        "outputs": [{"name": EMBEDDINGS, "datatype": "FP32", "shape": [-1, embedding_dim]}],
+    }
+
+
+def _not_served(name: str, asked: str, served: int) -> str:
+    return (
+        f"model {shown(name)} version {shown(asked)} is not served: a table serves its current version, "
+        f"{served} (leave the version empty for it)"
+    )
+
+
+def served_version(store: TableStore, name: str, version: str | None) -> int:
+    """The version table ``name`` serves, once ``version`` (None or "": any) is checked to be it. A table
+    serves one version, its current one (the ``model_version`` of every answer, ``X-Robez-Version`` of
+    ``/v1``); any other is not found (404, NOT_FOUND), on both transports, for every call."""
+    served = store.version(name)  # NotFoundError for an unknown table
+    if version and version != str(served):
+        raise NotFoundError(_not_served(name, version, served))
+    return served
+
+
+def model_config(name: str, embedding_dim: int) -> dict[str, Any]:
+    """``GET /v2/models/{name}/config``: the table in Triton's model configuration (its JSON form, and
+    the ``ModelConfig`` protobuf's fields): what tools such as perf_analyzer read to make inputs. No
+    batch dimension (``max_batch_size`` 0): ``ids`` is [-1], ``embeddings`` [-1, d] (rows, or pooled
+    bags); the optional inputs are described in ``parameters`` (as in the metadata, not listed)."""
+
+    def tensor(tensor_name: str, data_type: str, dims: list[int]) -> dict[str, Any]:
+        return {"name": tensor_name, "data_type": data_type, "dims": dims, "optional": False}
+
     return {
         "name": name,
         "platform": PLATFORM,
-        "inputs": [
-            {"name": IDS, "datatype": "INT64", "shape": [-1]},
-            {"name": OFFSETS, "datatype": "INT64", "shape": [-1]},
-            {"name": WEIGHTS, "datatype": "FP32", "shape": [-1]},
-        ],
-        "outputs": [{"name": EMBEDDINGS, "datatype": "FP32", "shape": [-1, embedding_dim]}],
+        "backend": PLATFORM,
+        "version_policy": {"latest": {"num_versions": 1}},
+        "max_batch_size": 0,
+        "input": [tensor(IDS, "TYPE_INT64", [-1])],
+        "output": [{"name": EMBEDDINGS, "data_type": "TYPE_FP32", "dims": [-1, embedding_dim]}],
+        "parameters": {
+            "embedding_dim": {"string_value": str(embedding_dim)},
+            "optional_inputs": {"string_value": OPTIONAL_INPUTS},
+        },
     }
+
+
+def repository_index(store: TableStore) -> list[dict[str, Any]]:
+    """``POST /v2/repository/index``: every table as a model, with the version it serves."""
+    index = []
+    for name in store.names():
+        try:
+            version = store.version(name)
+        except NotFoundError:  # deleted meanwhile
+            continue
+        index.append({"name": name, "version": str(version), "state": "READY", "reason": ""})
+    return index
+
+
+# The endpoints whose requests infer one table: their counts and times are its statistics.
+INFER_ENDPOINTS = frozenset(
+    {"/v2/models/{name}/infer", "/inference.GRPCInferenceService/ModelInfer", "/v1/tables/{name}/lookup"}
+)
+
+
+def model_statistics(
+    samples: Iterable[tuple[str, Mapping[str, str], float]], versions: Mapping[str, int]
+) -> list[dict[str, Any]]:
+    """Triton's ``model_stats`` of the tables in ``versions`` (name -> version served), from the metrics'
+    ``samples`` (name, labels, value; summed over every worker): requests of ``INFER_ENDPOINTS`` by
+    outcome (``success``, ``fail``: status 400 or more), hashing as ``compute_input``, the gather as
+    ``compute_infer`` (both over every lookup of the table, ``/v1/lookup``'s of several tables too), the
+    rest of the request's time in the app (decoding, encoding) as ``compute_output``, every compute stage
+    and ``queue`` counted as the successes; ``queue`` takes no time (a request is run when admitted, or
+    refused). Durations in ns."""
+    totals: dict[tuple[str, str], list[float]] = {}
+
+    def add(table: str, key: str, field: int, value: float) -> None:
+        totals.setdefault((table, key), [0.0, 0.0])[field] += value
+
+    for name, labels, value in samples:
+        table = labels.get("table", "")
+        if table not in versions:
+            continue
+        if name.startswith("robez_request_duration_seconds_"):
+            if labels.get("endpoint") not in INFER_ENDPOINTS:
+                continue
+            key = "fail" if int(labels.get("status", "0")) >= 400 else "success"
+        elif name.startswith("robez_hash_seconds_"):
+            key = "compute_input"
+        elif name.startswith("robez_lookup_seconds_"):
+            key = "compute_infer"
+        else:
+            continue
+        if name.endswith("_count"):
+            add(table, key, 0, value)
+        elif name.endswith("_sum"):
+            add(table, key, 1, value)
+
+    def duration(table: str, key: str) -> dict[str, int]:
+        count, seconds = totals.get((table, key), (0.0, 0.0))
+        return {"count": int(count), "ns": int(seconds * 1e9)}
+
+    stats = []
+    for table, version in sorted(versions.items()):
+        success = duration(table, "success")
+        count = success["count"]
+        # One count for the three compute stages, as clients require (perf_analyzer refuses others).
+        compute_input = {"count": count, "ns": duration(table, "compute_input")["ns"]}
+        compute_infer = {"count": count, "ns": duration(table, "compute_infer")["ns"]}
+        rest = success["ns"] - compute_input["ns"] - compute_infer["ns"]
+        stats.append(
+            {
+                "name": table,
+                "version": str(version),
+                "last_inference": 0,
+                "inference_count": success["count"],
+                "execution_count": success["count"],
+                "inference_stats": {
+                    "success": success,
+                    "fail": duration(table, "fail"),
+                    "queue": {"count": success["count"], "ns": 0},
+                    "compute_input": compute_input,
+                    "compute_infer": compute_infer,
+                    "compute_output": {"count": success["count"], "ns": max(rest, 0)},
+                    "cache_hit": {"count": 0, "ns": 0},
+                    "cache_miss": {"count": 0, "ns": 0},
+                },
+                "batch_stats": [],
+            }
+        )
+    return stats
 
 
 MAX_ECHO_CHARS = 64
@@ -141,7 +284,9 @@ MAX_ECHO_CHARS = 64
 def shown(text: Any) -> str:
     """Client text as an error message quotes it: its repr, cut to ``MAX_ECHO_CHARS`` characters (a
     message may travel in a header, and a name may be a megabyte)."""
-    text = str(text)
+    if not isinstance(text, str):
+        text = repr(text)
+        return text if len(text) <= MAX_ECHO_CHARS else f"{text[:MAX_ECHO_CHARS]}... ({len(text)} characters)"
     if len(text) <= MAX_ECHO_CHARS:
         return repr(text)
     return f"{text[:MAX_ECHO_CHARS]!r}... ({len(text)} characters)"
@@ -220,13 +365,15 @@ def inference_from(
     parameters: Mapping[str, Any],
     outputs: Sequence[tuple[str, Mapping[str, Any]]],
     request_id: str | None,
+    version: str | None = None,
     *,
     binary_by_default: bool = False,
 ) -> Inference:
     """An infer request from its parts, checked the same way whatever transport carried it: the inputs,
     the request ``parameters``, the outputs asked for (name, parameters) and the request id.
+    ``version``: the model version asked for (None or "": the one served; ``served_version``).
     ``binary_by_default``: the answer is binary unless a parameter says otherwise (gRPC with raw inputs)."""
-    unknown = set(parameters) - _REQUEST_PARAMETERS
+    unknown = set(parameters) - _REQUEST_PARAMETERS - IGNORED_REQUEST_PARAMETERS
     if unknown:
         raise InvalidInputError(
             f"unknown request parameters {[shown(key) for key in sorted(unknown)[:8]]}; "
@@ -252,14 +399,21 @@ def inference_from(
         arrays[tensor.name] = _values(tensor)
     if IDS not in arrays:
         raise InvalidInputError(f"the input {IDS!r} (INT64, shape [n]) is required")
+    # An optional input sent empty is an input not sent: tools that fill every input of the metadata
+    # (perf_analyzer: --shape offsets:0 --shape per_sample_weights:0) can leave them out that way.
     offsets, weights = arrays.get(OFFSETS), arrays.get(WEIGHTS)
+    if offsets is not None and offsets.size == 0:
+        offsets = None
+    if weights is not None and weights.size == 0:
+        weights = None
     return Inference(
-        ids=arrays[IDS].astype(np.int64, copy=False),
+        ids=arrays[IDS].astype(np.int64),  # a writable array of its own, as /v1 decodes (torch takes it)
         offsets=None if offsets is None else torch.from_numpy(offsets.astype(np.int64)),
         pooling=pooling,
         per_sample_weights=None if weights is None else torch.from_numpy(weights.astype(np.float32)),
         request_id=request_id,
         binary_output=binary_output,
+        version=version or None,
     )
 
 
@@ -292,8 +446,9 @@ def _json_tensor(tensor: InferTensor, binary: memoryview, position: int) -> tupl
     return TensorInput(tensor.name, tensor.datatype, tensor.shape, raw=raw), position + size
 
 
-def decode_infer(body: bytes, header_length: str | None) -> Inference:
-    """An infer request from its HTTP body (and ``Inference-Header-Content-Length`` in binary mode)."""
+def decode_infer(body: bytes, header_length: str | None, name: str, version: str | None = None) -> Inference:
+    """An infer request for model ``name`` (``version``: the path's, if it names one) from its HTTP body
+    (and ``Inference-Header-Content-Length`` in binary mode)."""
     if header_length is None:
         json_part, binary = body, memoryview(b"")
     else:
@@ -308,13 +463,23 @@ def decode_infer(body: bytes, header_length: str | None) -> Inference:
         request = InferRequest.model_validate_json(json_part)
     except ValidationError as exc:
         raise InvalidInputError(summarize_validation_errors(list(exc.errors()))) from exc
+    if request.model_name is not None and request.model_name != name:
+        raise InvalidInputError(
+            f"model_name {shown(request.model_name)} in the body, {shown(name)} in the path"
+        )
+    if request.model_version and version is not None and request.model_version != version:
+        raise InvalidInputError(
+            f"model_version {shown(request.model_version)} in the body, {shown(version)} in the path"
+        )
     tensors = []
     position = 0
     for tensor in request.inputs:
         decoded, position = _json_tensor(tensor, binary, position)
         tensors.append(decoded)
     outputs = [(output.name, output.parameters or {}) for output in request.outputs or []]
-    inference = inference_from(tensors, request.parameters or {}, outputs, request.id)
+    inference = inference_from(
+        tensors, request.parameters or {}, outputs, request.id, version or request.model_version or None
+    )
     if position != len(binary):
         raise InvalidInputError(f"the body has {len(binary) - position} bytes no input claims")
     return inference
@@ -326,9 +491,13 @@ def infer(
     """The inference, for every transport (the REST route and the gRPC servicer call this): the request
     ``decode`` gives, looked up in table ``name`` (rows, or pooled bags), its stage times recorded."""
     inference = decode()
+    if inference.version is not None:
+        served_version(store, name, inference.version)
     result = store.lookup(
         name, inference.ids, inference.offsets, inference.pooling, inference.per_sample_weights
     )
+    if inference.version is not None and str(result.version) != inference.version:  # an update came between
+        raise NotFoundError(_not_served(name, inference.version, result.version))
     stages = metrics.stages(name)
     stages.hash_seconds.observe(result.hash_seconds)
     stages.lookup_seconds.observe(result.lookup_seconds)

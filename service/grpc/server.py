@@ -9,11 +9,15 @@ generated code keeps one copy of those descriptors in a process that also holds 
 
 A call goes through what an HTTP request goes through, transport aside:
 
+- the read key (``auth.check_read_access``) from the metadata ``authorization: Bearer <key>``, for the
+  model and repository methods (as ``/v2/models/...``), before any of the message is read;
+- the body's bounds: the message is read by the servicer itself (``InferenceServicer.handler``), with
+  room for it among the worker's ``max_body_bytes_held`` and within ``body_timeout_s``; until then gRPC
+  holds at most its first ``_LOOKAHEAD_BYTES``;
 - the admission (``service/http/admission.py``: ``refusal``, ``admit``, ``release``): the message's size
   against ``max_body_bytes``, the worker's ``max_in_flight`` and ``max_body_bytes_held``;
-- the read key (``auth.check_read_access``) from the metadata ``authorization: Bearer <key>``, for model
-  metadata, readiness and inference (as ``/v2/models/...``);
-- the inference (``oip.inference_from`` and ``oip.infer``: the REST route's checks and lookup);
+- the inference (``wire.parse_request``, then ``oip.inference_from`` and ``oip.infer``: the REST route's
+  checks and lookup); model configuration, statistics and repository index from ``oip`` too;
 - errors: the HTTP status of the one error table (``errors.py``), sent as the gRPC code mapped from it
   (``GRPC_CODE_BY_STATUS``) with the same message;
 - metrics: ``robez_requests`` / ``robez_request_duration_seconds`` with endpoint the gRPC method's path
@@ -32,11 +36,13 @@ from typing import Any
 import anyio.to_thread
 import grpc
 from fastapi import FastAPI
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc.model_config_pb2 import ModelConfig
 
 from robez_core.allocator import trim_free_memory
-from robez_core.errors import BusyError, InvalidInputError, RobezError
+from robez_core.errors import BusyError, InvalidInputError, NotFoundError, RobezError
 
 from .. import tracing
 from ..auth import check_read_access
@@ -52,7 +58,11 @@ from ..oip import (
     checked_type,
     infer,
     inference_from,
+    model_config,
     model_metadata,
+    model_statistics,
+    repository_index,
+    served_version,
     shown,
 )
 from ..routes.deps import INLINE_MAX_BODY_BYTES
@@ -80,6 +90,26 @@ _MAX_MESSAGE_CHARS = 1024  # of any error message (grpc-message is a header)
 _Handler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[tuple[Any, str]]]
 
 
+def _check_input_parameters(name: str, parameters: dict[str, Any], raw: memoryview | None) -> None:
+    """An input's parameters: ``binary_data_size``, which Triton's and KServe's clients send with raw
+    contents, must be the length of its ``raw_input_contents``; no other is taken."""
+    unknown = set(parameters) - {"binary_data_size"}
+    if unknown:
+        raise InvalidInputError(
+            f"input {shown(name)}: unknown parameters {[shown(key) for key in sorted(unknown)[:8]]}; "
+            "the only one is binary_data_size (with raw_input_contents)"
+        )
+    if "binary_data_size" in parameters:
+        size = parameters["binary_data_size"]
+        if raw is None:
+            raise InvalidInputError(f"input {shown(name)}: binary_data_size without raw_input_contents")
+        if type(size) is not int or size != len(raw):
+            raise InvalidInputError(
+                f"input {shown(name)}: binary_data_size is {shown(size)}, "
+                f"its raw_input_contents {len(raw)} bytes"
+            )
+
+
 def _tensors(request: WireRequest, max_ids: int) -> list[TensorInput]:
     """The request's inputs: raw (``raw_input_contents``, one per input, in order: views of the message)
     or typed contents (``int64_contents`` decoded into an array, refused past ``max_ids`` first;
@@ -93,10 +123,7 @@ def _tensors(request: WireRequest, max_ids: int) -> list[TensorInput]:
     tensors = []
     for position, tensor in enumerate(request.inputs):
         name, datatype, shape = tensor.name, tensor.datatype, tensor.shape
-        if tensor.parameters:
-            raise InvalidInputError(
-                f"input {shown(name)}: unknown parameters {sorted(tensor.parameters)[:8]}"
-            )
+        _check_input_parameters(name, tensor.parameters, raw[position] if raw else None)
         if raw:
             if tensor.contents:
                 raise InvalidInputError(f"input {shown(name)} has both contents and raw_input_contents")
@@ -127,15 +154,12 @@ def decode_request(request: WireRequest, max_ids: int) -> Inference:
     """A ``ModelInferRequest`` (its wire fields) as an ``Inference``: the REST request's checks
     (``oip.inference_from``). The answer is raw (``raw_output_contents``) when the inputs were, unless a
     parameter says otherwise."""
-    if request.model_version:
-        raise InvalidInputError(
-            f"model_version {shown(request.model_version)}: a table has one version served; leave it empty"
-        )
     return inference_from(
         _tensors(request, max_ids),
         request.parameters,
         request.outputs,
         request.id or None,
+        request.model_version or None,
         binary_by_default=bool(request.raw_input_contents),
     )
 
@@ -174,6 +198,9 @@ class InferenceServicer:
             "ModelReady": (self._model_ready, True),
             "ModelMetadata": (self._model_metadata, True),
             "ModelInfer": (self._model_infer, True),
+            "ModelConfig": (self._model_config, True),
+            "ModelStatistics": (self._model_statistics, True),
+            "RepositoryIndex": (self._repository_index, True),
         }
         return grpc.method_handlers_generic_handler(
             SERVICE,
@@ -219,6 +246,10 @@ class InferenceServicer:
                 serialized: bytes = response.SerializeToString()
                 return serialized
             except Exception as exc:
+                if isinstance(exc, _TableError):  # a failed call on a table: counted under it
+                    store = getattr(state, "store", None)
+                    table = exc.table if store is not None and exc.table in store.names() else ""
+                    exc = exc.error
                 code, status, message = _status(exc, path, timeout_s)
                 if status == 408:
                     admission.metrics.rejected_total.labels("body_timeout").inc()
@@ -272,18 +303,49 @@ class InferenceServicer:
 
     async def _model_ready(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
         request = pb.ModelReadyRequest.FromString(body)
-        self._store().table(request.name)  # NotFoundError: as GET /v2/models/{name}/ready's 404
+        try:
+            served_version(self._store(), request.name, request.version)
+        except NotFoundError:  # an unknown table, or a version it does not serve: HTTP's 404, Triton's False
+            return pb.ModelReadyResponse(ready=False), ""
         return pb.ModelReadyResponse(ready=True), request.name
 
     async def _model_metadata(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
         request = pb.ModelMetadataRequest.FromString(body)
-        config = self._store().table(request.name).config
-        metadata = model_metadata(request.name, config.embedding_dim)
-        response = pb.ModelMetadataResponse(name=request.name, platform=PLATFORM)
+        store = self._store()
+        served = served_version(store, request.name, request.version)
+        metadata = model_metadata(request.name, store.table(request.name).config.embedding_dim, served)
+        response = pb.ModelMetadataResponse(
+            name=request.name, versions=metadata["versions"], platform=PLATFORM
+        )
         for kind in ("inputs", "outputs"):
             for tensor in metadata[kind]:
                 getattr(response, kind).add(**tensor)
         return response, request.name
+
+    async def _model_config(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+        request = pb.ModelConfigRequest.FromString(body)
+        store = self._store()
+        served_version(store, request.name, request.version)
+        config = model_config(request.name, store.table(request.name).config.embedding_dim)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, ModelConfig())), request.name
+
+    async def _model_statistics(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+        request = pb.ModelStatisticsRequest.FromString(body)
+        store = self._store()
+        if request.name:
+            versions = {request.name: served_version(store, request.name, request.version)}
+        else:
+            versions = {entry["name"]: int(entry["version"]) for entry in repository_index(store)}
+        stats = model_statistics(self.app.state.metrics.samples(), versions)
+        response = json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
+        return response, request.name
+
+    async def _repository_index(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+        pb.RepositoryIndexRequest.FromString(body)  # every table is ready: the filter changes nothing
+        response = pb.RepositoryIndexResponse()
+        for entry in repository_index(self._store()):
+            response.models.add(**entry)
+        return response, ""
 
     async def _model_infer(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
         store, metrics = self._store(), self.app.state.metrics
@@ -293,7 +355,10 @@ class InferenceServicer:
             # Parsed here, off the event loop when the message is large (as a REST body is decoded).
             request = parse_request(body)
             name = request.model_name
-            return (name, *infer(store, metrics, name, lambda: decode_request(request, max_ids)))
+            try:
+                return (name, *infer(store, metrics, name, lambda: decode_request(request, max_ids)))
+            except RobezError as exc:
+                raise _TableError(name, exc) from exc
 
         if len(body) <= INLINE_MAX_BODY_BYTES:
             name, inference, result = work()
@@ -302,6 +367,14 @@ class InferenceServicer:
                 work, limiter=self.app.state.compute_limiter
             )
         return encode_response(name, inference.request_id, inference, result), name
+
+
+class _TableError(Exception):
+    """An inference of table ``table`` failed with ``error`` (its metrics carry the table's label)."""
+
+    def __init__(self, table: str, error: Exception) -> None:
+        super().__init__(str(error))
+        self.table, self.error = table, error
 
 
 def _trace_carrier(context: grpc.aio.ServicerContext) -> dict[str, str]:
