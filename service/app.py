@@ -37,6 +37,7 @@ from .shm import SharedDirectory
 from .store import TableStore
 from .store.journal import Journal, NullJournal
 from .wal import WalJournal
+from .warmup import freeze_startup_objects, thaw, warm_kernels
 
 logger = logging.getLogger("robez.app")
 
@@ -81,6 +82,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, local, journal)
         store = TableStore(directory, settings, journal)
         await anyio.to_thread.run_sync(store.warm_up)
+        await anyio.to_thread.run_sync(warm_kernels, store)  # every kernel path, before /readyz says ready
         app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
         app.state.store = store
         if replicated:
@@ -98,8 +100,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             state: dict[str, Any] = {LIFESPAN_METRICS_KEY: app.state.metrics}
             if settings.direct_answers:
                 state[LIFESPAN_DIRECT_KEY] = app.state.direct
+            freeze_startup_objects()
             yield state
         finally:
+            thaw()
             if grpc_server is not None:
                 from .grpc.server import stop_grpc
 
