@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from robez_core.config import TableConfig
 from robez_core.table import Table
@@ -67,14 +68,15 @@ def warm_kernels(store: TableStore) -> float:
         table = store.table(name)
         config = table.config
         kinds.add((config.embedding_dim, config.chunk_size, config.hash, table.optimizer))
-        for size in _sizes(_LOOKUP_SIZES):
+        for size in _sizes(_LOOKUP_SIZES):  # through the table: the store's limits may be smaller
             ids = torch.arange(size, dtype=torch.int64)
-            store.lookup(name, ids.numpy())
+            table.lookup_timed(ids.numpy())
+            rows, _, _ = table.lookup_timed(ids)
             offsets = torch.arange(0, size, _BAG_SIZE, dtype=torch.int64)
-            weights = torch.ones(size)
-            store.lookup(name, ids, offsets, "sum")
-            store.lookup(name, ids, offsets, "mean")
-            store.lookup(name, ids, offsets, "sum", weights)
+            positions = torch.arange(size, dtype=torch.int64)
+            for mode in ("sum", "mean"):  # the store pools bags with torch's embedding_bag
+                F.embedding_bag(positions, rows, offsets, mode=mode)
+            F.embedding_bag(positions, rows, offsets, mode="sum", per_sample_weights=torch.ones(size))
     if not kinds:  # no table yet: the default kind, which the first table created most likely has
         demo = demo_table_spec()
         kinds.add((demo.config.embedding_dim, demo.config.chunk_size, demo.config.hash, demo.optimizer))

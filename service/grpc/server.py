@@ -46,6 +46,7 @@ from robez_core.errors import BusyError, InvalidInputError, NotFoundError, Robez
 
 from .. import tracing
 from ..auth import check_read_access
+from ..codec import rows_view
 from ..config import Settings
 from ..errors import grpc_code_for, status_for
 from ..http.admission import Admission
@@ -65,7 +66,7 @@ from ..oip import (
     served_version,
     shown,
 )
-from ..routes.deps import INLINE_MAX_BODY_BYTES
+from ..routes.lookup import BINARY_INLINE_MAX_BODY_BYTES
 from ..store import LookupResult, TableStore
 from .wire import CONTENTS_FIELDS, WireRequest, decode_int64s, fp32_values, parse_request
 
@@ -77,6 +78,7 @@ SERVICE = "inference.GRPCInferenceService"
 _RECEIVE_HEADROOM_BYTES = 1 << 20
 _MAX_MESSAGE_BYTES = (1 << 31) - 1
 _CONTENTS_FIELD = {"INT64": 3, "FP32": 6}  # the InferTensorContents field of each datatype taken
+_RAW_OUTPUT_TAG = bytes([6 << 3 | 2])  # ModelInferResponse.raw_output_contents, length-delimited
 _GRACE_S = 5.0
 # A call's message is taken from the connection only once the servicer reads it: until then gRPC holds at
 # most this much of it (flow control; the bandwidth probe that would widen the window is off).
@@ -164,16 +166,28 @@ def decode_request(request: WireRequest, max_ids: int) -> Inference:
     )
 
 
-def encode_response(name: str, request_id: str | None, inference: Inference, result: LookupResult) -> Any:
-    """The ``ModelInferResponse`` of an inference: the rows as raw bytes or as ``fp32_contents``."""
+def encode_response(name: str, request_id: str | None, inference: Inference, result: LookupResult) -> bytes:
+    """The serialized ``ModelInferResponse`` of an inference: the rows as raw bytes or as ``fp32_contents``.
+    Raw rows are appended to the serialized head as field ``raw_output_contents`` by hand: one copy of
+    them into the message, where the generated code would make three (bytes, the field, the message)."""
     rows = result.rows
     response = pb.ModelInferResponse(model_name=name, model_version=str(result.version), id=request_id or "")
     output = response.outputs.add(name=EMBEDDINGS, datatype="FP32", shape=[int(n) for n in rows.shape])
-    if inference.binary_output:
-        response.raw_output_contents.append(rows.astype("<f4", copy=False).tobytes())
-    else:
+    if not inference.binary_output:
         output.contents.fp32_contents.extend(rows.reshape(-1).tolist())
-    return response
+        message: bytes = response.SerializeToString()
+        return message
+    data = rows_view(rows)
+    return b"".join((response.SerializeToString(), _RAW_OUTPUT_TAG, _varint(data.nbytes), data))
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 class InferenceServicer:
@@ -221,6 +235,7 @@ class InferenceServicer:
             state = self.app.state
             admission = state.admission
             slot, held, reading, table, status = False, 0, 0, "", 200
+            body = b""
             trace = None
             if tracing.TRACER is not None:
                 trace = tracing.start_request(
@@ -232,7 +247,8 @@ class InferenceServicer:
                 if read_key:  # before a byte of the message is taken from the connection
                     self._check_read(context)
                 reading = await self._room_to_read(admission, start + timeout_s)
-                body = await asyncio.wait_for(context.read(), start + timeout_s - time.perf_counter())
+                async with asyncio.timeout(start + timeout_s - time.perf_counter()):
+                    body = await context.read()
                 admission.release(False, reading)
                 reading = 0
                 if not isinstance(body, bytes):  # grpc.aio.EOF: the client sent no message
@@ -243,6 +259,8 @@ class InferenceServicer:
                     raise refused
                 slot, held = admission.admit(path, size), size
                 response, table = await handler(body, context)
+                if isinstance(response, bytes):  # serialized already (ModelInfer)
+                    return response
                 serialized: bytes = response.SerializeToString()
                 return serialized
             except Exception as exc:
@@ -260,6 +278,7 @@ class InferenceServicer:
                 state.metrics.observe_request(path, "GRPC", table, status, time.perf_counter() - start)
                 if status >= 400 and (status == 408 or held >= _TRIM_AFTER_BYTES):
                     # The message's buffers, freed by gRPC and us, back to the system (glibc keeps them).
+                    body = b""
                     await anyio.to_thread.run_sync(trim_free_memory)
                 if trace is not None:
                     code = grpc.StatusCode[grpc_code_for(status)] if status >= 400 else grpc.StatusCode.OK
@@ -360,7 +379,7 @@ class InferenceServicer:
             except RobezError as exc:
                 raise _TableError(name, exc) from exc
 
-        if len(body) <= INLINE_MAX_BODY_BYTES:
+        if len(body) <= BINARY_INLINE_MAX_BODY_BYTES:  # decoded as /v1's binary bodies are: inline
             name, inference, result = work()
         else:
             name, inference, result = await anyio.to_thread.run_sync(

@@ -18,9 +18,9 @@ from starlette.responses import Response
 from robez_core.errors import InvalidInputError, RobezError
 
 from ..auth import PrivateAccess, ReadAccess, require_read_key
-from ..codec import OCTET_STREAM, VERSION_HEADER, JSONBytesResponse
+from ..codec import OCTET_STREAM, VERSION_HEADER, JSONBytesResponse, RawResponse
 from ..http.fastpath import FastRoute
-from ..metrics import Metrics, server_timing
+from ..metrics import Metrics, lookup_server_timing, server_timing
 from ..oip import (
     HEADER_LENGTH,
     SERVER_METADATA,
@@ -41,8 +41,11 @@ from ..oip import (
 )
 from ..store import LookupResult, TableStore
 from .deps import INLINE_MAX_BODY_BYTES, TableNameParam, body_doc, compute, read_body
+from .lookup import BINARY_INLINE_MAX_BODY_BYTES
 
 router = APIRouter(prefix="/v2", tags=["inference protocol v2"])
+_JSON, _OCTET_STREAM = b"application/json", OCTET_STREAM.encode()
+_VERSION, _HEADER_LENGTH = VERSION_HEADER.lower().encode(), HEADER_LENGTH.lower().encode()
 
 _BINARY_INFER = (
     f"binary tensor data extension: the JSON header ({HEADER_LENGTH}: its length in bytes), then the "
@@ -222,8 +225,10 @@ async def infer_one(request: Request, name: str, version: str | None = None) -> 
     def work() -> tuple[Inference, LookupResult]:
         return run_inference(store, metrics, name, lambda: decode_infer(body, header_length, name, version))
 
+    # Binary tensor data decodes as /v1's binary body does (a copy): inline up to /v1's binary bound.
+    inline_max = INLINE_MAX_BODY_BYTES if header_length is None else BINARY_INLINE_MAX_BODY_BYTES
     try:
-        inference, result = await compute(request, work, inline=len(body) <= INLINE_MAX_BODY_BYTES)
+        inference, result = await compute(request, work, inline=len(body) <= inline_max)
     except RobezError:
         if name in store.names():  # a failure on a table is its statistics' "fail"; other names no label
             request.state.table = name
@@ -231,14 +236,14 @@ async def infer_one(request: Request, name: str, version: str | None = None) -> 
     request.state.table = name
     content, json_length = encode_infer(name, inference, result)
     total = time.perf_counter() - start
-    headers = {
-        "Server-Timing": server_timing(hash=result.hash_seconds, lookup=result.lookup_seconds, total=total),
-        VERSION_HEADER: str(result.version),
-    }
+    headers = [
+        (b"server-timing", lookup_server_timing(result.hash_seconds, result.lookup_seconds, total)),
+        (_VERSION, b"%d" % result.version),
+    ]
     if json_length is None:
-        return Response(content, media_type="application/json", headers=headers)
-    headers[HEADER_LENGTH] = str(json_length)
-    return Response(content, media_type=OCTET_STREAM, headers=headers)
+        return RawResponse(content, _JSON, headers)
+    headers.append((_HEADER_LENGTH, b"%d" % json_length))
+    return RawResponse(content, _OCTET_STREAM, headers)
 
 
 async def _infer_fast(request: Request, name: str) -> Response:
