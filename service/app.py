@@ -82,7 +82,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, local, journal)
         store = TableStore(directory, settings, journal)
         await anyio.to_thread.run_sync(store.warm_up)
-        await anyio.to_thread.run_sync(warm_kernels, store)  # every kernel path, before /readyz says ready
+        # every kernel path, before /readyz says ready
+        await anyio.to_thread.run_sync(warm_kernels, store, app.state.metrics)
         app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
         app.state.store = store
         if replicated:

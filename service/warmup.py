@@ -27,6 +27,7 @@ from robez_core.config import TableConfig
 from robez_core.table import Table
 
 from .config import demo_table_spec
+from .metrics import Metrics
 from .store import TableStore, apply_record
 
 logger = logging.getLogger("robez.warmup")
@@ -60,11 +61,15 @@ def _warm_private(embedding_dim: int, chunk_size: int, hash_name: Any, optimizer
         apply_record(private, ids, grads, private.optimizer.lr)
 
 
-def warm_kernels(store: TableStore) -> float:
-    """Run every kernel path of ``store``'s tables once (module docstring); returns the seconds taken."""
+def warm_kernels(store: TableStore, metrics: Metrics | None = None) -> float:
+    """Run every kernel path of ``store``'s tables once (module docstring), and create each table's stage
+    histograms in ``metrics`` (in multiprocess mode a new series grows the worker's metric files: the
+    first lookup would pay for it); returns the seconds taken."""
     start = time.perf_counter()
     kinds = set()
     for name in store.names():
+        if metrics is not None:
+            metrics.stages(name)
         table = store.table(name)
         config = table.config
         kinds.add((config.embedding_dim, config.chunk_size, config.hash, table.optimizer))
