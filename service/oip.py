@@ -446,9 +446,12 @@ def _json_tensor(tensor: InferTensor, binary: memoryview, position: int) -> tupl
     return TensorInput(tensor.name, tensor.datatype, tensor.shape, raw=raw), position + size
 
 
-def decode_infer(body: bytes, header_length: str | None, name: str, version: str | None = None) -> Inference:
-    """An infer request for model ``name`` (``version``: the path's, if it names one) from its HTTP body
-    (and ``Inference-Header-Content-Length`` in binary mode)."""
+def decode_infer(
+    body: bytes, header_length: str | None, name: str | None = None, version: str | None = None
+) -> Inference:
+    """An infer request for model ``name`` (``version``: the path's, if it names one; None: no path to
+    check the body's ``model_name`` / ``model_version`` against) from its HTTP body (and
+    ``Inference-Header-Content-Length`` in binary mode)."""
     if header_length is None:
         json_part, binary = body, memoryview(b"")
     else:
@@ -463,7 +466,7 @@ def decode_infer(body: bytes, header_length: str | None, name: str, version: str
         request = InferRequest.model_validate_json(json_part)
     except ValidationError as exc:
         raise InvalidInputError(summarize_validation_errors(list(exc.errors()))) from exc
-    if request.model_name is not None and request.model_name != name:
+    if request.model_name is not None and name is not None and request.model_name != name:
         raise InvalidInputError(
             f"model_name {shown(request.model_name)} in the body, {shown(name)} in the path"
         )
