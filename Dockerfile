@@ -51,6 +51,10 @@ COPY --from=build /opt/venv /opt/venv
 
 USER robez
 WORKDIR /home/robez
+# Ship numba's cache warm (service/warmup.py): a container's first lookup and push load the compiled
+# kernels instead of compiling them. numba keys its cache on the CPU model: on another CPU the workers
+# compile at start-up instead (before /readyz says ready, never in a request).
+RUN python -m service.warmup
 VOLUME ["/data"]
 EXPOSE 8000
 

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: setup test lint typecheck pytest bench bench-quick serve cluster loadtest quality clean \
-	container-test container-clean k8s-test
+	container-test container-clean k8s-test compat-test
 
 setup: $(STAMP)
 
@@ -69,5 +69,11 @@ clean:
 # Render deploy/kubernetes's single overlay and run it for real with `podman kube play` (the container
 # test's Podman and image), checking readiness, a lookup, a push and that it survives a new pod. Needs
 # root and minutes, so not part of `test`. ARGS="--record docs/kubernetes.md" writes the run's summary.
+# Triton's perf_analyzer and KServe's clients against a real robez (devtools/compat/run.sh): they install
+# into a private folder (COMPAT_DIR, default /var/tmp/robez-compat), so this is not part of `make test`,
+# which replays the requests they send (tests/service/test_oip_triton.py).
+compat-test: $(STAMP)
+	devtools/compat/run.sh
+
 k8s-test: $(STAMP)
 	PYTHONPATH=deploy $(BIN)/python -m k8s_test --state $(CONTAINER_STATE) $(ARGS)

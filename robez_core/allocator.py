@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["MallocTuning", "keep_freed_buffers", "malloc_setting", "tune_malloc"]
+__all__ = ["MallocTuning", "keep_freed_buffers", "malloc_setting", "trim_free_memory", "tune_malloc"]
 
 # mallopt parameter numbers from glibc's <malloc.h>
 _M_TRIM_THRESHOLD = -1
@@ -113,3 +113,11 @@ def keep_freed_buffers(mmap_threshold_mb: int) -> bool:
         return False
     threshold = min(mmap_threshold_mb, MAX_MMAP_THRESHOLD_MB)
     return tune_malloc(MallocTuning(threshold, 2 * threshold, 0))
+
+
+def trim_free_memory() -> bool:
+    """Hand the free memory of every malloc arena back to the kernel (glibc's ``malloc_trim(0)``): after
+    a large refused request, whose buffers other threads' arenas would otherwise keep. True if any was
+    released; False elsewhere than glibc."""
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))

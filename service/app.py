@@ -41,6 +41,7 @@ from .shm import SharedDirectory
 from .store import TableStore
 from .store.writes import LocalWrites
 from .wal import WalJournal
+from .warmup import freeze_startup_objects, thaw, warm_kernels
 
 logger = logging.getLogger("robez.app")
 
@@ -86,6 +87,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, local, journal)
         store = TableStore(directory, settings, journal)
         await anyio.to_thread.run_sync(store.warm_up)
+        # every kernel path, before /readyz says ready
+        await anyio.to_thread.run_sync(warm_kernels, store, app.state.metrics)
         app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
         app.state.store = store
         app.state.writes = LocalWrites(store)
@@ -105,8 +108,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             state: dict[str, Any] = {LIFESPAN_METRICS_KEY: app.state.metrics}
             if settings.direct_answers:
                 state[LIFESPAN_DIRECT_KEY] = app.state.direct
+            freeze_startup_objects()
             yield state
         finally:
+            thaw()
             if grpc_server is not None:
                 from .grpc.server import stop_grpc
 

@@ -264,6 +264,13 @@ class Metrics:
         children[0].observe(seconds)
         children[1].inc()
 
+    def samples(self) -> Iterator[tuple[str, dict[str, str], float]]:
+        """Every sample (name, labels, value) of this registry, summed over every worker in multiprocess
+        mode: what ``/v2/models/stats`` reads (service/oip.py ``model_statistics``)."""
+        if self.multiprocess_dir is None:
+            return _samples(self.registry.collect())
+        return _samples(MultiProcessCollector(None, path=str(self.multiprocess_dir)).collect())
+
     def render(self, live_tables: Iterable[str] | None = None) -> tuple[bytes, str]:
         """Prometheus text exposition of every worker's samples, and its content type; with
         ``live_tables``, series of other tables are forgotten (``forget_tables``) and left out."""
@@ -276,6 +283,12 @@ class Metrics:
         files = MultiProcessCollector(None, path=str(self.multiprocess_dir))
         registry.register(_LiveTables(files, live) if live is not None else files)
         return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def _samples(metrics: Iterable[Metric]) -> Iterator[tuple[str, dict[str, str], float]]:
+    for metric in metrics:
+        for sample in metric.samples:
+            yield sample.name, sample.labels, sample.value
 
 
 def _table_capped(labels: Callable[..., Any], index: int, table: Callable[[str], str]) -> Callable[..., Any]:

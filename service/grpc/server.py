@@ -9,11 +9,15 @@ generated code keeps one copy of those descriptors in a process that also holds 
 
 A call goes through what an HTTP request goes through, transport aside:
 
+- the read key (``auth.check_read_access``) from the metadata ``authorization: Bearer <key>``, for the
+  model and repository methods (as ``/v2/models/...``), before any of the message is read;
+- the body's bounds: the message is read by the servicer itself (``InferenceServicer.handler``), with
+  room for it among the worker's ``max_body_bytes_held`` and within ``body_timeout_s``; until then gRPC
+  holds at most its first ``_LOOKAHEAD_BYTES``;
 - the admission (``service/http/admission.py``: ``refusal``, ``admit``, ``release``): the message's size
   against ``max_body_bytes``, the worker's ``max_in_flight`` and ``max_body_bytes_held``;
-- the read key (``auth.check_read_access``) from the metadata ``authorization: Bearer <key>``, for model
-  metadata, readiness and inference (as ``/v2/models/...``);
-- the inference (``oip.inference_from`` and ``oip.infer``: the REST route's checks and lookup);
+- the inference (``wire.parse_request``, then ``oip.inference_from`` and ``oip.infer``: the REST route's
+  checks and lookup); model configuration, statistics and repository index from ``oip`` too;
 - errors: the HTTP status of the one error table (``errors.py``), sent as the gRPC code mapped from it
   (``GRPC_CODE_BY_STATUS``) with the same message;
 - metrics: ``robez_requests`` / ``robez_request_duration_seconds`` with endpoint the gRPC method's path
@@ -23,36 +27,49 @@ A call goes through what an HTTP request goes through, transport aside:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio.to_thread
 import grpc
 from fastapi import FastAPI
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc.model_config_pb2 import ModelConfig
 
-from robez_core.errors import BusyError, InvalidInputError, RobezError
+from robez_core.allocator import trim_free_memory
+from robez_core.errors import BusyError, InvalidInputError, NotFoundError, RobezError
 
 from .. import tracing
 from ..auth import check_read_access
+from ..codec import rows_view
 from ..config import Settings
 from ..errors import grpc_code_for, status_for
+from ..http.admission import Admission
 from ..oip import (
     EMBEDDINGS,
     PLATFORM,
     SERVER_METADATA,
     Inference,
     TensorInput,
+    checked_type,
     infer,
     inference_from,
+    model_config,
     model_metadata,
+    model_statistics,
+    repository_index,
+    served_version,
+    shown,
 )
-from ..routes.deps import INLINE_MAX_BODY_BYTES
+from ..routes.lookup import BINARY_INLINE_MAX_BODY_BYTES
 from ..store import LookupResult, TableStore
 from ..tls import server_credentials
+from .wire import CONTENTS_FIELDS, WireRequest, decode_int64s, fp32_values, parse_request
 
 logger = logging.getLogger("robez.grpc")
 
@@ -61,25 +78,46 @@ SERVICE = "inference.GRPCInferenceService"
 # words): up to it, robez refuses it naming the limit, as HTTP's 413 does.
 _RECEIVE_HEADROOM_BYTES = 1 << 20
 _MAX_MESSAGE_BYTES = (1 << 31) - 1
-_CONTENTS_FIELD = {"INT64": "int64_contents", "FP32": "fp32_contents"}
+_CONTENTS_FIELD = {"INT64": 3, "FP32": 6}  # the InferTensorContents field of each datatype taken
+_RAW_OUTPUT_TAG = bytes([6 << 3 | 2])  # ModelInferResponse.raw_output_contents, length-delimited
 _GRACE_S = 5.0
+# A call's message is taken from the connection only once the servicer reads it: until then gRPC holds at
+# most this much of it (flow control; the bandwidth probe that would widen the window is off).
+_LOOKAHEAD_BYTES = 64 * 1024
+_MAX_CONCURRENT_STREAMS = 100  # per connection, as Envoy's and nginx's defaults
+_ROOM_POLL_S = 0.005
+_TRIM_AFTER_BYTES = 8 << 20
+_MAX_MESSAGE_CHARS = 1024  # of any error message (grpc-message is a header)
 
 # A method's handler: the request message's bytes -> (the response message, the table label).
 _Handler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[tuple[Any, str]]]
 
 
-def _parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
-    """A protobuf ``map<string, InferParameter>`` as plain values (bool, int, str, float)."""
-    values: dict[str, Any] = {}
-    for key, parameter in parameters.items():
-        which = parameter.WhichOneof("parameter_choice")
-        values[key] = None if which is None else getattr(parameter, which)
-    return values
+def _check_input_parameters(name: str, parameters: dict[str, Any], raw: memoryview | None) -> None:
+    """An input's parameters: ``binary_data_size``, which Triton's and KServe's clients send with raw
+    contents, must be the length of its ``raw_input_contents``; no other is taken."""
+    unknown = set(parameters) - {"binary_data_size"}
+    if unknown:
+        raise InvalidInputError(
+            f"input {shown(name)}: unknown parameters {[shown(key) for key in sorted(unknown)[:8]]}; "
+            "the only one is binary_data_size (with raw_input_contents)"
+        )
+    if "binary_data_size" in parameters:
+        size = parameters["binary_data_size"]
+        if raw is None:
+            raise InvalidInputError(f"input {shown(name)}: binary_data_size without raw_input_contents")
+        if type(size) is not int or size != len(raw):
+            raise InvalidInputError(
+                f"input {shown(name)}: binary_data_size is {shown(size)}, "
+                f"its raw_input_contents {len(raw)} bytes"
+            )
 
 
-def _tensors(request: Any) -> list[TensorInput]:
-    """The request's inputs: raw (``raw_input_contents``, one per input, in order) or typed contents."""
-    raw: Sequence[bytes] = request.raw_input_contents
+def _tensors(request: WireRequest, max_ids: int) -> list[TensorInput]:
+    """The request's inputs: raw (``raw_input_contents``, one per input, in order: views of the message)
+    or typed contents (``int64_contents`` decoded into an array, refused past ``max_ids`` first;
+    ``fp32_contents`` as the raw little-endian bytes they are)."""
+    raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidInputError(
             f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: give every input "
@@ -87,51 +125,70 @@ def _tensors(request: Any) -> list[TensorInput]:
         )
     tensors = []
     for position, tensor in enumerate(request.inputs):
-        if tensor.parameters:
-            raise InvalidInputError(f"input {tensor.name!r}: unknown parameters {sorted(tensor.parameters)}")
-        given = [field.name for field, _ in tensor.contents.ListFields()]
+        name, datatype, shape = tensor.name, tensor.datatype, tensor.shape
+        _check_input_parameters(name, tensor.parameters, raw[position] if raw else None)
         if raw:
-            if given:
-                raise InvalidInputError(f"input {tensor.name!r} has both contents and raw_input_contents")
-            tensors.append(TensorInput(tensor.name, tensor.datatype, list(tensor.shape), raw=raw[position]))
+            if tensor.contents:
+                raise InvalidInputError(f"input {shown(name)} has both contents and raw_input_contents")
+            tensors.append(TensorInput(name, datatype, shape, raw=raw[position]))
             continue
-        field = _CONTENTS_FIELD.get(tensor.datatype)
-        if given and given != [field]:
+        checked_type(name, datatype, shape)  # a datatype robez does not take is refused by name first
+        number = _CONTENTS_FIELD[datatype]
+        given = sorted(tensor.contents)
+        if given and given != [number]:
             raise InvalidInputError(
-                f"input {tensor.name!r} ({tensor.datatype}) carries its values in {field}, got {given}"
+                f"input {shown(name)} ({datatype}) carries its values in {CONTENTS_FIELDS[number]}, got "
+                f"{[CONTENTS_FIELDS.get(field, field) for field in given]}"
             )
-        data = list(getattr(tensor.contents, field)) if field is not None else []
-        tensors.append(TensorInput(tensor.name, tensor.datatype, list(tensor.shape), data=data))
+        values = tensor.contents.get(number)
+        if values is None:
+            tensors.append(TensorInput(name, datatype, shape))  # no data: refused as such
+        elif datatype == "INT64":
+            array = decode_int64s(values, max_ids, f"input {shown(name)}")
+            tensors.append(TensorInput(name, datatype, shape, data=array))
+        else:
+            tensors.append(
+                TensorInput(name, datatype, shape, raw=fp32_values(values, f"input {shown(name)}"))
+            )
     return tensors
 
 
-def decode_request(request: Any) -> Inference:
-    """A ``ModelInferRequest`` as an ``Inference``: the REST request's checks (``oip.inference_from``).
-    The answer is raw (``raw_output_contents``) when the inputs were, unless a parameter says otherwise."""
-    if request.model_version:
-        raise InvalidInputError(
-            f"model_version {request.model_version!r}: a table has one version served; leave it empty"
-        )
-    outputs = [(output.name, _parameters(output.parameters)) for output in request.outputs]
+def decode_request(request: WireRequest, max_ids: int) -> Inference:
+    """A ``ModelInferRequest`` (its wire fields) as an ``Inference``: the REST request's checks
+    (``oip.inference_from``). The answer is raw (``raw_output_contents``) when the inputs were, unless a
+    parameter says otherwise."""
     return inference_from(
-        _tensors(request),
-        _parameters(request.parameters),
-        outputs,
+        _tensors(request, max_ids),
+        request.parameters,
+        request.outputs,
         request.id or None,
+        request.model_version or None,
         binary_by_default=bool(request.raw_input_contents),
     )
 
 
-def encode_response(name: str, request_id: str | None, inference: Inference, result: LookupResult) -> Any:
-    """The ``ModelInferResponse`` of an inference: the rows as raw bytes or as ``fp32_contents``."""
+def encode_response(name: str, request_id: str | None, inference: Inference, result: LookupResult) -> bytes:
+    """The serialized ``ModelInferResponse`` of an inference: the rows as raw bytes or as ``fp32_contents``.
+    Raw rows are appended to the serialized head as field ``raw_output_contents`` by hand: one copy of
+    them into the message, where the generated code would make three (bytes, the field, the message)."""
     rows = result.rows
     response = pb.ModelInferResponse(model_name=name, model_version=str(result.version), id=request_id or "")
     output = response.outputs.add(name=EMBEDDINGS, datatype="FP32", shape=[int(n) for n in rows.shape])
-    if inference.binary_output:
-        response.raw_output_contents.append(rows.astype("<f4", copy=False).tobytes())
-    else:
+    if not inference.binary_output:
         output.contents.fp32_contents.extend(rows.reshape(-1).tolist())
-    return response
+        message: bytes = response.SerializeToString()
+        return message
+    data = rows_view(rows)
+    return b"".join((response.SerializeToString(), _RAW_OUTPUT_TAG, _varint(data.nbytes), data))
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 class InferenceServicer:
@@ -140,32 +197,46 @@ class InferenceServicer:
     def __init__(self, app: FastAPI) -> None:
         self.app = app
         self.settings: Settings = app.state.settings
+        # What one message may hold while it arrives: gRPC refuses a longer declared length itself.
+        self.max_message_bytes = receive_limit(self.settings)
+        self.reading_bytes = min(self.max_message_bytes, self.settings.max_body_bytes_held)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The generic handler of every served method (messages are parsed here, so their size is known
-        before parsing, as a body's is)."""
-        methods: dict[str, _Handler] = {
-            "ServerLive": self._server_live,
-            "ServerReady": self._server_ready,
-            "ServerMetadata": self._server_metadata,
-            "ModelReady": self._model_ready,
-            "ModelMetadata": self._model_metadata,
-            "ModelInfer": self._model_infer,
+        """The generic handler of every served method. Each is served as a call with a request *stream*
+        (of the one message unary clients send): the servicer reads the message itself, once the read key
+        and the worker's room for it are checked, and within ``body_timeout_s``; until then gRPC holds at
+        most its first ``_LOOKAHEAD_BYTES`` (the server's flow-control window, ``start_grpc``)."""
+        methods: dict[str, tuple[_Handler, bool]] = {
+            "ServerLive": (self._server_live, False),
+            "ServerReady": (self._server_ready, False),
+            "ServerMetadata": (self._server_metadata, False),
+            "ModelReady": (self._model_ready, True),
+            "ModelMetadata": (self._model_metadata, True),
+            "ModelInfer": (self._model_infer, True),
+            "ModelConfig": (self._model_config, True),
+            "ModelStatistics": (self._model_statistics, True),
+            "RepositoryIndex": (self._repository_index, True),
         }
         return grpc.method_handlers_generic_handler(
             SERVICE,
-            {name: grpc.unary_unary_rpc_method_handler(self._unary(name, h)) for name, h in methods.items()},
+            {
+                name: grpc.stream_unary_rpc_method_handler(self._unary(name, handler, read_key))
+                for name, (handler, read_key) in methods.items()
+            },
         )
 
-    def _unary(self, name: str, handler: _Handler) -> Callable[[bytes, grpc.aio.ServicerContext], Any]:
+    def _unary(
+        self, name: str, handler: _Handler, read_key: bool
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
         path = f"/{SERVICE}/{name}"
+        timeout_s = self.settings.body_timeout_s
 
-        async def call(body: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def call(_: Any, context: grpc.aio.ServicerContext) -> bytes:
             start = time.perf_counter()
             state = self.app.state
             admission = state.admission
-            size = len(body)
-            slot, held, table, status = False, 0, "", 200
+            slot, held, reading, table, status = False, 0, 0, "", 200
+            body = b""
             trace = None
             if tracing.TRACER is not None:
                 trace = tracing.start_request(
@@ -174,26 +245,58 @@ class InferenceServicer:
                     {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": name},
                 )
             try:
+                if read_key:  # before a byte of the message is taken from the connection
+                    self._check_read(context)
+                reading = await self._room_to_read(admission, start + timeout_s)
+                async with asyncio.timeout(start + timeout_s - time.perf_counter()):
+                    body = await context.read()
+                admission.release(False, reading)
+                reading = 0
+                if not isinstance(body, bytes):  # grpc.aio.EOF: the client sent no message
+                    raise InvalidInputError("the call carries no request message")
+                size = len(body)
                 refused = admission.refusal(path, size)
                 if refused is not None:
                     raise refused
                 slot, held = admission.admit(path, size), size
                 response, table = await handler(body, context)
+                if isinstance(response, bytes):  # serialized already (ModelInfer)
+                    return response
                 serialized: bytes = response.SerializeToString()
                 return serialized
             except Exception as exc:
-                status, message = _status(exc, path)
-                await context.abort(grpc.StatusCode[grpc_code_for(status)], message)
+                if isinstance(exc, _TableError):  # a failed call on a table: counted under it
+                    store = getattr(state, "store", None)
+                    table = exc.table if store is not None and exc.table in store.names() else ""
+                    exc = exc.error
+                code, status, message = _status(exc, path, timeout_s)
+                if status == 408:
+                    admission.metrics.rejected_total.labels("body_timeout").inc()
+                await context.abort(code, message)
                 raise  # abort raises; never reached
             finally:
-                admission.release(slot, held)
+                admission.release(slot, held + reading)
                 state.metrics.observe_request(path, "GRPC", table, status, time.perf_counter() - start)
+                if status >= 400 and (status == 408 or held >= _TRIM_AFTER_BYTES):
+                    # The message's buffers, freed by gRPC and us, back to the system (glibc keeps them).
+                    body = b""
+                    await anyio.to_thread.run_sync(trim_free_memory)
                 if trace is not None:
                     code = grpc.StatusCode[grpc_code_for(status)] if status >= 400 else grpc.StatusCode.OK
                     attributes = {"rpc.grpc.status_code": code.value[0], tracing.TABLE: table}
                     tracing.end_request(trace, None, attributes, status >= 500)
 
         return call
+
+    async def _room_to_read(self, admission: Admission, deadline: float) -> int:
+        """Hold room for a message about to be read (``reading_bytes``, as much as it may hold while it
+        arrives) among the bodies the worker holds; waits for room until ``deadline`` (then TimeoutError),
+        as calls whose messages are in read and free theirs. Returns the bytes held."""
+        while not admission.hold(self.reading_bytes):
+            if time.perf_counter() >= deadline:
+                raise TimeoutError
+            await asyncio.sleep(_ROOM_POLL_S)
+        return self.reading_bytes
 
     def _store(self) -> TableStore:
         store: TableStore | None = getattr(self.app.state, "store", None)
@@ -220,38 +323,78 @@ class InferenceServicer:
 
     async def _model_ready(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
         request = pb.ModelReadyRequest.FromString(body)
-        self._check_read(context)
-        self._store().table(request.name)  # NotFoundError: as GET /v2/models/{name}/ready's 404
+        try:
+            served_version(self._store(), request.name, request.version)
+        except NotFoundError:  # an unknown table, or a version it does not serve: HTTP's 404, Triton's False
+            return pb.ModelReadyResponse(ready=False), ""
         return pb.ModelReadyResponse(ready=True), request.name
 
     async def _model_metadata(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
         request = pb.ModelMetadataRequest.FromString(body)
-        self._check_read(context)
-        config = self._store().table(request.name).config
-        metadata = model_metadata(request.name, config.embedding_dim)
-        response = pb.ModelMetadataResponse(name=request.name, platform=PLATFORM)
+        store = self._store()
+        served = served_version(store, request.name, request.version)
+        metadata = model_metadata(request.name, store.table(request.name).config.embedding_dim, served)
+        response = pb.ModelMetadataResponse(
+            name=request.name, versions=metadata["versions"], platform=PLATFORM
+        )
         for kind in ("inputs", "outputs"):
             for tensor in metadata[kind]:
                 getattr(response, kind).add(**tensor)
         return response, request.name
 
+    async def _model_config(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+        request = pb.ModelConfigRequest.FromString(body)
+        store = self._store()
+        served_version(store, request.name, request.version)
+        config = model_config(request.name, store.table(request.name).config.embedding_dim)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, ModelConfig())), request.name
+
+    async def _model_statistics(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+        request = pb.ModelStatisticsRequest.FromString(body)
+        store = self._store()
+        if request.name:
+            versions = {request.name: served_version(store, request.name, request.version)}
+        else:
+            versions = {entry["name"]: int(entry["version"]) for entry in repository_index(store)}
+        stats = model_statistics(self.app.state.metrics.samples(), versions)
+        response = json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
+        return response, request.name
+
+    async def _repository_index(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+        pb.RepositoryIndexRequest.FromString(body)  # every table is ready: the filter changes nothing
+        response = pb.RepositoryIndexResponse()
+        for entry in repository_index(self._store()):
+            response.models.add(**entry)
+        return response, ""
+
     async def _model_infer(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
-        self._check_read(context)
         store, metrics = self._store(), self.app.state.metrics
+        max_ids = self.settings.max_ids_per_request
 
         def work() -> tuple[str, Inference, LookupResult]:
             # Parsed here, off the event loop when the message is large (as a REST body is decoded).
-            request = pb.ModelInferRequest.FromString(body)
+            request = parse_request(body)
             name = request.model_name
-            return (name, *infer(store, metrics, name, lambda: decode_request(request)))
+            try:
+                return (name, *infer(store, metrics, name, lambda: decode_request(request, max_ids)))
+            except RobezError as exc:
+                raise _TableError(name, exc) from exc
 
-        if len(body) <= INLINE_MAX_BODY_BYTES:
+        if len(body) <= BINARY_INLINE_MAX_BODY_BYTES:  # decoded as /v1's binary bodies are: inline
             name, inference, result = work()
         else:
             name, inference, result = await anyio.to_thread.run_sync(
                 work, limiter=self.app.state.compute_limiter
             )
         return encode_response(name, inference.request_id, inference, result), name
+
+
+class _TableError(Exception):
+    """An inference of table ``table`` failed with ``error`` (its metrics carry the table's label)."""
+
+    def __init__(self, table: str, error: Exception) -> None:
+        super().__init__(str(error))
+        self.table, self.error = table, error
 
 
 def _trace_carrier(context: grpc.aio.ServicerContext) -> dict[str, str]:
@@ -263,21 +406,34 @@ def _trace_carrier(context: grpc.aio.ServicerContext) -> dict[str, str]:
     }
 
 
-def _status(exc: Exception, path: str) -> tuple[int, str]:
-    """The HTTP status an error answers with (the one table) and its message."""
+def _status(exc: Exception, path: str, timeout_s: float) -> tuple[grpc.StatusCode, int, str]:
+    """The gRPC code, the HTTP status an error answers with (the one table) and its message (at most
+    ``_MAX_MESSAGE_CHARS``: it travels in a header, and may quote the client)."""
+    if isinstance(exc, TimeoutError):
+        message = f"the request message did not arrive within body_timeout_s={timeout_s:g}"
+        return grpc.StatusCode.DEADLINE_EXCEEDED, 408, message
     if isinstance(exc, RobezError):
         status = status_for(exc)
+        message = str(exc)
         if status >= 500:
-            logger.error("%s on %s: %s", type(exc).__name__, path, exc)
-        return status, str(exc)
-    if isinstance(exc, DecodeError):
-        return 422, f"invalid request message: {exc}"
-    logger.exception("unexpected error on %s", path, exc_info=exc)
-    return 500, "internal server error"
+            logger.error("%s on %s: %s", type(exc).__name__, path, message[:_MAX_MESSAGE_CHARS])
+    elif isinstance(exc, DecodeError):
+        status, message = 422, f"invalid request message: {exc}"
+    else:
+        logger.exception("unexpected error on %s", path, exc_info=exc)
+        status, message = 500, "internal server error"
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
+    return grpc.StatusCode[grpc_code_for(status)], status, message
 
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def receive_limit(settings: Settings) -> int:
+    """The longest message gRPC takes (it refuses a longer declared length before reading it)."""
+    return min(settings.max_body_bytes + _RECEIVE_HEADROOM_BYTES, _MAX_MESSAGE_BYTES)
 
 
 async def start_grpc(app: FastAPI, settings: Settings) -> tuple[grpc.aio.Server, int]:
@@ -287,11 +443,11 @@ async def start_grpc(app: FastAPI, settings: Settings) -> tuple[grpc.aio.Server,
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 1),
-            (
-                "grpc.max_receive_message_length",
-                min(settings.max_body_bytes + _RECEIVE_HEADROOM_BYTES, _MAX_MESSAGE_BYTES),
-            ),
+            ("grpc.max_receive_message_length", receive_limit(settings)),
             ("grpc.max_send_message_length", -1),
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", _LOOKAHEAD_BYTES),
+            ("grpc.max_concurrent_streams", _MAX_CONCURRENT_STREAMS),
         ]
     )
     server.add_generic_rpc_handlers((InferenceServicer(app).handler(),))

@@ -136,13 +136,14 @@ def test_tritonclient_metadata_and_errors(server_factory: Callable[..., _Server]
     headers = {"Authorization": "Bearer r-key"}
     metadata = client.get_model_metadata("demo", headers=headers)
     assert metadata["name"] == "demo"
-    assert {tensor["name"]: tensor["datatype"] for tensor in metadata["inputs"]} == {
-        "ids": "INT64",
-        "offsets": "INT64",
-        "per_sample_weights": "FP32",
-    }
+    # The one required input; offsets and per_sample_weights are named in the config's parameters.
+    assert metadata["inputs"] == [{"name": "ids", "datatype": "INT64", "shape": [-1]}]
     assert metadata["outputs"] == [{"name": "embeddings", "datatype": "FP32", "shape": [-1, 64]}]
-    assert client.get_server_metadata()["extensions"] == ["binary_tensor_data"]
+    assert client.get_server_metadata()["extensions"] == [
+        "binary_tensor_data",
+        "statistics",
+        "model_configuration",
+    ]
     ids = np.array([1, 2], dtype=np.int64)
     with pytest.raises(InferenceServerException) as missing:
         client.infer("nope", [_ids_input(ids, True)], headers=headers)

@@ -1,0 +1,87 @@
+"""Start-up leaves nothing to the first requests: every kernel path compiled (or loaded from numba's cache)
+before the worker is ready, and the start-up objects frozen out of the collector's full passes without
+keeping a deleted table's mapping alive."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+# In a fresh process at two kernel threads: the compiled signatures of every numba dispatcher of
+# robez_core after the start-up warm-up, then after requests of every size class; they must not grow.
+_CHECK = """
+import sys, numba, torch
+from numba.core.registry import CPUDispatcher
+from service.config import Settings
+from service.store import TableStore
+from service.store.journal import NullJournal
+from service.warmup import warm_kernels
+
+def compiled():
+    counts = {}
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("robez_core"):
+            for name in dir(module):
+                for copy in ("", "serial", "parallel"):
+                    kernel = getattr(module, name)
+                    dispatcher = getattr(kernel, copy, None) if copy else kernel
+                    if isinstance(dispatcher, CPUDispatcher):
+                        counts[f"{module_name}.{name}.{copy}"] = len(dispatcher.signatures)
+    return counts
+
+torch.set_num_threads(2)
+numba.set_num_threads(2)
+settings = Settings(_env_file=None, shm_dir=SHM, threads_per_worker=2)
+store = TableStore(TableStore.prepare(settings, NullJournal()), settings, NullJournal())
+store.warm_up()
+WARM
+after_start = compiled()
+for size in (1, 10, 64, 65, 300, 4096, 50_000, 262_144):
+    ids = torch.randint(0, 10**9, (size,), dtype=torch.int64)
+    store.lookup("demo", ids.numpy())
+    store.lookup("demo", ids, torch.tensor([0]), "mean")
+    if size <= 65_536:
+        store.update("demo", ids, torch.zeros(size, 64))
+grown = {name: (count, after_start.get(name, 0)) for name, count in compiled().items()
+         if count > after_start.get(name, 0)}
+print("compiled by requests:", grown)
+store.close()
+"""
+
+
+def _compiled_by_requests(tmp_path: Path, warm: str) -> str:
+    code = _CHECK.replace("SHM", repr(str(tmp_path / "shm"))).replace("WARM", warm)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "compiled by requests:" in out.stdout, out.stdout + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_no_request_compiles_a_kernel_after_start_up(tmp_path: Path) -> None:
+    """After ``warm_kernels`` (what a worker runs before it is ready), lookups, bag lookups and pushes
+    of every size up to the limits compile nothing (loading from numba's cache counts as compiling: a
+    request would pay for it too). ``TableStore.warm_up`` alone leaves the parallel copies to requests."""
+    assert "compiled by requests: {}" in _compiled_by_requests(tmp_path, "warm_kernels(store)")
+    assert "compiled by requests: {}" not in _compiled_by_requests(tmp_path, "")
+
+
+def test_start_up_objects_are_frozen_and_a_deleted_table_is_unmapped(
+    client_factory: Callable[..., TestClient], tmp_path: Path
+) -> None:
+    client = client_factory(write_api_key="w" * 32)
+    assert gc.get_freeze_count() > 10_000  # imports, settings, tables: out of full collections
+    shm = str(tmp_path / "shm")
+
+    def mapped() -> int:
+        return sum(shm in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+    before = mapped()
+    assert before > 0
+    reply = client.delete("/v1/tables/demo", headers={"Authorization": "Bearer " + "w" * 32})
+    assert reply.status_code in (200, 204), reply.text
+    gc.collect()
+    assert mapped() < before, "a frozen start-up object still holds the deleted table's mapping"
