@@ -27,8 +27,9 @@ from robez_core.config import TableConfig
 from robez_core.table import Table
 
 from .config import demo_table_spec
+from .log.entry import apply_record
 from .metrics import Metrics
-from .store import TableStore, apply_record
+from .store import TableStore
 
 logger = logging.getLogger("robez.warmup")
 
