@@ -26,6 +26,7 @@ from ..auth import WriteAccess
 from ..codec import OCTET_STREAM, VERSION_HEADER, TableInfoResponse, table_info_json
 from ..config import TableSpec
 from ..store import TableStore
+from ..uploads import check_upload
 from ..wal import (
     CheckpointFormat,
     SnapshotScheduler,
@@ -120,6 +121,7 @@ async def load(
     body = await request.body()
 
     def read() -> tuple[Table, str]:
+        check_upload(body, format, prefix)  # before anything in it is loaded
         return read_checkpoint(
             body,
             format=format,
