@@ -30,8 +30,6 @@ RUN pip install ${TORCH_PIP_ARGS} "torch==2.13.0+cpu"
 COPY pyproject.toml README.md ./
 COPY robez_core ./robez_core
 COPY service ./service
-COPY loadtest ./loadtest
-COPY quality ./quality
 RUN pip install -c constraints.txt . \
     && python -c "import torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
 

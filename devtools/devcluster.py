@@ -13,29 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from devtools.natscluster import NatsCluster
-
-
-def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float, interval_s: float = 0.2) -> bool:
-    """Poll ``url``'s /readyz until it answers 200 (True), the process exits or ``timeout_s`` passes
-    (False). ``make cluster``, the replication benchmark and the replication tests wait with it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(interval_s)
-    return False
+from loadtest.launch import RobezProcess, ServerNotReady
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     temporary = tempfile.TemporaryDirectory(prefix="robez-cluster-") if args.dir is None else None
     directory = Path(temporary.name) if temporary is not None else args.dir
     cluster = NatsCluster(directory / "nats", size=3)
-    replicas: list[subprocess.Popen[bytes]] = []
+    replicas: list[RobezProcess] = []
     stop = False
 
     def request_stop(signum: int, frame: object) -> None:
@@ -62,24 +46,23 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start()
         print(f"NATS: {','.join(cluster.urls)} (stores in {directory / 'nats'}); waiting for JetStream...")
         cluster.wait_for_jetstream(60.0)
-        urls = []
         for index in range(args.replicas):
-            port = args.port + index
-            command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
-            command += ["--nats", ",".join(cluster.urls), "--replica-name", f"replica{index + 1}"]
+            command = ["--nats", ",".join(cluster.urls), "--replica-name", f"replica{index + 1}"]
             if args.config is not None:
                 command += ["--config", str(args.config)]
             env = {
-                **os.environ,
                 "ROBEZ_THREADS_PER_WORKER": os.environ.get("ROBEZ_THREADS_PER_WORKER", "1"),
                 **cluster.robez_env(),
             }
-            replicas.append(subprocess.Popen(command, env=env))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, process in zip(urls, replicas, strict=True):
-            if not wait_ready(url, process, 120.0):
-                print(f"replica at {url} did not become ready", file=sys.stderr)
+            # the developer's ROBEZ_* settings apply; output goes to this terminal
+            replicas.append(RobezProcess(command, env, port=args.port + index, keep_robez_env=True).spawn())
+        for replica in replicas:
+            try:
+                replica.wait_ready(120.0, interval_s=0.2)
+            except ServerNotReady as exc:
+                print(f"replica at {replica.url} did not become ready: {exc}", file=sys.stderr)
                 return 1
+        urls = [replica.url for replica in replicas]
         print("\nrobez replicas (same tables, writes at any of them):")
         for url in urls:
             print(f"  {url}")
@@ -89,21 +72,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"nkey seed: {cluster.secrets.directory} (docs/security.md)")
         print("\nCtrl-C stops everything.")
-        while not stop and all(process.poll() is None for process in replicas):
+        while not stop and all(replica.running for replica in replicas):
             time.sleep(0.5)
         return 0
     except KeyboardInterrupt:
         return 0
     finally:
-        for process in replicas:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in replicas:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        for replica in replicas:
+            replica.stop(20.0)  # SIGTERM to its process group, SIGKILL what is left after 20 s
         cluster.stop()
         if temporary is not None:
             temporary.cleanup()

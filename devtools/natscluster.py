@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.replication.natsauth import NatsAuth
+from service.natsauth import NatsAuth
 
 # What robez ships in every NATS config it writes or starts (deploy/cluster/nats.conf too): one log entry
 # holds one push, ids * 8 + ids * dim * 4 bytes plus headers. NATS allows up to 64 MiB but warns above 8.

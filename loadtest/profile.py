@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from .server import affinity
+from .launch import affinity
 
 _LINE_NUMBER = re.compile(r":\d+\)$")
 # Frames worth naming in the inclusive table: the service's own request path, the core, and the thread

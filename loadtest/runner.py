@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from service.servertiming import parse_server_timing
+
 from .scenarios import RequestTemplate, ScenarioContext, build_requests, check_response
 from .stats import Summary, rate
 from .transport import (
@@ -39,7 +41,6 @@ from .transport import (
     RespConnection,
     Response,
     TransportError,
-    parse_server_timing,
 )
 
 LOAD_SHAPES: tuple[str, ...] = ("closed", "open")

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from .launch import RobezProcess, affinity, free_port
 from .transport import Target
 
 MAIN_TABLE = "loadtest"
@@ -52,16 +53,7 @@ def tables_toml() -> str:
 
 def free_loopback_port() -> int:
     """A port nothing listens on right now (the server binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _robez_command() -> list[str]:
-    script = Path(sys.executable).with_name("robez")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())"]
+    return free_port()
 
 
 @dataclass
@@ -95,77 +87,38 @@ def start_server(
     ready_timeout_s: float = 120.0,
     grpc: bool = False,
 ) -> ServerProcess:
-    """Start ``robez serve --workers N`` on a free loopback port pinned to ``cores``; wait for /readyz.
-    ``grpc``: also serve the inference protocol over gRPC, on another free port.
+    """Start ``robez serve --workers N`` on a free loopback port pinned to ``cores``; wait for /readyz
+    (``loadtest.launch.RobezProcess``). ``grpc``: also serve the inference protocol over gRPC, on another
+    free port.
 
     Raises:
         RuntimeError: the server exited or was not ready in time (the message carries its log's tail).
     """
     config_path = workdir / "tables.toml"
     config_path.write_text(tables_toml())
-    port = free_loopback_port()
-    command = [
-        *_robez_command(),
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-    ]
-    command += ["--config", str(config_path)]
-    grpc_target = Target("127.0.0.1", free_loopback_port()) if grpc else None
+    port = free_port()
+    args = ["--host", "127.0.0.1", "--workers", str(workers), "--config", str(config_path)]
+    grpc_target = Target("127.0.0.1", free_port()) if grpc else None
     if grpc_target is not None:
-        command += ["--grpc-port", str(grpc_target.port)]
-    server_env = {**os.environ, "ROBEZ_LOG_LEVEL": "warning", **(env or {})}
+        args += ["--grpc-port", str(grpc_target.port)]
     log_path = workdir / f"server-{workers}w-{port}.log"
-    log = log_path.open("wb")
-    with affinity(cores):
-        # start_new_session: one process group to signal, whatever uvicorn spawns
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=server_env, start_new_session=True
-        )
-    log.close()
-    server = ServerProcess(Target("127.0.0.1", port), process, workers, cores, log_path, grpc_target)
+    # The caller's environment as it is (ROBEZ_* included: the load test's own knobs reach the server).
+    launched = RobezProcess(
+        args,
+        {"ROBEZ_LOG_LEVEL": "warning", **(env or {})},
+        log_path=log_path,
+        port=port,
+        cores=cores,
+        keep_robez_env=True,
+    ).spawn()
+    assert launched.process is not None
+    server = ServerProcess(Target("127.0.0.1", port), launched.process, workers, cores, log_path, grpc_target)
     try:
-        _wait_ready(server, ready_timeout_s)
+        launched.wait_ready(ready_timeout_s, interval_s=0.2)
     except BaseException:
         stop_server(server)
         raise
     return server
-
-
-@contextlib.contextmanager
-def affinity(cores: tuple[int, ...] | None) -> Iterator[None]:
-    """Pin the calling thread while it spawns a child (the child inherits it), then restore it."""
-    if not cores:
-        yield
-        return
-    previous = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, previous)
-
-
-def _wait_ready(server: ServerProcess, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    url = f"{server.target.base_url}/readyz"
-    last_error = "no answer yet"
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"robez serve exited with {server.process.returncode}:\n{server.log_tail()}")
-        try:
-            reply = httpx.get(url, timeout=2.0)
-            if reply.status_code == 200:
-                return
-            last_error = f"/readyz answered {reply.status_code}"
-        except httpx.HTTPError as exc:
-            last_error = f"{type(exc).__name__}"
-        time.sleep(0.2)
-    raise RuntimeError(f"robez serve not ready after {timeout_s:.0f} s ({last_error}):\n{server.log_tail()}")
 
 
 def stop_server(server: ServerProcess, timeout_s: float = 15.0) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import re
 from dataclasses import dataclass
 from typing import Protocol, cast
 from urllib.parse import urlsplit
@@ -40,7 +39,6 @@ _STATUS_BY_GRPC_CODE = {
     "INVALID_ARGUMENT": 422,
     "UNAVAILABLE": 503,
 }
-_SERVER_TIMING_ENTRY = re.compile(r"([A-Za-z0-9_.-]+)\s*;[^,]*?dur\s*=\s*([0-9.eE+-]+)")
 
 
 class TransportError(Exception):
@@ -85,19 +83,6 @@ def loopback_target(url: str) -> Target:
         raise ValueError(f"the url must be just scheme://host:port, got path {parts.path!r}")
     port = parts.port or 80
     return Target(host=host, port=port)
-
-
-def parse_server_timing(header: str | None) -> dict[str, float]:
-    """``"hash;dur=0.12, lookup;dur=0.3"`` -> ``{"hash": 0.12, "lookup": 0.3}`` (milliseconds)."""
-    if not header:
-        return {}
-    timings: dict[str, float] = {}
-    for name, value in _SERVER_TIMING_ENTRY.findall(header):
-        try:
-            timings[name] = float(value)
-        except ValueError:
-            continue
-    return timings
 
 
 @dataclass(frozen=True)

@@ -11,21 +11,17 @@ batches), are replayed side by side, and each gets a running AUC over a trailing
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import IO
+from pathlib import Path
 
-import httpx
 import torch
 from torch import nn
 
+from loadtest.launch import RobezProcess
 from service.client import RemoteEmbedding, RemoteEmbeddingBag, RobezClient, RobezClientError
 
 from .model import INIT_SCALE, Embeddings, RatingModel, auc, full_embeddings, full_floats
@@ -75,51 +71,18 @@ class OnlineResult:
         return self.pushes / self.push_seconds if self.push_seconds else float("nan")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @contextmanager
 def serve(startup_timeout_s: float = 60.0) -> Iterator[str]:
     """Runs ``robez serve`` (one worker, one kernel thread, no data dir) on a free port; yields the URL."""
-    port = _free_port()
-    command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--workers", "1", "--threads-per-worker", "1", "--log-level", "warning"]  # fmt: skip
-    # Only the options above: no data dir, tables file or keys from the caller's environment.
-    env = {key: value for key, value in os.environ.items() if not key.startswith("ROBEZ_")}
-    # stderr to a file, not a pipe nobody reads while the replay runs (a full pipe would block the server).
-    with tempfile.TemporaryFile() as errors:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+    args = ["--host", "127.0.0.1", "--workers", "1", "--threads-per-worker", "1", "--log-level", "warning"]
+    # Only the options above: no data dir, tables file or keys from the caller's environment (ROBEZ_*
+    # is dropped); its output to a file, not a pipe nobody reads while the replay runs.
+    with tempfile.TemporaryDirectory(prefix="robez-quality-") as directory:
+        server = RobezProcess(args, log_path=Path(directory) / "server.log")
         try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_ready(process, url, errors, startup_timeout_s)
-            yield url
+            yield server.start(startup_timeout_s, interval_s=0.2).url
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _wait_ready(process: subprocess.Popen[bytes], url: str, errors: IO[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    with RobezClient(url, timeout=5.0) as client:
-        while True:
-            if process.poll() is not None:
-                errors.seek(0)
-                error = errors.read().decode(errors="replace")
-                raise RuntimeError(f"robez serve exited with {process.returncode}: {error[-2000:]}")
-            try:
-                client.ready()
-                return
-            except (httpx.HTTPError, RobezClientError):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"robez serve not ready after {timeout_s} s") from None
-                time.sleep(0.2)
+            server.stop(20.0)
 
 
 def _remote_embeddings(

@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ssl
 import time
 import uuid
@@ -30,6 +29,8 @@ import httpx
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from .servertiming import parse_server_timing
 
 __all__ = [
     "AsyncRobezClient",
@@ -172,24 +173,6 @@ def decode_rows(body: bytes, shape: tuple[int, int]) -> Tensor:
     # astype copies into a writable native-order array, so the tensor owns its memory.
     array = np.frombuffer(body, dtype=_ROWS_DTYPE).astype(np.float32)
     return torch.from_numpy(array).reshape(n, d)
-
-
-def parse_server_timing(header: str | None) -> dict[str, float]:
-    """Parses ``Server-Timing: hash;dur=0.1, lookup;dur=0.5, total;dur=0.7`` into {name: ms}.
-
-    Entries without a readable ``dur`` are skipped; an absent header gives ``{}``.
-    """
-    timing: dict[str, float] = {}
-    if not header:
-        return timing
-    for entry in header.split(","):
-        name, *params = (part.strip() for part in entry.split(";"))
-        for param in params:
-            key, _, value = param.partition("=")
-            if name and key.strip().lower() == "dur":
-                with contextlib.suppress(ValueError):
-                    timing[name] = float(value.strip().strip('"'))
-    return timing
 
 
 def _error_from_response(response: httpx.Response) -> RobezClientError:

@@ -7,7 +7,6 @@ directory (``--data-dir``), or, when neither names any, from the built-in ``demo
 
 from __future__ import annotations
 
-import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConfigError
+from robez_core.hostinfo import usable_cpus
 
-from .replication.natsauth import NatsAuth
+from .natsauth import NatsAuth
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -30,14 +30,6 @@ DEMO_TABLE_CONFIG = TableConfig(
     num_embeddings=10_000_000, embedding_dim=64, memory_size=262_144, chunk_size=32
 )
 DEMO_OPTIMIZER = OptimizerConfig(name="sgd", lr=0.01)
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (cgroup/affinity aware where the OS tells us)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 class Settings(BaseSettings):
@@ -179,7 +171,7 @@ class Settings(BaseSettings):
     # through a NATS JetStream log. None = the single-machine mode above.
     nats_url: str | None = Field(default=None, description="NATS server URL(s), comma-separated")
     nats_replicas: int = Field(default=3, ge=1, le=5, description="JetStream replication factor")
-    # Who robez is to NATS and how it checks NATS (service/replication/natsauth.py, docs/security.md).
+    # Who robez is to NATS and how it checks NATS (service/natsauth.py, docs/security.md).
     nats_user: str | None = Field(default=None, description="NATS user (with nats_password)")
     nats_password: SecretStr | None = Field(default=None, description="NATS user's password")
     nats_creds: Path | None = Field(default=None, description="NATS .creds file (JWT + nkey seed)")
@@ -285,7 +277,7 @@ class Settings(BaseSettings):
         """Kernel threads each worker uses: the setting, or the CPUs shared out over the workers."""
         if self.threads_per_worker is not None:
             return self.threads_per_worker
-        return max(1, available_cpus() // self.workers)
+        return max(1, usable_cpus() // self.workers)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ def _scenarios(calls: int) -> list[Scenario]:
     """The allocating calls, set up once per process; ``run(i)`` makes call ``i``."""
     settings = paper_tables.BenchSettings()
     memory_size = paper_tables.TARGET_MEMORY_SIZE
-    batches = paper_tables._batches(paper_tables.BenchSettings(iterations=4, seed=settings.seed))
+    batches = paper_tables.batches_of(paper_tables.BenchSettings(iterations=4, seed=settings.seed))
     shape = (settings.batch_size, settings.embedding_dim)
     generator = torch.Generator().manual_seed(settings.seed + 2)
     output_grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
@@ -72,8 +72,8 @@ def _scenarios(calls: int) -> list[Scenario]:
 
     def step_call(model: str) -> Callable[[int], object]:
         config = paper_tables.RunConfig(model, False, "adam", memory_size)
-        pair = paper_tables.PairModel(paper_tables._make_embedding(config, settings))
-        optimizer = paper_tables._make_optimizer(config, list(pair.parameters()), settings.lr)
+        pair = paper_tables.PairModel(paper_tables.make_embedding(config, settings))
+        optimizer = paper_tables.make_optimizer(config, list(pair.parameters()), settings.lr)
 
         def call(i: int) -> object:
             pairs, targets = batches[i % len(batches)]
@@ -88,8 +88,8 @@ def _scenarios(calls: int) -> list[Scenario]:
 
     def share_call(model: str) -> Callable[[int], object]:
         config = paper_tables.RunConfig(model, False, "adam", memory_size)
-        embedding = paper_tables._make_embedding(config, settings)
-        optimizer = paper_tables._make_optimizer(config, list(embedding.parameters()), settings.lr)
+        embedding = paper_tables.make_embedding(config, settings)
+        optimizer = paper_tables.make_optimizer(config, list(embedding.parameters()), settings.lr)
 
         def call(i: int) -> object:
             pairs, _ = batches[i % len(batches)]
@@ -102,9 +102,7 @@ def _scenarios(calls: int) -> list[Scenario]:
 
         return call
 
-    fused = paper_tables._make_embedding(
-        paper_tables.RunConfig("fused", False, "adam", memory_size), settings
-    )
+    fused = paper_tables.make_embedding(paper_tables.RunConfig("fused", False, "adam", memory_size), settings)
     ids = batches[0][0][:, 0].contiguous()
 
     def forward_call(i: int) -> object:

@@ -193,7 +193,8 @@ class PairModel(nn.Module):
         return (left * right).sum(dim=1)
 
 
-def _make_embedding(config: RunConfig, settings: BenchSettings) -> nn.Module:
+def make_embedding(config: RunConfig, settings: BenchSettings) -> nn.Module:
+    """The row's embedding module (``nn.Embedding``, the reference or the fused ROBE-Z), untrained."""
     if config.model == "full":
         return nn.Embedding(settings.num_embeddings, settings.embedding_dim, sparse=config.sparse)
     assert config.memory_size is not None
@@ -207,7 +208,7 @@ def _make_embedding(config: RunConfig, settings: BenchSettings) -> nn.Module:
     )
 
 
-def _make_optimizer(
+def make_optimizer(
     config: RunConfig, params: list[nn.Parameter], lr: float, *, default_adam: bool = False
 ) -> torch.optim.Optimizer:
     """The row's optimizer. Dense Adam is ``torch.optim.Adam(fused=True)`` (one pass over the array) for
@@ -268,7 +269,9 @@ def _all_threads() -> int:
     return os.cpu_count() or 1
 
 
-def _batches(settings: BenchSettings) -> list[tuple[Tensor, Tensor]]:
+def batches_of(settings: BenchSettings) -> list[tuple[Tensor, Tensor]]:
+    """``settings.iterations`` seeded batches (ids ``(batch, 2)`` int64, targets ``(batch,)`` float32), the
+    same for every row of a table."""
     generator = torch.Generator().manual_seed(settings.seed)
     return [
         (
@@ -289,9 +292,9 @@ def run_config(
     config: RunConfig, settings: BenchSettings, threads: int, batches: list[tuple[Tensor, Tensor]]
 ) -> RunResult:
     """Train the pair model ``settings.iterations`` steps and return the median phase times."""
-    embedding = _make_embedding(config, settings)
+    embedding = make_embedding(config, settings)
     model = PairModel(embedding)
-    optimizer = _make_optimizer(config, list(model.parameters()), settings.lr)
+    optimizer = make_optimizer(config, list(model.parameters()), settings.lr)
     split = _split_forward(embedding, config.model) if config.model != "full" else None
     phases: dict[str, list[float]] = {
         name: [] for name in ("forward", "hashing", "lookup", "gradcomp", "backward")
@@ -416,15 +419,15 @@ def _embedding_share_runner(
 ) -> Callable[[], list[ShareStep]]:
     """A function that times the embedding's own part of a dense-Adam pair step over every batch. The
     share is both lookups, their backward (fed fixed output gradients, so none of the model's ops run)
-    and ``optimizer.step()`` over the array (``_make_optimizer``'s: ``Adam(fused=True)`` for the fused
+    and ``optimizer.step()`` over the array (``make_optimizer``'s: ``Adam(fused=True)`` for the fused
     model unless ``default_adam``)."""
     config = RunConfig(model, False, "adam", memory_size)
-    embedding = _make_embedding(config, settings)
-    optimizer = _make_optimizer(config, list(embedding.parameters()), settings.lr, default_adam=default_adam)
+    embedding = make_embedding(config, settings)
+    optimizer = make_optimizer(config, list(embedding.parameters()), settings.lr, default_adam=default_adam)
     generator = torch.Generator().manual_seed(settings.seed + 2)
     shape = (settings.batch_size, settings.embedding_dim)
     output_grads = (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-    batches = _batches(settings)
+    batches = batches_of(settings)
 
     def run() -> list[ShareStep]:
         timings = []
@@ -596,7 +599,7 @@ def _time_model_own_work(settings: BenchSettings) -> float:
     left = torch.randn(shape, generator=generator).requires_grad_()
     right = torch.randn(shape, generator=generator).requires_grad_()
     timings = []
-    for _, targets in _batches(settings):
+    for _, targets in batches_of(settings):
         left.grad = right.grad = None
         start = time.perf_counter()
         loss = F.mse_loss((left * right).sum(dim=1), targets)
@@ -719,7 +722,7 @@ def _phase_split(
 def profile_training_step(settings: BenchSettings, memory_size: int, steps: int = 6) -> str:
     """Markdown: where a dense-Adam pair-model step spends its time at 1 thread (fused and reference
     phase splits side by side, then torch.profiler's operator table for the fused step)."""
-    batches = _batches(replace(settings, iterations=steps))
+    batches = batches_of(replace(settings, iterations=steps))
     lines = [
         f"# Where the time goes: pair-model step, dense gradients + Adam, m = {memory_size}, 1 thread",
         "",
@@ -736,8 +739,8 @@ def profile_training_step(settings: BenchSettings, memory_size: int, steps: int 
     with _torch_threads(1):
         for model in ("reference", "fused"):
             config = RunConfig(model, False, "adam", memory_size)
-            embedding = _make_embedding(config, settings)
-            optimizer = _make_optimizer(config, list(embedding.parameters()), settings.lr)
+            embedding = make_embedding(config, settings)
+            optimizer = make_optimizer(config, list(embedding.parameters()), settings.lr)
             splits[model] = _phase_split(embedding, optimizer, batches)
             if model == "fused":
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
@@ -773,7 +776,7 @@ def run_benchmark(
     say = log or (lambda message: print(message, file=sys.stderr, flush=True))
     result = BenchResult(settings, command, dt.datetime.now(dt.UTC), load_before=load_average())
     started = time.perf_counter()
-    batches = _batches(settings)
+    batches = batches_of(settings)
     configs = _configs(settings)
     total = len(configs) * len(settings.threads)
     done = 0

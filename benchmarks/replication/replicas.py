@@ -36,9 +36,7 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,8 +48,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
-from devtools.devcluster import wait_ready
-from devtools.natscluster import NatsCluster, free_ports
+from devtools.natscluster import NatsCluster
+from loadtest.launch import RobezProcess
 from loadtest.profile import Profiler
 from loadtest.server import tree_cpu_seconds, tree_pids
 from robez_core import hostinfo
@@ -59,37 +57,31 @@ from robez_core import hostinfo
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
-    from service.replication.natsauth import NatsAuth
+    from service.natsauth import NatsAuth
 
 _D = 64
 # Paced pushing threads of the lag run: enough that a slow push (p99 ~ 40 ms) does not hold the rate down.
 _LAG_THREADS = 16
 
 
-class _Server:
+class _Server(RobezProcess):
+    """``robez serve ARGS`` (1 kernel thread) spawned at once; ``wait_ready`` / ``stop`` as every tool."""
+
     def __init__(self, name: str, workdir: Path, args: list[str], env: dict[str, str]) -> None:
-        self.port = free_ports(1)[0]
-        self.url = f"http://127.0.0.1:{self.port}"
-        base = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
-        base.update({"ROBEZ_SHM_DIR": str(workdir / name / "shm"), "ROBEZ_THREADS_PER_WORKER": "1", **env})
         (workdir / name).mkdir(parents=True)
-        command = [sys.executable, "-m", "service", "serve", "--port", str(self.port), *args]
-        self.log = (workdir / name / "server.log").open("wb")
-        self.process = subprocess.Popen(command, env=base, stdout=self.log, stderr=subprocess.STDOUT)
+        super().__init__(
+            args,
+            {"ROBEZ_SHM_DIR": str(workdir / name / "shm"), "ROBEZ_THREADS_PER_WORKER": "1", **env},
+            log_path=workdir / name / "server.log",
+        )
+        self.spawn()
 
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
-        if not wait_ready(self.url, self.process, timeout_s):
-            raise RuntimeError(f"server {self.url} not ready")
+    def wait_ready(self, timeout_s: float = 120.0, **_: object) -> _Server:
+        super().wait_ready(timeout_s, interval_s=0.2)
+        return self
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
+    def stop(self, timeout_s: float = 20.0) -> None:
+        super().stop(timeout_s)
 
 
 def _push_body(rng: np.random.Generator, rows: int) -> tuple[bytes, dict[str, str]]:
@@ -109,7 +101,7 @@ def _updates(
     """``pushes`` updates split over ``writers`` threads; returns each push's latency (s) and, last,
     the elapsed wall time of the whole run. ``stages``: the server's Server-Timing stages (ms) are
     appended there, by stage name."""
-    from loadtest.transport import parse_server_timing
+    from service.servertiming import parse_server_timing
 
     latencies: list[float] = []
     lock = threading.Lock()
@@ -465,21 +457,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(cpus) >= 2:
             half = max(1, len(cpus) // 2)
             b_cpus, others = set(cpus[:half]), set(cpus[half:])
-            _pin(b.process.pid, b_cpus)
+            _pin(b.pid, b_cpus)
             _pin(os.getpid(), others, descendants=False)  # its children: the servers, pinned apart
-            for pid in [a.process.pid, local.process.pid]:
+            for pid in [a.pid, local.pid]:
                 _pin(pid, others)
             for node in cluster.nodes:
                 if node.process is not None:
                     _pin(node.process.pid, others)
         print("lookup capacity of B ...", file=sys.stderr)
-        window = functools.partial(_window, b.url, b.process.pid, args.rows, args.seconds, others, b_cpus)
+        window = functools.partial(_window, b.url, b.pid, args.rows, args.seconds, others, b_cpus)
         stream = (a.url, args.rate)
         quiet = window(None, 0.0)
         applying = window(stream, None)
         busy = window(stream, 0.0)
         # An extra window (sampling costs CPU, so its figures are not used): where B's applying goes.
-        profiler = Profiler(b.process.pid, "B applying", args.seconds, tuple(sorted(others or ())) or None)
+        profiler = Profiler(b.pid, "B applying", args.seconds, tuple(sorted(others or ())) or None)
         window(stream, None)
         profile = profiler.finish()
         load_after = _load()

@@ -35,9 +35,7 @@ import platform
 import re
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,8 +46,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from devtools.devcluster import wait_ready
-from devtools.natscluster import NatsCluster, free_ports
+from devtools.natscluster import NatsCluster
+from loadtest.launch import RobezProcess
 from loadtest.server import tree_pids
 from robez_core import hostinfo
 
@@ -60,13 +58,15 @@ _MIB = 1 << 20
 _SHM_ROOT = Path("/dev/shm") / f"robez-bench-scale-{os.getpid()}"
 
 
-class _Server:
+class _Server(RobezProcess):
+    log_path: Path  # always given
+
     def __init__(self, name: str, workdir: Path, nats_urls: list[str], env: dict[str, str]) -> None:
         self.name = name
-        self.port = free_ports(1)[0]
-        self.url = f"http://127.0.0.1:{self.port}"
-        base = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
-        base.update(
+        (workdir / name).mkdir(parents=True)
+        (_SHM_ROOT / name).mkdir(parents=True)
+        super().__init__(
+            ["--nats", ",".join(nats_urls), "--replica-name", name],
             {
                 "ROBEZ_SHM_DIR": str(_SHM_ROOT / name),  # tmpfs, as in production
                 "ROBEZ_THREADS_PER_WORKER": "1",
@@ -74,19 +74,14 @@ class _Server:
                 "ROBEZ_MAX_TOTAL_MEMORY_BYTES": str(16 << 30),
                 "TMPDIR": str(workdir / name),  # upload and download scratch files, on disk
                 **env,
-            }
+            },
+            log_path=workdir / name / "server.log",
         )
-        (workdir / name).mkdir(parents=True)
-        (_SHM_ROOT / name).mkdir(parents=True)
-        self.log_path = workdir / name / "server.log"
-        command = [sys.executable, "-m", "service", "serve", "--port", str(self.port)]
-        command += ["--nats", ",".join(nats_urls), "--replica-name", name]
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, env=base, stdout=log, stderr=subprocess.STDOUT)
+        self.spawn()
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
-        if not wait_ready(self.url, self.process, timeout_s):
-            raise RuntimeError(f"replica {self.name} not ready:\n{self.log_path.read_text()[-3000:]}")
+    def wait_ready(self, timeout_s: float = 600.0, **_: object) -> _Server:
+        super().wait_ready(timeout_s, interval_s=0.2)
+        return self
 
     def events(self, table: str, what: str) -> list[tuple[float, int, str]]:
         """(unix time, version, message) of the applier's lines ``<what> ... at version V`` for ``table``."""
@@ -103,7 +98,7 @@ class _Server:
         bytes are the table itself, not extra, and which PSS counts only where a mapping has touched them
         (a table just loaded through one mapping and served through another shows few)."""
         total = 0
-        for pid in tree_pids(self.process.pid):
+        for pid in tree_pids(self.pid):
             try:
                 text = Path(f"/proc/{pid}/smaps_rollup").read_text()
             except OSError:
@@ -119,15 +114,6 @@ class _Server:
 
     def version(self, table: str) -> int:
         return int(httpx.get(f"{self.url}/v1/tables/{table}", timeout=30).json()["version"])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 class _Pusher:

@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from loadtest.launch import RobezProcess
 from robez_core.hostinfo import cpu_model
 
 DIM, CHUNK, LOOKUP_IDS = 128, 32, 4096
@@ -88,68 +89,46 @@ def server_memory_bytes(root: int, shm_dir: Path) -> int:
     return total
 
 
-class _Server:
+class _Server(RobezProcess):
+    log_path: Path  # always given
+
     def __init__(self, data_dir: Path, shm_dir: Path, workers: int, log: Path) -> None:
-        self.data_dir, self.shm_dir, self.workers, self.log = data_dir, shm_dir, workers, log
-        self.process: subprocess.Popen[bytes] | None = None
-        self.port = 0
+        self.data_dir, self.shm_dir, self.workers = data_dir, shm_dir, workers
         self.exec_time = 0.0
+        super().__init__(
+            ["--data-dir", str(data_dir), "--workers", str(workers)],
+            {
+                "ROBEZ_SHM_DIR": str(shm_dir),
+                "ROBEZ_LOG_LEVEL": "info",
+                "ROBEZ_DEFAULT_TABLE": "false",
+                "ROBEZ_SNAPSHOT_EVERY_SECONDS": "0",
+            },
+            log_path=log,
+        )
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 600.0, *, sample_memory: bool = True) -> tuple[float, int]:
+    def start(self, timeout_s: float = 600.0, *, sample_memory: bool = True) -> tuple[float, int]:  # type: ignore[override]
         """Start; returns (seconds from exec to /readyz 200, peak memory meanwhile in bytes; 0 when not
         ``sample_memory``: reading every process's smaps ten times a second walks the page tables of the
         table's mappings, a CPU of its own on a 2-core machine with a 3 GiB table, so a start that is
         timed is not sampled)."""
-        import socket
+        peak, next_sample = 0, 0.0
 
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = int(probe.getsockname()[1])
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
-        env.update(
-            {
-                "ROBEZ_SHM_DIR": str(self.shm_dir),
-                "ROBEZ_LOG_LEVEL": "info",
-                "ROBEZ_DEFAULT_TABLE": "false",
-                "ROBEZ_SNAPSHOT_EVERY_SECONDS": "0",
-            }
-        )
-        command = [sys.executable, "-m", "service", "serve", "--data-dir", str(self.data_dir)]
-        command += ["--port", str(self.port), "--workers", str(self.workers)]
-        start = time.monotonic()
-        self.exec_time = time.time()  # wall clock, for the server log's timestamps (_restart_phases)
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        peak, next_sample = 0, start
-        while time.monotonic() - start < timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"robez serve exited with {self.process.returncode}; see {self.log}")
+        def sample() -> None:
+            nonlocal peak, next_sample
             if sample_memory and time.monotonic() >= next_sample:  # ten times a second
-                peak = max(peak, server_memory_bytes(self.process.pid, self.shm_dir))
+                peak = max(peak, server_memory_bytes(self.pid, self.shm_dir))
                 next_sample = time.monotonic() + 0.1
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/readyz", timeout=1.0).status_code == 200:
-                    return time.monotonic() - start, peak
-            time.sleep(0.02)
-        raise RuntimeError(f"not ready in {timeout_s} s")
+
+        self.exec_time = time.time()  # wall clock, for the server log's timestamps (_restart_phases)
+        self.spawn()
+        self.wait_ready(timeout_s, interval_s=0.02, on_poll=sample)
+        return time.monotonic() - self.started_at, peak
 
     def memory(self) -> int:
         assert self.process is not None
-        return server_memory_bytes(self.process.pid, self.shm_dir)
+        return server_memory_bytes(self.pid, self.shm_dir)
 
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=60)
-
-    def terminate(self) -> float:
+    def terminate(self) -> float:  # type: ignore[override]
         """SIGTERM the process group; seconds until the server exited."""
         assert self.process is not None
         start = time.monotonic()
@@ -390,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"push of {args.push_ids} ids at rest, p50 / p99 / max",
             _percentiles([pusher.push() for _ in range(args.requests)]),
         )
-        logged = server.log.stat().st_size
+        logged = server.log_path.stat().st_size
         with pusher.during() as during:
             seconds, response = _timed(
                 lambda: httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=1200)
@@ -400,9 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         row(f"pushes during the snapshot ({len(during)}), p50 / p99 / max", _percentiles(during))
         row(
             "the snapshot's copy of the state: longest update-lock hold (server log)",
-            _copy_log(server.log, logged),
+            _copy_log(server.log_path, logged),
         )
-        logged = server.log.stat().st_size
+        logged = server.log_path.stat().st_size
         with pusher.during() as during:
             seconds, response = _timed(
                 lambda: httpx.get(f"{server.url}/v1/tables/big/checksum", timeout=1200)
@@ -412,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         row(f"pushes during the checksum ({len(during)}), p50 / p99 / max", _percentiles(during))
         row(
             "the checksum's copy of the state: longest update-lock hold (server log)",
-            _copy_log(server.log, logged),
+            _copy_log(server.log_path, logged),
         )
         seconds, _ = _timed(lambda: [pusher.push() for _ in range(args.updates)])
         row(f"{args.updates} more pushes logged", f"{seconds:.1f} s")
@@ -430,13 +409,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         def timed_restart(what: str, baseline: float, against: str) -> None:
             """A restart from exec to /readyz 200 (memory not sampled), and its load from the server log."""
-            logged = server.log.stat().st_size
+            logged = server.log_path.stat().st_size
             seconds, _ = server.start(sample_memory=False)
             row(what, f"{seconds:.1f} s ({seconds / baseline:.1f} x {against})")
-            row("... of which the table's load (server log)", _load_log(server.log, logged))
+            row("... of which the table's load (server log)", _load_log(server.log_path, logged))
             row(
                 "... exec to ready (server log's timestamps)",
-                _restart_phases(server.log, logged, server.exec_time, seconds),
+                _restart_phases(server.log_path, logged, server.exec_time, seconds),
             )
 
         drop_from_page_cache(files)

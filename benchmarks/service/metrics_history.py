@@ -18,10 +18,7 @@ import multiprocessing
 import os
 import platform
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,35 +28,16 @@ from typing import Any
 
 import httpx
 
+from loadtest.launch import RobezProcess
 from robez_core.hostinfo import cpu_model
 
 _SMALL = {"num_embeddings": 1000, "embedding_dim": 8, "memory_size": 256, "chunk_size": 4}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _start(workdir: Path, port: int) -> subprocess.Popen[bytes]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("ROBEZ_")}
-    env.update({"ROBEZ_SHM_DIR": str(workdir / "shm"), "ROBEZ_THREADS_PER_WORKER": "1"})
-    log = (workdir / "server.log").open("wb")
-    command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None:
-            break
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"server not ready: {(workdir / 'server.log').read_text()[-2000:]}")
+def _start(workdir: Path) -> RobezProcess:
+    """``robez serve`` (the demo table, 1 kernel thread) started and ready."""
+    env = {"ROBEZ_SHM_DIR": str(workdir / "shm"), "ROBEZ_THREADS_PER_WORKER": "1"}
+    return RobezProcess([], env, log_path=workdir / "server.log").start(300.0, interval_s=0.2)
 
 
 def _lookup_latencies_ms(url: str, count: int) -> list[float]:
@@ -95,9 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="robez-bench-metrics-") as directory:
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        process = _start(Path(directory), port)
+        server = _start(Path(directory))
+        url = server.url
         try:
             began = time.perf_counter()
             with httpx.Client(base_url=url, timeout=60) as client:
@@ -140,12 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for scraper in scrapers:
                     scraper.join(60)
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            server.stop(60.0)
 
     print(f"# /metrics after a history of {args.cycles} tables ({datetime.date.today().isoformat()})\n")
     command = " ".join(["python -m benchmarks.service.metrics_history", *(argv or sys.argv[1:])])

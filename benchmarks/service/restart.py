@@ -20,18 +20,16 @@ import datetime
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
 import torch
 
+from loadtest.launch import RobezProcess
 from robez_core.hostinfo import cpu_model
 from robez_core.table import Table
 from service.config import DEMO_OPTIMIZER, DEMO_TABLE_CONFIG, DEMO_TABLE_NAME
@@ -72,37 +70,18 @@ def _replay_seconds(data_dir: Path) -> float:
         journal.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _start_to_ready(data_dir: Path, shm_dir: Path, timeout_s: float = 300.0) -> float:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
-    env.update({"ROBEZ_SHM_DIR": str(shm_dir), "ROBEZ_LOG_LEVEL": "warning"})
-    command = [sys.executable, "-m", "service", "serve", "--data-dir", str(data_dir), "--port", str(port)]
-    start = time.monotonic()
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    """Seconds from exec of ``robez serve --data-dir`` until /readyz answers 200; then kill -9."""
+    server = RobezProcess(
+        ["--data-dir", str(data_dir)],
+        {"ROBEZ_SHM_DIR": str(shm_dir), "ROBEZ_LOG_LEVEL": "warning"},
+        log_path=data_dir.parent / "server.log",
     )
     try:
-        while time.monotonic() - start < timeout_s:
-            if process.poll() is not None:
-                raise RuntimeError(f"robez serve exited with {process.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200:
-                    return time.monotonic() - start
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError(f"not ready in {timeout_s} s")
+        server.spawn().wait_ready(timeout_s, interval_s=0.02)
+        return time.monotonic() - server.started_at
     finally:
-        os.killpg(process.pid, signal.SIGKILL)  # a crash: the log stays as it was for the next start
-        process.wait(timeout=30)
+        server.kill()  # a crash: the log stays as it was for the next start
 
 
 def main(argv: Sequence[str] | None = None) -> int:

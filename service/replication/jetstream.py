@@ -82,9 +82,10 @@ from nats.js.object_store import (
 from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError
 
 from .. import faults
+from ..natsauth import NatsAuth
 from .localsnap import SCRATCH_PREFIX
 from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, Snapshot, StoredLoad
-from .natsauth import NatsAuth
+from .natspatch import bound_tls_close
 from .records import SHAPE, update_too_large
 
 logger = logging.getLogger("robez.replication.jetstream")
@@ -153,6 +154,7 @@ class JetStreamLog:
         auth: NatsAuth | None = None,
         lease_ttl_s: float = 30.0,
     ) -> None:
+        bound_tls_close()  # a hung node's TLS close must not stall reconnects; refuses an unknown nats-py
         self.urls = urls
         self.auth = auth or NatsAuth()
         self.replicas = replicas

@@ -14,10 +14,10 @@ from loadtest.transport import (
     Target,
     TransportError,
     loopback_target,
-    parse_server_timing,
     prepare_request,
     resp_command,
 )
+from service.servertiming import parse_server_timing
 
 
 @pytest.mark.parametrize(

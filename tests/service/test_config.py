@@ -10,8 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from robez_core.errors import ConfigError
+from robez_core.hostinfo import usable_cpus
 from service.cli import _environment_for_workers, _parser, _settings_from
-from service.config import Settings, available_cpus, load_tables_file
+from service.config import Settings, load_tables_file
 
 
 def test_every_option_reads_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -53,8 +54,8 @@ def test_workers_inherit_the_parents_settings(monkeypatch: pytest.MonkeyPatch, t
 
 
 def test_threads_per_worker_default_shares_the_cpus() -> None:
-    assert Settings(workers=1).kernel_threads() == available_cpus()
-    assert Settings(workers=available_cpus() * 4).kernel_threads() == 1
+    assert Settings(workers=1).kernel_threads() == usable_cpus()
+    assert Settings(workers=usable_cpus() * 4).kernel_threads() == 1
     assert Settings(workers=2, threads_per_worker=3).kernel_threads() == 3
 
 

@@ -29,8 +29,11 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-@pytest.fixture
-def server_url(tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One server for the module: the example makes its own tables (prefix ``e2e_``), the healthcheck
+    only reads."""
+    tmp_path = tmp_path_factory.mktemp("online-server")
     (tmp_path / "shm").mkdir()
     server = RobezServer(
         tmp_path / "server.log",

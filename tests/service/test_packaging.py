@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -133,13 +136,13 @@ def test_dockerfile_copies_every_package_and_nothing_ignored() -> None:
     assert {".venv", ".git", "tests"} <= set(ignored)
 
 
-def test_benchmarks_and_devtools_ship_neither_in_the_wheel_nor_in_the_image() -> None:
+def test_tools_ship_neither_in_the_wheel_nor_in_the_image() -> None:
     from setuptools import find_packages
 
     include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     shipped = find_packages(str(REPO), include=include["include"])
     assert {"robez_core", "service"} <= set(shipped)
-    tools = ("benchmarks", "devtools", "tests")
+    tools = ("benchmarks", "devtools", "tests", "loadtest", "quality")
     assert not [name for name in shipped if name.split(".")[0] in tools], shipped
     copied = [args.split()[0] for name, args in dockerfile_instructions() if name == "COPY"]
     assert not [source for source in copied if source.split("/")[0] in tools], copied
@@ -195,3 +198,50 @@ def test_offline_build_arguments_match_the_container_test() -> None:
     deploy_doc = (REPO / "docs" / "deploy.md").read_text()
     assert deploy_doc.count("<!-- container-test summary: begin -->") == 1
     assert deploy_doc.count("<!-- container-test summary: end -->") == 1
+
+
+# Every product module, imported in a fresh interpreter where ``import matplotlib`` fails: the server's
+# dependencies (pyproject's ``dependencies``) must not need the tools' plotting library.
+_IMPORT_WITHOUT_MATPLOTLIB = """
+import importlib, pkgutil, sys
+
+class NoMatplotlib:
+    def find_spec(self, name, path=None, target=None):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("matplotlib is not a dependency of the product")
+        return None
+
+sys.meta_path.insert(0, NoMatplotlib())
+count = 0
+for package in ("robez_core", "service"):
+    root = importlib.import_module(package)
+    for info in pkgutil.walk_packages(root.__path__, package + "."):
+        if not info.name.endswith(".__main__"):  # would run the program
+            importlib.import_module(info.name)
+            count += 1
+print("imported", count)
+"""
+
+
+def test_the_product_imports_without_matplotlib() -> None:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    runtime = [
+        re.split(r"[\[<>=;\s]", requirement)[0].lower()
+        for requirement in pyproject["project"]["dependencies"]
+    ]
+    assert "matplotlib" not in runtime
+    extras = pyproject["project"]["optional-dependencies"]
+    assert any(r.startswith("matplotlib") for r in extras["loadtest"])
+    assert any(r.startswith("matplotlib") for r in extras["quality"])
+    assert "robez[loadtest,quality]" in extras["dev"]  # make setup still installs the tools' needs
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_WITHOUT_MATPLOTLIB],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the walk found the modules (not a vacuous pass)
+    assert int(done.stdout.split()[-1]) > 50, done.stdout[-3000:]

@@ -93,7 +93,7 @@ def test_fused_rows_step_fused_adam_and_the_others_torch_default_adam():
     def make(model: str, sparse: bool = False, **kwargs: bool) -> torch.optim.Optimizer:
         memory_size = None if model == "full" else 4
         config = paper_tables.RunConfig(model, sparse, "adam", memory_size)
-        return paper_tables._make_optimizer(config, params, 0.1, **kwargs)
+        return paper_tables.make_optimizer(config, params, 0.1, **kwargs)
 
     def one_pass(optimizer: torch.optim.Optimizer) -> bool:
         return type(optimizer) is torch.optim.Adam and bool(optimizer.param_groups[0]["fused"])

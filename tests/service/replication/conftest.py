@@ -1,15 +1,12 @@
-"""Fixtures for replication tests: a real 3-node NATS JetStream cluster on loopback, and robez replicas
-as real ``python -m service serve --nats ...`` processes. Everything is stopped by pid."""
+"""Fixtures for replication tests: real NATS JetStream clusters on loopback (one shared by the package,
+private ones for faults), and robez replicas as real ``python -m service serve --nats ...`` processes.
+Everything is stopped by pid."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hashlib
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +17,8 @@ import nats
 import pytest
 import torch
 
-from devtools.devcluster import wait_ready
 from devtools.natscluster import NatsCluster, free_ports
+from loadtest.launch import RobezProcess
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
 
@@ -44,14 +41,44 @@ def running_cluster(directory: Path, size: int, **options: Any) -> Iterator[Nats
         cluster.stop()
 
 
-@pytest.fixture(scope="module")
-def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
-    with running_cluster(tmp_path_factory.mktemp("nats"), 3) as cluster:
+# One secured 3-node cluster for the replication tests (package scope: stopped when the last of them
+# ends, so its nodes and replicas do not idle beside the rest of the suite), shared by every module that
+# leaves its nodes alone: each keeps to its own NATS prefix (its own streams and buckets) and table names.
+# Private clusters remain for what changes the nodes themselves: kill -9 or SIGSTOP of a node
+# (``replicas_nats``), a secured cluster with a narrowed prefix (test_nats_security.py), a small
+# max_payload (test_scale_health.py).
+@pytest.fixture(scope="package")
+def shared_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    with running_cluster(tmp_path_factory.mktemp("nats-shared"), 3) as cluster:
         yield cluster
 
 
-class ReplicaServer:
-    """One ``robez serve --nats`` process (1 worker, 1 kernel thread) on a free loopback port."""
+@pytest.fixture(scope="package")
+def nats_cluster(shared_nats: NatsCluster) -> NatsCluster:
+    """The shared cluster (the name the modules have always used)."""
+    return shared_nats
+
+
+@pytest.fixture(scope="package")
+def single_nats(shared_nats: NatsCluster) -> NatsCluster:
+    """Where tests of ``JetStreamLog`` alone (streams of one replica, ``replicas=1``) run: the shared
+    cluster too, each test under its own prefix."""
+    return shared_nats
+
+
+@pytest.fixture(scope="package")
+def replicas_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    """The cluster of ``replicas``, private to the tests that use that pair: some of them kill -9 or
+    freeze its nodes (and restart or thaw them before they end), which no other module's streams should
+    live through."""
+    with running_cluster(tmp_path_factory.mktemp("nats-replicas"), 3) as cluster:
+        yield cluster
+
+
+class ReplicaServer(RobezProcess):
+    """One ``robez serve --nats`` process (1 worker, 1 kernel thread) on a loopback port it keeps across
+    restarts (``loadtest.launch.RobezProcess``; ``start`` only spawns it: start several, then
+    ``wait_ready`` each)."""
 
     def __init__(self, name: str, cluster: NatsCluster, workdir: Path, prefix: str, **env: Any) -> None:
         self.name = name
@@ -59,66 +86,46 @@ class ReplicaServer:
         self.workdir = workdir / name
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.prefix = prefix
-        self.extra_env = {key: str(value) for key, value in env.items()}
-        self.port = free_ports(1)[0]
-        self.process: subprocess.Popen[bytes] | None = None
-        self.log_path = self.workdir / "server.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> ReplicaServer:
-        env = {key: value for key, value in os.environ.items() if not key.startswith("ROBEZ_")}
-        env.update(
+        super().__init__(
+            ["--nats", ",".join(cluster.urls), "--replica-name", name],
             {
                 "ROBEZ_SHM_DIR": str(self.workdir / "shm"),
                 "ROBEZ_THREADS_PER_WORKER": "1",
                 "ROBEZ_DEFAULT_TABLE": "false",
-                "ROBEZ_NATS_PREFIX": self.prefix,
+                "ROBEZ_NATS_PREFIX": prefix,
                 "ROBEZ_LOG_LEVEL": "info",
                 "PYTHONPATH": str(REPO),
-                **self.cluster.robez_env(),
-                **self.extra_env,
-            }
+                **cluster.robez_env(),
+                **{key: str(value) for key, value in env.items()},
+            },
+            log_path=self.workdir / "server.log",
+            port=free_ports(1)[0],
+            cwd=REPO,
         )
-        command = [sys.executable, "-m", "service", "serve", "--port", str(self.port)]
-        command += ["--nats", ",".join(self.cluster.urls), "--replica-name", self.name]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def start(self) -> ReplicaServer:  # type: ignore[override]
+        """Spawn the process; ``wait_ready`` waits for it."""
+        self.spawn()
         return self
 
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> ReplicaServer:
-        assert self.process is not None
-        if not wait_ready(self.url, self.process, timeout_s, interval_s=0.1):
-            assert self.process.poll() is None, self.log()
-            raise AssertionError(f"replica {self.name} not ready in {timeout_s} s:\n{self.log()}")
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S, **_: Any) -> ReplicaServer:
+        super().wait_ready(timeout_s, interval_s=0.1)
         return self
 
-    def kill(self) -> None:
-        """kill -9, by pid."""
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+    def stop(self, timeout_s: float = 15.0) -> None:
+        super().stop(timeout_s)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+        """The log's last 4000 characters (what an assertion message shows)."""
+        return self.log_tail(4000)
 
     def checksum(self, table: str) -> dict[str, Any]:
-        response = httpx.get(f"{self.url}/v1/tables/{table}/checksum", timeout=10)
+        response = self.http.get(f"{self.url}/v1/tables/{table}/checksum")
         assert response.status_code == 200, response.text
         return dict(response.json())
 
     def version(self, table: str) -> int:
-        response = httpx.get(f"{self.url}/v1/tables/{table}", timeout=10)
+        response = self.http.get(f"{self.url}/v1/tables/{table}")
         assert response.status_code == 200, response.text
         return int(response.json()["version"])
 
@@ -129,14 +136,15 @@ class ReplicaServer:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def replicas(
-    nats_cluster: NatsCluster, tmp_path_factory: pytest.TempPathFactory
+    replicas_nats: NatsCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[ReplicaServer]]:
-    """Two replicas sharing the cluster (prefix ``t``); tests create their own tables on them."""
+    """Two replicas on ``replicas_nats`` (prefix ``t``) for every module here: tests create their own
+    tables on them (names unique across the modules that use them) and restart what they kill."""
     workdir = tmp_path_factory.mktemp("replicas")
     with running_replicas(
-        [ReplicaServer(name, nats_cluster, workdir, "t") for name in ("a", "b")]
+        [ReplicaServer(name, replicas_nats, workdir, "t") for name in ("a", "b")]
     ) as servers:
         yield servers
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +21,9 @@ from devtools.natscluster import NatsCluster
 from service.replication.jetstream import JetStreamLog
 from service.replication.log import CatalogEntry, CatalogEvent, Snapshot
 
-from .conftest import running_cluster
-
 pytestmark = pytest.mark.slow
 
 ENTRY = CatalogEntry("race", {}, {}, "inc1")
-
-
-@pytest.fixture(scope="module")
-def single_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
-    with running_cluster(tmp_path_factory.mktemp("nats1"), 1) as cluster:
-        yield cluster
 
 
 def _run(coro: Any) -> Any:

@@ -20,7 +20,7 @@ import nats.errors
 import pytest
 
 from devtools.natscluster import NatsCluster
-from service.replication.natsauth import NatsAuth
+from service.natsauth import NatsAuth
 
 from .conftest import ReplicaServer, create_table, running_cluster
 

@@ -138,7 +138,7 @@ def test_drop_goes_through_the_log(replicas: list[ReplicaServer]) -> None:
     )
     assert httpx.delete(f"{replicas[1].url}/v1/tables/{table}", timeout=30).status_code == 204
     deadline = time.monotonic() + 20
-    while httpx.get(f"{replicas[0].url}/v1/tables/{table}").status_code != 404:
+    while replicas[0].http.get(f"/v1/tables/{table}").status_code != 404:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     create_table(replicas[1], table)  # a new incarnation starts at version 0 with a fresh log
@@ -202,8 +202,9 @@ def test_kill9_replica_mid_stream_catches_up(replicas: list[ReplicaServer]) -> N
 
 
 def test_kill9_stream_leader_loses_nothing_acknowledged(
-    nats_cluster: NatsCluster, replicas: list[ReplicaServer]
+    replicas_nats: NatsCluster, replicas: list[ReplicaServer]
 ) -> None:
+    nats_cluster = replicas_nats  # the replicas' own cluster: a node is killed
     table = "killleader"
     create_table(replicas[0], table)
     pusher = _Pusher(replicas[1].url, table, 60, pause_s=0.01)
@@ -292,7 +293,7 @@ def test_replica_without_nats_is_not_ready(tmp_path: Path, nats_cluster: NatsClu
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200:
+                if server.http.get("/healthz", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -313,14 +314,14 @@ def test_replica_without_nats_is_not_ready(tmp_path: Path, nats_cluster: NatsClu
 
 
 def test_kill9_of_the_applying_worker_another_worker_takes_over(
-    nats_cluster: NatsCluster, replicas: list[ReplicaServer], tmp_path: Path
+    replicas_nats: NatsCluster, replicas: list[ReplicaServer], tmp_path: Path
 ) -> None:
     """A replica with 2 workers: kill -9 the one applying the log mid-stream; the other takes the
     applier lock, rebuilds the table privately from the log (the dead one may have stopped half-way
     through an update), and the replica ends with the same bytes."""
     table = "takeover"
     create_table(replicas[0], table)
-    server = ReplicaServer("w2", nats_cluster, tmp_path, "t", ROBEZ_WORKERS=2).start().wait_ready()
+    server = ReplicaServer("w2", replicas_nats, tmp_path, "t", ROBEZ_WORKERS=2).start().wait_ready()
     try:
         pusher = _Pusher(replicas[0].url, table, 60, pause_s=0.01)
         pusher.thread.start()

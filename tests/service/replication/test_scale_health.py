@@ -236,12 +236,13 @@ def test_a_stalled_applier_shows_in_the_lag_metrics(replicas: list[ReplicaServer
 
 
 def test_writes_get_past_a_hung_nats_node_and_readyz_tells_a_lost_quorum(
-    nats_cluster: NatsCluster, replicas: list[ReplicaServer]
+    replicas_nats: NatsCluster, replicas: list[ReplicaServer]
 ) -> None:
     """SIGSTOP of the node replica a is connected to (not the stream's leader): a push through a
     succeeds within 10 s (pings notice the hung server, the publish is resent on the new connection).
     Then two of three nodes hung: a's /readyz?writes=true turns 503 (no quorum acknowledges its write
     check) while /readyz stays 200, and turns back once they run again."""
+    nats_cluster = replicas_nats  # the replicas' own cluster: nodes are frozen
     a, _ = replicas
     table = "hung"
     create(a, table, WIDE | {"embedding_dim": 8})

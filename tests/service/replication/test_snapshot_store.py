@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,7 @@ from service import faults
 from service.replication.jetstream import SNAPSHOT_CHUNK_BYTES, JetStreamLog
 from service.replication.log import CatalogEntry, Snapshot
 
-from .conftest import running_cluster
-
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def single_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
-    with running_cluster(tmp_path_factory.mktemp("nats-snap"), 1) as cluster:
-        yield cluster
 
 
 def _file(tmp_path: Path, name: str, chunks: float) -> Path:

@@ -9,17 +9,19 @@ from pathlib import Path
 import httpx
 import pytest
 
+from devtools.natscluster import NatsCluster
 from service.client import OCTET_STREAM, SHAPE_HEADER, encode_update
 
 from ..otlp_receiver import OtlpReceiver
 from ..test_tracing import IDS, TABLE, VERSION, by_name, otel_env, traceparent
-from .conftest import ReplicaServer, create_table, push_grads, running_cluster
+from .conftest import ReplicaServer, create_table, push_grads
 
 pytestmark = pytest.mark.slow
 
 
-def test_the_apply_on_every_replica_joins_the_pushs_trace(tmp_path: Path) -> None:
-    with OtlpReceiver() as receiver, running_cluster(tmp_path / "nats", 1) as cluster:
+def test_the_apply_on_every_replica_joins_the_pushs_trace(shared_nats: NatsCluster, tmp_path: Path) -> None:
+    cluster = shared_nats
+    with OtlpReceiver() as receiver:
         servers = [
             ReplicaServer(
                 name,

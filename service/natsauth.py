@@ -8,7 +8,6 @@ a mounted Secret can be rotated by restarting the replica. See docs/security.md.
 
 from __future__ import annotations
 
-import asyncio
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,34 +68,5 @@ class NatsAuth:
             options["nkeys_seed"] = str(self.nkey)
         context = self.ssl_context()
         if context is not None:
-            _bound_tls_close()
             options["tls"] = context
         return options
-
-
-# Closing a TLS connection waits for the peer's close_notify: from a hung (SIGSTOPped) server that takes
-# the event loop's SSL shutdown timeout, 30 s, and nats-py waits for that close before it reconnects to
-# another node (plain TCP closes at once). So a close that has not finished within this is aborted.
-_TLS_CLOSE_WAIT_S = 0.25
-
-
-def _bound_tls_close() -> None:
-    """Make nats-py's TCP transport abort a close that a hung peer does not complete (idempotent)."""
-    from nats.aio.transport import TcpTransport
-
-    if getattr(TcpTransport.wait_closed, "_robez_bounded", False):
-        return
-
-    async def wait_closed(self: TcpTransport) -> None:
-        writer = self._io_writer
-        if writer is None:
-            return
-        try:
-            await asyncio.wait_for(writer.wait_closed(), _TLS_CLOSE_WAIT_S)
-        except TimeoutError:
-            writer.transport.abort()
-            if self._bare_io_writer is not None:
-                self._bare_io_writer.transport.abort()
-
-    wait_closed._robez_bounded = True  # type: ignore[attr-defined]
-    TcpTransport.wait_closed = wait_closed  # type: ignore[method-assign]
