@@ -31,7 +31,7 @@ from .http.direct import LIFESPAN_DIRECT_KEY, DirectAnswers
 from .http.fastpath import FastPathMiddleware, FastRoutes
 from .http.middleware import InFlightLimitMiddleware, RequestBodyMiddleware, RequestMetricsMiddleware
 from .http.protocol import LIFESPAN_METRICS_KEY
-from .logs import limit_client_input_logs
+from .logs import drop_tls_eof_notice, limit_client_input_logs
 from .metrics import Metrics
 from .replication.replica import Replica, local_settings
 from .routes import checksum, durability, health, lookup, oip, tables, update
@@ -73,6 +73,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     buffers.set_max_bytes(settings.output_pool_mb << 20)
     tracing.configure(settings)  # this worker's tracer, when OTEL_* ask for one
     limit_client_input_logs()  # lines a client's input causes: rate-limited, client text cut short
+    drop_tls_eof_notice()  # asyncio's, at every close of a TLS NATS connection
     replicated = settings.nats_url is not None
     # A replica's journal is the replicated log (service/replication/), not a local one.
     journal = NullJournal() if replicated else open_journal(settings)
