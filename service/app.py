@@ -87,6 +87,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         await anyio.to_thread.run_sync(store.warm_up)
         app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
         app.state.store = store
+        app.state.metrics.live_tables = lambda: store.registry.entries  # dropped tables' series go
         if replicated:
             app.state.replica = Replica(store, settings, app.state.metrics)
             await app.state.replica.start()
