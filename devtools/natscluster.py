@@ -303,8 +303,13 @@ class NatsCluster:
             if each.running:
                 continue
             log = each.log_path.open("ab")
+            # Its own session: a terminal's Ctrl-C (SIGINT to the foreground group) must not stop the
+            # nodes under the replicas still using them; stop() does, after them.
             each.process = subprocess.Popen(
-                [binary, "-c", str(each.config_path)], stdout=log, stderr=subprocess.STDOUT
+                [binary, "-c", str(each.config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
             log.close()
         deadline = time.monotonic() + timeout_s

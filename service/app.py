@@ -32,7 +32,7 @@ from .http.fastpath import FastPathMiddleware, FastRoutes
 from .http.middleware import InFlightLimitMiddleware, RequestBodyMiddleware, RequestMetricsMiddleware
 from .http.protocol import LIFESPAN_METRICS_KEY
 from .log.journal import Journal, NullJournal
-from .logs import limit_client_input_logs
+from .logs import drop_tls_eof_notice, limit_client_input_logs
 from .metrics import Metrics
 from .replication.replica import Replica, local_settings
 from .replication.writes import ReplicatedWrites
@@ -76,6 +76,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     buffers.set_max_bytes(settings.output_pool_mb << 20)
     tracing.configure(settings)  # this worker's tracer, when OTEL_* ask for one
     limit_client_input_logs()  # lines a client's input causes: rate-limited, client text cut short
+    drop_tls_eof_notice()  # asyncio's, at every close of a TLS NATS connection
     replicated = settings.nats_url is not None
     # A replica's journal is the replicated log (service/replication/), not a local one.
     journal = NullJournal() if replicated else open_journal(settings)
@@ -92,6 +93,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
         app.state.store = store
         app.state.writes = LocalWrites(store)
+        app.state.metrics.live_tables = lambda: store.registry.entries  # dropped tables' series go
         if replicated:
             app.state.replica = Replica(store, settings, app.state.metrics)
             app.state.writes = ReplicatedWrites(store, app.state.replica)

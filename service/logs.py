@@ -92,3 +92,22 @@ def limit_logs(names: tuple[str, ...], every_s: float = EVERY_S) -> None:
 def limit_client_input_logs() -> None:
     """Install ``ClientInputLogLimit`` on every logger of ``CLIENT_INPUT_LOGGERS`` (once per process)."""
     limit_logs(CLIENT_INPUT_LOGGERS)
+
+
+# asyncio's TLS transport warns whenever a StreamReaderProtocol (nats-py's connection) is told of the
+# peer's close: the warning is about asyncio's own protocol plumbing, says nothing an operator can act on,
+# and came once per replica at every stop of a TLS cluster (make cluster's Ctrl-C).
+_TLS_EOF_NOTICE = "returning true from eof_received() has no effect when using ssl"
+
+
+class _DropTlsEofNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != _TLS_EOF_NOTICE
+
+
+def drop_tls_eof_notice() -> None:
+    """Leave out asyncio's "returning true from eof_received() ..." warning (once per process)."""
+    with _install_lock:
+        named = logging.getLogger("asyncio")
+        if not any(isinstance(existing, _DropTlsEofNotice) for existing in named.filters):
+            named.addFilter(_DropTlsEofNotice())

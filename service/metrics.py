@@ -5,14 +5,16 @@ to files in ``<shared dir>/metrics`` (``PROMETHEUS_MULTIPROC_DIR``, set by ``rob
 workers start) and ``/metrics`` through any worker sums them all.
 
 Table labels are bounded: a worker gives at most ``max_tables`` tables their own ``table`` label, the rest
-share ``_other``; a scrape leaves out the series of tables that no longer exist. In one process it also
-removes them, freeing their places; in multiprocess mode their samples stay in the files (prometheus_client
-cannot remove them), so their places stay taken, which keeps the files bounded.
+share ``_other``. The series of tables that no longer exist are removed, freeing their places, when a
+worker is scraped and when it labels a new table at the cap (``live_tables``); in multiprocess mode they
+are removed from the worker's files too (``metricfiles.FileValues``), so create/drop churn leaves the
+files as they were: a worker's hold at most ``max_tables`` tables' series, a scraped worker's only live ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.types import Scope
+
+from .metricfiles import FileValues
 
 # The label of tables past the cap on table labels (a table name never starts with "_").
 OTHER_TABLES = "_other"
@@ -84,7 +88,8 @@ class Metrics:
     """The server's metrics, registered in a registry of their own (one per app).
 
     Args:
-        multiprocess_dir: the directory workers write samples to, or None in a single process.
+        multiprocess_dir: the directory workers write samples to, or None in a single process (one
+            multiprocess ``Metrics`` per process: its value class is prometheus_client's global).
         max_tables: tables that get their own ``table`` label (module docstring); others: ``_other``.
     """
 
@@ -92,7 +97,12 @@ class Metrics:
         self.multiprocess_dir = multiprocess_dir
         self.max_tables = max_tables
         self._named_tables: set[str] = set()
-        self._retired_tables: set[str] = set()  # multiprocess: gone, their samples still in the files
+        # The tables that exist (set by the app once its store is open): read when the label cap is reached.
+        self.live_tables: Callable[[], Collection[str]] | None = None
+        self.files: FileValues | None = None
+        if multiprocess_dir is not None:
+            self.files = FileValues(multiprocess_dir)
+            self.files.install()  # before the first series below is created
         self.registry = CollectorRegistry()
         self.hash_seconds = Histogram(
             "robez_hash_seconds",
@@ -219,23 +229,25 @@ class Metrics:
         their own, else ``_other``."""
         if not name or name in self._named_tables:
             return name
-        if name in self._retired_tables:  # back (re-created): its series are still in the files
-            self._retired_tables.discard(name)
-        elif len(self._named_tables) + len(self._retired_tables) >= self.max_tables:
+        if len(self._named_tables) >= self.max_tables and self.live_tables is not None:
+            self.forget_tables(set(self.live_tables()))  # the places of dropped tables are given again
+        if len(self._named_tables) >= self.max_tables:
             return OTHER_TABLES
         self._named_tables.add(name)
         return name
 
     def forget_tables(self, live: set[str]) -> None:
-        """Drop the series of labelled tables not in ``live`` (removed in one process; in multiprocess
-        mode left out of every scrape) and the children kept for them."""
-        for name in self._named_tables - live:
-            self._named_tables.discard(name)
-            if self.multiprocess_dir is None:
+        """Remove the series of labelled tables not in ``live`` (from this worker's files too, in
+        multiprocess mode) and the children kept for them."""
+        gone = self._named_tables - live
+        with warnings.catch_warnings():  # "not implemented in multi-process mode": FileValues does it
+            warnings.simplefilter("ignore", UserWarning)
+            for name in gone:
+                self._named_tables.discard(name)
                 for metric, _ in self._table_metrics:
                     metric.remove_by_labels({"table": name})
-            else:
-                self._retired_tables.add(name)
+        if gone and self.files is not None:
+            self.files.forget(gone)
         for name in [name for name in self._stages if name not in live]:
             del self._stages[name]
         for labels in [labels for labels in self._request_children if labels[2] not in live]:

@@ -8,10 +8,19 @@ a mounted Secret can be rotated by restarting the replica. See docs/security.md.
 
 from __future__ import annotations
 
+import base64
+import datetime
+import json
+import re
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from robez_core.errors import ConfigError
+
+_CREDS_JWT = re.compile(r"-+BEGIN NATS USER JWT-+\s*(\S+)\s*-+END NATS USER JWT-+")
+_CREDS_SEED = re.compile(r"-+BEGIN USER NKEY SEED-+\s*(\S+)\s*-+END USER NKEY SEED-+")
 
 
 @dataclass(frozen=True)
@@ -70,3 +79,35 @@ class NatsAuth:
         if context is not None:
             options["tls"] = context
         return options
+
+
+def check_creds_file(path: Path, option: str = "--nats-creds") -> None:
+    """Check a ``.creds`` file before the replica connects: readable, a user JWT and an nkey seed in it,
+    the JWT's claims readable, not expired (``exp``), and the seed the JWT's user (``sub``). Raises
+    ``ConfigError`` with one line naming the option, the file and the problem. Whether the account and
+    operator trust the JWT only the server can tell: it answers "Authorization Violation"."""
+    what = f"NATS credentials ({option}) {path}"
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{what}: cannot be read ({exc})") from exc
+    jwt, seed = _CREDS_JWT.search(text), _CREDS_SEED.search(text)
+    if jwt is None or seed is None:
+        raise ConfigError(f"{what}: no user JWT and nkey seed in it (not a .creds file)")
+    try:
+        claims_part = jwt.group(1).split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(claims_part + "=" * (-len(claims_part) % 4)))
+        subject, expires = claims["sub"], claims.get("exp")
+    except (IndexError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{what}: its JWT cannot be read ({exc})") from exc
+    if expires is not None and expires <= datetime.datetime.now(datetime.UTC).timestamp():
+        when = datetime.datetime.fromtimestamp(expires, datetime.UTC)
+        raise ConfigError(f"{what}: its user JWT expired on {when:%Y-%m-%d %H:%M} UTC")
+    import nkeys  # nats-py's nkeys extra, which reads .creds files
+
+    try:
+        public_key = nkeys.from_seed(bytearray(seed.group(1).encode())).public_key.decode()
+    except Exception as exc:  # nkeys raises its own errors and binascii's for a bad seed
+        raise ConfigError(f"{what}: its nkey seed cannot be read ({exc!r})") from exc
+    if public_key != subject:
+        raise ConfigError(f"{what}: its nkey seed is not the JWT's user ({subject})")

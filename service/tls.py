@@ -5,8 +5,8 @@ locked and the tables load, before a worker is spawned): a missing, unreadable o
 key or CA file, a key that is not the certificate's, or a certificate outside its validity period stops
 the server with one line naming the file, its option and the problem (``ConfigError``). Without it
 uvicorn failed in each worker after the tables had loaded, with a traceback naming no file, and several
-workers were respawned forever (issue 40.4). The NATS client's files (``--nats-tls-*``) are checked the
-same way.
+workers were respawned forever (issue 40.4). The NATS client's files (``--nats-tls-*``, and the JWT and
+seed of ``--nats-creds``) are checked the same way.
 
 ``server_credentials(settings)`` gives the PEM bytes the gRPC port serves with: the HTTP port's
 certificate and key, and client certificates required when ``--tls-client-ca`` is set, as uvicorn does
@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from robez_core.errors import ConfigError
 
 from .config import Settings
+from .natsauth import check_creds_file
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ def check_files(settings: Settings) -> None:
         )
     elif settings.nats_tls_ca is not None:
         _certificates(settings.nats_tls_ca, "TLS CA (--nats-tls-ca)")
+    if settings.nats_creds is not None:
+        check_creds_file(settings.nats_creds)
 
 
 def server_credentials(settings: Settings) -> ServerCredentials | None:

@@ -25,6 +25,7 @@ from ..auth import WriteAccess
 from ..codec import OCTET_STREAM, VERSION_HEADER, TableInfoResponse, table_info_json
 from ..store import TableStore
 from ..store.writes import WritePath
+from ..uploads import check_upload
 from ..wal import (
     CheckpointFormat,
     SnapshotScheduler,
@@ -115,6 +116,7 @@ async def load(
     body = await request.body()
 
     def read() -> tuple[Table, str]:
+        check_upload(body, format, prefix)  # before anything in it is loaded
         return read_checkpoint(
             body,
             format=format,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
+import pytest
 from fastapi.testclient import TestClient
 
-from service.metrics import server_timing
+from service.metrics import Metrics, server_timing
 
 
 def test_server_timing_format() -> None:
@@ -105,3 +107,54 @@ def test_private_endpoints_need_a_key(client_factory: Callable[..., TestClient])
     assert client.get("/redoc").status_code == 404
     for path in ("/healthz", "/readyz"):
         assert client.get(path).status_code == 200
+
+
+def _file_keys(directory: Path) -> dict[str, set[str]]:
+    """The series in each metrics file of ``directory`` (file name without the pid: its type)."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    return {
+        path.name.rsplit("_", 1)[0]: {entry[0] for entry in MmapedDict.read_all_values_from_file(str(path))}
+        for path in sorted(directory.glob("*.db"))
+    }
+
+
+def test_create_drop_churn_leaves_the_multiprocess_files_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39: with several workers, each worker's samples live in files prometheus_client only grows;
+    2,000 tables created, used (lookups, requests, replication lag) and dropped must leave the files and
+    the scrape as the first 10 did: their series removed from the files, not only hidden, and the cap on
+    table labels not used up (a new table still gets its own label, not _other)."""
+    from prometheus_client import values
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))  # as robez serve sets it for workers
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+    metrics = Metrics(tmp_path, max_tables=64)
+    live = {"kept"}
+    metrics.live_tables = lambda: live
+
+    def use(name: str) -> None:
+        metrics.stages(name).hash_seconds.observe(1e-4)
+        metrics.observe_request("/v1/tables/{name}/lookup", "POST", name, 200, 1e-3)
+        metrics.replication_lag_versions.labels(name).set(2)
+
+    use("kept")
+
+    def cycles(start: int, stop: int) -> tuple[dict[str, set[str]], set[str]]:
+        for index in range(start, stop):
+            name = f"t{index}"
+            live.add(name)
+            use(name)
+            live.discard(name)
+            if index % 50 == 0:
+                metrics.render(live)  # scrapes now and then
+        text = metrics.render(live)[0].decode()
+        return _file_keys(tmp_path), _table_labels(text)
+
+    files, labels = cycles(0, 10)
+    assert labels == {"kept"}
+    assert cycles(10, 2000) == (files, labels)
+    live.add("late")
+    use("late")
+    assert "late" in _table_labels(metrics.render(live)[0].decode())
