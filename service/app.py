@@ -32,7 +32,7 @@ from .http.fastpath import FastPathMiddleware, FastRoutes
 from .http.middleware import InFlightLimitMiddleware, RequestBodyMiddleware, RequestMetricsMiddleware
 from .http.protocol import LIFESPAN_METRICS_KEY
 from .log.journal import Journal, NullJournal
-from .logs import drop_tls_eof_notice, limit_client_input_logs
+from .logfilters import drop_tls_eof_notice, limit_client_input_logs
 from .metrics import Metrics
 from .replication.replica import Replica, local_settings
 from .replication.writes import ReplicatedWrites

@@ -40,7 +40,7 @@ from typing import Any
 from robez_core.errors import ConfigError
 
 from .config import Settings
-from .logs import limit_logs
+from .logfilters import limit_logs
 
 logger = logging.getLogger("robez.tracing")
 

@@ -1,4 +1,4 @@
-"""Log lines a client's input causes are rate-limited and cut short (``service/logs.py``): an over-long
+"""Log lines a client's input causes are rate-limited and cut short (``service/logfilters.py``): an over-long
 ``traceparent`` wrote one WARNING per request with tracing on (1,000 unauthenticated ``/healthz`` calls,
 1,000 lines; issue 40.7)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service import logs
+from service import logfilters
 from service.app import create_app
-from service.logs import ClientInputLogLimit
+from service.logfilters import ClientInputLogLimit
 
 from .conftest import make_settings
 
@@ -33,7 +33,7 @@ def test_an_over_long_traceparent_logs_once_however_many_requests_carry_it(
 
 def test_the_limit_passes_one_line_per_interval_counting_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr(logs.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(logfilters.time, "monotonic", lambda: clock[0])
     limit = ClientInputLogLimit(every_s=10.0, max_chars=20)
     logger = logging.getLogger("tests.client_input")
 
