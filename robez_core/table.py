@@ -27,8 +27,6 @@ from .checkpoint import (
     CheckpointFile,
     CheckpointWriter,
     PendingCheckpoint,
-    fsync_dir,
-    read_ahead,
 )
 from .config import OptimizerConfig, TableConfig
 from .errors import ConfigError, CorruptionError, InvalidInputError
@@ -40,19 +38,7 @@ from .small import SMALL_BATCH_MAX_IDS, SmallPath, small_grads, small_ids
 if TYPE_CHECKING:
     from .modules import RobezEmbedding
 
-__all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "CheckpointFile",
-    "CheckpointWriter",
-    "PendingCheckpoint",
-    "Table",
-    "fsync_dir",
-    "import_paper_state_dict",
-    "read_ahead",
-]
-# The checkpoint names above live in checkpoint.py; they are re-exported here because the service still
-# imports them from robez_core.table (issue 36: one concept per file, Table's public API unchanged).
+__all__ = ["Table", "import_paper_state_dict"]
 
 
 class Table:

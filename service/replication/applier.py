@@ -41,9 +41,10 @@ from typing import Any
 
 import anyio.to_thread
 
+from robez_core.checkpoint import CheckpointFile
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import BusyError, ConflictError, CorruptionError, NotFoundError, RobezError
-from robez_core.table import CheckpointFile, Table
+from robez_core.table import Table
 
 from .. import tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file

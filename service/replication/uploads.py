@@ -16,8 +16,8 @@ from typing import Any
 
 import anyio.to_thread
 
+from robez_core.checkpoint import PendingCheckpoint
 from robez_core.errors import RobezError
-from robez_core.table import PendingCheckpoint
 
 from ..config import Settings
 from ..store import TableStore

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from robez_core.checkpoint import CheckpointFile
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import (
     ConfigError,
@@ -37,7 +38,7 @@ from robez_core.errors import (
 )
 from robez_core.init import init_weight
 from robez_core.optim import init_state
-from robez_core.table import CheckpointFile, Table
+from robez_core.table import Table
 
 from .. import faults
 from ..config import TableSpec

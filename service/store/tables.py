@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from robez_core.checkpoint import CheckpointFile
 from robez_core.collection import prepare_shared_step
 from robez_core.config import TableConfig
 from robez_core.errors import (
@@ -43,7 +44,7 @@ from robez_core.errors import (
 )
 from robez_core.optim import PreparedStep
 from robez_core.small import SMALL_BATCH_MAX_IDS
-from robez_core.table import CheckpointFile, Table
+from robez_core.table import Table
 
 from .. import faults, tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file

@@ -18,9 +18,12 @@ bad record at the very end (a torn write) is dropped with a warning and the file
 good record; a bad record followed by a valid one, a bad snapshot or inconsistent metadata raises
 ``CorruptionError``.
 The package, by concept: ``records`` (the log's bytes), ``files`` (durable file steps, locks),
-``journal`` (``WalJournal``; its snapshot files are robez_core's checkpoints, written from and read into
-the table's own memory: ``CheckpointWriter.begin`` and ``store/live_copy.py`` for a live snapshot,
-``Table.begin_write``, ``CheckpointFile``), ``snapshots`` (the snapshot policy),
+``journal`` (``WalJournal``, put together from ``layout`` (folders, meta.json, clean-up, open logs,
+disk-full state), ``appender`` (append and group commit), ``generations`` (whole snapshots, the snapshot
+policy), ``live_snapshots`` (a snapshot while updates go on) and ``recovery`` (replay, salvage, recover);
+its snapshot files are robez_core's checkpoints, written from and read into the table's own memory:
+``CheckpointWriter.begin`` and ``log/live_copy.py`` for a live snapshot, ``Table.begin_write``,
+``CheckpointFile``), ``snapshots`` (the scheduler that runs the snapshot policy),
 ``checkpoints`` (import, export and the offline tools).
 """
 

@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from robez_core.checkpoint import fsync_dir
 from robez_core.errors import ConflictError, InvalidInputError
-from robez_core.table import fsync_dir
 
 if TYPE_CHECKING:
     from robez_core.table import Table

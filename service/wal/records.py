@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from robez_core.checkpoint import read_ahead
 from robez_core.errors import CorruptionError, InvalidInputError
-from robez_core.table import read_ahead
 
 from ..log.entry import EntryGroup
 

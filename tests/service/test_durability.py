@@ -20,8 +20,9 @@ from fastapi.testclient import TestClient
 from torch import Tensor
 
 from robez_core import reference
+from robez_core.checkpoint import CheckpointWriter
 from robez_core.hashing import PAPER_PRIME
-from robez_core.table import CheckpointWriter, Table
+from robez_core.table import Table
 from service import cli
 from service.app import create_app
 from service.config import Settings

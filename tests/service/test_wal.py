@@ -485,7 +485,7 @@ def test_group_commit_one_flush_serves_every_writer_waiting(
 ) -> None:
     """interval: writers wait for the flush that covers their record, and the records written while a
     flush runs all share the next one."""
-    import service.wal.journal
+    import service.wal.appender
 
     sync = _GatedSync()
     wal = WalJournal(tmp_path, fsync="interval", fsync_interval_ms=20.0)
@@ -497,7 +497,7 @@ def test_group_commit_one_flush_serves_every_writer_waiting(
 
     try:
         wal.create("t", _table(), 0)
-        monkeypatch.setattr(service.wal.journal, "sync_data", sync)
+        monkeypatch.setattr(service.wal.appender, "sync_data", sync)
         done: list[int] = []
         errors: list[BaseException] = []
         first = append(1)
@@ -522,7 +522,7 @@ def test_group_commit_one_flush_serves_every_writer_waiting(
 def test_a_failed_flush_fails_its_writers_and_every_later_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import service.wal.journal
+    import service.wal.appender
 
     def broken_disk(fd: int) -> None:
         raise OSError(5, "Input/output error")
@@ -531,7 +531,7 @@ def test_a_failed_flush_fails_its_writers_and_every_later_one(
     generator = torch.Generator().manual_seed(1)
     try:
         wal.create("t", _table(), 0)
-        monkeypatch.setattr(service.wal.journal, "sync_data", broken_disk)
+        monkeypatch.setattr(service.wal.appender, "sync_data", broken_disk)
         ids, grads = _random_update(generator, 3, DIM)
         ticket = wal.append(UpdateRecord("t", 1, ids, grads, 0.1))
         with pytest.raises(OSError, match="could not be flushed"):
@@ -737,13 +737,13 @@ def test_salvage_keeps_the_records_before_mid_log_damage(journal: WalJournal) ->
     assert path.stat().st_size == records[1].offset
 
 
-# _finish_snapshot fails after the new snapshot file is written; write_temp_file when meta.json is (its last
+# finish_snapshot fails after the new snapshot file is written; write_temp_file when meta.json is (its last
 # step before the commit: a full disk there must not leave the new snapshot taking space either).
-@pytest.mark.parametrize("failing_step", ["_finish_snapshot", "write_temp_file"])
+@pytest.mark.parametrize("failing_step", ["finish_snapshot", "write_temp_file"])
 def test_a_snapshot_failing_before_its_commit_leaves_the_folder_as_it_was(
     journal: WalJournal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing_step: str
 ) -> None:
-    import service.wal.journal
+    import service.wal.generations
 
     journal.create("t", _table(), 0)
     server = _Server(journal, "t", _table())
@@ -754,7 +754,7 @@ def test_a_snapshot_failing_before_its_commit_leaves_the_folder_as_it_was(
     def disk_full(*args: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(service.wal.journal, failing_step, disk_full)
+    monkeypatch.setattr(service.wal.generations, failing_step, disk_full)
     with pytest.raises(StorageFullError, match="snapshot of table 't' refused"):
         journal.snapshot("t", server.table, server.version)
     assert journal.write_problem() is None  # the disk is not really full: free space says writable

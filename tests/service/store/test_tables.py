@@ -470,7 +470,7 @@ def test_an_interval_update_waits_for_its_flush_without_holding_the_lock(
 ) -> None:
     import threading
 
-    import service.wal.journal
+    import service.wal.appender
 
     entered, released = threading.Event(), threading.Event()
 
@@ -481,7 +481,7 @@ def test_an_interval_update_waits_for_its_flush_without_holding_the_lock(
     journal = WalJournal(tmp_path / "data", fsync="interval", fsync_interval_ms=5.0)
     store = TableStore(directory, settings, journal)
     store.create("t", TableSpec(CONFIG, OptimizerConfig()))
-    monkeypatch.setattr(service.wal.journal, "sync_data", held_sync)
+    monkeypatch.setattr(service.wal.appender, "sync_data", held_sync)
     versions: list[int] = []
     writer = threading.Thread(
         target=lambda: versions.append(store.update("t", torch.tensor([1]), torch.ones(1, 8)).version)
