@@ -39,6 +39,7 @@ __all__ = [
     "JaggedFeatures",
     "PooledEmbeddings",
     "RobezEmbeddingBagCollection",
+    "check_table_configs",
     "parse_jagged",
     "per_id_gradients",
     "prepare_shared_step",
@@ -255,6 +256,17 @@ class _CollectionBag(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def check_table_configs(tables: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:
+    """The tables of a collection (local or remote) as a list: a non-empty sequence of
+    ``EmbeddingBagConfig`` with unique names, else ``ConfigError``."""
+    tables = list(tables)
+    if not tables or not all(isinstance(t, EmbeddingBagConfig) for t in tables):
+        raise ConfigError("tables must be a non-empty sequence of EmbeddingBagConfig")
+    if len({t.name for t in tables}) != len(tables):
+        raise ConfigError("table names must be unique")
+    return tables
+
+
 class RobezEmbeddingBagCollection(nn.Module):
     """Many pooled embedding features over one shared ROBE-Z array, in one kernel call per pass.
 
@@ -311,11 +323,7 @@ class RobezEmbeddingBagCollection(nn.Module):
         validate_ids: bool = True,
     ) -> None:
         super().__init__()
-        tables = list(tables)
-        if not tables or not all(isinstance(t, EmbeddingBagConfig) for t in tables):
-            raise ConfigError("tables must be a non-empty sequence of EmbeddingBagConfig")
-        if len({t.name for t in tables}) != len(tables):
-            raise ConfigError("table names must be unique")
+        tables = check_table_configs(tables)
         if weight is None:
             if memory_size is None:
                 raise ConfigError("give either memory_size (a new array) or weight (an array to share)")

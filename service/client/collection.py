@@ -21,6 +21,7 @@ from robez_core.collection import (
     EmbeddingBagConfig,
     JaggedFeatures,
     PooledEmbeddings,
+    check_table_configs,
     parse_jagged,
     per_id_gradients,
 )
@@ -146,11 +147,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
         verify: TLSVerify = True,
     ) -> None:
         super().__init__()
-        tables = list(tables)
-        if not tables or not all(isinstance(t, EmbeddingBagConfig) for t in tables):
-            raise ValueError("tables must be a non-empty sequence of EmbeddingBagConfig")
-        if len({t.name for t in tables}) != len(tables):
-            raise ValueError("table names must be unique")
+        tables = check_table_configs(tables)  # ConfigError, a ValueError
         if max_pending_pushes < 0:
             raise ValueError(f"max_pending_pushes must be >= 0, got {max_pending_pushes}")
         names = dict(table_names or {})

@@ -180,11 +180,7 @@ class NullJournal:
         exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
         due: Callable[[str, int], bool] | None = None,
     ) -> int | None:
-        with exclusive() as (table, version):
-            if due is not None and not due(name, version):
-                return None
-            self.snapshot(name, table, version)
-            return version
+        return snapshot_under_lock(self, name, exclusive, due)
 
     def log_mark(self, name: str, version: int, since: LogMark | None = None) -> LogMark | None:
         return None  # no log: unknown
@@ -203,3 +199,18 @@ class NullJournal:
 
     def close(self) -> None:
         pass
+
+
+def snapshot_under_lock(
+    journal: Journal,
+    name: str,
+    exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
+    due: Callable[[str, int], bool] | None = None,
+) -> int | None:
+    """``snapshot_live`` of a journal that keeps no log to patch a copy from: the snapshot is taken whole
+    under the update lock (``exclusive``); returns its version, or None where ``due`` says not now."""
+    with exclusive() as (table, version):
+        if due is not None and not due(name, version):
+            return None
+        journal.snapshot(name, table, version)
+        return version

@@ -21,7 +21,7 @@ from robez_core.errors import CorruptionError
 from robez_core.table import Table
 
 from .entry import UpdateRecord, apply_record
-from .journal import LogMark
+from .journal import LogMark, snapshot_under_lock
 
 
 @dataclass
@@ -124,11 +124,7 @@ class MemoryLog:
         exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
         due: Callable[[str, int], bool] | None = None,
     ) -> int | None:
-        with exclusive() as (table, version):
-            if due is not None and not due(name, version):
-                return None
-            self.snapshot(name, table, version)
-            return version
+        return snapshot_under_lock(self, name, exclusive, due)
 
     def log_mark(self, name: str, version: int, since: LogMark | None = None) -> LogMark | None:
         return None  # copies are made whole under the lock
