@@ -255,7 +255,7 @@ def _stalled_grpc_call(port: int, declared: int = 1 << 20, sent: int = 4096) -> 
     return sock
 
 
-def _still_open(sockets: list[socket.socket]) -> int:
+def still_open(sockets: list[socket.socket]) -> int:
     """How many of ``sockets`` the server has not closed (a read would block rather than see EOF)."""
     count = 0
     for sock in sockets:
@@ -299,7 +299,7 @@ def run_scenario(name: str, workdir: Path, workers: int, handshakes: int) -> dic
                 wait_s = 10.0 + 3.0  # the default header_timeout_s, and a sweep's margin
                 time.sleep(wait_s)
                 result["handshakes_open_after_s"] = wait_s
-                result["handshakes_open"] = _still_open(sockets)
+                result["handshakes_open"] = still_open(sockets)
             elif name == "grpc-idle":
                 import grpc
                 from tritonclient.grpc import service_pb2 as pb

@@ -15,6 +15,8 @@ import httpx
 import pytest
 import trustme
 
+from benchmarks.service.hostile_stop import still_open
+
 from .subprocess_server import RobezServer
 
 pytestmark = pytest.mark.slow
@@ -22,20 +24,6 @@ pytestmark = pytest.mark.slow
 # The old stop took 31 s; a stop here takes 1-3 s on a quiet machine. The bound leaves room for a
 # loaded one and still fails on the old behaviour.
 STOP_WITHIN_S = 15.0
-
-
-def _open_count(sockets: list[socket.socket]) -> int:
-    """How many of ``sockets`` the server has not closed (a read would block rather than see EOF)."""
-    count = 0
-    for sock in sockets:
-        sock.setblocking(False)
-        try:
-            count += sock.recv(1) != b""
-        except BlockingIOError:
-            count += 1
-        except OSError:
-            pass
-    return count
 
 
 def test_stalled_handshakes_are_cut_and_an_idle_https_client_does_not_hold_the_stop(tmp_path: Path) -> None:
@@ -62,9 +50,9 @@ def test_stalled_handshakes_are_cut_and_an_idle_https_client_does_not_hold_the_s
         # Connections that never send a ClientHello: cut at the header timeout (they waited 60 s).
         stalled = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(20)]
         deadline = time.monotonic() + 20
-        while _open_count(stalled) and time.monotonic() < deadline:
+        while still_open(stalled) and time.monotonic() < deadline:
             time.sleep(0.25)
-        assert _open_count(stalled) == 0, "stalled TLS handshakes still open well past the header timeout"
+        assert still_open(stalled) == 0, "stalled TLS handshakes still open well past the header timeout"
 
         with httpx.Client(base_url=server.url, verify=verify) as idle:
             assert idle.get("/healthz").status_code == 200  # its connection stays open, idle
