@@ -214,6 +214,24 @@ def _collection_grad_np(grad_output: torch.Tensor, batch_size: int, layout: Feat
     return grad_output.detach().to(torch.float32).contiguous().numpy()
 
 
+def _backward_inputs(
+    grad_output: torch.Tensor,
+    ids: torch.Tensor,
+    bag_bounds: torch.Tensor,
+    layout: FeatureLayout,
+    chunk_offsets: torch.Tensor,
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """What both backwards of ``collection_lookup`` read, checked: the bags' bounds, the batch size, the
+    output gradient as float32 numpy and each feature's first chunk; the forward's chunk offsets must
+    match."""
+    bounds, batch_size = _bag_bounds_np(ids, bag_bounds, layout)
+    grads = _collection_grad_np(grad_output, batch_size, layout)
+    chunk_base = _chunk_base(bounds, batch_size, layout)
+    if chunk_offsets.dtype != torch.int64 or tuple(chunk_offsets.shape) != (int(chunk_base[-1]),):
+        raise InvalidInputError("chunk offsets must be the int64 (K_c,) that collection_lookup returned")
+    return bounds, batch_size, grads, chunk_base
+
+
 def collection_scatter_grad(
     grad_output: torch.Tensor,
     ids: torch.Tensor,
@@ -225,11 +243,9 @@ def collection_scatter_grad(
     """Dense backward of ``collection_lookup``, in place into ``out`` float32 (m,): every feature's
     gradient (``grad_output`` (B, width); mean bags divided by their length) added at its chunks. Serial,
     so at any thread count the sums are grouped as one thread's ``scatter_grad`` of the rows."""
-    bounds, batch_size = _bag_bounds_np(ids, bag_bounds, layout)
-    grads = _collection_grad_np(grad_output, batch_size, layout)
-    chunk_base = _chunk_base(bounds, batch_size, layout)
-    if chunk_offsets.dtype != torch.int64 or tuple(chunk_offsets.shape) != (int(chunk_base[-1]),):
-        raise InvalidInputError("chunk offsets must be the int64 (K_c,) that collection_lookup returned")
+    bounds, batch_size, grads, chunk_base = _backward_inputs(
+        grad_output, ids, bag_bounds, layout, chunk_offsets
+    )
     out_np = _weight_np(out)
     if chunk_base[-1] == 0:
         return
@@ -267,11 +283,9 @@ def collection_coalesce_grad(
     """Sparse backward of ``collection_lookup``: sorted unique locations int64 (K,) and their summed
     gradients float32 (K,), all features at once. The same bits as ``coalesce_grad`` of the per-feature
     gradient rows concatenated in feature order (``coalesce_chunk_rows``): one update of the array."""
-    bounds, batch_size = _bag_bounds_np(ids, bag_bounds, layout)
-    grads = _collection_grad_np(grad_output, batch_size, layout)
-    chunk_base = _chunk_base(bounds, batch_size, layout)
-    if chunk_offsets.dtype != torch.int64 or tuple(chunk_offsets.shape) != (int(chunk_base[-1]),):
-        raise InvalidInputError("chunk offsets must be the int64 (K_c,) that collection_lookup returned")
+    bounds, batch_size, grads, chunk_base = _backward_inputs(
+        grad_output, ids, bag_bounds, layout, chunk_offsets
+    )
     if chunk_base[-1] == 0:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
     feature_ids = np.diff(bounds[::batch_size])
