@@ -208,12 +208,10 @@ def _uniform_(tensor: Tensor, scale: float, seed: int) -> None:
         tensor.uniform_(-scale, scale, generator=torch.Generator().manual_seed(seed))
 
 
-def full_tables(settings: Settings) -> Embeddings:
-    dim = settings.embedding_dim
-    bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in settings.cardinalities)
-    for f, bag in enumerate(bags):
-        _uniform_(bag.weight, settings.init_scale, f)  # type: ignore[arg-type]
-    optimizer = torch.optim.Adagrad(bags.parameters(), lr=settings.embedding_lr)
+def _one_bag_per_feature(
+    name: str, bags: nn.ModuleList, optimizer: torch.optim.Optimizer, settings: Settings, keep: list[Any]
+) -> Embeddings:
+    """A variant with one bag module per feature (one id per bag) and a torch optimizer."""
     size = settings.batch_size
 
     def lookup(batch: Batch) -> Tensor:
@@ -225,8 +223,17 @@ def full_tables(settings: Settings) -> Embeddings:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return Embeddings(
-        "26 x nn.EmbeddingBag(sparse=True) + torch Adagrad", lookup, step, keep=[bags, optimizer]
+    return Embeddings(name, lookup, step, keep=[*keep, bags, optimizer])
+
+
+def full_tables(settings: Settings) -> Embeddings:
+    dim = settings.embedding_dim
+    bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in settings.cardinalities)
+    for f, bag in enumerate(bags):
+        _uniform_(bag.weight, settings.init_scale, f)  # type: ignore[arg-type]
+    optimizer = torch.optim.Adagrad(bags.parameters(), lr=settings.embedding_lr)
+    return _one_bag_per_feature(
+        "26 x nn.EmbeddingBag(sparse=True) + torch Adagrad", bags, optimizer, settings, keep=[]
     )
 
 
@@ -307,22 +314,12 @@ def robez_per_feature(settings: Settings) -> Embeddings:
     )  # fmt: skip
     bags = nn.ModuleList(layout.feature_module(f"C{f + 1}", sparse=True) for f in range(26))
     optimizer = torch.optim.Adagrad([layout.weight], lr=settings.embedding_lr)
-    size = settings.batch_size
-
-    def lookup(batch: Batch) -> Tensor:
-        return torch.cat(
-            [bag(batch.values[f * size : (f + 1) * size].view(size, 1)) for f, bag in enumerate(bags)], dim=1
-        )
-
-    def step() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return Embeddings(
+    return _one_bag_per_feature(
         f"26 x RobezEmbeddingBag on one array ({settings.memory_size * 4 / 1e6:.0f} MB) + torch Adagrad",
-        lookup,
-        step,
-        keep=[layout, bags, optimizer],
+        bags,
+        optimizer,
+        settings,
+        keep=[layout],
     )
 
 
