@@ -279,8 +279,10 @@ def test_snapshot_is_uploaded_by_time_after_pushes_stop(nats_cluster: NatsCluste
                 assert time.monotonic() < deadline, "no timed upload:\n" + server.log()
                 time.sleep(0.1)
             assert f"snapshot at version {burst_end} uploaded" in server.log_path.read_text()
+        # (A slow machine may also upload in the middle of a burst: the timer fires while pushes go on.)
+        uploads = server.log_path.read_text().count("snapshot at version")
         time.sleep(2.5)  # quiet: more than two intervals, nothing new to upload
-        assert server.log_path.read_text().count("snapshot at version") == 2, server.log()
+        assert server.log_path.read_text().count("snapshot at version") == uploads, server.log()
     finally:
         server.stop()
 
