@@ -450,7 +450,8 @@ class SnapshotObjects:
     async def loads(self, entry: CatalogEntry) -> list[StoredLoad]:
         prefix = self._load_prefix(entry)
         try:
-            listed = await self.answered("list checkpoints", lambda: self.obs.list(ignore_deletes=True))
+            # Not ``answered``: a listing reads every object's meta, which may take longer than an attempt.
+            listed = await self.obs.list(ignore_deletes=True)
         except nats.js.errors.NotFoundError:  # an empty bucket
             return []
         except (TimeoutError, nats.errors.Error) as exc:
