@@ -55,7 +55,24 @@ def _leaders(cluster: NatsCluster, urls: list[str]) -> dict[str, str]:
         finally:
             await nc.close()
 
-    return asyncio.run(find())
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return asyncio.run(find())
+        except (TimeoutError, nats.errors.Error):  # JetStream between two meta leaders: ask again
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _log_server(http: httpx.Client) -> str:
+    """The NATS server the replica is connected to (once its /readyz names it)."""
+    deadline = time.monotonic() + 60
+    while True:
+        named = http.get("/readyz", params={"writes": "true"}).json().get("log_server")
+        if named or time.monotonic() > deadline:
+            return str(named)
+        time.sleep(0.2)
 
 
 def _settle(cluster: NatsCluster, avoid: NatsNode | None, streams: list[str]) -> None:
@@ -154,7 +171,7 @@ def run(tree: Path, rounds: int) -> list[str]:
                     table = f"hung{index}{case[:3]}"
                     created = http.post("/v1/tables", json={"name": table, "config": _SMALL})
                     assert created.status_code == 201, created.text
-                    address = http.get("/readyz", params={"writes": "true"}).json()["log_server"]
+                    address = _log_server(http)
                     (connected,) = [n for n in cluster.nodes if address == f"127.0.0.1:{n.client_port}"]
                     streams = [
                         "KV_robez_tables",
@@ -179,6 +196,7 @@ def run(tree: Path, rounds: int) -> list[str]:
                     finally:
                         cluster.thaw(victim)
                     times[case].append(f"{took:.1f} s ({response.status_code}{meta})")
+                    print(f"round {index + 1}, {case}: {times[case][-1]}", flush=True)
                     _settle(cluster, None, ["KV_robez_tables"])
                 table = f"elect{index}"
                 assert http.post("/v1/tables", json={"name": table, "config": _SMALL}).status_code == 201
@@ -186,6 +204,7 @@ def run(tree: Path, rounds: int) -> list[str]:
                 _settle(cluster, None, [stream])
                 (leader,) = [n for n in cluster.nodes if n.name == _leaders(cluster, cluster.urls)[stream]]
                 times["election"].append(f"{_election_s(cluster, stream, leader):.1f} s")
+                print(f"round {index + 1}, election: {times['election'][-1]}", flush=True)
                 _settle(cluster, None, [stream, "KV_robez_tables"])
         finally:
             if server is not None:
