@@ -21,7 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from robez_core import buffers
 from robez_core.allocator import keep_freed_buffers
 
-from . import codec, tracing
+from . import codec, tracing, uploads
 from . import oip as oip_codec
 from .auth import PrivateAccess
 from .config import Settings
@@ -195,7 +195,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.admission = admission
     app.add_middleware(FastPathMiddleware, routes=fast_routes)
     app.add_middleware(InFlightLimitMiddleware, admission=admission)
-    app.add_middleware(RequestBodyMiddleware, admission=admission)
+    app.add_middleware(
+        RequestBodyMiddleware,
+        admission=admission,
+        spools=uploads.spools,
+        spool_key=uploads.SPOOLED_BODY_KEY,
+        spool_dir=settings.data_dir,  # uploads on the data's disk, not a small /tmp
+    )
     app.add_middleware(RequestMetricsMiddleware, admission=admission)
     # The same hot routes and admission for the requests connections answer themselves.
     app.state.direct = DirectAnswers(app, fast_routes, admission)

@@ -6,8 +6,14 @@ the keys, so a 1 MB deflated zip declaring 1 GiB of tensors grew the worker by 1
 as "not a ROBE-Z state_dict". ``check_paper_upload`` reads ``data.pkl`` with an unpickler that knows only
 the few names a state_dict uses and records each storage instead of loading it, then checks the keys,
 dtypes and shapes the paper import needs, and that each storage is in the file at the size ``data.pkl``
-gives it (the size the limits were checked on). Only a file that passes reaches ``torch.load``: what it then
-allocates is what the table will hold.
+gives it (the size the limits were checked on), stored uncompressed as torch.save writes it. Only a file
+that passes reaches ``torch.load``: what it then allocates is what the table will hold.
+
+The upload itself is never held in memory: ``RequestBodyMiddleware`` writes the body of a route that
+``spools`` to an anonymous temporary file (under the data directory, or the system's temp directory
+without one; gone when closed, however the request ends, a killed worker included), and the route reads it
+from ``spooled_path``: the checks above read the zip's central directory and ``data.pkl`` from it,
+``torch.load`` memory-maps it, safetensors reads it from the file.
 """
 
 from __future__ import annotations
@@ -17,13 +23,32 @@ import pickle
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
+from starlette.types import Scope
 
 from robez_core.errors import InvalidInputError
 
-from .wal import checkpoint_format
+from .wal.checkpoints import CheckpointSource, checkpoint_format, open_zip, source_head, source_size
+
+# Where the middleware leaves a spooled body in the request's ASGI scope: the open temporary file.
+SPOOLED_BODY_KEY = "robez.spooled_body"
+
+
+def spools(scope: Scope) -> bool:
+    """Whether the request's body goes to a temporary file rather than memory: checkpoint uploads
+    (``POST /v1/tables/{name}/load``), which may be as large as ``max_body_bytes``."""
+    path: str = scope["path"]
+    return scope["method"] == "POST" and path.startswith("/v1/tables/") and path.endswith("/load")
+
+
+def spooled_path(scope: Scope) -> str:
+    """A path to the request's spooled body (``spools``), valid in this process until the request ends:
+    the file is anonymous (``O_TMPFILE``, or unlinked at once), reachable through its descriptor."""
+    handle: BinaryIO = scope[SPOOLED_BODY_KEY]
+    return f"/proc/self/fd/{handle.fileno()}"
+
 
 # data.pkl of a state_dict is ~100 bytes per tensor; a larger one is not a module's state_dict.
 MAX_PICKLE_BYTES = 16 << 20
@@ -99,14 +124,11 @@ class _RecordingUnpickler(pickle.Unpickler):
         return StorageRef(str(key), storage_type.dtype, numel)
 
 
-def declared_tensors(data: bytes) -> tuple[dict[str, TensorRef], dict[str, zipfile.ZipInfo]]:
-    """The tensors a torch.save (zip) file declares, by key, and its storage members by storage key;
-    nothing is loaded but ``data.pkl``. Raises ``InvalidInputError`` for a file torch.save did not write."""
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-    except (zipfile.BadZipFile, OSError, ValueError) as error:
-        raise InvalidInputError(f"not a readable torch.save (zip) file: {error}") from error
-    with archive:
+def declared_tensors(data: CheckpointSource) -> tuple[dict[str, TensorRef], dict[str, zipfile.ZipInfo]]:
+    """The tensors a torch.save (zip) file (its bytes or its path) declares, by key, and its storage
+    members by storage key; nothing is loaded but ``data.pkl``. Raises ``InvalidInputError`` for a file
+    torch.save did not write."""
+    with open_zip(data) as archive:
         members = archive.infolist()
         pickles = [member for member in members if member.filename.endswith("/data.pkl")]
         if len(pickles) != 1:
@@ -139,6 +161,12 @@ def _check_storage(key: str, tensor: TensorRef, storages: dict[str, zipfile.ZipI
     expected = tensor.storage.numel * itemsize
     if member is None:
         raise InvalidInputError(f"{key}: its storage data/{tensor.storage.key} is not in the file")
+    # torch.save stores every storage as is; a compressed one is a file remade to be small on the wire
+    # and large once inflated (and could not be memory-mapped): refused before anything is inflated.
+    if member.compress_type != zipfile.ZIP_STORED:
+        raise InvalidInputError(
+            f"{key}: its storage is compressed in the zip; torch.save stores storages uncompressed"
+        )
     # The central directory's size is what unpacking allocates (and what the limits were checked on).
     if member.file_size != expected:
         raise InvalidInputError(
@@ -153,7 +181,7 @@ def _check_storage(key: str, tensor: TensorRef, storages: dict[str, zipfile.ZipI
         raise InvalidInputError(f"{key}: its shape reaches past its storage")
 
 
-def check_paper_upload(data: bytes, prefix: str | None) -> None:
+def check_paper_upload(data: CheckpointSource, prefix: str | None) -> None:
     """Refuse (``InvalidInputError``) a torch.save file that is not a paper ``RobezEmbedding`` state_dict
     before any tensor in it is loaded: the module's five keys (under ``prefix``, or the one prefix that has
     them), their dtypes and 1-D shapes (``weight`` float32 (m,), ``random_numbers`` int64 (11,), the
@@ -161,7 +189,7 @@ def check_paper_upload(data: bytes, prefix: str | None) -> None:
     The values themselves are checked by ``robez_core.table.import_paper_state_dict`` once loaded."""
     tensors, storages = declared_tensors(data)
     for key, tensor in tensors.items():
-        _check_storage(key, tensor, storages, len(data))
+        _check_storage(key, tensor, storages, source_size(data))
     if prefix is None:
         prefixes = {key[: -len("random_numbers")] for key in tensors if key.endswith("random_numbers")}
         if len(prefixes) != 1:
@@ -189,11 +217,11 @@ def check_paper_upload(data: bytes, prefix: str | None) -> None:
         raise InvalidInputError("helper_Eidx_base, helper_Eidx_offset and helper_E1sR differ in length")
 
 
-def check_upload(data: bytes, format: str, prefix: str | None) -> None:
+def check_upload(data: CheckpointSource, format: str, prefix: str | None) -> None:
     """The checks made before an uploaded checkpoint (``format``: auto, robez or paper) is loaded: a
     torch.save zip goes through ``check_paper_upload``. A legacy (non-zip) torch.save file, a robez
     checkpoint (safetensors: its header is checked against the file as it is read) and the size limits
     are ``read_checkpoint``'s."""
     kind = checkpoint_format(data) if format == "auto" else format
-    if kind == "paper" and data.startswith(b"PK\x03\x04"):
+    if kind == "paper" and source_head(data, 4) == b"PK\x03\x04":
         check_paper_upload(data, prefix)

@@ -1,10 +1,13 @@
 """Issue 39's figures: what a refused upload costs a worker, and what create/drop churn leaves in the
 multiprocess metric files.
 
-- ``load``: ``robez serve`` (1 worker) is sent ``POST /v1/tables/t/load`` with a ~1 MB deflated torch.save
-  zip whose one tensor (``junk``, not a ROBE-Z key) declares ``--declared-mib`` MiB (1 GiB: within the
-  default limits). Reported: the answer, and how far the peak RSS (VmHWM, reset through
-  ``/proc/<pid>/clear_refs`` first) of each server process rose above its RSS before the request.
+- ``load``: ``robez serve`` (1 worker) is sent ``POST /v1/tables/t/load`` with, in turn: a ~1 MB deflated
+  torch.save zip whose one tensor (``junk``, not a ROBE-Z key) declares ``--declared-mib`` MiB (1 GiB:
+  within the default limits); the same size of a paper state_dict of the right keys, dtypes and shapes
+  whose ``helper_E1sR`` is wrong (only its values tell), deflated; and that state_dict as torch.save
+  writes it (stored) at ``--stored-mib`` MiB, under ``max_body_bytes`` (64 MiB). Reported: the answer, and
+  how far the peak RSS (VmHWM, reset through ``/proc/<pid>/clear_refs`` first) of each server process rose
+  above its RSS before the request.
 - ``churn``: ``robez serve --workers 2`` makes ``--cycles`` tables (create, one lookup, delete), scraping
   ``/metrics`` every 50 cycles; after the first 10 and after all of them (each followed by 8 scrapes, so
   both workers answer some): the series in the metric files (``<shared dir>/metrics/*.db``), their bytes in
@@ -50,10 +53,27 @@ def _server(tree: Path, workdir: Path, *extra: str) -> RobezProcess:
     return process.start(300.0, interval_s=0.2)
 
 
-def _bomb(declared_mib: int, directory: Path) -> bytes:
-    """A torch.save zip of ``{"junk": <declared_mib MiB of float32 zeros>}``, every member deflated."""
+def _paper(mib: int) -> dict[str, torch.Tensor]:
+    """A paper RobezEmbedding state_dict (d 8, Z 4) with a ``mib`` MiB weight whose helper_E1sR is wrong."""
+    j = torch.arange(8, dtype=torch.int64)
+    return {
+        "weight": torch.empty(mib << 18).zero_(),
+        "random_numbers": torch.tensor([2038074743, *range(3, 13)], dtype=torch.int64),
+        "helper_Eidx_base": j // 4,
+        "helper_Eidx_offset": j % 4,
+        "helper_E1sR": torch.zeros(8, dtype=torch.int64),
+    }
+
+
+def _bomb(kind: str, mib: int, directory: Path) -> bytes:
+    """A torch.save zip: ``junk``: ``{"junk": <mib MiB of float32 zeros>}``, every member deflated;
+    ``paper``: ``_paper(mib)``, every member deflated; ``stored``: ``_paper(mib)`` as torch.save writes it."""
     plain = directory / "plain.pt"
-    torch.save({"junk": torch.empty(declared_mib << 18).zero_()}, plain)
+    torch.save({"junk": torch.empty(mib << 18).zero_()} if kind == "junk" else _paper(mib), plain)
+    if kind == "stored":
+        data = plain.read_bytes()
+        plain.unlink()
+        return data
     out = io.BytesIO()
     with zipfile.ZipFile(plain) as source, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as target:
         for member in source.infolist():
@@ -83,11 +103,11 @@ def _status_kib(pid: int, field: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def refused_load(tree: Path, declared_mib: int) -> list[str]:
+def refused_load(tree: Path, kind: str, mib: int) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="robez-bench-load-") as directory:
         workdir = Path(directory)
-        body = _bomb(declared_mib, workdir)
-        server = _server(tree, workdir)
+        body = _bomb(kind, mib, workdir)
+        server = _server(tree, workdir, "--data-dir", str(workdir / "data"))
         try:
             pids = _group(server.pid)
             for pid in pids:
@@ -95,7 +115,7 @@ def refused_load(tree: Path, declared_mib: int) -> list[str]:
             before = {pid: _status_kib(pid, "VmRSS") for pid in pids}
             began = time.perf_counter()
             response = httpx.post(
-                f"{server.url}/v1/tables/t/load",
+                f"{server.url}/v1/tables/t/load?chunk_size=4",
                 content=body,
                 headers={"Content-Type": "application/octet-stream"},
                 timeout=300,
@@ -106,7 +126,7 @@ def refused_load(tree: Path, declared_mib: int) -> list[str]:
         finally:
             server.stop()
     return [
-        f"| upload | {len(body) / 2**20:.2f} MiB declaring {declared_mib} MiB |",
+        f"| upload ({kind}) | {len(body) / 2**20:.2f} MiB declaring {mib} MiB |",
         f"| answer | {response.status_code}: {response.json().get('error', '')[:110]} |",
         f"| table afterwards | GET answers {exists} |",
         f"| peak RSS growth, largest server process | {max(grown.values()) / 1024:.1f} MiB |",
@@ -174,13 +194,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.service.loose_ends", description=__doc__)
     parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[2])
     parser.add_argument("--declared-mib", type=int, default=1024)
+    parser.add_argument("--stored-mib", type=int, default=60)
     parser.add_argument("--cycles", type=int, default=2000)
     parser.add_argument("--only", choices=("load", "churn"))
     args = parser.parse_args(argv)
     print(f"tree: {args.tree}; load average before: {os.getloadavg()}\n")
     if args.only in (None, "load"):
-        print("| refused load | |\n| --- | --- |")
-        print("\n".join(refused_load(args.tree, args.declared_mib)) + "\n")
+        for kind, mib in (
+            ("junk", args.declared_mib),
+            ("paper", args.declared_mib),
+            ("stored", args.stored_mib),
+        ):
+            print("| refused load | |\n| --- | --- |")
+            print("\n".join(refused_load(args.tree, kind, mib)) + "\n", flush=True)
     if args.only in (None, "churn"):
         print("\n".join(metric_churn(args.tree, args.cycles)))
     return 0

@@ -12,8 +12,11 @@ which knows the table's dimension.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -76,14 +79,21 @@ class BodyDeadlines:
 
 
 async def read_body(
-    receive: Receive, max_bytes: int, timeout_s: float, hold: Callable[[int], None], deadlines: BodyDeadlines
+    receive: Receive,
+    max_bytes: int,
+    timeout_s: float,
+    hold: Callable[[int], None],
+    deadlines: BodyDeadlines,
+    spool: BinaryIO | None = None,
 ) -> bytes:
     """The whole request body from ASGI ``receive``, at most ``max_bytes`` within ``timeout_s`` seconds
     (watched by ``deadlines``); ``hold(n)`` is told of every ``n`` bytes received before they are kept (it
-    may raise ``WorkerFull``).
+    may raise ``WorkerFull``). With ``spool``, each chunk is written to it as it arrives and ``b""`` is
+    returned: the body is never whole in memory.
 
     Raises ``BodyTooLarge``, ``BodyTimeout``, ``ClientGone`` or ``WorkerFull``. The only place a request
-    body is read from the connection; routes read it from memory afterwards (``request.body()``).
+    body is read from the connection; routes read it from memory afterwards (``request.body()``), or
+    from the spool file.
     """
     task = asyncio.current_task()
     assert task is not None
@@ -102,7 +112,10 @@ async def read_body(
                 if received > max_bytes:
                     raise BodyTooLarge()
                 hold(len(chunk))
-                chunks.append(chunk)
+                if spool is None:
+                    chunks.append(chunk)
+                else:
+                    spool.write(chunk)  # to the page cache: microseconds for a chunk of uvicorn's 64 KiB
             if not message.get("more_body", False):
                 return b"".join(chunks)  # one chunk: returned as is, no copy
     except asyncio.CancelledError:
@@ -125,14 +138,28 @@ class RequestBodyMiddleware:
     - the worker already holds ``max_body_bytes_held`` of bodies (counted from what has arrived, until
       each request is answered): 503 + Retry-After, so many large bodies at once cannot take the machine.
 
-    The app then gets the body in one message from memory. Placed outside ``InFlightLimitMiddleware``, so
-    a request counts against ``max_in_flight`` only once its body is here.
+    The app then gets the body in one message from memory, except for routes that ``spools(scope)``
+    names (checkpoint uploads): their body is written to an anonymous temporary file in ``spool_dir``
+    (None: the system's temp directory) as it arrives, which the app finds in ``scope[spool_key]`` and
+    which is closed (so gone) when the request ends, however it ends; it counts against
+    ``max_body_bytes_held`` like a body in memory, which bounds the disk uploads take. Placed outside
+    ``InFlightLimitMiddleware``, so a request counts against ``max_in_flight`` only once its body is here.
     """
 
-    def __init__(self, app: ASGIApp, admission: Admission) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        admission: Admission,
+        spools: Callable[[Scope], bool] | None = None,
+        spool_key: str = "",
+        spool_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.app = app
         self.admission = admission
         self.deadlines = BodyDeadlines(check_s=min(1.0, admission.limits.timeout_s / 4))
+        self.spools = spools
+        self.spool_key = spool_key
+        self.spool_dir = spool_dir
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -167,8 +194,18 @@ class RequestBodyMiddleware:
             held += size
 
         try:
-            body = await read_body(receive, max_bytes, admission.limits.timeout_s, hold, self.deadlines)
-            await self.app(scope, _replay(body, receive), send)
+            with contextlib.ExitStack() as stack:
+                spool = None
+                if self.spools is not None and self.spools(scope):
+                    # O_TMPFILE where the file system has it: no name, so nothing to remove on any path.
+                    spool = stack.enter_context(
+                        tempfile.TemporaryFile(prefix=".robez-upload-", dir=self.spool_dir, buffering=0)
+                    )
+                    scope[self.spool_key] = spool
+                    stack.callback(scope.pop, self.spool_key, None)
+                timeout_s = admission.limits.timeout_s
+                body = await read_body(receive, max_bytes, timeout_s, hold, self.deadlines, spool)
+                await self.app(scope, _replay(body, receive), send)
         except BodyTooLarge:
             await admission.too_large(setting, max_bytes)(scope, receive, send)
         except WorkerFull:

@@ -36,7 +36,9 @@ need).
 
 A hung server (SIGSTOP, a frozen VM) keeps its sockets open: the connection notices it by its pings
 (``ping_interval_s`` x ``max_outstanding_pings``) and moves to another node; a publish waiting there is
-sent again on the new connection with the same ``Nats-Msg-Id``, which JetStream stores at most once.
+sent again on the new connection with the same ``Nats-Msg-Id``, which JetStream stores at most once. A
+catalog or snapshot read waiting there is sent again too (``SnapshotObjects.answered``), as is one without
+an answer after ``REQUEST_ATTEMPT_S`` (a hung stream leader, until another is elected).
 """
 
 from __future__ import annotations
@@ -324,7 +326,7 @@ class JetStreamLog(SnapshotObjects):
 
     async def get_table(self, name: str) -> CatalogEntry | None:
         try:
-            found = await self.kv.get(name)
+            found = await self.answered("read catalog", lambda: self.kv.get(name))
         except nats.js.errors.NotFoundError:  # never created, or deleted
             return None
         except (TimeoutError, nats.errors.Error) as exc:
@@ -353,7 +355,7 @@ class JetStreamLog(SnapshotObjects):
 
     async def drop_table(self, name: str) -> None:
         try:
-            found = await self.kv.get(name)
+            found = await self.answered("read catalog", lambda: self.kv.get(name))
         except nats.js.errors.NotFoundError as exc:
             raise NotFoundError(f"no table named {name!r}") from exc
         except (TimeoutError, nats.errors.Error) as exc:
@@ -429,7 +431,9 @@ class JetStreamLog(SnapshotObjects):
         replays the last message of each key, and the one at this sequence is one of them (or a later
         update of its key is)."""
         try:
-            info = await self.js.stream_info(f"KV_{self.prefix}_tables")
+            info = await self.answered(
+                "catalog info", lambda: self.js.stream_info(f"KV_{self.prefix}_tables")
+            )
         except (TimeoutError, nats.errors.Error) as exc:
             raise unavailable("catalog info", exc) from exc
         return int(info.state.last_seq or 0) if info.state.messages else 0

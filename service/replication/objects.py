@@ -17,9 +17,10 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import nats
 import nats.errors
@@ -52,6 +53,20 @@ _SNAPSHOT_READ_ATTEMPTS = 5
 SNAPSHOT_CHUNK_BYTES = 1 << 20
 # JetStream's error code for a publish whose Nats-Expected-Last-Subject-Sequence does not hold.
 _WRONG_LAST_SEQUENCE = 10071
+# A read of the catalog or of an object's meta (a JetStream API or KV request) that has no answer after
+# this long, or whose connection moved to another server meanwhile, is sent again (``answered``): a hung
+# server then costs what noticing it costs (its pings, ~4-6 s) and a hung stream leader what electing
+# another costs (NATS: 4-9 s), not the whole ``timeout_s`` per request.
+REQUEST_ATTEMPT_S = 2.0
+# The failures after which a read is sent again: no answer, nobody listening (no stream leader for a
+# moment), the connection moving, JetStream's 503 (no leader).
+_RETRIED = (
+    TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.ServiceUnavailableError,
+)
+T = TypeVar("T")
 
 
 def unavailable(what: str, exc: BaseException) -> BusyError:
@@ -68,6 +83,36 @@ class SnapshotObjects:
     timeout_s: float
     lease_ttl_s: float
     _leases: KeyValue | None
+    _reconnected: asyncio.Event  # set (and replaced) at every reconnect
+
+    async def answered(self, what: str, read: Callable[[], Awaitable[T]]) -> T:
+        """``read()``'s answer (a request that changes nothing, so it may be sent twice), sent again after
+        ``REQUEST_ATTEMPT_S`` without an answer, at once when the connection moves to another server (the
+        answer cannot come back on it), and after the failures of a stream without a leader; ``BusyError``
+        (``unavailable``) once ``timeout_s`` has passed. Other errors (not found, say) are ``read``'s."""
+        deadline = time.monotonic() + self.timeout_s
+        failure: BaseException = TimeoutError(f"no answer within {self.timeout_s} s")
+        while (remaining := deadline - time.monotonic()) > 0:
+            moved = self._reconnected
+            call = asyncio.ensure_future(asyncio.wait_for(read(), min(remaining, REQUEST_ATTEMPT_S)))
+            reconnect = asyncio.ensure_future(moved.wait())
+            try:
+                await asyncio.wait({call, reconnect}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                reconnect.cancel()
+                if not call.done():
+                    call.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await call
+            if call.cancelled():
+                failure = nats.errors.ConnectionReconnectingError()
+                continue  # moved: ask the new server at once
+            try:
+                return call.result()
+            except _RETRIED as exc:
+                failure = exc
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        raise unavailable(what, failure)
 
     @property
     def js(self) -> JetStreamContext:
@@ -146,7 +191,9 @@ class SnapshotObjects:
         """The object's meta as stored now (None if there is none, or it was deleted) and the stream
         sequence of that meta message (0: never written): what a replacing meta must expect."""
         try:
-            msg = await self.js.get_last_msg(self._obj_stream, self._meta_subject(name))
+            msg = await self.answered(
+                "snapshot info", lambda: self.js.get_last_msg(self._obj_stream, self._meta_subject(name))
+            )
         except nats.js.errors.NotFoundError:
             return None, 0
         except (TimeoutError, nats.errors.Error) as exc:
@@ -256,7 +303,7 @@ class SnapshotObjects:
     async def _snapshot_info(self, name: str) -> ObjectInfo | None:
         """The object's meta as stored now; None if there is none (never uploaded, or deleted)."""
         try:
-            info = await self.obs.get_info(name)
+            info = await self.answered("snapshot info", lambda: self.obs.get_info(name))
         except nats.js.errors.NotFoundError:  # ObjectNotFoundError too: never uploaded, or deleted
             return None
         except (TimeoutError, nats.errors.Error) as exc:
@@ -339,7 +386,7 @@ class SnapshotObjects:
 
     async def _load_info(self, name: str) -> ObjectInfo | None:
         try:
-            info = await self.obs.get_info(name)
+            info = await self.answered("checkpoint info", lambda: self.obs.get_info(name))
         except nats.js.errors.NotFoundError:  # ObjectNotFoundError too
             return None
         except (TimeoutError, nats.errors.Error) as exc:
@@ -403,6 +450,7 @@ class SnapshotObjects:
     async def loads(self, entry: CatalogEntry) -> list[StoredLoad]:
         prefix = self._load_prefix(entry)
         try:
+            # Not ``answered``: a listing reads every object's meta, which may take longer than an attempt.
             listed = await self.obs.list(ignore_deletes=True)
         except nats.js.errors.NotFoundError:  # an empty bucket
             return []

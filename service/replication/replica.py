@@ -49,6 +49,9 @@ _CONNECT_RETRY_S = 0.5
 # Writes count as possible while the last write check was acknowledged within this many check intervals;
 # each check waits at most two of them for its ack.
 _WRITE_CHECK_FRESH = 4
+# Until the first write check is acknowledged at start, it is tried again this often (a write-check stream
+# just created has no leader for a second or so).
+_FIRST_WRITE_CHECK_RETRY_S = 0.05
 
 
 def local_settings(settings: Settings) -> Settings:
@@ -147,6 +150,7 @@ class Replica:
             except BusyError as exc:
                 logger.info("waiting for NATS: %s", exc)
                 await asyncio.sleep(_CONNECT_RETRY_S)
+        await self._first_write_check()
         self._connected.set()
         logger.info("replica %s connected to the log", replica_name(self.settings))
         self._write_check_task = asyncio.create_task(self._check_writes(), name="robez-write-check")
@@ -183,6 +187,27 @@ class Replica:
         """The log server this worker's connection is on now (host:port)."""
         return self.log.connected_to()
 
+    async def _first_write_check(self) -> None:
+        """Return once a write check is acknowledged through the new connection. Until then the replica
+        counts as not connected: writes through it wait (``_wait_connected``) and it is not ready. Right
+        after a cluster starts, the write-check stream that ``connect`` made may have no leader for a second
+        or more (NATS: "no response from stream") while the catalog and the update streams, made earlier,
+        already take writes; a replica that counted as connected then took pushes while its
+        ``/readyz?writes=true`` said read-only. A check is what says it can write, and it counts as write-
+        ready from that moment on."""
+        interval = self.settings.nats_write_check_interval_s
+        while True:
+            try:
+                await self.log.check_writable(timeout_s=2 * interval)
+                self._write_acked = time.monotonic()
+                self._write_problem = "no write check was acknowledged recently"
+                return
+            except BusyError as exc:
+                if self._write_problem != str(exc):
+                    logger.info("waiting for a first write check: %s", exc)
+                self._write_problem = str(exc)
+            await asyncio.sleep(_FIRST_WRITE_CHECK_RETRY_S)
+
     async def _check_writes(self) -> None:
         """Publish a tiny message every ``nats_write_check_interval_s``: its ack (a quorum stored it)
         through this worker's own connection is what ``write_problem`` trusts, so a hung server, a lost
@@ -195,11 +220,8 @@ class Replica:
                 self._write_acked = time.monotonic()
                 self._write_problem = "no write check was acknowledged recently"
             except BusyError as exc:
-                # Once per change; before the first ack (a health stream just created has no leader
-                # for a moment) only at INFO.
-                if self._write_problem != str(exc):
-                    level = logging.WARNING if self._write_acked > -float("inf") else logging.INFO
-                    logger.log(level, "write check failed: %s", exc)
+                if self._write_problem != str(exc):  # once per change
+                    logger.warning("write check failed: %s", exc)
                 self._write_problem = str(exc)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 

@@ -25,7 +25,7 @@ from ..auth import WriteAccess
 from ..codec import OCTET_STREAM, VERSION_HEADER, TableInfoResponse, table_info_json
 from ..store import TableStore
 from ..store.writes import WritePath
-from ..uploads import check_upload
+from ..uploads import check_upload, spooled_path
 from ..wal import (
     CheckpointFormat,
     SnapshotScheduler,
@@ -113,12 +113,13 @@ async def load(
     new_optimizer = OptimizerConfig(
         name=optimizer or default_optimizer.name, lr=lr if lr is not None else default_optimizer.lr
     )
-    body = await request.body()
+    # The body is in a temporary file (never whole in memory), open until this request ends.
+    upload = spooled_path(request.scope)
 
     def read() -> tuple[Table, str]:
-        check_upload(body, format, prefix)  # before anything in it is loaded
+        check_upload(upload, format, prefix)  # before anything in it is loaded
         return read_checkpoint(
-            body,
+            upload,
             format=format,
             num_embeddings=num_embeddings,
             chunk_size=chunk_size,

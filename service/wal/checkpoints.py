@@ -35,9 +35,37 @@ _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
 _PICKLE_PROTOCOL_2 = b"\x80\x02"  # torch.save's legacy format
 
 
-def checkpoint_format(data: bytes) -> str:
+# A checkpoint to read: its bytes, or the path of a file holding them (an upload spooled to disk, read
+# without being held in memory: zip and safetensors headers are read from it, tensors memory-mapped).
+CheckpointSource = bytes | str | os.PathLike[str]
+# safetensors refuses larger headers; reading one is bounded by this.
+_MAX_SAFETENSORS_HEADER = 100_000_000
+
+
+def source_head(source: CheckpointSource, size: int) -> bytes:
+    """The first ``size`` bytes of ``source`` (fewer when it is shorter)."""
+    if isinstance(source, bytes):
+        return source[:size]
+    with open(source, "rb") as handle:
+        return handle.read(size)
+
+
+def source_size(source: CheckpointSource) -> int:
+    return len(source) if isinstance(source, bytes) else os.path.getsize(source)
+
+
+def open_zip(source: CheckpointSource) -> zipfile.ZipFile:
+    """``source`` as a zip archive (only its central directory is read); ``InvalidInputError`` if it is
+    not one."""
+    try:
+        return zipfile.ZipFile(io.BytesIO(source) if isinstance(source, bytes) else source)
+    except (zipfile.BadZipFile, OSError, ValueError) as error:
+        raise InvalidInputError(f"not a readable torch.save (zip) file: {error}") from error
+
+
+def checkpoint_format(data: CheckpointSource) -> str:
     """``"paper"`` for a torch.save file (zip or legacy), ``"robez"`` otherwise (safetensors)."""
-    return "paper" if data.startswith((_ZIP_MAGIC, _PICKLE_PROTOCOL_2)) else "robez"
+    return "paper" if source_head(data, 4).startswith((_ZIP_MAGIC, _PICKLE_PROTOCOL_2)) else "robez"
 
 
 # safetensors dtype names -> bytes per element (the ones robez and torch write).
@@ -46,30 +74,28 @@ _SAFETENSORS_ITEMSIZE = {
 }  # fmt: skip
 
 
-def declared_tensor_bytes(data: bytes, kind: str) -> int:
+def declared_tensor_bytes(data: CheckpointSource, kind: str) -> int:
     """The bytes the tensors of a checkpoint will take once loaded, as the file declares them, read
     without decompressing or allocating anything: a torch.save zip's central directory (each member's
     uncompressed size: a small deflated member may declare gigabytes), a safetensors header (shape x
     dtype). Raises ``InvalidInputError`` for a legacy (non-zip) torch.save file, whose storage sizes
     only unpickling tells, and for a header that cannot be read."""
     if kind == "paper":
-        if not data.startswith(_ZIP_MAGIC):
+        if not source_head(data, 4).startswith(_ZIP_MAGIC):
             raise InvalidInputError(
                 "a legacy (non-zip) torch.save file cannot be size-checked before loading; save it again "
                 "with torch.save's default (zip) format, or use robez import (offline)"
             )
-        try:
-            with zipfile.ZipFile(io.BytesIO(data)) as archive:
-                return sum(member.file_size for member in archive.infolist())
-        except (zipfile.BadZipFile, OSError, ValueError) as error:
-            raise InvalidInputError(f"not a readable torch.save (zip) file: {error}") from error
-    if len(data) < 8:
-        return len(data)  # the loader says what is wrong with it
-    header_size = int.from_bytes(data[:8], "little")
-    if header_size > len(data) - 8:
+        with open_zip(data) as archive:
+            return sum(member.file_size for member in archive.infolist())
+    size = source_size(data)
+    if size < 8:
+        return size  # the loader says what is wrong with it
+    header_size = int.from_bytes(source_head(data, 8), "little")
+    if header_size > size - 8 or header_size > _MAX_SAFETENSORS_HEADER:
         raise InvalidInputError("not a valid robez checkpoint: its safetensors header is cut short")
     try:
-        header = json.loads(data[8 : 8 + header_size])
+        header = json.loads(source_head(data, 8 + header_size)[8:])
         return sum(
             math.prod(int(dim) for dim in entry["shape"]) * _SAFETENSORS_ITEMSIZE.get(entry["dtype"], 8)
             for key, entry in header.items()
@@ -79,7 +105,7 @@ def declared_tensor_bytes(data: bytes, kind: str) -> int:
         raise InvalidInputError(f"not a valid robez checkpoint: unreadable header ({error})") from error
 
 
-def _check_declared_size(data: bytes, kind: str, max_tensor_bytes: tuple[int, str]) -> None:
+def _check_declared_size(data: CheckpointSource, kind: str, max_tensor_bytes: tuple[int, str]) -> None:
     declared = declared_tensor_bytes(data, kind)
     limit, made_of = max_tensor_bytes
     if declared > limit:
@@ -88,12 +114,16 @@ def _check_declared_size(data: bytes, kind: str, max_tensor_bytes: tuple[int, st
         )
 
 
-def _paper_state_dict(data: bytes, prefix: str | None) -> dict[str, torch.Tensor]:
+def _paper_state_dict(data: CheckpointSource, prefix: str | None) -> dict[str, torch.Tensor]:
     """The paper module's entries from a torch.save file, read with ``weights_only=True`` (tensors and
     plain containers only; no arbitrary objects are unpickled). ``prefix`` picks one module out of a
-    whole model's state_dict (e.g. ``"emb_l.0."``); None finds it when there is exactly one."""
+    whole model's state_dict (e.g. ``"emb_l.0."``); None finds it when there is exactly one. A file is
+    memory-mapped: its tensors take memory only as far as they are read."""
     try:
-        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if isinstance(data, bytes):
+            loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        else:
+            loaded = torch.load(data, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # unpickling errors come in many types; none may reach the client as 500
         raise InvalidInputError(
             f"not a state_dict torch.load(weights_only=True) can read: {error}"
@@ -111,7 +141,7 @@ def _paper_state_dict(data: bytes, prefix: str | None) -> dict[str, torch.Tensor
 
 
 def read_checkpoint(
-    data: bytes,
+    data: CheckpointSource,
     *,
     format: CheckpointFormat = "auto",
     num_embeddings: int | None = None,
@@ -121,7 +151,8 @@ def read_checkpoint(
     optimizer: OptimizerConfig | None = None,
     max_tensor_bytes: tuple[int, str] | None = None,
 ) -> tuple[Table, str]:
-    """A private ``Table`` from checkpoint bytes, and the format it was read as.
+    """A private ``Table`` from checkpoint bytes (or the path of a file holding them: nothing is read
+    into memory but what the table keeps), and the format it was read as.
 
     ``robez``: a file written by ``Table.save`` (checksums verified). ``paper``: the paper's
     ``RobezEmbedding`` state_dict (``weight``, ``random_numbers``, ``helper_*``) via
@@ -130,7 +161,7 @@ def read_checkpoint(
     ``max_tensor_bytes``: (limit, how it is made, for the message): a file declaring more tensor bytes is
     refused (``PayloadTooLargeError``) before anything is decompressed or allocated.
     """
-    from robez_core.table import Table, import_paper_state_dict
+    from robez_core.table import import_paper_state_dict
 
     if format not in CHECKPOINT_FORMATS:
         raise InvalidInputError(f"format must be one of {CHECKPOINT_FORMATS}, got {format!r}")
@@ -150,16 +181,23 @@ def read_checkpoint(
         except CorruptionError as error:
             raise InvalidInputError(f"the state_dict is not a valid ROBE-Z module: {error}") from error
         return table, kind
+    if not isinstance(data, bytes):
+        return _load_robez(os.fspath(data)), kind
     # safetensors reads from a file; the upload only lives as long as this call.
     with tempfile.NamedTemporaryFile(prefix="robez-import-", suffix=".safetensors") as handle:
         handle.write(data)
         handle.flush()
-        try:
-            table = Table.load(handle.name)
-        except CorruptionError as error:
-            reason = str(error).replace(handle.name, "(the upload)")  # no server paths in the answer
-            raise InvalidInputError(f"not a valid robez checkpoint: {reason}") from error
-    return table, kind
+        return _load_robez(handle.name), kind
+
+
+def _load_robez(path: str) -> Table:
+    from robez_core.table import Table
+
+    try:
+        return Table.load(path)
+    except CorruptionError as error:
+        reason = str(error).replace(path, "(the upload)")  # no server paths in the answer
+        raise InvalidInputError(f"not a valid robez checkpoint: {reason}") from error
 
 
 def _shape(config: TableConfig) -> str:

@@ -440,7 +440,9 @@ def _deflated(torch_zip: bytes) -> bytes:
 def test_a_checkpoint_declaring_more_than_the_limits_is_refused_before_it_is_unpacked(tmp_path: Path) -> None:
     """A paper state_dict whose array (4M floats, 16 MiB) is over the tables' limit (max_memory_size 1M:
     3 x 4 MiB + 1 MiB): 413 naming the limit, read from the zip's central directory, before torch.load
-    inflates anything, also when the upload is a few KiB of deflated zeros."""
+    reads anything. The same file as a few KiB of deflated zeros is refused before anything is inflated,
+    as is a deflated one within the limit: torch.save stores storages uncompressed (and only those can be
+    memory-mapped), a compressed one is a file remade to grow once unpacked."""
     big = 4 * 1024 * 1024
     state_dict = _paper_state_dict(DIM, CHUNK, 64, seed=5)
     state_dict["weight"] = torch.zeros(big)
@@ -449,20 +451,18 @@ def test_a_checkpoint_declaring_more_than_the_limits_is_refused_before_it_is_unp
     bomb = _deflated(buffer.getvalue())
     assert len(bomb) < big // 100
     with TestClient(create_app(_settings(tmp_path, max_memory_size=1 << 20))) as client:
-        for body in (buffer.getvalue(), bomb):
-            response = client.post(
-                f"/v1/tables/new/load?num_embeddings=1000&chunk_size={CHUNK}", content=body, headers=BINARY
-            )
-            assert response.status_code == 413, response.text
-            assert "max_memory_size=1048576" in response.json()["error"]
-        assert client.get("/v1/tables/new").status_code == 404
-        # Within the limit the same (deflated) way of saving loads.
+        load = f"/v1/tables/new/load?num_embeddings=1000&chunk_size={CHUNK}"
+        response = client.post(load, content=buffer.getvalue(), headers=BINARY)
+        assert response.status_code == 413, response.text
+        assert "max_memory_size=1048576" in response.json()["error"]
         state_dict["weight"] = torch.zeros(64)
         small = io.BytesIO()
         torch.save(state_dict, small)
-        response = client.post(
-            f"/v1/tables/new/load?num_embeddings=1000&chunk_size={CHUNK}",
-            content=_deflated(small.getvalue()),
-            headers=BINARY,
-        )
+        for body in (bomb, _deflated(small.getvalue())):
+            response = client.post(load, content=body, headers=BINARY)
+            assert response.status_code == 422, response.text
+            assert "its storage is compressed in the zip" in response.json()["error"]
+        assert client.get("/v1/tables/new").status_code == 404
+        # Within the limit, as torch.save wrote it, it loads.
+        response = client.post(load, content=small.getvalue(), headers=BINARY)
         assert response.status_code == 200, response.text
