@@ -92,6 +92,8 @@ _READ_IDLE_S = 1.0
 _READ_CHECK_TIMEOUT_S = 2.0
 # How often a reader whose idle check is out looks for entries (the check runs beside it).
 _READ_POLL_S = 0.05
+# At most this many entries in one batch of ``read_batches`` (one pass of the applier).
+_READ_BATCH = 64
 # The timeout of a reader's consumer requests (its subscribe, and the re-creation an ordered consumer
 # does by itself after a gap), shorter than the publish timeout: a request that reached the cluster
 # between two leaders gets no answer at all, and the reader asks again rather than wait 10 s for it.
@@ -522,6 +524,17 @@ class JetStreamLog(SnapshotObjects):
         return update_too_large(entry.name, num_rows, dim, size, self.max_entry_bytes(), size - len(payload))
 
     async def read(self, entry: CatalogEntry, after: int) -> AsyncGenerator[LogEntry, None]:
+        async with contextlib.aclosing(self.read_batches(entry, after)) as batches:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+
+    async def read_batches(self, entry: CatalogEntry, after: int) -> AsyncGenerator[list[LogEntry], None]:
+        """``read``'s entries, each batch every entry delivered so far (at most ``_READ_BATCH``): the
+        subscription's queue is emptied every time, which is also when nats-py answers the consumer's
+        flow control (``PushSubscription.next_msg`` replies only once nothing is left queued; else its
+        own loop replies up to 0.25 s later, and the server stops delivering to this reader meanwhile:
+        measured, 8 concurrent publishers, ack -> delivered p90 324 ms when taken one at a time)."""
         position = after
         while True:
             try:
@@ -568,18 +581,27 @@ class JetStreamLog(SnapshotObjects):
                     if check is not None:  # an entry came: the reader is not stalled
                         check.cancel()
                         check = None
-                    meta = msg.metadata
-                    sequence = int(meta.sequence.stream)
-                    if sequence <= position:
-                        continue  # redelivered after a consumer reset
-                    position = sequence
-                    yield LogEntry(
-                        sequence,
-                        msg.data,
-                        dict(msg.headers or {}),
-                        meta.timestamp.timestamp() if meta.timestamp is not None else 0.0,
-                        int(meta.num_pending or 0),
-                    )
+                    messages = [msg]
+                    while sub.pending_msgs and len(messages) < _READ_BATCH:
+                        messages.append(await sub.next_msg(timeout=_READ_POLL_S))
+                    batch = []
+                    for msg in messages:
+                        meta = msg.metadata
+                        sequence = int(meta.sequence.stream)
+                        if sequence <= position:
+                            continue  # redelivered after a consumer reset
+                        position = sequence
+                        batch.append(
+                            LogEntry(
+                                sequence,
+                                msg.data,
+                                dict(msg.headers or {}),
+                                meta.timestamp.timestamp() if meta.timestamp is not None else 0.0,
+                                int(meta.num_pending or 0),
+                            )
+                        )
+                    if batch:
+                        yield batch
             finally:
                 if check is not None:
                     check.cancel()
