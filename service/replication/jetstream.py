@@ -533,8 +533,8 @@ class JetStreamLog(SnapshotObjects):
         """``read``'s entries, each batch every entry delivered so far (at most ``_READ_BATCH``): the
         subscription's queue is emptied every time, which is also when nats-py answers the consumer's
         flow control (``PushSubscription.next_msg`` replies only once nothing is left queued; else its
-        own loop replies up to 0.25 s later, and the server stops delivering to this reader meanwhile:
-        measured, 8 concurrent publishers, ack -> delivered p90 324 ms when taken one at a time)."""
+        own loop replies up to 0.25 s later, and the server stops delivering to this reader meanwhile;
+        docs/benchmarks/replication-2026-11-27.md has what that cost a push)."""
         position = after
         while True:
             try:
