@@ -1,16 +1,19 @@
 """The applier takes the entries that have arrived in one pass and answers each waiting push as soon as
-its own entry is applied, not when the pass ends (in memory: no NATS, no server process)."""
+its own entry is applied, not when the pass ends; the reader's batch is what is queued, bounded in count
+and bytes (in memory: no NATS, no server process)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 from service.config import Settings
 from service.log.entry import SkippedRecord, UpdateRecord
 from service.metrics import Metrics
 from service.replication.applier import Applier
+from service.replication.jetstream import READ_BATCH, READ_BATCH_BYTES, take_queued
 from service.replication.log import CatalogEntry, LogEntry
 from service.replication.records import decode_entry, encode_update
 from service.store import UpdateResult
@@ -94,3 +97,30 @@ def test_a_wait_for_an_applied_version_returns_at_once_and_a_timed_out_one_is_fo
         assert not any(applier._waiters.values())
 
     asyncio.run(run())
+
+
+class _Queued:
+    """A subscription with ``sizes`` messages queued (payload bytes each), as nats-py's holds them."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.queue = [SimpleNamespace(data=bytes(size)) for size in sizes]
+
+    @property
+    def pending_msgs(self) -> int:
+        return len(self.queue)
+
+    async def next_msg(self, timeout: float) -> SimpleNamespace:
+        return self.queue.pop(0)
+
+
+def test_a_batch_takes_what_is_queued_up_to_its_count_and_bytes() -> None:
+    async def take(sizes: list[int]) -> tuple[int, int]:
+        sub = _Queued(sizes)
+        first = await sub.next_msg(0.0)
+        return len(await take_queued(sub, first)), sub.pending_msgs
+
+    assert asyncio.run(take([100] * 10)) == (10, 0)  # everything queued, in one batch
+    assert asyncio.run(take([100] * 100)) == (READ_BATCH, 100 - READ_BATCH)
+    big = 6 << 20  # three of them reach the byte bound; the rest waits for the next batch
+    assert READ_BATCH_BYTES <= 3 * big < READ_BATCH_BYTES + big
+    assert asyncio.run(take([big] * 5)) == (3, 2)
