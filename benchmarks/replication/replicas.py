@@ -18,7 +18,8 @@ log). Every server runs 1 worker with 1 kernel thread and serves the ``demo`` ta
 3. lookup throughput of B: B and a client process keeping 4 lookups of ``--rows`` ids in flight share
    the first half of the CPUs (the NATS nodes, A and the pushing process get the other half), for
    ``--seconds`` without updates and with ``--rate`` pushes/s streaming into A; and B's CPU use for
-   applying the stream alone.
+   applying the stream alone;
+4. after all of it, whether A and B hold the same bytes (their checksums at the same version).
 
 Prints a Markdown report (machine, CPU, load average before and after, date, command) for
 docs/benchmarks/replication-<date>.md, with each goal's reading computed from the figures.
@@ -377,6 +378,25 @@ def _mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> fl
     return total / count * 1e3 if count else float("nan")
 
 
+def _same_bytes(urls: list[str], timeout_s: float = 60.0) -> str:
+    """Whether the replicas at ``urls`` hold the same bytes once every one has applied the log: their
+    checksums of ``demo`` at A's version (the pushes have stopped), waiting up to ``timeout_s`` for each."""
+    version = httpx.get(f"{urls[0]}/v1/tables/demo/checksum", timeout=60).json()["version"]
+    digests = []
+    for url in urls:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answer = httpx.get(f"{url}/v1/tables/demo/checksum", timeout=60).json()
+            if answer["version"] >= version or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        digests.append((answer["version"], answer["sha256"]))
+    same = len(set(digests)) == 1
+    return f"A and B at version {version}, equal checksums: {'yes' if same else '**no**'}" + (
+        "" if same else f" ({digests})"
+    )
+
+
 def _cpu() -> str:
     flags = hostinfo.listed_flags(("sse4_2", "avx", "avx2", "fma", "avx512f")) or ()
     return f"{hostinfo.cpu_model()} ({' '.join(flags)})"
@@ -474,6 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profiler = Profiler(b.pid, "B applying", args.seconds, tuple(sorted(others or ())) or None)
         window(stream, None)
         profile = profiler.finish()
+        bitwise = _same_bytes([a.url, b.url])
         load_after = _load()
         took = time.perf_counter() - began
 
@@ -534,6 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"took {one_writer[2]['p50_ms']:.2f} ms, so JetStream's ack alone is "
             f"{floor['p50_ms'] / one_writer[2]['p50_ms']:.2f}x of it."
         )
+        print(f"\nBitwise after the runs: {bitwise} (`GET /v1/tables/demo/checksum`).")
         print(
             f"\n## Replication lag, aiming at {args.rate:g} pushes/s to A (achieved {achieved:.0f}/s), "
             "seen at B\n"

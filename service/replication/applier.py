@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
+import heapq
+import itertools
 import json
 import logging
 import math
@@ -48,12 +49,13 @@ from robez_core.table import Table
 
 from .. import tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
-from ..log.entry import SkippedRecord, UpdateRecord, apply_logged_record, skipped
+from ..log.entry import SkippedRecord, UpdateRecord
 from ..metrics import Metrics
 from ..store import TableStore, UpdateResult
 from .localsnap import LocalSnapshots, remove_stale_files
-from .log import CatalogEntry, CatalogEvent, LogTrimmedError, ReplicatedLog
+from .log import CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, ReplicatedLog
 from .records import LoadRecord, decode_entry
+from .replay import load_checkpoint, replay_log
 from .uploads import SnapshotUploads
 
 logger = logging.getLogger("robez.replication")
@@ -110,7 +112,10 @@ class Applier(SnapshotUploads):
         self._tasks: dict[str, tuple[CatalogEntry, asyncio.Task[None]]] = {}
         self._caught_up: dict[str, bool] = {}
         self._catalog_loaded = False
-        self._progress = asyncio.Condition()
+        # Pushes waiting for a version of a table: a heap of (version, arrival, future) per table, each
+        # future resolved as soon as the entry at its version is applied (``_wake``).
+        self._waiters: dict[str, list[tuple[int, int, asyncio.Future[None]]]] = {}
+        self._arrivals = itertools.count()
         # Lag: the log's last position minus the version applied here (entries), and an upper bound on
         # the age of the oldest entry not applied yet (s), from the log time of the last entry applied
         # (``_applied_log_time``) and when the table was last seen caught up (``_caught_up_at``).
@@ -155,14 +160,44 @@ class Applier(SnapshotUploads):
         self._loads_seen: set[str] = set()
         self._load_cleanup_task: asyncio.Task[None] | None = None
 
-    async def wait_progress(self, timeout_s: float) -> None:
-        async with self._progress:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), timeout_s)
+    async def wait_applied(self, name: str, version: int, timeout_s: float) -> None:
+        """Returns once table ``name`` is at ``version`` here, or after ``timeout_s`` (the caller
+        checks which)."""
+        if self._version(name) >= version:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter = (version, next(self._arrivals), future)
+        heap = self._waiters.setdefault(name, [])
+        heapq.heappush(heap, waiter)
+        try:
+            await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ValueError):
+                heap.remove(waiter)
+                heapq.heapify(heap)
 
-    async def _notify(self) -> None:
-        async with self._progress:
-            self._progress.notify_all()
+    def _wake(self, name: str) -> None:
+        """Answer every push waiting for a version of ``name`` that is applied now (on the event loop)."""
+        heap = self._waiters.get(name)
+        if not heap:
+            return
+        applied = self._version(name)
+        while heap and heap[0][0] <= applied:
+            future = heapq.heappop(heap)[2]
+            if not future.done():
+                future.set_result(None)
+
+    def _version(self, name: str) -> int:
+        try:
+            return self.store.version(name)
+        except NotFoundError:
+            return -1
+
+    def incarnation(self, name: str) -> str | None:
+        """The incarnation of table ``name`` this replica serves now (None: none), as ``replication.json``
+        will say, without reading it."""
+        incarnation = self._incarnations.get(name)
+        return incarnation if incarnation is not None and name in self.store.names() else None
 
     async def stop(self) -> None:
         for _, task in self._tasks.values():
@@ -340,50 +375,92 @@ class Applier(SnapshotUploads):
         self._since_local[name] = 0
         self._last_upload[name] = time.monotonic()
         self._loads_seen.add(name)  # unknown after a start: looked for once
-        async for item in self.log.read(entry, position):
-            if item.position != position + 1:
-                position = await self._restore_snapshot(entry, need=item.position - 1)
-                if item.position != position + 1:
-                    raise CorruptionError(f"table {name!r}: log jumps from {position} to {item.position}")
-            record = decode_entry(name, item.position, item.payload, item.headers)
-            if isinstance(record, LoadRecord):
-                result = await self._apply_load(entry, record)
-            elif tracing.TRACER is None:
-                result = await anyio.to_thread.run_sync(self.store.apply, record)
-            else:  # a span of the trace the push's headers carry, on every replica
-                parent = tracing.from_headers(item.headers)
-                count = int(record.ids.numel()) if isinstance(record, UpdateRecord) else 0
-                with tracing.span("apply", name, count, item.position, parent=parent):
-                    result = await anyio.to_thread.run_sync(self.store.apply, record)
-            position = item.position
-            now = time.time()
-            if isinstance(result, SkippedRecord):
-                self._count_skip(result)
-            elif result is not None:
-                self.metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
-            if result is not None:
-                self._since_upload[name] = self._since_upload.get(name, 0) + 1
-                self._since_local[name] = self._since_local.get(name, 0) + 1
-            if item.timestamp:
-                self.metrics.replication_apply_delay_seconds.labels(name).observe(
-                    max(0.0, now - item.timestamp)
+        async with contextlib.aclosing(self.log.read_batches(entry, position)) as batches:
+            async for batch in batches:
+                updates: list[tuple[LogEntry, UpdateRecord | SkippedRecord]] = []
+                for item in batch:
+                    if item.position != position + 1:
+                        await self._apply_updates(entry, updates)
+                        position = await self._restore_snapshot(entry, need=item.position - 1)
+                        self._wake(name)
+                        if item.position != position + 1:
+                            raise CorruptionError(
+                                f"table {name!r}: log jumps from {position} to {item.position}"
+                            )
+                    record = decode_entry(name, item.position, item.payload, item.headers)
+                    if isinstance(record, LoadRecord):
+                        await self._apply_updates(entry, updates)
+                        self._applied(entry, item, await self._apply_load(entry, record))
+                    else:
+                        updates.append((item, record))
+                    position = item.position
+                await self._apply_updates(entry, updates)
+                if not self._caught_up.get(name) and (position >= target or batch[-1].pending == 0):
+                    self._caught_up[name] = True
+                    self._write_status()
+                every = self.settings.replica_snapshot_every_updates
+                local_every = self.settings.replica_local_snapshot_every_updates
+                upload_due = bool(every) and self._since_upload.get(name, 0) >= every
+                local_due = (
+                    self.local is not None
+                    and bool(local_every)
+                    and self._since_local.get(name, 0) >= local_every
                 )
-                self._applied_log_time[name] = item.timestamp
-            self._last_apply[name] = now
-            if not self._caught_up.get(name) and (position >= target or item.pending == 0):
-                self._caught_up[name] = True
-                self._write_status()
-            await self._notify()
-            every = self.settings.replica_snapshot_every_updates
-            local_every = self.settings.replica_local_snapshot_every_updates
-            upload_due = bool(every) and self._since_upload.get(name, 0) >= every
-            local_due = (
-                self.local is not None and bool(local_every) and self._since_local.get(name, 0) >= local_every
-            )
-            if upload_due:  # one copy of the table serves both when both are due
-                await self._snapshot(entry, also_local=local_due)
-            elif local_due:
-                await self._local_snapshot(entry)
+                if upload_due:  # one copy of the table serves both when both are due
+                    await self._snapshot(entry, also_local=local_due)
+                elif local_due:
+                    await self._local_snapshot(entry)
+
+    async def _apply_updates(
+        self, entry: CatalogEntry, updates: list[tuple[LogEntry, UpdateRecord | SkippedRecord]]
+    ) -> None:
+        """Apply the update entries taken in one pass, in order, in one trip to a worker thread; each
+        push waiting for one of them is answered as soon as its entry is applied (``_wake``, called
+        from the thread), not when the pass ends. Empties ``updates``."""
+        if not updates:
+            return
+        taken = list(updates)
+        updates.clear()
+        loop = asyncio.get_running_loop()
+        name = entry.name
+
+        def apply_all() -> list[UpdateResult | SkippedRecord | None]:
+            results = []
+            for item, record in taken:
+                if tracing.TRACER is None:
+                    results.append(self.store.apply(record))
+                else:  # a span of the trace the push's headers carry, on every replica
+                    parent = tracing.from_headers(item.headers)
+                    count = int(record.ids.numel()) if isinstance(record, UpdateRecord) else 0
+                    with tracing.span("apply", name, count, item.position, parent=parent):
+                        results.append(self.store.apply(record))
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (stopping)
+                    loop.call_soon_threadsafe(self._wake, name)
+            return results
+
+        results = await anyio.to_thread.run_sync(apply_all)
+        for (item, _), result in zip(taken, results, strict=True):
+            self._applied(entry, item, result)
+
+    def _applied(
+        self, entry: CatalogEntry, item: LogEntry, result: UpdateResult | SkippedRecord | None
+    ) -> None:
+        """The figures and counters of one entry applied (``result``: what ``TableStore.apply`` or
+        ``_apply_load`` returned)."""
+        name = entry.name
+        now = time.time()
+        if isinstance(result, SkippedRecord):
+            self._count_skip(result)
+        elif result is not None:
+            self.metrics.update_apply_seconds.labels(name).observe(result.apply_seconds)
+        if result is not None:
+            self._since_upload[name] = self._since_upload.get(name, 0) + 1
+            self._since_local[name] = self._since_local.get(name, 0) + 1
+        if item.timestamp:
+            self.metrics.replication_apply_delay_seconds.labels(name).observe(max(0.0, now - item.timestamp))
+            self._applied_log_time[name] = item.timestamp
+        self._last_apply[name] = now
+        self._wake(name)
 
     async def _bootstrap(self, entry: CatalogEntry) -> int:
         """The local table of this incarnation at some version (kept, or created from the newest
@@ -627,98 +704,6 @@ class Applier(SnapshotUploads):
         return last
 
 
-async def load_checkpoint(
-    log: ReplicatedLog, entry: CatalogEntry, record: LoadRecord
-) -> Table | SkippedRecord:
-    """The table a load entry names, or why it cannot be loaded: the checkpoint is not in the store
-    (``load_missing``), or its bytes, format or config do not match (``load_corrupt``). Decided by
-    the entry and the object alone, so every replica decides alike; the log being unreachable is a
-    ``BusyError`` (retried), never a skip."""
-    # Recorded before it is read: the checkpoint is deleted only once the log no longer holds this
-    # entry (``_forget_loads``).
-    await log.set_load_position(entry, record.object_name, record.version)
-    with tempfile.TemporaryDirectory(prefix="robez-load-") as tmp:
-        path = Path(tmp) / "checkpoint.safetensors"
-        with path.open("wb") as handle:
-            found = await log.get_load(entry, record.object_name, handle)
-        if not found:
-            first, _ = await log.bounds(entry)
-            if first > record.version:
-                # Deleted because a snapshot is past this entry (this replica got it just before the
-                # trim): the snapshot, not a skip, is what the other replicas have.
-                raise LogTrimmedError(entry.name, record.version - 1, first)
-            return SkippedRecord(
-                entry.name,
-                record.version,
-                "load_missing",
-                f"no checkpoint {record.object_name!r} in the store",
-            )
-        digest = await anyio.to_thread.run_sync(file_sha256, path)
-        if digest != record.sha256:
-            return SkippedRecord(
-                entry.name,
-                record.version,
-                "load_corrupt",
-                f"checkpoint {record.object_name!r} has SHA-256 {digest}, the entry names {record.sha256}",
-            )
-        try:
-            table = await anyio.to_thread.run_sync(Table.load, path)
-        except OSError:
-            raise  # this machine's trouble (retried), not the checkpoint's
-        except Exception as exc:  # any reader's error: the same bytes fail alike everywhere
-            reason = str(exc).replace(str(path), "(the checkpoint)")
-            return SkippedRecord(
-                entry.name, record.version, "load_corrupt", f"checkpoint {record.object_name!r}: {reason}"
-            )
-    wanted = (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
-    if (table.config, table.optimizer) != wanted:
-        return SkippedRecord(
-            entry.name,
-            record.version,
-            "load_corrupt",
-            f"checkpoint {record.object_name!r} has another config or optimizer than the table",
-        )
-    return table
-
-
-async def replay_log(
-    log: ReplicatedLog,
-    entry: CatalogEntry,
-    table: Table,
-    position: int,
-    until: int,
-    on_skip: Callable[[SkippedRecord], None] | None = None,
-) -> tuple[Table, int]:
-    """Apply the log's entries after ``position`` up to ``until`` to the private ``table`` (at
-    ``position``), as the applier applies them to the served one; returns the table (a load replaces
-    it) and the position reached. ``LogTrimmedError`` if the log no longer goes on from ``position``."""
-    first, _ = await log.bounds(entry)
-    if first > position + 1:
-        raise LogTrimmedError(entry.name, position, first)
-    if until <= position:
-        return table, position
-    async with contextlib.aclosing(log.read(entry, position)) as entries:
-        async for item in entries:
-            if item.position != position + 1:
-                # Trimmed past ``position`` since the bounds were read (another replica uploaded a newer
-                # snapshot): applying this entry would skip updates.
-                raise LogTrimmedError(entry.name, position, item.position)
-            record = decode_entry(entry.name, item.position, item.payload, item.headers)
-            outcome: tuple[float, float] | SkippedRecord | None
-            if isinstance(record, LoadRecord):
-                loaded = await load_checkpoint(log, entry, record)
-                outcome = skipped(loaded) if isinstance(loaded, SkippedRecord) else None
-                table = loaded if isinstance(loaded, Table) else table
-            else:
-                outcome = await anyio.to_thread.run_sync(apply_logged_record, table, record)
-            if isinstance(outcome, SkippedRecord) and on_skip is not None:
-                on_skip(outcome)
-            position = item.position
-            if position >= until:
-                break
-    return table, position
-
-
 def _same_spec(entry: CatalogEntry, config: TableConfig, optimizer: OptimizerConfig) -> bool:
     return (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer)) == (
         config,
@@ -733,12 +718,3 @@ def _check_spec(entry: CatalogEntry, path: Path) -> None:
     expected = (TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
     if (checkpoint.config, checkpoint.optimizer) != expected:
         raise CorruptionError(f"table {entry.name!r}: the snapshot {path} is of another config or optimizer")
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 (hex) of a file, read 1 MiB at a time."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()

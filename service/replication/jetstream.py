@@ -94,6 +94,10 @@ _READ_IDLE_S = 1.0
 _READ_CHECK_TIMEOUT_S = 2.0
 # How often a reader whose idle check is out looks for entries (the check runs beside it).
 _READ_POLL_S = 0.05
+# At most this many entries, or about this many bytes of payload, in one batch of ``read_batches`` (one
+# pass of the applier): a pass of big pushes holds a bounded amount of memory beside nats-py's queue.
+READ_BATCH = 64
+READ_BATCH_BYTES = 16 << 20
 # The timeout of a reader's consumer requests (its subscribe, and the re-creation an ordered consumer
 # does by itself after a gap), shorter than the publish timeout: a request that reached the cluster
 # between two leaders gets no answer at all, and the reader asks again rather than wait 10 s for it.
@@ -526,6 +530,17 @@ class JetStreamLog(SnapshotObjects):
         return update_too_large(entry.name, num_rows, dim, size, self.max_entry_bytes(), size - len(payload))
 
     async def read(self, entry: CatalogEntry, after: int) -> AsyncGenerator[LogEntry, None]:
+        async with contextlib.aclosing(self.read_batches(entry, after)) as batches:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+
+    async def read_batches(self, entry: CatalogEntry, after: int) -> AsyncGenerator[list[LogEntry], None]:
+        """``read``'s entries, each batch every entry delivered so far (up to ``READ_BATCH``): the
+        subscription's queue is emptied every time, which is also when nats-py answers the consumer's
+        flow control (``PushSubscription.next_msg`` replies only once nothing is left queued; else its
+        own loop replies up to 0.25 s later, and the server stops delivering to this reader meanwhile;
+        docs/benchmarks/replication-2026-11-27.md has what that cost a push)."""
         position = after
         while True:
             try:
@@ -572,18 +587,25 @@ class JetStreamLog(SnapshotObjects):
                     if check is not None:  # an entry came: the reader is not stalled
                         check.cancel()
                         check = None
-                    meta = msg.metadata
-                    sequence = int(meta.sequence.stream)
-                    if sequence <= position:
-                        continue  # redelivered after a consumer reset
-                    position = sequence
-                    yield LogEntry(
-                        sequence,
-                        msg.data,
-                        dict(msg.headers or {}),
-                        meta.timestamp.timestamp() if meta.timestamp is not None else 0.0,
-                        int(meta.num_pending or 0),
-                    )
+                    messages = await take_queued(sub, msg)
+                    batch = []
+                    for msg in messages:
+                        meta = msg.metadata
+                        sequence = int(meta.sequence.stream)
+                        if sequence <= position:
+                            continue  # redelivered after a consumer reset
+                        position = sequence
+                        batch.append(
+                            LogEntry(
+                                sequence,
+                                msg.data,
+                                dict(msg.headers or {}),
+                                meta.timestamp.timestamp() if meta.timestamp is not None else 0.0,
+                                int(meta.num_pending or 0),
+                            )
+                        )
+                    if batch:
+                        yield batch
             finally:
                 if check is not None:
                     check.cancel()
@@ -623,6 +645,16 @@ class JetStreamLog(SnapshotObjects):
             await self.js.purge_stream(self.stream_name(entry), seq=below)
         except (TimeoutError, nats.errors.Error) as exc:
             raise unavailable("trim", exc) from exc
+
+
+async def take_queued(sub: Any, first: Any) -> list[Any]:
+    """``first`` and the messages queued behind it in the subscription ``sub`` (nats-py's), up to
+    ``READ_BATCH`` messages or until they hold ``READ_BATCH_BYTES`` of payload."""
+    messages, size = [first], len(first.data)
+    while sub.pending_msgs and len(messages) < READ_BATCH and size < READ_BATCH_BYTES:
+        messages.append(await sub.next_msg(timeout=_READ_POLL_S))
+        size += len(messages[-1].data)
+    return messages
 
 
 def server_address(netloc: str) -> str:

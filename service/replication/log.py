@@ -154,6 +154,11 @@ class ReplicatedLog(Protocol):
         raised (when no entry follows the trimmed ones yet)."""
         ...
 
+    def read_batches(self, entry: CatalogEntry, after: int) -> AsyncGenerator[list[LogEntry], None]:
+        """``read``'s entries in batches: each batch holds every entry that has arrived (up to a bound),
+        so the applier takes them in one pass; never empty."""
+        ...
+
     async def bounds(self, entry: CatalogEntry) -> tuple[int, int]:
         """(first, last) position the log holds now; first = last + 1 when it holds none."""
         ...

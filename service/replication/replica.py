@@ -31,15 +31,10 @@ from .. import tracing
 from ..config import Settings, TableSpec
 from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
-from .applier import (
-    STATUS_FILE,
-    Applier,
-    ReplicaStatus,
-    file_sha256,
-    replay_log,
-)
+from .applier import STATUS_FILE, Applier, ReplicaStatus
 from .log import Appended, CatalogEntry, LogTrimmedError, ReplicatedLog
 from .records import encode_load, encode_update, update_too_large
+from .replay import file_sha256, replay_log
 
 logger = logging.getLogger("robez.replication")
 
@@ -380,6 +375,8 @@ class Replica:
             raise update_too_large(entry.name, num_rows, dim, size, limit, size - len(payload))
 
     def _local_incarnation(self, name: str) -> str | None:
+        if self.applier is not None:  # this worker applies the log: no need to read what it wrote
+            return self.applier.incarnation(name)
         status = self.status()
         return None if status is None else status.tables.get(name, {}).get("incarnation")
 
@@ -407,7 +404,7 @@ class Replica:
             if remaining <= 0:
                 return False
             if self.applier is not None:
-                await self.applier.wait_progress(min(remaining, 0.05))
+                await self.applier.wait_applied(name, version, min(remaining, 0.05))
             else:
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(2 * delay, 0.002)
