@@ -530,6 +530,10 @@ def per_id_gradients(grad_pooled: Tensor, offsets: Tensor, pooling: str) -> Tens
     ``offsets`` int64 (B + 1,): the bag's gradient, divided by its length for ``"mean"``, with the same
     float32 arithmetic as the modules' backward (what a client pushes to a server for one feature)."""
     counts = offsets[1:] - offsets[:-1]
+    if int(offsets[-1]) == counts.numel() and bool((counts == 1).all()):
+        # One id per bag (Criteo's features): each id's gradient is its bag's (x / 1 is x, bit for bit),
+        # one copy where the general path below gathers and divides (~0.25 ms a feature at B = 2048).
+        return grad_pooled.contiguous() if not grad_pooled.is_contiguous() else grad_pooled.clone()
     bag_of_id = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=int(offsets[-1]))
     grads = grad_pooled.contiguous()[bag_of_id]
     if _pooling_name(pooling) == "mean":

@@ -1359,6 +1359,30 @@ def _collection_chunk_sources(
     return sources, lengths, divisors
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _row_chunk_sources(table_rows, table_dims, chunk_size):
+    """Where each chunk of several tables' gradient rows comes from, the tables' (N_t, d_t) rows laid
+    out one after the other in one flat array: (position, length), one entry per chunk, table by table,
+    row by row (the order ``_collection_chunk_sources`` gives a collection's chunks)."""
+    total = 0
+    for t in range(table_rows.shape[0]):
+        total += table_rows[t] * ((table_dims[t] + chunk_size - 1) // chunk_size)
+    sources = np.empty(total, dtype=np.int64)
+    lengths = np.empty(total, dtype=np.int64)
+    k = 0
+    position = 0
+    for t in range(table_rows.shape[0]):
+        embedding_dim = table_dims[t]
+        num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
+        for _ in range(table_rows[t]):
+            for c in range(num_chunks):
+                sources[k] = position + c * chunk_size
+                lengths[k] = min(chunk_size, embedding_dim - c * chunk_size)
+                k += 1
+            position += embedding_dim
+    return sources, lengths
+
+
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
 def _add_divided(dst, dst_pos, src, src_pos, length, divisor):
     """``dst[d:d+length] += src[s:s+length] / divisor``; a plain add when ``divisor`` is 1 (x / 1 == x)."""

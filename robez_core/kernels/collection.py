@@ -26,6 +26,7 @@ from ._jit import (
     _collection_first_bad_id,
     _collection_forward_kernel,
     _collection_scatter_kernel,
+    _row_chunk_sources,
 )
 from .runtime import (
     PREFETCH_READ_MIN_BYTES,
@@ -321,33 +322,32 @@ def coalesce_chunk_rows(
     """
     if len(offsets) != len(grad_rows) or not offsets:
         raise InvalidInputError("give one offsets tensor per grad_rows tensor (at least one)")
-    keys, sources, lengths, flat = [], [], [], []
-    position = 0
-    for table_offsets, rows in zip(offsets, grad_rows, strict=True):
+    keys, flat = [], []
+    table_rows = np.empty(len(offsets), dtype=np.int64)
+    table_dims = np.empty(len(offsets), dtype=np.int64)
+    for t, (table_offsets, rows) in enumerate(zip(offsets, grad_rows, strict=True)):
         if rows.dim() != 2 or table_offsets.dim() != 2 or rows.shape[0] != table_offsets.shape[0]:
             raise InvalidInputError("each table's grad_rows (N, d) and offsets (N, C) must have the same N")
         if table_offsets.shape[1] != -(-rows.shape[1] // chunk_size):
             raise InvalidInputError("offsets must have ceil(d / chunk_size) columns")
-        rows_np = rows.detach().to(torch.float32).contiguous().numpy()
-        offsets_np = table_offsets.to(torch.int64).contiguous().numpy()
-        num_rows, dim = rows_np.shape
-        starts = np.arange(offsets_np.shape[1], dtype=np.int64) * chunk_size
-        keys.append(offsets_np.reshape(-1))
-        sources.append((position + np.arange(num_rows, dtype=np.int64)[:, None] * dim + starts).reshape(-1))
-        lengths.append(np.tile(np.minimum(chunk_size, dim - starts), num_rows))
-        flat.append(rows_np.reshape(-1))
-        position += rows_np.size
-    keys_np = np.concatenate(keys)
+        keys.append(table_offsets.to(torch.int64).contiguous().numpy().reshape(-1))
+        flat.append(rows.detach().to(torch.float32).contiguous().numpy().reshape(-1))
+        table_rows[t], table_dims[t] = rows.shape
+    keys_np = np.concatenate(keys) if len(keys) > 1 else keys[0]
     if keys_np.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
     if int(keys_np.min()) < 0 or int(keys_np.max()) > memory_size - chunk_size:
         raise InvalidInputError(f"offsets must lie in [0, {memory_size - chunk_size}]")
-    dense, values_dense, coverage = _coalesce_scratch(memory_size, position)
+    grads = np.concatenate(flat) if len(flat) > 1 else flat[0]
+    # One compiled pass lays out every chunk's source (a Python loop of numpy calls per table cost
+    # ~2 ms of a server's 26-table push: docs/benchmarks/dlrm-*.md).
+    sources, lengths = _row_chunk_sources(table_rows, table_dims, chunk_size)
+    dense, values_dense, coverage = _coalesce_scratch(memory_size, int(grads.shape[0]))
     locations, values = _coalesce_chunks_kernel(
-        np.concatenate(flat),
+        grads,
         keys_np,
-        np.concatenate(sources),
-        np.concatenate(lengths).astype(np.int64),
+        sources,
+        lengths,
         np.ones(keys_np.shape[0], dtype=np.float32),
         memory_size,
         dense,

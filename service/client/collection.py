@@ -51,6 +51,8 @@ class _Batch:
     batch_size: int
     ids: dict[str, Tensor]  # feature -> int64 (N_f,)
     offsets: dict[str, Tensor]  # feature -> int64 (B + 1,)
+    single: bool = False
+    """Every bag holds one id (Criteo's features): each id's gradient is its bag's column slice."""
     unique: dict[str, tuple[Tensor, dict[str, Tensor]]] = field(default_factory=dict)
     """server table -> (its distinct ids (U_t,), feature -> each id's index into them (N_f,))"""
 
@@ -110,11 +112,17 @@ class RemoteEmbeddingBagCollection(nn.Module):
             ``flush``); none is lost silently. Pulls are sent after every push already made (one
             connection, in order), so without prefetch the rows read still include every earlier push.
         validate_ids: refuse ids outside ``[0, num_embeddings)`` before sending (as the local one).
+        prefetch_after_push: a ``prefetch`` made between a ``forward`` and its ``backward`` sends its pull
+            right after that backward's push (False: at once). The prefetched rows then include the
+            push, so nothing is stale (the same bits as without prefetch), and the pull overlaps what the
+            trainer does between its backward and its next forward (the dense optimizer step) instead
+            of the whole dense forward and backward.
 
     Prefetch (opt-in): ``prefetch(next_batch)`` right after this step's ``forward`` pulls the next
     batch's rows while this batch computes; the next ``forward`` given that batch uses them. They were
     read before this step's push, so a prefetched step trains on rows one step stale (a pipeline, as
-    in asynchronous SGD); with N pending pushes, up to N + 1 steps stale.
+    in asynchronous SGD); with N pending pushes, up to N + 1 steps stale. With ``prefetch_after_push``
+    the pull waits for this step's push to be sent and nothing is stale.
 
     Finish with ``flush()`` (or use the module as a context manager): it waits for pending pushes and
     raises any that failed.
@@ -143,6 +151,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
         lr: float | None = None,
         max_pending_pushes: int = 0,
         validate_ids: bool = True,
+        prefetch_after_push: bool = False,
         api_key: str | None = None,
         verify: TLSVerify = True,
     ) -> None:
@@ -180,7 +189,9 @@ class RemoteEmbeddingBagCollection(nn.Module):
         self._pending: deque[Future[None]] = deque()
         self._failed: list[BaseException] = []
         self._failed_lock = threading.Lock()
-        self._prefetched: tuple[tuple[Any, ...], _Batch, Future[dict[str, Tensor]]] | None = None
+        self.prefetch_after_push = prefetch_after_push
+        self._prefetched: tuple[tuple[Any, ...], _Batch, Future[dict[str, Tensor]] | None] | None = None
+        self._forwards_to_push = 0  # forwards with autograd whose backward has not pushed yet
 
     # ------------------------------------------------------------------ server tables
 
@@ -247,6 +258,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
             else torch.zeros(0, sum(f.dim for f in self._features.values()))
         )
         if torch.is_grad_enabled():
+            self._forwards_to_push += 1
             anchor = torch.empty(0, requires_grad=True)
             pooled = _RemotePooled.apply(anchor, pooled, batch, self)
         return PooledEmbeddings(list(self.feature_names), [f.dim for f in self._features.values()], pooled)
@@ -266,19 +278,31 @@ class RemoteEmbeddingBagCollection(nn.Module):
         self._raise_failed()
         inputs = (features, keys, values, lengths, offsets)
         batch = self._batch(*inputs)
-        self._prefetched = (inputs, batch, self._submit(lambda: self._pull(batch)))
+        if self.prefetch_after_push and self._forwards_to_push > 0:
+            self._prefetched = (inputs, batch, None)  # sent by the next push (``_send_deferred``)
+        else:
+            self._prefetched = (inputs, batch, self._submit(lambda: self._pull(batch)))
+
+    def _send_deferred(self) -> None:
+        """Send the pull of a prefetch that waited for a push (now queued behind it)."""
+        if self._prefetched is not None and self._prefetched[2] is None:
+            inputs, batch, _ = self._prefetched
+            self._prefetched = (inputs, batch, self._submit(lambda: self._pull(batch)))
 
     def _take_prefetched(self, inputs: tuple[Any, ...]) -> tuple[_Batch, Future[dict[str, Tensor]]] | None:
         """The prefetched batch and its pull when ``inputs`` are the very objects given to ``prefetch``
-        (keys equal); otherwise the prefetch is dropped (a pull already running just ends)."""
+        (keys equal); otherwise the prefetch is dropped (a pull already running just ends). A pull still
+        waiting for a push that never came (no backward) is sent now."""
         if self._prefetched is None:
             return None
+        self._send_deferred()
         prefetched_inputs, batch, future = self._prefetched
         self._prefetched = None
         same = all(
             (a == b) if index == 1 else (a is b)
             for index, (a, b) in enumerate(zip(inputs, prefetched_inputs, strict=True))
         )
+        assert future is not None  # sent by _send_deferred above
         if not same:
             future.cancel()
             return None
@@ -316,8 +340,11 @@ class RemoteEmbeddingBagCollection(nn.Module):
         for feature in self._features.values():
             grad_pooled = grad_output[:, column : column + feature.dim]
             column += feature.dim
-            offsets = batch.offsets[feature.name]
-            grads = per_id_gradients(grad_pooled, offsets, "mean" if feature.mean else "sum")
+            if batch.single:  # a view: the encoder copies it once into the body (x / 1 is x for mean)
+                grads = grad_pooled
+            else:
+                offsets = batch.offsets[feature.name]
+                grads = per_id_gradients(grad_pooled, offsets, "mean" if feature.mean else "sum")
             ids_list, grads_list = parts.setdefault(feature.table, ([], []))
             ids_list.append(batch.ids[feature.name])
             grads_list.append(grads)
@@ -331,6 +358,8 @@ class RemoteEmbeddingBagCollection(nn.Module):
             self._count(self.client.last_timing)
 
         future = self._submit(send)
+        self._forwards_to_push = max(0, self._forwards_to_push - 1)
+        self._send_deferred()  # a prefetch made since the forward: its pull now sees this push
         if self.max_pending_pushes == 0:
             self._wait(future, "push_wait_ms")
             return
@@ -428,7 +457,9 @@ class RemoteEmbeddingBagCollection(nn.Module):
             missing = sorted(set(self._features) - set(key_list))
             raise ValueError(f"the input must give every feature once: keys {key_list}, missing {missing}")
         batch_size = (bounds.numel() - 1) // len(key_list)
-        batch = _Batch(bounds, batch_size, {}, {})
+        batch = _Batch(
+            bounds, batch_size, {}, {}, single=bool(torch.equal(bounds, torch.arange(bounds.numel())))
+        )
         for index, key in enumerate(key_list):
             start, stop = int(bounds[index * batch_size]), int(bounds[(index + 1) * batch_size])
             feature_ids = ids[start:stop]

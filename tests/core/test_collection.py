@@ -466,3 +466,16 @@ def test_a_new_array_and_state_start_as_a_table_s_do():
     assert set(ebc.optimizer_state) == {"exp_avg", "exp_avg_sq", "step"}
     assert all(int(t.count_nonzero()) == 0 for t in ebc.optimizer_state.values())
     assert dict(ebc.named_buffers())["optimizer_exp_avg"] is ebc.optimizer_state["exp_avg"]
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_per_id_gradients_of_one_id_bags_are_the_bags_gradients_copied(pooling):
+    # the one-id-per-bag shortcut (Criteo's features) gives the general path's bits, in a new tensor
+    grad = torch.randn(6, 12)[:, 4:8]  # a strided column block, as a collection's output gradient gives
+    one_each = torch.arange(7)
+    got = per_id_gradients(grad, one_each, pooling)
+    assert torch.equal(got, grad / 1.0 if pooling == "mean" else grad)
+    assert got.is_contiguous() and got.data_ptr() != grad.data_ptr()
+    # bags of 0 and 2 ids (same total count) take the general path: no shortcut on the id count alone
+    uneven = torch.tensor([0, 0, 2, 3, 4, 5, 6])
+    assert torch.equal(per_id_gradients(grad, uneven, "sum")[:2], grad[1].expand(2, 4))

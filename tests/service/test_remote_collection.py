@@ -41,13 +41,16 @@ class Batch:
     labels: Tensor
 
 
-def make_batch(seed: int, batch_size: int = BATCH) -> Batch:
-    """Jagged, with empty bags and repeated ids (Zipf-ish: small ids more often)."""
+def make_batch(seed: int, batch_size: int = BATCH, *, one_id_bags: bool = False) -> Batch:
+    """Jagged, with empty bags and repeated ids (Zipf-ish: small ids more often); ``one_id_bags``: every
+    bag holds one id (Criteo's features, the client's column-slice push)."""
     generator = torch.Generator().manual_seed(seed)
     values, lengths = [], []
     for table in TABLES:
         for _ in table.feature_names:
             counts = torch.randint(0, 4, (batch_size,), generator=generator)
+            if one_id_bags:
+                counts = torch.ones_like(counts)
             ids = (torch.rand(int(counts.sum()), generator=generator) ** 3 * table.num_embeddings).long()
             values.append(ids)
             lengths.append(counts)
@@ -114,6 +117,25 @@ def test_training_through_the_server_is_bit_for_bit_local_training(
     assert remote.stats.requests == 8
 
 
+def test_one_id_bags_train_the_same_bits(client_factory: Callable[..., TestClient]) -> None:
+    """Bags of one id push each bag's gradient column as the ids' rows (no per-id gather): still the
+    local collection's bits, mean pooling included."""
+    optimizer = OPTIMIZERS[1]
+    app = client_factory()
+    local = local_twin(optimizer)
+    remote_mlp, local_mlp = head(), head()
+    remote_sgd = torch.optim.SGD(remote_mlp.parameters(), lr=0.1)
+    local_sgd = torch.optim.SGD(local_mlp.parameters(), lr=0.1)
+    with RemoteEmbeddingBagCollection(served(app, optimizer), TABLES) as remote:
+        for step in range(3):
+            batch = make_batch(step, one_id_bags=True)
+            assert torch.equal(
+                train_step(remote, remote_mlp, remote_sgd, batch),
+                train_step(local, local_mlp, local_sgd, batch),
+            )
+    assert torch.equal(server_state(app)["weight"], local.weight.detach())
+
+
 def test_non_blocking_pushes_without_prefetch_train_the_same_bits(
     client_factory: Callable[..., TestClient],
 ) -> None:
@@ -160,6 +182,43 @@ def test_prefetch_pulls_the_next_batch_before_this_push(client_factory: Callable
             got = ebc(keys=batches[3].keys, values=batches[3].values, lengths=batches[3].lengths).values()
             want = ebc(keys=batches[3].keys, values=batches[3].values, lengths=batches[3].lengths).values()
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("pending", [0, 1])
+def test_prefetch_after_push_trains_the_same_bits_as_no_prefetch(
+    client_factory: Callable[..., TestClient], pending: int
+) -> None:
+    """``prefetch_after_push``: the next batch's pull is sent right after this step's push, so the
+    prefetched rows include it: the bits of training without prefetch (the local collection's)."""
+    optimizer = OPTIMIZERS[1]
+    app = client_factory()
+    client = served(app, optimizer)
+    seen: list[httpx.Request] = []
+    app.event_hooks["request"].append(seen.append)
+    local = local_twin(optimizer)
+    remote_mlp, local_mlp = head(), head()
+    remote_sgd = torch.optim.SGD(remote_mlp.parameters(), lr=0.1)
+    local_sgd = torch.optim.SGD(local_mlp.parameters(), lr=0.1)
+    batches = [make_batch(step) for step in range(4)]
+    with RemoteEmbeddingBagCollection(
+        client, TABLES, prefetch_after_push=True, max_pending_pushes=pending
+    ) as remote:
+        for step, batch in enumerate(batches):
+            pooled = remote(keys=batch.keys, values=batch.values, lengths=batch.lengths)
+            if step + 1 < len(batches):
+                after = batches[step + 1]
+                remote.prefetch(keys=after.keys, values=after.values, lengths=after.lengths)
+            loss = nn.functional.binary_cross_entropy_with_logits(
+                remote_mlp(pooled.values()).squeeze(1), batch.labels
+            )
+            remote_sgd.zero_grad()
+            loss.backward()
+            remote_sgd.step()
+            assert torch.equal(pooled.values().detach(), train_step(local, local_mlp, local_sgd, batch))
+    assert torch.equal(server_state(app)["weight"], local.weight.detach())
+    # each prefetched pull went after the push of the step before it: lookup, update, lookup, update...
+    assert [r.url.path for r in seen] == ["/v1/lookup", "/v1/update"] * len(batches)
+    assert remote.stats.requests == 2 * len(batches)
 
 
 def test_a_failed_non_blocking_push_is_raised_by_the_next_call(

@@ -120,6 +120,9 @@ def test_one_request_is_one_step_per_array(client_factory: Callable[..., TestCli
         ]
         assert response.headers["x-robez-version"] == ",".join([str(step + 1)] * 3)
         assert set(body["timing"]) == {"hash_ms", "apply_ms", "total_ms"}
+        stages = dict(part.strip().split(";dur=") for part in response.headers["server-timing"].split(","))
+        assert list(stages) == ["read", "decode", "hash", "apply", "total"]  # the push's profile
+        assert float(stages["decode"]) > 0 and float(stages["decode"]) <= float(stages["total"])
         step_twins(local, parts, None)
         ids, grads = parts["c"]
         assert single.post("/v1/tables/c/update", **binary_update(ids, grads)).status_code == 200

@@ -90,6 +90,7 @@ def test_remote_goals_are_read_from_the_wall_clock_ratios():
             "robez_collection": local,
             "remote_collection": _remote(0.120, 0.4000, 17_000.0),
             "remote_prefetch": _remote(0.120, 0.4030, 17_000.0),
+            "remote_prefetch_after_push": _remote(0.110, 0.4000, 18_000.0),
             "remote_2_trainers": _remote(
                 0.150,
                 0.4,
@@ -107,6 +108,11 @@ def test_remote_goals_are_read_from_the_wall_clock_ratios():
     assert any("= 0.0030 (goal <= 0.002): missed" in line for line in lines)
     assert any("bit for bit the same" in line for line in lines)
     assert any("pids [7, 8]) / 1 trainer samples/s = 1.53 (goal >= 1.4): met" in line for line in lines)
+    assert (
+        "wall: remote collection + prefetch after the push step / local collection step = 1.10 "
+        "(goal <= 1.15): met" in lines
+    )
+    assert "eval loss, remote + prefetch after the push vs local: bit for bit the same (0.400000)" in lines
 
 
 @pytest.mark.slow
