@@ -41,7 +41,7 @@ from .shm import SharedDirectory
 from .store import TableStore
 from .store.writes import LocalWrites
 from .wal import WalJournal
-from .warmup import freeze_startup_objects, thaw, warm_kernels, warm_request_paths
+from .warmup import freeze_startup_objects, thaw, warm_kernels
 
 logger = logging.getLogger("robez.app")
 
@@ -90,7 +90,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         await anyio.to_thread.run_sync(store.warm_up)
         # every kernel path, before /readyz says ready
         await anyio.to_thread.run_sync(warm_kernels, store, app.state.metrics)
-        warm_request_paths(store)  # on the event loop's thread, as the hot routes run
         app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
         app.state.store = store
         app.state.writes = LocalWrites(store)

@@ -20,19 +20,15 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
-import orjson
 import torch
 import torch.nn.functional as F
 
 from robez_core.config import TableConfig
 from robez_core.table import Table
 
-from .codec import decode_ids, decode_lookup_json, json_bytes, lookup_json, rows_view
 from .config import demo_table_spec
 from .log.entry import apply_record
-from .metrics import Metrics, lookup_server_timing
-from .oip import decode_infer, encode_infer
+from .metrics import Metrics
 from .store import TableStore
 
 logger = logging.getLogger("robez.warmup")
@@ -95,38 +91,6 @@ def warm_kernels(store: TableStore, metrics: Metrics | None = None) -> float:
     seconds = time.perf_counter() - start
     logger.info("kernels warm for %d table kind(s) in %.1f s", len(kinds), seconds)
     return seconds
-
-
-# Runs of each request path: the interpreter specializes a function's bytecode after its first runs.
-_REQUEST_WARM_ROUNDS = 16
-
-
-def warm_request_paths(store: TableStore) -> None:
-    """The Python of a lookup's request path for each table, ``_REQUEST_WARM_ROUNDS`` times, before the
-    worker says it is ready: decoding the body, the store's checks, encoding the answer, as ``/v1``
-    (binary and JSON) and ``/v2/.../infer`` (binary tensor data) do them. Measured with a warm kernel
-    cache, a fresh worker's first one-id lookup took 2-3x its tenth without this (cold code, first
-    calls). Nothing is counted in the metrics and nothing changes."""
-    ids_body = np.zeros(1, dtype="<i8").tobytes()
-    header = orjson.dumps(
-        {
-            "inputs": [
-                {"name": "ids", "shape": [1], "datatype": "INT64", "parameters": {"binary_data_size": 8}}
-            ],
-            "outputs": [{"name": "embeddings", "parameters": {"binary_data": True}}],
-        }
-    )
-    infer_body, header_length = header + ids_body, str(len(header))
-    for name in store.names():
-        for _ in range(_REQUEST_WARM_ROUNDS):
-            result = store.lookup(name, decode_ids(ids_body))
-            rows_view(result.rows)
-            lookup_server_timing(result.hash_seconds, result.lookup_seconds, 0.0)
-            json_bytes(
-                lookup_json(name, store.lookup(name, *decode_lookup_json(b'{"ids":[0]}').inputs()), 0.0)
-            )
-            inference = decode_infer(infer_body, header_length, name)
-            encode_infer(name, inference, store.lookup(name, inference.ids))
 
 
 def freeze_startup_objects() -> None:

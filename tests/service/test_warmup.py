@@ -9,7 +9,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from fastapi.testclient import TestClient
 
@@ -86,27 +85,3 @@ def test_start_up_objects_are_frozen_and_a_deleted_table_is_unmapped(
     assert reply.status_code in (200, 204), reply.text
     gc.collect()
     assert mapped() < before, "a frozen start-up object still holds the deleted table's mapping"
-
-
-def test_warming_the_request_paths_changes_and_counts_nothing(
-    client_factory: Callable[..., TestClient],
-) -> None:
-    """The start-up's lookups through the request path's code (``warm_request_paths``) read only: the
-    tables are as they were and no metric counts them (the statistics are the requests')."""
-    from service.warmup import warm_request_paths
-
-    from .conftest import assert_unchanged, table_state
-
-    client = client_factory()
-    app: Any = client.app
-    before = table_state(client, "demo")
-
-    def samples() -> list[tuple[str, list[tuple[str, str]], float]]:
-        return sorted(
-            (name, sorted(labels.items()), value) for name, labels, value in app.state.metrics.samples()
-        )
-
-    counted = samples()
-    warm_request_paths(app.state.store)
-    assert samples() == counted
-    assert_unchanged(client, "demo", before)
