@@ -373,22 +373,24 @@ def inference_from(
     the request ``parameters``, the outputs asked for (name, parameters) and the request id.
     ``version``: the model version asked for (None or "": the one served; ``served_version``).
     ``binary_by_default``: the answer is binary unless a parameter says otherwise (gRPC with raw inputs)."""
-    unknown = set(parameters) - _REQUEST_PARAMETERS - IGNORED_REQUEST_PARAMETERS
-    if unknown:
-        raise InvalidInputError(
-            f"unknown request parameters {[shown(key) for key in sorted(unknown)[:8]]}; "
-            f"known: {sorted(_REQUEST_PARAMETERS)}"
-        )
-    pooling = parameters.get("pooling", "none")
-    if pooling not in _POOLINGS:
-        raise InvalidInputError(f"parameter pooling must be one of {_POOLINGS}, got {shown(pooling)}")
+    pooling: Pooling = "none"
     binary_output = binary_by_default
-    if "binary_data_output" in parameters:
-        binary_output = _flag(parameters["binary_data_output"], "parameter binary_data_output")
+    if parameters:
+        unknown = set(parameters) - _REQUEST_PARAMETERS - IGNORED_REQUEST_PARAMETERS
+        if unknown:
+            raise InvalidInputError(
+                f"unknown request parameters {[shown(key) for key in sorted(unknown)[:8]]}; "
+                f"known: {sorted(_REQUEST_PARAMETERS)}"
+            )
+        pooling = parameters.get("pooling", "none")
+        if pooling not in _POOLINGS:
+            raise InvalidInputError(f"parameter pooling must be one of {_POOLINGS}, got {shown(pooling)}")
+        if "binary_data_output" in parameters:
+            binary_output = _flag(parameters["binary_data_output"], "parameter binary_data_output")
     for output_name, output_parameters in outputs:
         if output_name != EMBEDDINGS:
             raise InvalidInputError(f"unknown output {shown(output_name)}; the output is {EMBEDDINGS!r}")
-        if set(output_parameters) - {"binary_data"}:
+        if output_parameters and set(output_parameters) - {"binary_data"}:
             raise InvalidInputError(f"output {EMBEDDINGS!r}: the only parameter is binary_data")
         if "binary_data" in output_parameters:
             binary_output = _flag(output_parameters["binary_data"], "output parameter binary_data")
@@ -417,33 +419,111 @@ def inference_from(
     )
 
 
-def _json_tensor(tensor: InferTensor, binary: memoryview, position: int) -> tuple[TensorInput, int]:
+def _json_tensor(
+    name: str,
+    datatype: str,
+    shape: list[int],
+    parameters: dict[str, Any] | None,
+    data: list[Any] | None,
+    binary: memoryview,
+    position: int,
+) -> tuple[TensorInput, int]:
     """A JSON input as a ``TensorInput`` (its raw bytes sliced from ``binary`` at ``position`` when it
     says ``binary_data_size``), and the position after its bytes."""
-    parameters = tensor.parameters or {}
-    unknown = set(parameters) - {"binary_data_size"}
-    if unknown:
-        raise InvalidInputError(
-            f"input {shown(tensor.name)}: unknown parameters {[shown(key) for key in sorted(unknown)[:8]]}"
-        )
-    size = parameters.get("binary_data_size")
+    size = None
+    if parameters:
+        if len(parameters) > 1 or "binary_data_size" not in parameters:
+            unknown = set(parameters) - {"binary_data_size"}
+            raise InvalidInputError(
+                f"input {shown(name)}: unknown parameters {[shown(key) for key in sorted(unknown)[:8]]}"
+            )
+        size = parameters["binary_data_size"]
     if size is None:
-        return TensorInput(tensor.name, tensor.datatype, tensor.shape, data=tensor.data), position
-    expected, count = checked_type(tensor.name, tensor.datatype, tensor.shape)
+        return TensorInput(name, datatype, shape, data=data), position
+    expected, count = checked_type(name, datatype, shape)
     itemsize = _DTYPES[expected].itemsize
-    if tensor.data is not None:
-        raise InvalidInputError(f"input {shown(tensor.name)} has both data and binary_data_size")
+    if data is not None:
+        raise InvalidInputError(f"input {shown(name)} has both data and binary_data_size")
     if type(size) is not int or size != count * itemsize:
         raise InvalidInputError(
-            f"input {shown(tensor.name)}: binary_data_size must be {count * itemsize} "
+            f"input {shown(name)}: binary_data_size must be {count * itemsize} "
             f"({count} x {itemsize} bytes), got {shown(size)}"
         )
     if position + size > len(binary):
         raise InvalidInputError(
-            f"input {shown(tensor.name)}: the body holds {len(binary) - position} more bytes, not {size}"
+            f"input {shown(name)}: the body holds {len(binary) - position} more bytes, not {size}"
         )
     raw = binary[position : position + size]
-    return TensorInput(tensor.name, tensor.datatype, tensor.shape, raw=raw), position + size
+    return TensorInput(name, datatype, shape, raw=raw), position + size
+
+
+_REQUEST_KEYS = frozenset({"model_name", "model_version", "id", "parameters", "inputs", "outputs"})
+_TENSOR_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
+_OUTPUT_KEYS = frozenset({"name", "parameters"})
+
+
+def _none_or(value: Any, kind: type) -> bool:
+    return value is None or type(value) is kind
+
+
+def _plain_request(request: Any) -> bool:
+    """Whether parsed JSON is an ``InferRequest`` exactly as its model would take it, no value coerced:
+    then its fields are read from the dicts as they are (a tenth of the model's cost for a small request);
+    anything else (a coercion, an error to word) goes through the model."""
+    if type(request) is not dict or not request.keys() <= _REQUEST_KEYS:
+        return False
+    get = request.get
+    if not (
+        _none_or(get("model_name"), str)
+        and _none_or(get("model_version"), str)
+        and _none_or(get("id"), str)
+        and _none_or(get("parameters"), dict)
+    ):
+        return False
+    inputs = get("inputs")
+    if type(inputs) is not list:
+        return False
+    for tensor in inputs:
+        if type(tensor) is not dict or not tensor.keys() <= _TENSOR_KEYS:
+            return False
+        shape = tensor.get("shape")
+        if (
+            type(tensor.get("name")) is not str
+            or type(tensor.get("datatype")) is not str
+            or type(shape) is not list
+            or not all(type(dim) is int for dim in shape)
+            or not _none_or(tensor.get("parameters"), dict)
+            or not _none_or(tensor.get("data"), list)
+        ):
+            return False
+    outputs = get("outputs")
+    if outputs is None:
+        return True
+    if type(outputs) is not list:
+        return False
+    return all(
+        type(output) is dict
+        and output.keys() <= _OUTPUT_KEYS
+        and type(output.get("name")) is str
+        and _none_or(output.get("parameters"), dict)
+        for output in outputs
+    )
+
+
+def parsed_request(json_part: bytes) -> dict[str, Any]:
+    """The JSON header as plain dicts and lists, checked as ``InferRequest`` checks it: by hand when it is
+    plain (``_plain_request``), else through the model (its coercions, its error messages)."""
+    try:
+        parsed = orjson.loads(json_part)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if _plain_request(parsed):
+        return parsed
+    try:
+        request = InferRequest.model_validate_json(json_part)
+    except ValidationError as exc:
+        raise InvalidInputError(summarize_validation_errors(list(exc.errors()))) from exc
+    return request.model_dump()
 
 
 def decode_infer(
@@ -462,26 +542,30 @@ def decode_infer(
             )
         split = int(header_length)
         json_part, binary = body[:split], memoryview(body)[split:]
-    try:
-        request = InferRequest.model_validate_json(json_part)
-    except ValidationError as exc:
-        raise InvalidInputError(summarize_validation_errors(list(exc.errors()))) from exc
-    if request.model_name is not None and name is not None and request.model_name != name:
+    request = parsed_request(json_part)
+    model_name, model_version = request.get("model_name"), request.get("model_version")
+    if model_name is not None and name is not None and model_name != name:
+        raise InvalidInputError(f"model_name {shown(model_name)} in the body, {shown(name)} in the path")
+    if model_version and version is not None and model_version != version:
         raise InvalidInputError(
-            f"model_name {shown(request.model_name)} in the body, {shown(name)} in the path"
-        )
-    if request.model_version and version is not None and request.model_version != version:
-        raise InvalidInputError(
-            f"model_version {shown(request.model_version)} in the body, {shown(version)} in the path"
+            f"model_version {shown(model_version)} in the body, {shown(version)} in the path"
         )
     tensors = []
     position = 0
-    for tensor in request.inputs:
-        decoded, position = _json_tensor(tensor, binary, position)
+    for tensor in request["inputs"]:
+        decoded, position = _json_tensor(
+            tensor["name"],
+            tensor["datatype"],
+            tensor["shape"],
+            tensor.get("parameters"),
+            tensor.get("data"),
+            binary,
+            position,
+        )
         tensors.append(decoded)
-    outputs = [(output.name, output.parameters or {}) for output in request.outputs or []]
+    outputs = [(output["name"], output.get("parameters") or {}) for output in request.get("outputs") or ()]
     inference = inference_from(
-        tensors, request.parameters or {}, outputs, request.id, version or request.model_version or None
+        tensors, request.get("parameters") or {}, outputs, request.get("id"), version or model_version or None
     )
     if position != len(binary):
         raise InvalidInputError(f"the body has {len(binary) - position} bytes no input claims")
@@ -507,22 +591,39 @@ def infer(
     return inference, result
 
 
+# The binary answer's JSON header, the same fields in the same order as ``orjson.dumps`` of the JSON
+# answer's, formatted in one step: model name (JSON), version, the ``"id":...,`` member (or nothing), rows,
+# dimension, bytes.
+_BINARY_HEAD = (
+    b'{"model_name":%b,"model_version":"%d",%b"outputs":[{"name":"embeddings","datatype":"FP32",'
+    b'"shape":[%d,%d],"parameters":{"binary_data_size":%d}}]}'
+)
+
+
 def encode_infer(name: str, inference: Inference, result: LookupResult) -> tuple[bytes, int | None]:
     """The response body, and the length of its JSON header when tensors follow it as bytes."""
     rows = result.rows
-    output: dict[str, Any] = {
-        "name": EMBEDDINGS,
-        "datatype": "FP32",
-        "shape": [int(rows.shape[0]), int(rows.shape[1])],
-    }
+    if inference.binary_output:
+        data = rows_view(rows)  # no copy of its own: the one copy is into the body, after the header
+        request_id = inference.request_id
+        header = _BINARY_HEAD % (
+            orjson.dumps(name),
+            result.version,
+            b"" if request_id is None else b'"id":%b,' % orjson.dumps(request_id),
+            rows.shape[0],
+            rows.shape[1],
+            data.nbytes,
+        )
+        return header + data, len(header)
     head: dict[str, Any] = {"model_name": name, "model_version": str(result.version)}
     if inference.request_id is not None:
         head["id"] = inference.request_id
-    head["outputs"] = [output]
-    if not inference.binary_output:
-        output["data"] = rows.reshape(-1)
-        return orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY), None
-    data = rows_view(rows)  # no copy of its own: the one copy is into the body, after the header
-    output["parameters"] = {"binary_data_size": data.nbytes}
-    header = orjson.dumps(head)
-    return header + data, len(header)
+    head["outputs"] = [
+        {
+            "name": EMBEDDINGS,
+            "datatype": "FP32",
+            "shape": [int(rows.shape[0]), int(rows.shape[1])],
+            "data": rows.reshape(-1),
+        }
+    ]
+    return orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY), None

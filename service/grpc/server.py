@@ -80,6 +80,7 @@ _RECEIVE_HEADROOM_BYTES = 1 << 20
 _MAX_MESSAGE_BYTES = (1 << 31) - 1
 _CONTENTS_FIELD = {"INT64": 3, "FP32": 6}  # the InferTensorContents field of each datatype taken
 _RAW_OUTPUT_TAG = bytes([6 << 3 | 2])  # ModelInferResponse.raw_output_contents, length-delimited
+_SMALL_VARINTS = [bytes((value,)) for value in range(0x80)]
 _GRACE_S = 5.0
 # A call's message is taken from the connection only once the servicer reads it: until then gRPC holds at
 # most this much of it (flow control; the bandwidth probe that would widen the window is off).
@@ -169,20 +170,49 @@ def decode_request(request: WireRequest, max_ids: int) -> Inference:
 
 def encode_response(name: str, request_id: str | None, inference: Inference, result: LookupResult) -> bytes:
     """The serialized ``ModelInferResponse`` of an inference: the rows as raw bytes or as ``fp32_contents``.
-    Raw rows are appended to the serialized head as field ``raw_output_contents`` by hand: one copy of
-    them into the message, where the generated code would make three (bytes, the field, the message)."""
+    A raw answer is written by hand, byte for byte what the generated code writes (``_raw_head``), and
+    its rows appended once as field ``raw_output_contents``, where the generated code would copy them
+    three times (bytes, the field, the message)."""
     rows = result.rows
-    response = pb.ModelInferResponse(model_name=name, model_version=str(result.version), id=request_id or "")
-    output = response.outputs.add(name=EMBEDDINGS, datatype="FP32", shape=[int(n) for n in rows.shape])
     if not inference.binary_output:
+        response = pb.ModelInferResponse(
+            model_name=name, model_version=str(result.version), id=request_id or ""
+        )
+        output = response.outputs.add(name=EMBEDDINGS, datatype="FP32", shape=[int(n) for n in rows.shape])
         output.contents.fp32_contents.extend(rows.reshape(-1).tolist())
         message: bytes = response.SerializeToString()
         return message
     data = rows_view(rows)
-    return b"".join((response.SerializeToString(), _RAW_OUTPUT_TAG, _varint(data.nbytes), data))
+    head = _raw_head(name, result.version, request_id, int(rows.shape[0]), int(rows.shape[1]))
+    return b"".join((head, _RAW_OUTPUT_TAG, _varint(data.nbytes), data))
+
+
+_OUTPUT_NAME_TYPE = b"\x0a\x0aembeddings\x12\x04FP32"  # InferOutputTensor: name, datatype
+
+
+def _raw_head(name: str, version: int, request_id: str | None, count: int, dim: int) -> bytes:
+    """A ``ModelInferResponse`` of one output ``embeddings`` (FP32, [count, dim]) without its contents, as
+    ``SerializeToString`` writes it: fields in order of number, empty strings left out."""
+    shape = _varint(count) + _varint(dim)
+    output = _OUTPUT_NAME_TYPE + b"\x1a" + _varint(len(shape)) + shape
+    parts = [_text(1, name), _text(2, str(version))]
+    if request_id:
+        parts.append(_text(3, request_id))
+    parts += (b"\x2a", _varint(len(output)), output)
+    return b"".join(parts)
+
+
+def _text(number: int, text: str) -> bytes:
+    """A length-delimited string field (left out when empty, as proto3 does)."""
+    if not text:
+        return b""
+    encoded = text.encode()
+    return bytes((number << 3 | 2,)) + _varint(len(encoded)) + encoded
 
 
 def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL_VARINTS[value]
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -305,6 +335,8 @@ class InferenceServicer:
         return store
 
     def _check_read(self, context: grpc.aio.ServicerContext) -> None:
+        if self.settings.read_api_key is None:  # every call may read (check_read_access's first rule)
+            return
         authorization = None
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":

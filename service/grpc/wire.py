@@ -77,6 +77,8 @@ class WireRequest:
 def _varint(data: bytes | memoryview, position: int) -> tuple[int, int]:
     """The varint at ``position`` (as an unsigned 64-bit value) and the position after it."""
     end = len(data)
+    if position < end and data[position] < 0x80:  # one byte: tags, lengths and dimensions of small calls
+        return data[position], position + 1
     result = shift = 0
     while position < end:
         byte = data[position]

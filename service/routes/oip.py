@@ -20,7 +20,7 @@ from robez_core.errors import InvalidInputError, RobezError
 from ..auth import PrivateAccess, ReadAccess, require_read_key
 from ..codec import OCTET_STREAM, VERSION_HEADER, JSONBytesResponse, RawResponse
 from ..http.fastpath import FastRoute
-from ..metrics import Metrics, lookup_server_timing, server_timing
+from ..metrics import Metrics, lookup_server_timing, server_timing, set_table_label
 from ..oip import (
     HEADER_LENGTH,
     SERVER_METADATA,
@@ -40,7 +40,7 @@ from ..oip import (
     infer as run_inference,
 )
 from ..store import LookupResult, TableStore
-from .deps import INLINE_MAX_BODY_BYTES, TableNameParam, body_doc, compute, read_body
+from .deps import INLINE_MAX_BODY_BYTES, TableNameParam, body_doc, compute, raw_headers, read_body
 from .lookup import BINARY_INLINE_MAX_BODY_BYTES
 
 router = APIRouter(prefix="/v2", tags=["inference protocol v2"])
@@ -220,7 +220,8 @@ async def infer_one(request: Request, name: str, version: str | None = None) -> 
     store: TableStore = request.app.state.store
     metrics: Metrics = request.app.state.metrics
     body = await read_body(request)
-    header_length = request.headers.get(HEADER_LENGTH)
+    raw_length = raw_headers(request).get(_HEADER_LENGTH)
+    header_length = None if raw_length is None else raw_length.decode("latin-1")
 
     def work() -> tuple[Inference, LookupResult]:
         return run_inference(store, metrics, name, lambda: decode_infer(body, header_length, name, version))
@@ -233,7 +234,7 @@ async def infer_one(request: Request, name: str, version: str | None = None) -> 
         if name in store.names():  # a failure on a table is its statistics' "fail"; other names no label
             request.state.table = name
         raise
-    request.state.table = name
+    set_table_label(request, name)
     content, json_length = encode_infer(name, inference, result)
     total = time.perf_counter() - start
     headers = [

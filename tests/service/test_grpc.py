@@ -216,3 +216,26 @@ def test_every_worker_serves_the_grpc_port(tmp_path: Path) -> None:
         assert server.process is not None and server.process.poll() is None
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("name", ["demo", "t" * 200, "é"])
+@pytest.mark.parametrize("request_id", [None, "", "r-1", "é" * 100])
+@pytest.mark.parametrize(
+    ("count", "dim", "version"), [(1, 64, 0), (0, 64, 5), (4096, 8, 300), (3, 200, 2**40)]
+)
+def test_a_raw_answer_written_by_hand_is_what_protobuf_writes(
+    name: str, request_id: str | None, count: int, dim: int, version: int
+) -> None:
+    from tritonclient.grpc import service_pb2 as pb
+
+    from service.grpc.server import encode_response
+    from service.oip import Inference
+    from service.store import LookupResult
+
+    rows = np.random.default_rng(count).random((count, dim), dtype=np.float32)
+    inference = Inference(np.arange(count), None, "none", None, request_id, True)
+    message = encode_response(name, request_id, inference, LookupResult(rows, version, 0.0, 0.0))
+    expected = pb.ModelInferResponse(model_name=name, model_version=str(version), id=request_id or "")
+    expected.outputs.add(name="embeddings", datatype="FP32", shape=[count, dim])
+    expected.raw_output_contents.append(rows.tobytes())
+    assert message == expected.SerializeToString()

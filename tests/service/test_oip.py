@@ -319,3 +319,62 @@ def test_small_table_pooled_mean(client: TestClient) -> None:
         np.array(response.json()["outputs"][0]["data"], dtype=np.float32),
         np.array(v1["embeddings"], dtype=np.float32).reshape(-1),
     )
+
+
+@pytest.mark.parametrize(
+    "request_body",
+    [
+        {"inputs": [{**_IDS, "data": [1]}]},
+        {
+            "model_name": "demo",
+            "model_version": "",
+            "id": "r-1",
+            "parameters": {"pooling": "sum", "binary_data_output": True},
+            "inputs": [
+                {**_IDS, "data": [1]},
+                {"name": "offsets", "shape": [1], "datatype": "INT64", "data": [0]},
+            ],
+            "outputs": [{"name": "embeddings", "parameters": {"binary_data": False}}],
+        },
+        {"inputs": [{**_IDS, "parameters": {"binary_data_size": 8}}], "outputs": [{"name": "embeddings"}]},
+        {"inputs": [{**_IDS, "data": [1]}], "model_name": None, "outputs": None, "parameters": None},
+        # Values the model coerces or refuses: they go through it (its values, its messages).
+        {"inputs": [{**_IDS, "shape": [1.0], "data": [1]}]},
+        {"inputs": [{**_IDS, "shape": [True], "data": [1]}]},
+        {"inputs": [{**_IDS, "data": [1]}], "model_name": 5},
+        {"inputs": [{**_IDS, "data": [1], "extra": 1}]},
+        {"inputs": {"name": "ids"}},
+        {"outputs": []},
+        [1, 2],
+    ],
+)
+def test_the_hand_check_of_an_infer_header_takes_what_the_model_takes(request_body: Any) -> None:
+    """A plain header is read from its dicts (no model: the fast way); what it gives equals the model's
+    reading, and whatever is not plain is the model's to coerce or refuse, with its own message."""
+    from pydantic import ValidationError
+
+    from robez_core.errors import InvalidInputError
+    from service.oip import InferRequest, parsed_request
+
+    body = json.dumps(request_body).encode()
+    try:
+        expected: Any = InferRequest.model_validate_json(body).model_dump()
+    except ValidationError:
+        expected = InvalidInputError
+    if expected is InvalidInputError:
+        with pytest.raises(InvalidInputError):
+            parsed_request(body)
+        return
+    parsed = parsed_request(body)
+    # The model fills every field it knows (None); the hand-checked dicts leave absent ones out.
+    assert _without_none(parsed) == _without_none(expected)
+    for tensor in parsed["inputs"]:
+        assert all(type(dim) is int for dim in tensor["shape"])
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _without_none(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_none(item) for item in value]
+    return value
