@@ -119,6 +119,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_options() -> dict[str, list[str]]:
+    """Settings field -> the ``robez serve`` options that set it (docs/configuration.md lists them)."""
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
+    return {
+        action.dest: list(action.option_strings)
+        for action in serve._actions
+        if action.option_strings and action.dest in _SERVE_OPTIONS
+    }
+
+
 def _add_tls_options(serve: argparse.ArgumentParser) -> None:
     """Credentials and certificates: NATS's (replicated mode) and the HTTP port's; docs/security.md."""
     nats = serve.add_argument_group(
@@ -269,13 +280,16 @@ def _settings_from(args: argparse.Namespace) -> Settings:
 
 
 def _environment_for_workers(settings: Settings, shm_path: Path) -> dict[str, str]:
-    """What the workers' ``Settings()`` must read to equal ours (secrets are already in the env)."""
+    """What the workers' ``Settings()`` must read to equal ours (secrets are already in the env), and the
+    shared directory they attach to."""
+    from .app import WORKER_SHM_VARIABLE
+
     env = {
         f"ROBEZ_{name.upper()}": str(value)
         for name in _SERVE_OPTIONS
         if (value := getattr(settings, name)) is not None
     }
-    env["ROBEZ_SHM_PATH"] = str(shm_path)
+    env[WORKER_SHM_VARIABLE] = str(shm_path)
     if settings.workers > 1:
         # prometheus_client reads this when imported in each (spawned) worker: samples go to shared files.
         metrics_dir = shm_path / "metrics"

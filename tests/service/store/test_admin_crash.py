@@ -66,7 +66,7 @@ from service.wal import WalJournal
 shm_path, data_dir, fault, checkpoint = sys.argv[1:]
 os.environ["ROBEZ_FAULT_DIE_AFTER_APPEND"] = fault  # the test hook of service/faults.py
 settings = Settings(
-    _env_file=None, shm_dir=Path(shm_path).parent, shm_path=shm_path, data_dir=data_dir,
+    _env_file=None, shm_dir=Path(shm_path).parent, data_dir=data_dir,
     default_table=False, threads_per_worker=1,
 )
 store = TableStore(SharedDirectory(Path(shm_path)), settings, WalJournal.from_settings(settings))
