@@ -28,6 +28,7 @@ from . import oip as oip_codec
 from .auth import PrivateAccess
 from .config import Settings
 from .errors import install_error_handlers
+from .faults import NO_FAULTS, Faults
 from .http.admission import Admission
 from .http.direct import LIFESPAN_DIRECT_KEY, DirectAnswers
 from .http.fastpath import FastPathMiddleware, FastRoutes
@@ -58,11 +59,11 @@ _HAND_READ_MODELS: tuple[type[Any], ...] = (
 )
 
 
-def open_journal(settings: Settings) -> Journal:
+def open_journal(settings: Settings, faults: Faults = NO_FAULTS) -> Journal:
     """``WalJournal`` when a data directory is set, else the in-memory ``NullJournal``."""
     if settings.data_dir is None:
         return NullJournal()
-    journal: Journal = WalJournal.from_settings(settings)
+    journal: Journal = WalJournal.from_settings(settings, faults)
     return journal
 
 
@@ -78,6 +79,7 @@ WORKER_SHM_VARIABLE = "ROBEZ_WORKER_SHM_PATH"
 async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     settings: Settings = app.state.settings
     shm_path: Path | None = app.state.shm_path
+    faults: Faults = app.state.faults
     torch.set_num_threads(settings.kernel_threads())
     keep_freed_buffers(settings.malloc_mmap_threshold_mb)
     # robez_core.buffers keeps large kernel outputs for reuse (a training process's 13 MB batches); a
@@ -89,14 +91,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     drop_tls_eof_notice()  # asyncio's, at every close of a TLS NATS connection
     replicated = settings.nats_url is not None
     # A replica's journal is the replicated log (service/replication/), not a local one.
-    journal = NullJournal() if replicated else open_journal(settings)
+    journal = NullJournal() if replicated else open_journal(settings, faults)
     owned: SharedDirectory | None = None
     try:
         directory = SharedDirectory(shm_path) if shm_path is not None else None
         if directory is None:
             local = local_settings(settings) if replicated else settings
-            directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, local, journal)
-        store = TableStore(directory, settings, journal)
+            directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, local, journal, faults)
+        store = TableStore(directory, settings, journal, faults)
         await anyio.to_thread.run_sync(store.warm_up)
         # every kernel path, before /readyz says ready
         await anyio.to_thread.run_sync(warm_kernels, store, app.state.metrics)
@@ -160,10 +162,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def create_app(settings: Settings | None = None, *, shm_path: Path | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, shm_path: Path | None = None, faults: Faults = NO_FAULTS
+) -> FastAPI:
     """The robez HTTP API over ``settings`` (default: read from ``ROBEZ_*``). Tables are attached (or
     prepared) when the app starts, i.e. inside ``with TestClient(app)`` or under uvicorn: attached to the
-    shared directory ``shm_path`` when given (a worker of ``robez serve``), else prepared here."""
+    shared directory ``shm_path`` when given (a worker of ``robez serve``), else prepared here.
+    ``faults``: testing only, the fault hooks handed to the store and the journal (service/faults.py)."""
     settings = settings if settings is not None else Settings()
     # Private: FastAPI's own docs routes (which take no dependency) are replaced by guarded ones below.
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if settings.private_endpoints else {}
@@ -179,6 +184,7 @@ def create_app(settings: Settings | None = None, *, shm_path: Path | None = None
     )
     app.state.settings = settings
     app.state.shm_path = shm_path
+    app.state.faults = faults
     # Set at start-up: the write path routes call (LocalWrites, or ReplicatedWrites with --nats) and,
     # in replicated mode, this worker's Replica (its life cycle; routes go through the write path).
     app.state.replica = None
@@ -230,7 +236,10 @@ def _add_private_docs(app: FastAPI) -> None:
 
 
 def create_app_from_env() -> FastAPI:
-    """uvicorn factory (``service.app:create_app_from_env``): settings from ``ROBEZ_*``, the shared
-    directory ``robez serve`` prepared from ``WORKER_SHM_VARIABLE``."""
+    """uvicorn factory (``service.app:create_app_from_env``), a composition root: settings from
+    ``ROBEZ_*``, the shared directory ``robez serve`` prepared from ``WORKER_SHM_VARIABLE``, the test
+    hooks from ``ROBEZ_FAULT_*``."""
     shm_path = os.environ.get(WORKER_SHM_VARIABLE)
-    return create_app(Settings(), shm_path=Path(shm_path) if shm_path else None)
+    return create_app(
+        Settings(), shm_path=Path(shm_path) if shm_path else None, faults=Faults.from_environment()
+    )

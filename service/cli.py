@@ -341,6 +341,7 @@ def _serve_locked(settings: Settings) -> int:
     import uvicorn
 
     from .app import open_journal
+    from .faults import Faults
     from .http.protocol import uvicorn_options
     from .log.journal import NullJournal
     from .replication.replica import local_settings
@@ -349,8 +350,9 @@ def _serve_locked(settings: Settings) -> int:
     from .supervisor import run_workers
 
     replicated = settings.nats_url is not None
+    faults = Faults.from_environment()  # testing only (service/faults.py): read here and in each worker
     # A replica starts with no tables: its applier creates them from the replicated log.
-    journal = NullJournal() if replicated else open_journal(settings)
+    journal = NullJournal() if replicated else open_journal(settings, faults)
     try:
         directory = SharedDirectory.create(settings.shm_dir)
     except BaseException:
@@ -359,7 +361,7 @@ def _serve_locked(settings: Settings) -> int:
 
     def load_tables() -> None:
         try:
-            TableStore.fill(directory, local_settings(settings) if replicated else settings, journal)
+            TableStore.fill(directory, local_settings(settings) if replicated else settings, journal, faults)
         finally:
             # Each worker opens its own journal; this one only loaded the tables.
             journal.close()
