@@ -480,9 +480,10 @@ class TableStore:
     @staticmethod
     def _commit(locked: list[TableEntry], versions: list[int]) -> None:
         """The one version bump: every table of an entry, once its records are applied (live, small,
-        replicated alike), then the marks cleared."""
-        for held, version in zip(locked, versions, strict=True):
-            held.set_version(version)
+        replicated alike), then the marks cleared. ``versions``: one per entry of ``locked`` (indexed, not
+        zipped: ``zip(..., strict=...)`` costs a quarter of a microsecond, on every push)."""
+        for index, held in enumerate(locked):
+            held.set_version(versions[index])
         for held in locked:
             held.set_pending(0)
 
