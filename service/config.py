@@ -1,4 +1,6 @@
-"""Server settings (the only place the environment is read) and the tables file.
+"""Server settings (every ``ROBEZ_*`` setting is read here; ``service/app.py`` and ``service/cli.py`` also
+read the two internal variables that are no settings, the workers' shared directory and the test hooks
+of ``service/faults.py``) and the tables file.
 
 Every knob has a default and can be set as ``ROBEZ_<NAME>`` (e.g. ``ROBEZ_PORT=9000``); ``robez serve``
 options override the environment. Tables come from a TOML file (``--config tables.toml``), from the data
