@@ -1,16 +1,18 @@
 """The FastAPI application: ``create_app(settings)``; ``create_app_from_env`` is uvicorn's factory.
 
 Start-up (lifespan): set this worker's kernel threads, open the journal, attach to the shared tables
-prepared by ``robez serve`` (``settings.shm_path``) or, in a single in-process app (tests, embedding),
-prepare them here and remove them on shutdown.
+prepared by ``robez serve`` (the directory it names in ``WORKER_SHM_VARIABLE``, not a setting) or, in a
+single in-process app (tests, embedding), prepare them here and remove them on shutdown.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -26,6 +28,7 @@ from . import oip as oip_codec
 from .auth import PrivateAccess
 from .config import Settings
 from .errors import install_error_handlers
+from .faults import NO_FAULTS, Faults
 from .http.admission import Admission
 from .http.direct import LIFESPAN_DIRECT_KEY, DirectAnswers
 from .http.fastpath import FastPathMiddleware, FastRoutes
@@ -56,41 +59,50 @@ _HAND_READ_MODELS: tuple[type[Any], ...] = (
 )
 
 
-def open_journal(settings: Settings) -> Journal:
+def open_journal(settings: Settings, faults: Faults = NO_FAULTS) -> Journal:
     """``WalJournal`` when a data directory is set, else the in-memory ``NullJournal``."""
     if settings.data_dir is None:
         return NullJournal()
-    journal: Journal = WalJournal.from_settings(settings)
+    journal: Journal = WalJournal.from_settings(settings, faults)
     return journal
 
 
-def shared_directory_for(settings: Settings) -> SharedDirectory | None:
-    return SharedDirectory(settings.shm_path) if settings.shm_path is not None else None
+# Requests computing at once in one worker (each with the worker's kernel threads): two, so a lookup never
+# waits behind one long push, and no more, so N requests never share the cores N ways.
+COMPUTE_SLOTS = 2
+# ``robez serve`` hands each worker the shared directory it prepared in this variable (an internal value
+# between the CLI and its workers, not a setting).
+WORKER_SHM_VARIABLE = "ROBEZ_WORKER_SHM_PATH"
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     settings: Settings = app.state.settings
+    shm_path: Path | None = app.state.shm_path
+    faults: Faults = app.state.faults
     torch.set_num_threads(settings.kernel_threads())
     keep_freed_buffers(settings.malloc_mmap_threshold_mb)
-    buffers.set_max_bytes(settings.output_pool_mb << 20)
+    # robez_core.buffers keeps large kernel outputs for reuse (a training process's 13 MB batches); a
+    # worker's freed outputs are reused through the fixed malloc thresholds already, so a pool would only
+    # keep more memory resident: off in a worker.
+    buffers.set_max_bytes(0)
     tracing.configure(settings)  # this worker's tracer, when OTEL_* ask for one
     limit_client_input_logs()  # lines a client's input causes: rate-limited, client text cut short
     drop_tls_eof_notice()  # asyncio's, at every close of a TLS NATS connection
     replicated = settings.nats_url is not None
     # A replica's journal is the replicated log (service/replication/), not a local one.
-    journal = NullJournal() if replicated else open_journal(settings)
+    journal = NullJournal() if replicated else open_journal(settings, faults)
     owned: SharedDirectory | None = None
     try:
-        directory = shared_directory_for(settings)
+        directory = SharedDirectory(shm_path) if shm_path is not None else None
         if directory is None:
             local = local_settings(settings) if replicated else settings
-            directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, local, journal)
-        store = TableStore(directory, settings, journal)
+            directory = owned = await anyio.to_thread.run_sync(TableStore.prepare, local, journal, faults)
+        store = TableStore(directory, settings, journal, faults)
         await anyio.to_thread.run_sync(store.warm_up)
         # every kernel path, before /readyz says ready
         await anyio.to_thread.run_sync(warm_kernels, store, app.state.metrics)
-        app.state.compute_limiter = anyio.CapacityLimiter(settings.compute_slots)
+        app.state.compute_limiter = anyio.CapacityLimiter(COMPUTE_SLOTS)
         app.state.store = store
         app.state.writes = LocalWrites(store)
         app.state.metrics.live_tables = lambda: store.registry.entries  # dropped tables' series go
@@ -150,9 +162,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, shm_path: Path | None = None, faults: Faults = NO_FAULTS
+) -> FastAPI:
     """The robez HTTP API over ``settings`` (default: read from ``ROBEZ_*``). Tables are attached (or
-    prepared) when the app starts, i.e. inside ``with TestClient(app)`` or under uvicorn."""
+    prepared) when the app starts, i.e. inside ``with TestClient(app)`` or under uvicorn: attached to the
+    shared directory ``shm_path`` when given (a worker of ``robez serve``), else prepared here.
+    ``faults``: testing only, the fault hooks handed to the store and the journal (service/faults.py)."""
     settings = settings if settings is not None else Settings()
     # Private: FastAPI's own docs routes (which take no dependency) are replaced by guarded ones below.
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if settings.private_endpoints else {}
@@ -167,12 +183,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         **docs,  # type: ignore[arg-type]
     )
     app.state.settings = settings
+    app.state.shm_path = shm_path
+    app.state.faults = faults
     # Set at start-up: the write path routes call (LocalWrites, or ReplicatedWrites with --nats) and,
     # in replicated mode, this worker's Replica (its life cycle; routes go through the write path).
     app.state.replica = None
-    metrics_dir = (
-        settings.shm_path / "metrics" if settings.shm_path is not None and settings.workers > 1 else None
-    )
+    metrics_dir = shm_path / "metrics" if shm_path is not None and settings.workers > 1 else None
     metrics = Metrics(metrics_dir, settings.max_metric_tables)
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -226,5 +242,10 @@ def _add_private_docs(app: FastAPI) -> None:
 
 
 def create_app_from_env() -> FastAPI:
-    """uvicorn factory (``service.app:create_app_from_env``): settings from ``ROBEZ_*``."""
-    return create_app(Settings())
+    """uvicorn factory (``service.app:create_app_from_env``), a composition root: settings from
+    ``ROBEZ_*``, the shared directory ``robez serve`` prepared from ``WORKER_SHM_VARIABLE``, the test
+    hooks from ``ROBEZ_FAULT_*``."""
+    shm_path = os.environ.get(WORKER_SHM_VARIABLE)
+    return create_app(
+        Settings(), shm_path=Path(shm_path) if shm_path else None, faults=Faults.from_environment()
+    )

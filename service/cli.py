@@ -119,6 +119,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_options() -> dict[str, list[str]]:
+    """Settings field -> the ``robez serve`` options that set it (docs/configuration.md lists them)."""
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
+    return {
+        action.dest: list(action.option_strings)
+        for action in serve._actions
+        if action.option_strings and action.dest in _SERVE_OPTIONS
+    }
+
+
 def _add_tls_options(serve: argparse.ArgumentParser) -> None:
     """Credentials and certificates: NATS's (replicated mode) and the HTTP port's; docs/security.md."""
     nats = serve.add_argument_group(
@@ -269,13 +280,16 @@ def _settings_from(args: argparse.Namespace) -> Settings:
 
 
 def _environment_for_workers(settings: Settings, shm_path: Path) -> dict[str, str]:
-    """What the workers' ``Settings()`` must read to equal ours (secrets are already in the env)."""
+    """What the workers' ``Settings()`` must read to equal ours (secrets are already in the env), and the
+    shared directory they attach to."""
+    from .app import WORKER_SHM_VARIABLE
+
     env = {
         f"ROBEZ_{name.upper()}": str(value)
         for name in _SERVE_OPTIONS
         if (value := getattr(settings, name)) is not None
     }
-    env["ROBEZ_SHM_PATH"] = str(shm_path)
+    env[WORKER_SHM_VARIABLE] = str(shm_path)
     if settings.workers > 1:
         # prometheus_client reads this when imported in each (spawned) worker: samples go to shared files.
         metrics_dir = shm_path / "metrics"
@@ -327,6 +341,7 @@ def _serve_locked(settings: Settings) -> int:
     import uvicorn
 
     from .app import open_journal
+    from .faults import Faults
     from .http.protocol import uvicorn_options
     from .log.journal import NullJournal
     from .replication.replica import local_settings
@@ -335,8 +350,9 @@ def _serve_locked(settings: Settings) -> int:
     from .supervisor import run_workers
 
     replicated = settings.nats_url is not None
+    faults = Faults.from_environment()  # testing only (service/faults.py): read here and in each worker
     # A replica starts with no tables: its applier creates them from the replicated log.
-    journal = NullJournal() if replicated else open_journal(settings)
+    journal = NullJournal() if replicated else open_journal(settings, faults)
     try:
         directory = SharedDirectory.create(settings.shm_dir)
     except BaseException:
@@ -345,7 +361,7 @@ def _serve_locked(settings: Settings) -> int:
 
     def load_tables() -> None:
         try:
-            TableStore.fill(directory, local_settings(settings) if replicated else settings, journal)
+            TableStore.fill(directory, local_settings(settings) if replicated else settings, journal, faults)
         finally:
             # Each worker opens its own journal; this one only loaded the tables.
             journal.close()

@@ -1,4 +1,6 @@
-"""Server settings (the only place the environment is read) and the tables file.
+"""Server settings (every ``ROBEZ_*`` setting is read here; ``service/app.py`` and ``service/cli.py`` also
+read the two internal variables that are no settings, the workers' shared directory and the test hooks
+of ``service/faults.py``) and the tables file.
 
 Every knob has a default and can be set as ``ROBEZ_<NAME>`` (e.g. ``ROBEZ_PORT=9000``); ``robez serve``
 options override the environment. Tables come from a TOML file (``--config tables.toml``), from the data
@@ -32,195 +34,487 @@ DEMO_TABLE_CONFIG = TableConfig(
 DEMO_OPTIMIZER = OptimizerConfig(name="sgd", lr=0.01)
 
 
+# Sections of the settings, in the order docs/configuration.md lists them: (key, title, what they are for).
+# Every field below names its section in ``json_schema_extra={"group": ...}``; the fields of a section
+# stand together in the class, in the same order as in the docs (tests/service/test_config_docs.py).
+GROUPS: tuple[tuple[str, str, str], ...] = (
+    ("listen", "Listening, TLS and authentication", "Where the server listens and who may call it."),
+    ("processes", "Workers and threads", "How many processes and kernel threads serve the tables."),
+    ("tables", "Tables and the data directory", "Which tables are served and where they are kept."),
+    (
+        "durability",
+        "Durability (with a data directory)",
+        "The write-ahead log's fsync policy and when snapshots are taken ([durability.md](durability.md)).",
+    ),
+    (
+        "limits",
+        "Limits",
+        "Bounds on requests, connections and tables; what is over a bound is refused (413, 422, 503, 408) "
+        "and changes nothing.",
+    ),
+    (
+        "replication",
+        "Replication (NATS JetStream)",
+        "Replicated mode, set by a NATS URL ([replication.md](replication.md), NATS logins and TLS: "
+        "[security.md](security.md#nats-logins-permissions-and-tls)).",
+    ),
+    (
+        "telemetry",
+        "Logs, metrics and traces",
+        "Traces are configured with OpenTelemetry's own variables ([observability.md](observability.md)); "
+        "the three read here decide whether to trace at all.",
+    ),
+    (
+        "advanced",
+        "Advanced tuning",
+        "Defaults measured on the benchmarks; each exists for the reason given, and none needs changing "
+        "in a normal deployment.",
+    ),
+)
+
+_LISTEN: dict[str, Any] = {"group": "listen"}
+_PROCESSES: dict[str, Any] = {"group": "processes"}
+_TABLES: dict[str, Any] = {"group": "tables"}
+_DURABILITY: dict[str, Any] = {"group": "durability"}
+_LIMITS: dict[str, Any] = {"group": "limits"}
+_REPLICATION: dict[str, Any] = {"group": "replication"}
+_TELEMETRY: dict[str, Any] = {"group": "telemetry"}
+_ADVANCED: dict[str, Any] = {"group": "advanced"}
+
+
 class Settings(BaseSettings):
-    """Everything the server can be told, with defaults; env prefix ``ROBEZ_``."""
+    """Everything the server can be told, with defaults; env prefix ``ROBEZ_``. The reference, by section:
+    docs/configuration.md (generated from this class: ``python -m devtools.settings_reference``)."""
 
     model_config = SettingsConfigDict(
         env_prefix="ROBEZ_", extra="ignore", validate_default=True, populate_by_name=True
     )
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    # OpenTelemetry's own variables (no ROBEZ_ prefix), read here only to decide whether to trace; the SDK
-    # reads the rest itself (service/tracing.py, docs/observability.md).
-    otel_traces_exporter: str | None = Field(default=None, validation_alias="OTEL_TRACES_EXPORTER")
-    otel_exporter_otlp_endpoint: str | None = Field(
-        default=None,
-        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
-    )
-    otel_sdk_disabled: bool = Field(default=False, validation_alias="OTEL_SDK_DISABLED")
-    trace_export_timeout_s: float = Field(
-        default=2.0,
-        gt=0,
-        description="one export of spans to the OTLP collector, and the flush at a stop, wait at most "
-        "this (over OTEL_EXPORTER_OTLP_TIMEOUT); spans that cannot be sent are dropped",
-    )
+    # -- listen: the HTTP (and gRPC) ports, HTTPS, keys. docs/security.md.
+    host: str = Field(default="127.0.0.1", json_schema_extra=_LISTEN, description="bind address")
+    port: int = Field(default=8000, ge=0, le=65535, json_schema_extra=_LISTEN, description="HTTP port")
     grpc_port: int | None = Field(
-        default=None, ge=0, le=65535, description="gRPC inference protocol port (every worker); None: off"
+        default=None,
+        ge=0,
+        le=65535,
+        json_schema_extra=_LISTEN,
+        description="also serve the inference protocol over gRPC on this port, from every worker "
+        "([api.md](api.md#the-same-protocol-over-grpc---grpc-port)); none: off",
     )
-    workers: int = Field(default=1, ge=1, le=256, description="uvicorn worker processes")
-    config: Path | None = Field(default=None, description="tables file (TOML); see docs/api.md")
-    data_dir: Path | None = Field(default=None, description="durable tables (WAL + snapshots); None = memory")
-    # Write-ahead log (service/wal/), used when data_dir is set; see docs/durability.md.
-    wal_fsync: Literal["always", "interval", "never"] = Field(
-        default="always",
-        description="always: fdatasync before each update's response; interval: group commit, one "
-        "fdatasync per wal_fsync_interval_ms shared by the updates waiting for it, each answered after "
-        "its flush; never: leave it to the OS (all three survive kill -9, only always/interval power loss)",
+    # HTTPS on the port (uvicorn's TLS); a client CA makes client certificates required.
+    tls_cert: Path | None = Field(
+        default=None, json_schema_extra=_LISTEN, description="server certificate (PEM); set: HTTPS"
     )
-    wal_fsync_interval_ms: float = Field(default=10.0, gt=0)
-    # Snapshots bound the log (disk) and the replay at start-up; 0 turns a trigger off.
-    snapshot_every_updates: int = Field(default=10_000, ge=0, description="snapshot after this many updates")
-    snapshot_every_seconds: float = Field(default=600.0, ge=0, description="... or when the last is this old")
-    # ... or when the log outgrows a quarter of the table: over max(floor, ratio x the snapshot's bytes).
-    # Bounds the log by bytes (records of big pushes are big), whatever the update count, and so the
-    # replay at a restart: a snapshot no longer stalls pushes, so it can come often; docs/durability.md.
-    snapshot_log_ratio: float = Field(
-        default=0.25, ge=0, description="snapshot when the log exceeds this many times the snapshot's size"
+    tls_key: Path | None = Field(
+        default=None, json_schema_extra=_LISTEN, description="the certificate's private key (PEM)"
     )
-    snapshot_log_min_bytes: int = Field(
-        default=64 * MiB, ge=0, description="... but not before the log holds this many bytes (the floor)"
+    tls_client_ca: Path | None = Field(
+        default=None,
+        json_schema_extra=_LISTEN,
+        description="require client certificates signed by this CA (HTTPS only)",
     )
-    snapshot_on_shutdown: bool = Field(default=True, description="snapshot updated tables on graceful stop")
-    default_table: bool = Field(default=True, description="serve `demo` when no table is configured")
-    log_level: str = "info"
-    # One log line per request costs a measurable share of a small lookup; off unless asked for.
-    access_log: bool = False
-    # uvicorn kills a worker that does not answer its supervisor's ping within this; generous, since a
-    # worker importing torch on a busy machine can take several seconds to answer its first ping.
-    worker_healthcheck_timeout_s: int = Field(default=60, ge=1)
-
-    # Kernel threads per worker; None = max(1, cpus // workers) so N workers never oversubscribe the CPUs.
-    threads_per_worker: int | None = Field(default=None, ge=1)
-    # Requests computing at once in one worker (each uses threads_per_worker kernel threads).
-    compute_slots: int = Field(default=2, ge=1, le=64)
-    # Fixed glibc malloc thresholds (robez_core.allocator.keep_freed_buffers): responses up to this size
-    # reuse freed memory instead of page-faulting fresh mappings in on every large lookup; 0: glibc's own.
-    malloc_mmap_threshold_mb: int = Field(
-        default=32, ge=0, le=32, description="glibc M_MMAP_THRESHOLD per worker, MiB (0: glibc's default)"
+    api_key: SecretStr | None = Field(
+        default=None,
+        json_schema_extra=_LISTEN,
+        description="bearer key for writes (create, delete, update, snapshot, load, checkpoint); none: open",
     )
-    # robez_core.buffers keeps large kernel outputs for reuse (a training process's 13 MB batches). A
-    # worker's freed outputs are reused by the fixed malloc thresholds above already; a pool would only
-    # keep up to this much more memory resident per worker. 0: off.
-    output_pool_mb: int = Field(
-        default=0, ge=0, le=4096, description="robez_core.buffers pool per worker, MiB (0: off)"
-    )
-
-    # HTTPS on the port (uvicorn's TLS); a client CA makes client certificates required. docs/security.md.
-    tls_cert: Path | None = Field(default=None, description="server certificate (PEM); set: HTTPS")
-    tls_key: Path | None = Field(default=None, description="the certificate's private key (PEM)")
-    tls_client_ca: Path | None = Field(default=None, description="require client certificates from this CA")
-
-    api_key: SecretStr | None = None
-    read_api_key: SecretStr | None = None
-    max_metric_tables: int = Field(
-        default=64, ge=1, description="tables with their own metrics label per worker; the rest: _other"
+    read_api_key: SecretStr | None = Field(
+        default=None,
+        json_schema_extra=_LISTEN,
+        description="bearer key for reads (lookups, table listing); the write key also reads",
     )
     # /metrics lists table names; /docs, /openapi.json and GET /v2 describe the server: open by default.
     private_endpoints: bool = Field(
         default=False,
-        description="require the read key (or the write key) for /metrics, /docs, /openapi.json, GET /v2",
+        json_schema_extra=_LISTEN,
+        description="require the read key (or the write key) for /metrics, /docs, /openapi.json and GET /v2 "
+        "too (/redoc is then off)",
     )
 
-    # Bodies are received whole before a request is admitted (service/http/middleware.py); binary is the bulk
-    # format, JSON takes 5-37x its size while decoded into Python objects, hence its own, smaller bound.
-    max_body_bytes: int = Field(default=64 * MiB, ge=1, description="any request body; larger: 413")
-    max_json_body_bytes: int = Field(default=4 * MiB, ge=1, description="non-binary bodies; larger: 413")
+    # -- processes
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        json_schema_extra=_PROCESSES,
+        description="worker processes (uvicorn servers), sharing one copy of every table",
+    )
+    # None = max(1, cpus // workers) so N workers never oversubscribe the CPUs.
+    threads_per_worker: int | None = Field(
+        default=None,
+        ge=1,
+        json_schema_extra=_PROCESSES,
+        description="kernel threads per worker; none: the usable CPUs // workers (at least 1)",
+    )
+
+    # -- tables
+    config: Path | None = Field(
+        default=None, json_schema_extra=_TABLES, description="tables file (TOML; [api.md](api.md))"
+    )
+    data_dir: Path | None = Field(
+        default=None,
+        json_schema_extra=_TABLES,
+        description="snapshots + write-ahead log (a replica's: its local snapshots); none: tables in memory "
+        "only ([durability.md](durability.md))",
+    )
+    default_table: bool = Field(
+        default=True,
+        json_schema_extra=_TABLES,
+        description="serve the built-in `demo` table when neither the tables file nor the data directory "
+        "names a table",
+    )
+    shm_dir: Path = Field(
+        default=Path("/dev/shm"),
+        json_schema_extra=_TABLES,
+        description="where the workers' shared table memory is created (a tmpfs)",
+    )
+
+    # -- durability: the write-ahead log (service/wal/), used when data_dir is set.
+    wal_fsync: Literal["always", "interval", "never"] = Field(
+        default="always",
+        json_schema_extra=_DURABILITY,
+        description="always: fdatasync before each update's response; interval: group commit, one "
+        "fdatasync per `wal_fsync_interval_ms` shared by the updates waiting for it, each answered after "
+        "its flush; never: leave it to the OS (all three survive kill -9, only always/interval power loss)",
+    )
+    wal_fsync_interval_ms: float = Field(
+        default=10.0, gt=0, json_schema_extra=_DURABILITY, description="with `interval`: the flush period"
+    )
+    # Snapshots bound the log (disk) and the replay at start-up; 0 turns a trigger off.
+    snapshot_every_updates: int = Field(
+        default=10_000, ge=0, json_schema_extra=_DURABILITY, description="snapshot after this many updates"
+    )
+    snapshot_every_seconds: float = Field(
+        default=600.0,
+        ge=0,
+        json_schema_extra=_DURABILITY,
+        description="... or when the last one is this old and there are new updates",
+    )
+    # ... or when the log outgrows a quarter of the table: over max(floor, ratio x the snapshot's bytes).
+    # Bounds the log by bytes (records of big pushes are big), whatever the update count, and so the
+    # replay at a restart: a snapshot no longer stalls pushes, so it can come often.
+    snapshot_log_ratio: float = Field(
+        default=0.25,
+        ge=0,
+        json_schema_extra=_DURABILITY,
+        description="... or when the log is over max(`snapshot_log_min_bytes`, this x the snapshot's bytes) "
+        "([durability.md](durability.md#what-bounds-disk-use-and-replay-time)); 0: off",
+    )
+    snapshot_log_min_bytes: int = Field(
+        default=64 * MiB,
+        ge=0,
+        json_schema_extra=_DURABILITY,
+        description="... but not before the log holds this many bytes (the floor)",
+    )
+    snapshot_on_shutdown: bool = Field(
+        default=True, json_schema_extra=_DURABILITY, description="snapshot updated tables on a graceful stop"
+    )
+
+    # -- limits. Bodies are received whole before a request is admitted (service/http/middleware.py);
+    # binary is the bulk format, JSON takes 5-37x its size while decoded into Python objects, hence its
+    # own, smaller bound.
+    max_body_bytes: int = Field(
+        default=64 * MiB,
+        ge=1,
+        json_schema_extra=_LIMITS,
+        description="any request body (the bound for binary, `application/octet-stream`); larger: 413",
+    )
+    max_json_body_bytes: int = Field(
+        default=4 * MiB,
+        ge=1,
+        json_schema_extra=_LIMITS,
+        description="bodies of any other type (parsed as JSON); larger: 413",
+    )
     max_body_bytes_held: int = Field(
         default=1 * GiB,
         ge=1,
-        description="request bodies one worker holds at once (arrived, until answered); over: 503",
+        json_schema_extra=_LIMITS,
+        description="request bodies one worker holds at once (counted as they arrive, until answered); "
+        "over: 503 + Retry-After",
+    )
+    max_in_flight: int = Field(
+        default=64,
+        ge=1,
+        json_schema_extra=_LIMITS,
+        description="requests admitted per worker (once their body has arrived); more: 503 + Retry-After",
+    )
+    retry_after_s: int = Field(
+        default=1, ge=0, json_schema_extra=_LIMITS, description="the Retry-After value"
+    )
+    max_ids_per_request: int = Field(
+        default=1 << 18,
+        ge=1,
+        json_schema_extra=_LIMITS,
+        description="ids in one request (summed over tables in /v1/lookup, /v1/update); more: 422",
+    )
+    # Bounds the (n, d) rows a request may ask for or push, whatever d is.
+    max_values_per_request: int = Field(
+        default=1 << 25,
+        ge=1,
+        json_schema_extra=_LIMITS,
+        description="ids x embedding_dim in one request: 422",
+    )
+    max_tables: int = Field(
+        default=64, ge=1, json_schema_extra=_LIMITS, description="tables per server: 422 on create"
+    )
+    max_embedding_dim: int = Field(
+        default=4096, ge=1, json_schema_extra=_LIMITS, description="per table: 422 on create"
+    )
+    max_memory_size: int = Field(
+        default=1 << 28,
+        ge=1,
+        json_schema_extra=_LIMITS,
+        description="float32 values in one table's array: 422 on create",
+    )
+    max_total_memory_bytes: int = Field(
+        default=8 * GiB,
+        ge=1,
+        json_schema_extra=_LIMITS,
+        description="all arrays plus optimizer state: 422 on create",
     )
     body_timeout_s: float = Field(
-        default=30.0, gt=0, description="a request's whole body must arrive within this; else 408, closed"
+        default=30.0,
+        gt=0,
+        json_schema_extra=_LIMITS,
+        description="a request's whole body must arrive within this of its headers; else 408, connection "
+        "closed",
     )
     # Connections (service/http/protocol.py): uvicorn itself never closes one that sends no request.
     header_timeout_s: float = Field(
         default=10.0,
         gt=0,
+        json_schema_extra=_LIMITS,
         description="a connection must send a request's headers within this of opening or of its last "
         "response; else it is closed",
     )
-    keep_alive_timeout_s: int = Field(default=5, ge=1, description="idle keep-alive connections closed")
+    keep_alive_timeout_s: int = Field(
+        default=5,
+        ge=1,
+        json_schema_extra=_LIMITS,
+        description="a keep-alive connection that sends no byte within this of its last response is closed "
+        "(one sweep per worker at most every second: up to 1 s late)",
+    )
+    max_connections: int = Field(
+        default=1000,
+        ge=1,
+        json_schema_extra=_LIMITS,
+        description="open connections per worker; one more is closed as soon as it is accepted",
+    )
     # A stop (SIGTERM) must end within Kubernetes' 30 s grace whatever clients hold open: docs/api.md.
     shutdown_grace_s: float = Field(
         default=3.0,
         gt=0,
-        description="on a stop, requests and gRPC calls under way get this long to finish (each port), "
-        "then are cancelled and their connections closed",
+        json_schema_extra=_LIMITS,
+        description="on a stop, requests and gRPC calls under way get this long to finish (each port in "
+        "turn), then are cancelled and their connections closed: a stop ends within about 2 x this + "
+        "`trace_export_timeout_s` + the shutdown snapshots",
     )
-    max_connections: int = Field(
-        default=1000, ge=1, description="open connections per worker; more are closed on accept"
+    min_version_wait_ms: float = Field(
+        default=1000.0,
+        ge=0,
+        json_schema_extra=_LIMITS,
+        description="a lookup with X-Robez-Min-Version waits this long for that version, then 503",
     )
-    direct_answers: bool = Field(
-        default=True,
-        description="small hot-route requests are answered by the connection itself, without an ASGI task "
-        "and the middleware stack (same answers, metrics and limits; service/http/direct.py)",
-    )
-    max_ids_per_request: int = Field(default=1 << 18, ge=1)
-    # Bounds the (n, d) rows a request may ask for or push, whatever d is.
-    max_values_per_request: int = Field(default=1 << 25, ge=1)
-    max_tables: int = Field(default=64, ge=1)
-    max_embedding_dim: int = Field(default=4096, ge=1)
-    max_memory_size: int = Field(default=1 << 28, ge=1, description="float32 values per table array")
-    max_total_memory_bytes: int = Field(default=8 * GiB, ge=1, description="all arrays + optimizer state")
-    max_in_flight: int = Field(default=64, ge=1, description="requests admitted per worker before 503")
-    retry_after_s: int = Field(default=1, ge=0)
 
-    # Replicated mode (service/replication/, docs/replication.md): a replica of tables kept identical
+    # -- replication (service/replication/, docs/replication.md): a replica of tables kept identical
     # through a NATS JetStream log. None = the single-machine mode above.
-    nats_url: str | None = Field(default=None, description="NATS server URL(s), comma-separated")
-    nats_replicas: int = Field(default=3, ge=1, le=5, description="JetStream replication factor")
-    # Who robez is to NATS and how it checks NATS (service/natsauth.py, docs/security.md).
-    nats_user: str | None = Field(default=None, description="NATS user (with nats_password)")
-    nats_password: SecretStr | None = Field(default=None, description="NATS user's password")
-    nats_creds: Path | None = Field(default=None, description="NATS .creds file (JWT + nkey seed)")
-    nats_nkey: Path | None = Field(default=None, description="NATS nkey seed file")
-    nats_tls_ca: Path | None = Field(default=None, description="CA bundle of the NATS servers")
-    nats_tls_cert: Path | None = Field(default=None, description="client certificate for NATS (mutual TLS)")
-    nats_tls_key: Path | None = Field(default=None, description="... and its private key")
-    replica_name: str | None = Field(default=None, description="this replica's name; default host:port")
+    nats_url: str | None = Field(
+        default=None,
+        json_schema_extra=_REPLICATION,
+        description="NATS server URL(s), comma-separated; set: replicated mode",
+    )
+    nats_replicas: int = Field(
+        default=3,
+        ge=1,
+        le=5,
+        json_schema_extra=_REPLICATION,
+        description="JetStream replication factor of streams and buckets (1 for a single NATS server)",
+    )
+    replica_name: str | None = Field(
+        default=None,
+        json_schema_extra=_REPLICATION,
+        description="this replica's name (NATS connection name, X-Robez-Replica); none: host name:port",
+    )
     nats_prefix: str = Field(
-        default="robez", pattern=r"^[A-Za-z0-9_-]{1,32}$", description="names of streams and buckets"
+        default="robez",
+        pattern=r"^[A-Za-z0-9_-]{1,32}$",
+        json_schema_extra=_REPLICATION,
+        description="names of streams, buckets and subjects (several robez clusters can share one NATS)",
+    )
+    # Who robez is to NATS and how it checks NATS (service/natsauth.py, docs/security.md).
+    nats_user: str | None = Field(
+        default=None, json_schema_extra=_REPLICATION, description="NATS user (with `nats_password`)"
+    )
+    nats_password: SecretStr | None = Field(
+        default=None,
+        json_schema_extra=_REPLICATION,
+        description="the NATS user's password (from the environment only, never the command line)",
+    )
+    nats_creds: Path | None = Field(
+        default=None, json_schema_extra=_REPLICATION, description="NATS .creds file (JWT + nkey seed)"
+    )
+    nats_nkey: Path | None = Field(
+        default=None, json_schema_extra=_REPLICATION, description="NATS nkey seed file"
+    )
+    nats_tls_ca: Path | None = Field(
+        default=None,
+        json_schema_extra=_REPLICATION,
+        description="CA bundle the NATS servers' certificates must chain to (set: TLS)",
+    )
+    nats_tls_cert: Path | None = Field(
+        default=None,
+        json_schema_extra=_REPLICATION,
+        description="client certificate for NATS servers that verify clients (mutual TLS)",
+    )
+    nats_tls_key: Path | None = Field(
+        default=None, json_schema_extra=_REPLICATION, description="... and its private key"
     )
     nats_dedup_window_s: float = Field(
-        default=600.0, gt=0, description="Idempotency-Key retries within this window are applied once"
+        default=600.0,
+        gt=0,
+        json_schema_extra=_REPLICATION,
+        description="Idempotency-Key retries within this window are applied once",
     )
-    nats_publish_timeout_s: float = Field(default=10.0, gt=0, description="wait for a JetStream ack")
+    nats_publish_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        json_schema_extra=_REPLICATION,
+        description="wait for a JetStream ack, resends included (then 503; the client resends with its key); "
+        "a publish is resent with the same Nats-Msg-Id at once after a reconnect and after a third of this",
+    )
     # A hung NATS server keeps its socket open: it is noticed by unanswered pings (about their product).
-    nats_ping_interval_s: float = Field(default=2.0, gt=0, description="ping the NATS server this often")
+    nats_ping_interval_s: float = Field(
+        default=2.0, gt=0, json_schema_extra=_REPLICATION, description="ping the NATS server this often"
+    )
     nats_max_outstanding_pings: int = Field(
-        default=2, ge=1, description="unanswered pings before the NATS server is taken for hung"
+        default=2,
+        ge=1,
+        json_schema_extra=_REPLICATION,
+        description="unanswered pings before the NATS server is taken for hung and another node is used",
     )
-    nats_write_check_interval_s: float = Field(
-        default=1.0, gt=0, description="/readyz?writes=true: publish a tiny write-check message this often"
+    apply_wait_s: float = Field(
+        default=10.0,
+        gt=0,
+        json_schema_extra=_REPLICATION,
+        description="wait for this replica to apply an acknowledged push (then 503)",
     )
-    apply_wait_s: float = Field(default=10.0, gt=0, description="wait for an acked update to be applied")
-    min_version_wait_ms: float = Field(
-        default=1000.0, ge=0, description="X-Robez-Min-Version: wait this long for the version, then 503"
+    replica_snapshot_every_updates: int = Field(
+        default=10_000,
+        ge=0,
+        json_schema_extra=_REPLICATION,
+        description="upload a snapshot to the Object Store after this many updates (0: never; the log "
+        "then grows forever)",
+    )
+    replica_snapshot_interval_s: float = Field(
+        default=300.0,
+        ge=0,
+        json_schema_extra=_REPLICATION,
+        description="... or when the last upload is this old and updated since (0: off)",
+    )
+    replica_local_snapshot_every_updates: int = Field(
+        default=1_000,
+        ge=0,
+        json_schema_extra=_REPLICATION,
+        description="with a data directory: write a local snapshot after this many updates (0: only on a "
+        "clean stop)",
+    )
+    replica_trim_keep: int = Field(
+        default=1_000,
+        ge=0,
+        json_schema_extra=_REPLICATION,
+        description="log entries kept below the newest snapshot when trimming",
+    )
+
+    # -- telemetry
+    log_level: str = Field(
+        default="info",
+        json_schema_extra=_TELEMETRY,
+        description="critical, error, warning, info, debug or trace",
+    )
+    # One log line per request costs a measurable share of a small lookup; off unless asked for.
+    access_log: bool = Field(
+        default=False, json_schema_extra=_TELEMETRY, description="uvicorn's line per request"
+    )
+    max_metric_tables: int = Field(
+        default=64,
+        ge=1,
+        json_schema_extra=_TELEMETRY,
+        description="tables per worker with their own `table` label in /metrics; the others share `_other` "
+        "(a deleted table's series are removed, freeing its place)",
+    )
+    # OpenTelemetry's own variables (no ROBEZ_ prefix), read here only to decide whether to trace; the SDK
+    # reads the rest itself (service/tracing.py, docs/observability.md).
+    otel_traces_exporter: str | None = Field(
+        default=None,
+        validation_alias="OTEL_TRACES_EXPORTER",
+        json_schema_extra=_TELEMETRY,
+        description="`otlp` or `console`: trace; `none`: do not",
+    )
+    otel_exporter_otlp_endpoint: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        json_schema_extra=_TELEMETRY,
+        description="the OTLP collector; set: trace",
+    )
+    otel_sdk_disabled: bool = Field(
+        default=False,
+        validation_alias="OTEL_SDK_DISABLED",
+        json_schema_extra=_TELEMETRY,
+        description="true: never trace",
+    )
+    trace_export_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        json_schema_extra=_TELEMETRY,
+        description="one export of spans to the OTLP collector, and the flush at a stop, wait at most "
+        "this (over OTEL_EXPORTER_OTLP_TIMEOUT); spans that cannot be sent are dropped",
+    )
+
+    # -- advanced: each a default measured once, kept settable for the reason its description gives.
+    direct_answers: bool = Field(
+        default=True,
+        json_schema_extra=_ADVANCED,
+        description="small hot-route requests that arrive whole are answered by the connection itself, "
+        "without an ASGI task and the middleware stack (same answers, metrics and limits; "
+        "[architecture.md](architecture.md#small-requests-the-fast-paths)). Settable so the load test can "
+        "measure the stack alone and a suspected difference can be ruled out",
+    )
+    # Fixed glibc malloc thresholds (robez_core.allocator.keep_freed_buffers).
+    malloc_mmap_threshold_mb: int = Field(
+        default=32,
+        ge=0,
+        le=32,
+        json_schema_extra=_ADVANCED,
+        description="glibc M_MMAP_THRESHOLD per worker, MiB: blocks up to this come from the heap and up to "
+        "twice that stays free there, so a large lookup's freed output is reused instead of page-faulted in "
+        "on every request (0: glibc's own sliding thresholds). Settable for the load test's allocator "
+        "sweep ([loadtest/README.md](loadtest/README.md))",
     )
     max_version_waiters: int = Field(
         default=32,
         ge=1,
-        description="lookups per worker waiting for a version at once (they hold no max_in_flight slot); "
-        "more: 503",
+        json_schema_extra=_ADVANCED,
+        description="lookups per worker waiting for an X-Robez-Min-Version at once; they hold no "
+        "`max_in_flight` slot while they wait, so waits never starve other requests; more: 503 at once. "
+        "The bound exists so waits cannot pile up without end; raise it only for many readers that each "
+        "wait for their own write",
     )
-    replica_snapshot_every_updates: int = Field(
-        default=10_000, ge=0, description="upload a snapshot to the Object Store after this many updates"
+    nats_write_check_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        json_schema_extra=_ADVANCED,
+        description="/readyz?writes=true: a tiny message is published this often, and writes count as "
+        "possible while one was acknowledged within a few periods. Shorter: a lost quorum is told sooner, "
+        "for more messages on NATS",
     )
-    replica_snapshot_interval_s: float = Field(
-        default=300.0, ge=0, description="... or when the last upload is this old and updated since (0: off)"
+    worker_healthcheck_timeout_s: int = Field(
+        default=60,
+        ge=1,
+        json_schema_extra=_ADVANCED,
+        description="with several workers, a live worker that does not answer the supervisor's ping for "
+        "this long is killed and replaced (a dead one at once); generous, since a worker importing torch "
+        "on a busy machine can take seconds to answer its first ping",
     )
-    replica_local_snapshot_every_updates: int = Field(
-        default=1_000, ge=0, description="with --data-dir: write a local snapshot after this many updates"
-    )
-    replica_trim_keep: int = Field(
-        default=1_000, ge=0, description="log entries kept below the newest snapshot when trimming"
-    )
-
-    shm_dir: Path = Field(default=Path("/dev/shm"), description="where shared table memory is created")
-    # Set by `robez serve` for its workers: the prepared shared-memory directory to attach to.
-    shm_path: Path | None = None
 
     @field_validator("log_level")
     @classmethod

@@ -9,7 +9,8 @@ before it becomes a tensor, so it grows far more than binary, which is viewed in
 
 Prints a Markdown table plus the bound it implies for one worker with the default settings: at most
 ``max_in_flight`` bodies held (each at most ``max_json_body_bytes`` for JSON) and at most
-``compute_slots`` being decoded at once. Output goes to docs/benchmarks/body-memory-<date>.md.
+``COMPUTE_SLOTS`` (service/app.py) being decoded at once. Output goes to
+docs/benchmarks/body-memory-<date>.md.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(measure_one(args.one, args.size)))
         return 0
 
+    from service.app import COMPUTE_SLOTS
     from service.config import Settings
 
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
@@ -146,12 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             body_mib, peak_mib = figures["body_bytes"] / MiB, figures["peak_bytes"] / MiB
             print(f"| {case} | {body_mib:.1f} | {peak_mib:.0f} | {ratio:.1f} |")
     held = settings.max_in_flight * settings.max_json_body_bytes
-    decoding = settings.compute_slots * worst_json * settings.max_json_body_bytes
+    decoding = COMPUTE_SLOTS * worst_json * settings.max_json_body_bytes
     print(f"\nLoad average after: {_load()} (other developers share this machine; memory, not time).")
     print(
         f"\nOne worker with the defaults holds at most max_in_flight={settings.max_in_flight} JSON bodies of "
         f"max_json_body_bytes={settings.max_json_body_bytes // MiB} MiB ({held / MiB:.0f} MiB) and decodes "
-        f"compute_slots={settings.compute_slots} at once at up to {worst_json:.1f}x "
+        f"compute_slots={COMPUTE_SLOTS} at once at up to {worst_json:.1f}x "
         f"({decoding / MiB:.0f} MiB): about {(held + decoding) / MiB:.0f} MiB for JSON bodies."
     )
     return 0

@@ -22,8 +22,8 @@ every update is logged, with its version, before it is applied. So ``consistent_
 
 Where the journal cannot say which ids changed (no data directory: ``NullJournal``; the log replaced by
 another worker's snapshot or a load, or an unfinished update cut off it by a repair), the copy is made
-under the lock, as a whole. A test can make the lock-free copy slow (``faults.slow_down`` after each
-piece) without a big table.
+under the lock, as a whole. A test can make the lock-free copy slow (``Faults.slow_down`` after each
+piece, the ``faults`` argument) without a big table.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 from robez_core.errors import ConflictError, InvalidInputError
 from robez_core.table import Table
 
-from .. import faults
+from ..faults import NO_FAULTS, Faults
 from .journal import Journal, LogMark
 
 logger = logging.getLogger("robez.store")
@@ -49,7 +49,7 @@ T = TypeVar("T")
 
 # Positions are patched in granules of this many values (256 bytes of float32).
 GRANULE = 64
-# The lock-free copy goes in pieces of this many bytes (a test's pause after each: faults.slow_down).
+# The lock-free copy goes in pieces of this many bytes (a test's pause after each: Faults.slow_down).
 _PIECE_BYTES = 1 << 24
 # At most this many lock-free patch rounds; the last, locked round comes earlier once a round ends with at
 # most _FEW_UPDATES updates logged since the one before (their ids are read and hashed, and their granules
@@ -65,6 +65,7 @@ def consistent_copy(
     exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
     targets: Mapping[str, np.ndarray],
     finish: Callable[[Table, int, LogMark | None], T],
+    faults: Faults = NO_FAULTS,
 ) -> T:
     """Fill ``targets`` (name -> a contiguous numpy array of each of ``Table.tensors()``' shape and
     dtype: private memory, or a mapping of a snapshot file) with the table's state at one version V;
@@ -72,7 +73,8 @@ def consistent_copy(
     journal's note of its log at V, None where the copy was made whole under the lock), and its result
     returned. The lock is held for the rows changed since the last lock-free round (see the module
     docstring); the longest hold is logged (info). Raises ``ConflictError`` if the table was replaced by
-    one of another layout meanwhile."""
+    one of another layout meanwhile. ``faults``: testing only, a pause after each piece of the lock-free
+    copy."""
     holds: list[float] = []
 
     @contextmanager
@@ -85,7 +87,7 @@ def consistent_copy(
                 holds.append(time.perf_counter() - start)
 
     started = time.perf_counter()
-    result, version, how = _copy(name, journal, locked, targets, finish)
+    result, version, how = _copy(name, journal, locked, targets, finish, faults)
     logger.info(
         "table %r: state copied at version %d in %.2f s (%s); the update lock held at most %.1f ms",
         name,
@@ -103,12 +105,13 @@ def _copy(
     exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
     targets: Mapping[str, np.ndarray],
     finish: Callable[[Table, int, LogMark | None], T],
+    faults: Faults,
 ) -> tuple[T, int, str]:
     """``consistent_copy``: (finish's result, the version copied, how it was copied)."""
 
     def whole(now: Table, version: int, why: str) -> tuple[T, int, str]:
         """The copy made whole, the lock held (the log cannot say what changed)."""
-        _copy_whole(now, targets, slow=False)
+        _copy_whole(now, targets, pause=None)
         return finish(now, version, None), version, f"whole, under the lock: {why}"
 
     with exclusive() as (table, version):
@@ -116,7 +119,7 @@ def _copy(
         if mark is None:
             return whole(table, version, "no log")
         source = _arrays(table, targets)
-    _copy_whole(table, targets, slow=True)
+    _copy_whole(table, targets, pause=faults.slow_down)
     cannot_tell = "the log could not say what changed during the copy"
     for round_ in range(_ROUNDS + 1):
         with exclusive() as (now, version):
@@ -168,16 +171,16 @@ def _dtype(tensor: torch.Tensor) -> np.dtype:
     return torch.empty(0, dtype=tensor.dtype).numpy().dtype
 
 
-def _copy_whole(table: Table, targets: Mapping[str, np.ndarray], *, slow: bool) -> None:
-    """Every tensor copied into its target, in pieces (``slow``: pausing after each when a test asks)."""
+def _copy_whole(table: Table, targets: Mapping[str, np.ndarray], *, pause: Callable[[], None] | None) -> None:
+    """Every tensor copied into its target, in pieces (``pause``: called after each; a test's hook)."""
     for key, tensor in table.tensors().items():
         source = tensor.detach().reshape(-1).numpy()
         target = targets[key].reshape(-1)
         step = max(1, _PIECE_BYTES // source.itemsize)
         for start in range(0, source.size, step):
             np.copyto(target[start : start + step], source[start : start + step])
-            if slow:
-                faults.slow_down()
+            if pause is not None:
+                pause()
 
 
 def _touched(table: Table, ids: list[np.ndarray]) -> np.ndarray:

@@ -73,6 +73,7 @@ from nats.js.object_store import (
 
 from robez_core.errors import BusyError, ConflictError, NotFoundError
 
+from ..faults import NO_FAULTS, Faults
 from ..natsauth import NatsAuth
 from .log import Appended, CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError
 from .natspatch import bound_tls_close
@@ -122,6 +123,7 @@ class JetStreamLog(SnapshotObjects):
         auth: credentials and TLS material (``NatsAuth``); None: an unauthenticated plaintext connection.
         lease_ttl_s: a snapshot upload lease not renewed for this long expires (its holder died or hung);
             renewed every third of it. Fixed when the lease bucket is first created.
+        faults: testing only, the process's fault hooks (a pause after each uploaded snapshot chunk).
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class JetStreamLog(SnapshotObjects):
         max_outstanding_pings: int = 2,
         auth: NatsAuth | None = None,
         lease_ttl_s: float = 30.0,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         bound_tls_close()  # a hung node's TLS close must not stall reconnects; refuses an unknown nats-py
         self.urls = urls
@@ -149,6 +152,7 @@ class JetStreamLog(SnapshotObjects):
         self.ping_interval_s = ping_interval_s
         self.max_outstanding_pings = max_outstanding_pings
         self.lease_ttl_s = lease_ttl_s
+        self.faults = faults
         self._health_subject = f"{prefix}.health.{secrets.token_hex(6)}"
         # Set (and replaced) at every reconnect: a publish waiting for its ack on the old server resends.
         self._reconnected = asyncio.Event()

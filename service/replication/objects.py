@@ -38,7 +38,7 @@ from nats.js.object_store import (
 
 from robez_core.errors import BusyError, ConflictError, CorruptionError
 
-from .. import faults
+from ..faults import Faults
 from .localsnap import SCRATCH_PREFIX
 from .log import CatalogEntry, Snapshot, StoredLoad
 
@@ -82,6 +82,7 @@ class SnapshotObjects:
     client_name: str | None
     timeout_s: float
     lease_ttl_s: float
+    faults: Faults  # testing only: snapshot_chunk_delay_s
     _leases: KeyValue | None
     _reconnected: asyncio.Event  # set (and replaced) at every reconnect
 
@@ -214,7 +215,7 @@ class SnapshotObjects:
         subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self._bucket, obj=nuid)
         digest = hashlib.sha256()
         size = chunks = first_seq = 0
-        delay = faults.snapshot_chunk_delay_s()
+        delay = self.faults.snapshot_chunk_delay_s
         try:
             buffer = bytearray(SNAPSHOT_CHUNK_BYTES)
             with open(snapshot.path, "rb", buffering=0) as handle:

@@ -29,6 +29,7 @@ from robez_core.table import Table
 
 from .. import tracing
 from ..config import Settings, TableSpec
+from ..faults import NO_FAULTS, Faults
 from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
 from .applier import STATUS_FILE, Applier, ReplicaStatus
@@ -55,8 +56,9 @@ def local_settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"config": None, "default_table": False, "data_dir": None})
 
 
-def open_log(settings: Settings) -> ReplicatedLog:
-    """The replicated log named by the settings (JetStream; a Kafka backend would be chosen here)."""
+def open_log(settings: Settings, faults: Faults = NO_FAULTS) -> ReplicatedLog:
+    """The replicated log named by the settings (JetStream; a Kafka backend would be chosen here);
+    ``faults``: testing only (a slow snapshot upload)."""
     from .jetstream import JetStreamLog
 
     assert settings.nats_url is not None
@@ -70,6 +72,7 @@ def open_log(settings: Settings) -> ReplicatedLog:
         ping_interval_s=settings.nats_ping_interval_s,
         max_outstanding_pings=settings.nats_max_outstanding_pings,
         auth=settings.nats_auth(),
+        faults=faults,
     )
 
 
@@ -104,7 +107,7 @@ class Replica:
         self.store = store
         self.settings = settings
         self.metrics = metrics
-        self.log = log if log is not None else open_log(settings)
+        self.log = log if log is not None else open_log(settings, store.faults)
         self.name = replica_name(settings)
         self.status_path = store.directory.path / STATUS_FILE
         self._lock_path = store.directory.path / LOCK_FILE

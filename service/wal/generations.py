@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from robez_core.checkpoint import CheckpointWriter, fsync_dir
 from robez_core.errors import ConflictError, CorruptionError
 
-from ..faults import die_at, slow_down
+from ..faults import Faults
 from ..log.journal import is_storage_full
 from .files import (
     CREATING_PREFIX,
@@ -48,8 +48,7 @@ class WalGenerations(WalLayout):
             staging.mkdir()
             self._write_generation(staging, table, version, generation=1)
             os.replace(staging / f"{LOG_FILE}.new", staging / LOG_FILE)
-            if self.fault_file is not None:  # testing only: a kill with the table staged, not in place
-                die_at(self.fault_file, "create:staged")
+            self.faults.die_at("create:staged")  # testing only: a kill with the table staged, not in place
             if directory.exists():
                 # Never a crashed create's (those stay in .creating-*): a table damaged in place. Its files
                 # are someone's data; nothing here removes them.
@@ -83,8 +82,7 @@ class WalGenerations(WalLayout):
                 raise self._storage_full(f"snapshot of table {name!r}", table_bytes(table)) from error
             raise
         # meta.json now names the new generation; the old log is stale from here on.
-        if self.fault_file is not None:  # testing only: a crash between the two renames
-            die_at(self.fault_file, "snapshot:committed")
+        self.faults.die_at("snapshot:committed")  # testing only: a crash between the two renames
         os.replace(directory / f"{LOG_FILE}.new", directory / LOG_FILE)
         fsync_dir(directory)
         # Every older snapshot goes, not only the one this replaced: one an interrupted snapshot left
@@ -103,7 +101,7 @@ class WalGenerations(WalLayout):
             # Straight from the table's memory (no private copy), hashed from the file, fsynced.
             fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                crc, size = finish_snapshot(fd, staged, table.begin_write(fd))
+                crc, size = finish_snapshot(fd, staged, table.begin_write(fd), self.faults)
             finally:
                 os.close(fd)
             os.replace(staged, snapshot_file)
@@ -160,26 +158,16 @@ class WalGenerations(WalLayout):
         return meta is not None and (version != meta.version or not self._log_is_empty(name))
 
 
-def finish_snapshot(fd: int, path: Path, writer: CheckpointWriter) -> tuple[int, int]:
+def finish_snapshot(fd: int, path: Path, writer: CheckpointWriter, faults: Faults) -> tuple[int, int]:
     """Complete the snapshot ``begin_write`` left in ``fd`` (checksums, header, fsync; no lock needed,
-    pausing after each 16 MiB hashed when a test asks: ``faults.slow_down``); its (crc32, size) for
+    pausing after each 16 MiB hashed when a test asks: ``faults``); its (crc32, size) for
     meta.json."""
     hashed = 0
 
     def pause(piece: memoryview) -> None:
         nonlocal hashed
         before, hashed = hashed, hashed + len(piece)
-        slow_down_per_piece(before, hashed)
+        faults.slow_down_per_piece(before, hashed)
 
     writer.finish(fd, each_piece=pause)
     return file_crc(path)
-
-
-_SLOW_PIECE_BYTES = 1 << 24  # a test's pause per this much hashed, as the store's checksum pauses
-
-
-def slow_down_per_piece(before: int, after: int) -> None:
-    """``slow_down`` once when a pass crossed a ``_SLOW_PIECE_BYTES`` boundary going from ``before``
-    to ``after`` bytes (testing only: nothing happens unless a test asks)."""
-    if after // _SLOW_PIECE_BYTES > before // _SLOW_PIECE_BYTES:
-        slow_down()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from robez_core.errors import ConfigError
 
-from ..faults import fault_file
+from ..faults import NO_FAULTS, Faults
 from .appender import WalAppender
 from .generations import WalGenerations
 from .live_snapshots import WalLiveSnapshots
@@ -48,8 +48,9 @@ class WalJournal(WalAppender, WalGenerations, WalLiveSnapshots, WalRecovery):
     """
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> WalJournal:
-        """The journal a server with ``settings.data_dir`` uses (fsync and snapshot policy from settings)."""
+    def from_settings(cls, settings: Settings, faults: Faults = NO_FAULTS) -> WalJournal:
+        """The journal a server with ``settings.data_dir`` uses (fsync and snapshot policy from settings;
+        ``faults``: testing only, the process's fault hooks)."""
         if settings.data_dir is None:
             raise ConfigError("WalJournal needs settings.data_dir")
         journal = cls(
@@ -61,5 +62,5 @@ class WalJournal(WalAppender, WalGenerations, WalLiveSnapshots, WalRecovery):
             snapshot_log_ratio=settings.snapshot_log_ratio,
             snapshot_log_min_bytes=settings.snapshot_log_min_bytes,
         )
-        journal.fault_file = fault_file()
+        journal.faults = faults
         return journal

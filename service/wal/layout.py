@@ -23,7 +23,7 @@ from robez_core.checkpoint import CheckpointFile, fsync_dir
 from robez_core.errors import ConfigError, ConflictError, CorruptionError, NotFoundError
 
 from ..errors import StorageFullError
-from ..faults import die_at
+from ..faults import NO_FAULTS, Faults
 from .files import (
     lock_data_dir,
     open_private,
@@ -159,8 +159,8 @@ class WalLayout:
         # Bytes the last write refused for lack of space needed (None: no such refusal since the last
         # write that succeeded); ``write_problem`` reports it until that much space is free again.
         self._no_space_needed: int | None = None
-        # Testing only (service/faults.py): the file that, naming a point, kills this process there.
-        self.fault_file: Path | None = None
+        # Testing only (service/faults.py): the kill points and pauses; set by ``WalJournal.from_settings``.
+        self.faults: Faults = NO_FAULTS
 
     # -- paths -------------------------------------------------------------------------------------------
 
@@ -254,8 +254,7 @@ class WalLayout:
         doomed = self.data_dir / f"{_DROPPED}{name}-{uuid.uuid4().hex[:8]}"
         os.replace(directory, doomed)  # the commit
         fsync_dir(self.data_dir)
-        if self.fault_file is not None:  # testing only: a kill before the folder is removed
-            die_at(self.fault_file, "drop:renamed")
+        self.faults.die_at("drop:renamed")  # testing only: a kill before the folder is removed
         shutil.rmtree(doomed, ignore_errors=True)
 
     # -- meta.json and the log's header ------------------------------------------------------------------

@@ -20,7 +20,6 @@ import numpy as np
 from robez_core.checkpoint import CheckpointWriter, fsync_dir
 from robez_core.errors import ConflictError, CorruptionError
 
-from ..faults import die_at
 from ..log.journal import Journal, LogMark, is_storage_full
 from ..log.live_copy import consistent_copy
 from .files import (
@@ -110,8 +109,10 @@ class WalLiveSnapshots(WalLayout):
                     # consistent_copy reads only log_mark and updated_ids (below) of the journal: this
                     # part of WalJournal, which implements the whole Journal.
                     journal = cast("Journal", self)
-                    version, log_end, log_inode = consistent_copy(name, journal, exclusive, targets, noted)
-                crc, size = finish_snapshot(fd, staged, writer)  # hashing and fsync: no lock
+                    version, log_end, log_inode = consistent_copy(
+                        name, journal, exclusive, targets, noted, self.faults
+                    )
+                crc, size = finish_snapshot(fd, staged, writer, self.faults)  # hashing and fsync: no lock
                 os.close(fd)
                 fd = None
                 header = encode_log_header(embedding_dim, generation, version)
@@ -332,8 +333,7 @@ class WalLiveSnapshots(WalLayout):
             raise
         os.replace(meta_tmp, directory / META_FILE)  # the commit
         fsync_dir(directory)
-        if self.fault_file is not None:  # testing only: a crash between the two renames
-            die_at(self.fault_file, "snapshot:committed")
+        self.faults.die_at("snapshot:committed")  # testing only: a crash between the two renames
         os.replace(new_log, path)
         fsync_dir(directory)
         self._remove_stale_files(directory, snapshot, keep=replaced)

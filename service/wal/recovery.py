@@ -20,7 +20,6 @@ from .files import (
     sync_data,
     write_file_durably,
 )
-from .generations import slow_down_per_piece
 from .layout import TableMeta, WalLayout
 from .records import (
     LOG_FILE,
@@ -90,7 +89,7 @@ class WalRecovery(WalLayout):
             nonlocal crc, size
             crc = crc32(piece, crc)
             before, size = size, size + len(piece)
-            slow_down_per_piece(before, size)  # testing only: a slow load without a big table
+            self.faults.slow_down_per_piece(before, size)  # testing only: a slow load without a big table
 
         started = time.perf_counter()
         checkpoint.read_into(table.tensors(), verify=False, each_piece=add)

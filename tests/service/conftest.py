@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.config import Settings
+from service.faults import Faults
 from service.store import TableStore
 
 SMALL_TABLE = {"num_embeddings": 1000, "embedding_dim": 8, "memory_size": 4096, "chunk_size": 4}
@@ -39,7 +40,9 @@ def client_factory(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []
 
     def start(**overrides: Any) -> TestClient:
-        client = TestClient(create_app(make_settings(tmp_path, **overrides)), raise_server_exceptions=False)
+        # Hooks of its own, all off: a test may turn one on on this app's store (``store.faults``).
+        app = create_app(make_settings(tmp_path, **overrides), faults=Faults())
+        client = TestClient(app, raise_server_exceptions=False)
         client.__enter__()
         clients.append(client)
         return client

@@ -1,6 +1,7 @@
 """One server with big tables (issue 27): a bad tables file changes nothing; checksums and snapshots do
 not block pushes; a restart's memory is bounded by the table. Tables of a few MB, made slow by the test
-hook ``ROBEZ_FAULT_SLOW_SECONDS`` (service/faults.py), not by size."""
+hook ``Faults.slow_seconds`` (service/faults.py; ``ROBEZ_FAULT_SLOW_SECONDS`` for a server process), not
+by size."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from robez_core.errors import LimitExceededError
 from robez_core.table import Table
 from service.app import create_app
 from service.config import Settings
-from service.faults import SLOW_VARIABLE
 from service.log import live_copy
 from service.store import TableStore
 from service.wal import WalJournal
@@ -157,18 +157,18 @@ def _push(client: TestClient) -> None:
 
 @pytest.mark.slow
 def test_a_push_completes_while_a_checksum_is_hashed(
-    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    client_factory: Callable[..., TestClient], tmp_path: Path
 ) -> None:
     client = _big_client(client_factory, tmp_path)
     store = store_of(client)
     _push(client)  # the first push of a process may load compiled kernels: not during the measure
     quiet_version, quiet_digest = store.checksum("big")
-    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS))
+    store.faults.slow_seconds = SLOW_SECONDS
     latencies, started, ended = _pushes_during(lambda: store.checksum("big"), lambda: _push(client))
     assert ended - started >= 2 * SLOW_SECONDS  # the hook made it slow
     # Pushes went on the whole time: none waited for the hash (under the lock it would wait ~2 s).
     assert len(latencies) >= 3 and max(latencies) < SLOW_SECONDS, latencies
-    monkeypatch.delenv(SLOW_VARIABLE)
+    store.faults.slow_seconds = 0.0
     assert store.checksum("big")[0] == quiet_version + len(latencies)
     response = client.get("/v1/tables/big/checksum")
     assert response.status_code == 200 and response.json()["sha256"] != quiet_digest
@@ -182,19 +182,19 @@ def _same_tables(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) 
 
 @pytest.mark.slow
 def test_a_push_completes_while_a_snapshot_of_its_table_is_written(
-    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    client_factory: Callable[..., TestClient], tmp_path: Path
 ) -> None:
     client = _big_client(client_factory, tmp_path)
     store = store_of(client)
     journal = store.journal
     assert isinstance(journal, WalJournal)
     _push(client)
-    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS))
+    store.faults.slow_seconds = SLOW_SECONDS
     snapshotted: list[int] = []
     latencies, started, ended = _pushes_during(
         lambda: snapshotted.append(store.snapshot("big")), lambda: _push(client)
     )
-    monkeypatch.delenv(SLOW_VARIABLE)
+    store.faults.slow_seconds = 0.0
     assert ended - started >= 2 * SLOW_SECONDS  # the hook made it slow
     assert len(latencies) >= 3 and max(latencies) < SLOW_SECONDS, latencies
     # The snapshot holds the version of its start; the pushes made meanwhile are in the next log.
@@ -259,7 +259,7 @@ def _sha256(table: Table) -> str:
 
 @pytest.mark.slow
 def test_pushes_go_on_while_a_snapshot_copies_its_table_and_the_snapshot_is_exact(
-    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    client_factory: Callable[..., TestClient], tmp_path: Path
 ) -> None:
     """The state is copied into the snapshot file without the update lock (slowed by the test hook), the
     rows updated meanwhile patched under it: pushes are applied during the copy, are in the snapshot,
@@ -269,10 +269,10 @@ def test_pushes_go_on_while_a_snapshot_copies_its_table_and_the_snapshot_is_exac
     journal = store.journal
     assert isinstance(journal, WalJournal)
     pushes = _Pushes(client, seed=11)
-    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS))
+    store.faults.slow_seconds = SLOW_SECONDS
     snapshotted: list[int] = []
     latencies, started, ended = _pushes_during(lambda: snapshotted.append(store.snapshot("big")), pushes.push)
-    monkeypatch.delenv(SLOW_VARIABLE)
+    store.faults.slow_seconds = 0.0
     # Pushes were applied while the state was copied (a copy under the lock: none would be in it).
     version = snapshotted[0]
     assert version >= pushes.start_version + 3, (version, pushes.start_version)
@@ -290,17 +290,17 @@ def test_pushes_go_on_while_a_snapshot_copies_its_table_and_the_snapshot_is_exac
 
 @pytest.mark.slow
 def test_pushes_go_on_while_a_checksum_copies_its_table_and_it_hashes_exactly_its_version(
-    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    client_factory: Callable[..., TestClient], tmp_path: Path
 ) -> None:
     client = _big_adam(client_factory, tmp_path, data_dir=tmp_path / "data")
     store = store_of(client)
     pushes = _Pushes(client, seed=12)
     quiet = store.checksum("big")
     assert quiet == (pushes.start_version, _sha256(pushes.start))  # the digest computed here is the same
-    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS))
+    store.faults.slow_seconds = SLOW_SECONDS
     summed: list[tuple[int, str]] = []
     latencies, started, ended = _pushes_during(lambda: summed.append(store.checksum("big")), pushes.push)
-    monkeypatch.delenv(SLOW_VARIABLE)
+    store.faults.slow_seconds = 0.0
     version, digest = summed[0]
     assert version >= pushes.start_version + 3, (version, pushes.start_version)  # pushed during the copy
     assert ended - started >= 6 * SLOW_SECONDS  # copy and hash slowed
@@ -353,11 +353,11 @@ def test_a_copy_reads_under_the_lock_only_the_updates_of_its_last_round(
     store = store_of(client)
     pushes = _Pushes(client, seed=13)
     reads = _LockedReads(store, monkeypatch)
-    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS / 2))
+    store.faults.slow_seconds = SLOW_SECONDS / 2
     summed: list[tuple[int, str]] = []
     with caplog.at_level("INFO", logger="robez.store"):
         _pushes_during(lambda: summed.append(store.checksum("big")), pushes.push)
-    monkeypatch.delenv(SLOW_VARIABLE)
+    store.faults.slow_seconds = 0.0
     version, digest = summed[0]
     during_copy = version - pushes.start_version
     assert during_copy >= 20, during_copy  # enough updates during the copy to tell the two apart
@@ -373,7 +373,7 @@ def test_a_copy_reads_under_the_lock_only_the_updates_of_its_last_round(
 
 @pytest.mark.slow
 def test_a_checksum_without_a_data_dir_copies_under_the_lock_and_is_exact(
-    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    client_factory: Callable[..., TestClient], tmp_path: Path
 ) -> None:
     """No log to say what changed during a lock-free copy: the copy is made under the lock (not slowed),
     the hash without it; the digest is still exactly its version's."""
@@ -381,10 +381,10 @@ def test_a_checksum_without_a_data_dir_copies_under_the_lock_and_is_exact(
     store = store_of(client)
     assert store.journal_is_memory_only()
     pushes = _Pushes(client, seed=13)
-    monkeypatch.setenv(SLOW_VARIABLE, str(SLOW_SECONDS / 2))
+    store.faults.slow_seconds = SLOW_SECONDS / 2
     summed: list[tuple[int, str]] = []
     latencies, _started, _ended = _pushes_during(lambda: summed.append(store.checksum("big")), pushes.push)
-    monkeypatch.delenv(SLOW_VARIABLE)
+    store.faults.slow_seconds = 0.0
     version, digest = summed[0]
     assert version < store.version("big") and len(latencies) >= 3  # pushes went on during the hash
     assert digest == _sha256(pushes.oracle(version))

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from robez_core.errors import ConfigError
 from robez_core.hostinfo import usable_cpus
+from service.app import WORKER_SHM_VARIABLE
 from service.cli import _environment_for_workers, _parser, _settings_from
 from service.config import Settings, load_tables_file
 
@@ -48,8 +49,9 @@ def test_workers_inherit_the_parents_settings(monkeypatch: pytest.MonkeyPatch, t
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     worker = Settings()
-    assert worker.model_dump(exclude={"shm_path"}) == parent.model_dump(exclude={"shm_path"})
-    assert worker.shm_path == tmp_path / "shm"
+    assert worker.model_dump() == parent.model_dump()
+    # The shared directory is handed over beside the settings, not as one.
+    assert env[WORKER_SHM_VARIABLE] == str(tmp_path / "shm")
     assert env["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path / "shm" / "metrics")
 
 

@@ -31,15 +31,16 @@ def test_glibc_takes_the_thresholds_clamped_to_its_cap() -> None:
     assert out.startswith("True") and "mmap threshold 32 MiB, trim threshold 64 MiB, top pad 0 MiB" in out
 
 
-def test_a_worker_sets_the_output_pool_from_its_settings() -> None:
-    """``ROBEZ_OUTPUT_POOL_MB`` (default 0: off) caps robez_core.buffers in each worker at start-up."""
+def test_a_worker_keeps_no_output_pool() -> None:
+    """A worker turns robez_core.buffers' pool off at start-up (a training process keeps one): its freed
+    outputs are reused through the fixed malloc thresholds."""
     code = (
         "from fastapi.testclient import TestClient\n"
         "from robez_core import buffers\n"
         "from service.app import create_app\n"
         "from service.config import Settings\n"
-        "for mb in (0, 3):\n"
-        "    with TestClient(create_app(Settings(_env_file=None, output_pool_mb=mb))):\n"
-        "        print(buffers.max_bytes(), end=' ')\n"
+        "print(buffers.max_bytes() > 0, end=' ')\n"
+        "with TestClient(create_app(Settings(_env_file=None))):\n"
+        "    print(buffers.max_bytes(), end=' ')\n"
     )
-    assert _in_child(code).split() == ["0", str(3 << 20)]
+    assert _in_child(code).split() == ["True", "0"]

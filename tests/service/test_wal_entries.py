@@ -111,15 +111,17 @@ _PUSHER = textwrap.dedent(
 
     from robez_core.config import OptimizerConfig, TableConfig
     from service.config import Settings, TableSpec
+    from service.faults import Faults
     from service.shm import SharedDirectory
     from service.store import TableStore, UpdatePart
     from service.wal import WalJournal
 
     data_dir, shm_dir, fault = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     settings = Settings(_env_file=None, shm_dir=shm_dir, data_dir=data_dir, default_table=False)
-    journal = WalJournal.from_settings(settings)
+    faults = Faults.from_environment()  # this script is its process's composition root
+    journal = WalJournal.from_settings(settings, faults)
     directory = SharedDirectory.create(shm_dir)
-    store = TableStore(directory, settings, journal)
+    store = TableStore(directory, settings, journal, faults)
     optimizer = OptimizerConfig("adagrad", lr=0.1)
     store.create("a", TableSpec(TableConfig(100, 8, memory_size=1024, chunk_size=4), optimizer))
     store.create("b", TableSpec(TableConfig(50, 4, memory_size=512, chunk_size=2, seed=3), optimizer))

@@ -19,7 +19,7 @@ import pytest
 
 from devtools.natscluster import NatsCluster
 from robez_core.errors import ConflictError
-from service import faults
+from service.faults import Faults
 from service.replication.jetstream import JetStreamLog
 from service.replication.log import CatalogEntry, Snapshot
 from service.replication.objects import SNAPSHOT_CHUNK_BYTES
@@ -90,9 +90,7 @@ def test_lease_is_exclusive_and_a_frozen_holder_loses_it(single_nats: NatsCluste
     asyncio.run(scenario())
 
 
-def test_no_chunk_outlives_its_object(
-    single_nats: NatsCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_chunk_outlives_its_object(single_nats: NatsCluster, tmp_path: Path) -> None:
     """Chunks left by an upload killed half-way, the previous objects' chunks and a cancelled upload's
     chunks are all purged; after many uploads the bucket holds one object; a drop purges everything."""
 
@@ -109,7 +107,7 @@ def test_no_chunk_outlives_its_object(
             # Not newer than the stored one: not uploaded at all.
             assert not await log.put_snapshot(entry, Snapshot(5, _file(tmp_path, "again", 1)))
 
-            monkeypatch.setenv(faults.SNAPSHOT_CHUNK_DELAY_VARIABLE, "0.5")
+            log.faults = Faults(snapshot_chunk_delay_s=0.5)  # a slow upload
             upload = asyncio.create_task(log.put_snapshot(entry, Snapshot(9, _file(tmp_path, "slow", 6))))
             deadline = asyncio.get_running_loop().time() + 10
             while sum((await _chunk_messages(log)).values()) < 5:  # the slow upload sent 2 chunks
@@ -118,7 +116,7 @@ def test_no_chunk_outlives_its_object(
             upload.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await upload
-            monkeypatch.delenv(faults.SNAPSHOT_CHUNK_DELAY_VARIABLE)
+            log.faults = Faults()
             assert list((await _chunk_messages(log)).values()) == [3]
             assert await log.snapshot_position(entry) == 5
             # The lease went with the cancelled upload: the next one goes ahead.

@@ -54,22 +54,24 @@ CHILD_SECONDS = 120.0
 
 # The dying worker: attach, then load ``argv[4]`` into table t (or delete t when it is "-").
 _WORKER = """
-import os
 import sys
 from pathlib import Path
 from robez_core.table import Table
 from service.config import Settings
+from service.faults import Faults
 from service.shm import SharedDirectory
 from service.store import TableStore
 from service.wal import WalJournal
 
 shm_path, data_dir, fault, checkpoint = sys.argv[1:]
-os.environ["ROBEZ_FAULT_DIE_AFTER_APPEND"] = fault  # the test hook of service/faults.py
 settings = Settings(
-    _env_file=None, shm_dir=Path(shm_path).parent, shm_path=shm_path, data_dir=data_dir,
+    _env_file=None, shm_dir=Path(shm_path).parent, data_dir=data_dir,
     default_table=False, threads_per_worker=1,
 )
-store = TableStore(SharedDirectory(Path(shm_path)), settings, WalJournal.from_settings(settings))
+faults = Faults(die_file=Path(fault))  # the test hook of service/faults.py
+store = TableStore(
+    SharedDirectory(Path(shm_path)), settings, WalJournal.from_settings(settings, faults), faults
+)
 if checkpoint == "-":
     store.delete("t")
 else:
