@@ -189,6 +189,10 @@ def test_kept_steps_are_bounded_in_count_and_age(stores: list[TableStore]) -> No
     token = kept.put(ENTRY.name, payload, headers, proposed)
     kept.discard(token)
     assert len(kept) == 2
+    small = ProposedSteps(max_entries=3, max_age_s=60.0, max_bytes=2 * len(payload))
+    for _ in range(3):
+        small.put(ENTRY.name, payload, headers, proposed)
+    assert len(small) == 2
     aging = ProposedSteps(max_entries=3, max_age_s=0.0)
     aging.put(ENTRY.name, payload, headers, proposed)
     time.sleep(0.001)  # past its (zero) age
