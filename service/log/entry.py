@@ -91,6 +91,20 @@ class UpdateRecord:
     group: EntryGroup | None = None
 
 
+class Proposed(NamedTuple):
+    """A push's step as the process that proposed it prepared it (``prepare``: hashed and coalesced,
+    its inputs checked) on ``table``, kept so that applying that very entry here does not prepare it
+    again (``apply_logged_record``). Whoever keeps it matches it to the entry's exact bytes.
+
+    Attributes:
+        table: the table object it was prepared on (a step applies only to that one: same config).
+        step: the coalesced step.
+    """
+
+    table: Table
+    step: PreparedStep
+
+
 @dataclass(frozen=True)
 class SkippedRecord:
     """A logged entry that fails a check: applied as an empty version (the table's version moves to
@@ -127,9 +141,11 @@ def apply_record(
         ids: int64 (N,) ids, as sent (duplicates not yet summed); a tensor or a numpy array.
         grads: float32 (N, d) gradients of their rows; a tensor or a numpy array.
         lr: the learning rate to apply, resolved (the request's or the table's).
-        step: ``table.prepare_step`` of this very update, already checked (``check_step``) under the
-            lock: only applied. The live path with a journal checks before it appends, so a refused
-            update never reaches the log.
+        step: ``table.prepare_step`` of this very update. Without ``logged_as``: already checked
+            (``check_step``) under the lock, only applied (the live path with a journal checks before it
+            appends, so a refused update never reaches the log). With: prepared when this process
+            proposed the entry (``Proposed``), so it is not hashed nor coalesced again; the lr and
+            ``check_step`` (it reads the array, at this version) are still checked.
         logged_as: (table name, version) of the log record this update is. Every check is then made
             here (the lr too) and an update that fails one (``RefusedUpdateError``: bad lr, ids or
             gradients, or a step that would leave a non-finite value) is skipped with one warning and a
@@ -143,19 +159,22 @@ def apply_record(
 
     Returns (seconds hashing, seconds coalescing, checking and stepping), or the ``SkippedRecord``.
     """
-    if step is not None:
+    if step is not None and logged_as is None:
         start = time.perf_counter()
         table.apply_step(step)
         return 0.0, time.perf_counter() - start
+    start = time.perf_counter()
+    hash_seconds = 0.0
     try:
         if logged_as is not None:
             check_lr(table, lr)
-        # A small batch is hashed, checked and applied in two compiled calls; None: the general path.
-        timings = table.try_checked_update(ids, grads, lr)
-        if timings is not None:
-            return timings
-        start = time.perf_counter()
-        step, hash_seconds = prepare(table, as_tensor(ids), as_tensor(grads), lr)
+        if step is None:
+            # A small batch is hashed, checked and applied in two compiled calls; None: the general path.
+            timings = table.try_checked_update(ids, grads, lr)
+            if timings is not None:
+                return timings
+            start = time.perf_counter()
+            step, hash_seconds = prepare(table, as_tensor(ids), as_tensor(grads), lr)
         if not checked_when_logged:
             check_step(table, step)
     except RefusedUpdateError as error:
@@ -167,13 +186,21 @@ def apply_record(
 
 
 def apply_logged_record(
-    table: Table, record: UpdateRecord | SkippedRecord
+    table: Table, record: UpdateRecord | SkippedRecord, proposed: Proposed | None = None
 ) -> tuple[float, float] | SkippedRecord:
     """One entry of a log applied to ``table`` (served, under its lock, or a private rebuild):
-    ``apply_record`` with every check, or nothing for an entry that could not even be decoded."""
+    ``apply_record`` with every check, or nothing for an entry that could not even be decoded.
+    ``proposed``: the step this process prepared from the entry's very bytes when it proposed it, used
+    (not hashed nor coalesced again) if it was prepared on this table with this lr; the checks that
+    read the array are made all the same, so the outcome is the same bits either way."""
     if isinstance(record, SkippedRecord):
         return skipped(record)
-    return apply_record(table, record.ids, record.grads, record.lr, logged_as=(record.table, record.version))
+    step = None
+    if proposed is not None and proposed.table is table and proposed.step.lr == record.lr:
+        step = proposed.step
+    return apply_record(
+        table, record.ids, record.grads, record.lr, step=step, logged_as=(record.table, record.version)
+    )
 
 
 def skipped(record: SkippedRecord) -> SkippedRecord:

@@ -54,6 +54,7 @@ from ..metrics import Metrics
 from ..store import TableStore, UpdateResult
 from .localsnap import LocalSnapshots, remove_stale_files
 from .log import CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, ReplicatedLog
+from .proposed import ProposedSteps
 from .records import LoadRecord, decode_entry
 from .replay import load_checkpoint, replay_log
 from .uploads import SnapshotUploads
@@ -116,6 +117,9 @@ class Applier(SnapshotUploads):
         # future resolved as soon as the entry at its version is applied (``_wake``).
         self._waiters: dict[str, list[tuple[int, int, asyncio.Future[None]]]] = {}
         self._arrivals = itertools.count()
+        # The steps this worker prepared for the pushes it published: applied as they are (one
+        # validation per push) when the entry read back has exactly their bytes.
+        self.proposed = ProposedSteps()
         # Lag: the log's last position minus the version applied here (entries), and an upper bound on
         # the age of the oldest entry not applied yet (s), from the log time of the last entry applied
         # (``_applied_log_time``) and when the table was last seen caught up (``_caught_up_at``).
@@ -424,16 +428,28 @@ class Applier(SnapshotUploads):
         loop = asyncio.get_running_loop()
         name = entry.name
 
+        def apply_one(
+            item: LogEntry, record: UpdateRecord | SkippedRecord
+        ) -> UpdateResult | SkippedRecord | None:
+            proposed = (
+                self.proposed.take(name, item.payload, item.headers)
+                if isinstance(record, UpdateRecord)
+                else None
+            )
+            if proposed is None:
+                return self.store.apply(record)
+            return self.store.apply(record, proposed)
+
         def apply_all() -> list[UpdateResult | SkippedRecord | None]:
             results = []
             for item, record in taken:
                 if tracing.TRACER is None:
-                    results.append(self.store.apply(record))
+                    results.append(apply_one(item, record))
                 else:  # a span of the trace the push's headers carry, on every replica
                     parent = tracing.from_headers(item.headers)
                     count = int(record.ids.numel()) if isinstance(record, UpdateRecord) else 0
                     with tracing.span("apply", name, count, item.position, parent=parent):
-                        results.append(self.store.apply(record))
+                        results.append(apply_one(item, record))
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (stopping)
                     loop.call_soon_threadsafe(self._wake, name)
             return results

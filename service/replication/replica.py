@@ -30,6 +30,7 @@ from robez_core.table import Table
 from .. import tracing
 from ..config import Settings, TableSpec
 from ..faults import NO_FAULTS, Faults
+from ..log.entry import Proposed
 from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
 from .applier import STATUS_FILE, Applier, ReplicaStatus
@@ -249,18 +250,27 @@ class Replica:
             raise BusyError("this replica is not connected to the replicated log yet") from exc
 
     async def update(
-        self, name: str, ids: Tensor, grads: Tensor, lr: float, key: str | None
+        self,
+        name: str,
+        ids: Tensor,
+        grads: Tensor,
+        lr: float,
+        key: str | None,
+        proposed: Proposed | None = None,
     ) -> ReplicatedUpdate:
-        """Append a validated push (``lr`` already resolved by ``TableStore.validate_update``) and wait
-        until this replica applied it; the version is the log position.
+        """Append a validated push (``lr`` already resolved by ``TableStore.validate_many``) and wait
+        until this replica applied it; the version is the log position. ``proposed``: the step the
+        validation prepared, kept for this worker's applier if it is this worker (``ProposedSteps``).
 
         ``key`` (the request's Idempotency-Key): a second append with it, within the dedup window,
         is not added to the log; its answer is the first one's version."""
         if tracing.TRACER is None:
-            appended, entry, start = await self._publish(name, ids, grads, lr, key, None)
+            appended, entry, start = await self._publish(name, ids, grads, lr, key, None, proposed)
         else:
             with tracing.span("publish", name, int(ids.numel())) as span:
-                appended, entry, start = await self._publish(name, ids, grads, lr, key, tracing.inject())
+                appended, entry, start = await self._publish(
+                    name, ids, grads, lr, key, tracing.inject(), proposed
+                )
                 span.set_attribute(tracing.VERSION, appended.position)
         acked = time.perf_counter()
         self.metrics.replication_publish_ack_seconds.labels(name).observe(acked - start)
@@ -345,7 +355,14 @@ class Replica:
         return table
 
     async def _publish(
-        self, name: str, ids: Tensor, grads: Tensor, lr: float, key: str | None, trace: dict[str, str] | None
+        self,
+        name: str,
+        ids: Tensor,
+        grads: Tensor,
+        lr: float,
+        key: str | None,
+        trace: dict[str, str] | None,
+        proposed: Proposed | None,
     ) -> tuple[Appended, CatalogEntry, float]:
         """Append the push to the table's log: (the append's answer, the catalog entry it went to, when
         the publish started)."""
@@ -356,13 +373,21 @@ class Replica:
             # stream, and the second attempt reads the catalog again.
             entry = await self._wait_local(name, fresh=attempt > 0)
             self._check_entry_size(entry, payload, headers, key, grads)
+            # Kept before the append: this worker's applier may read the entry before the ack comes.
+            applier = self.applier
+            token = None
+            if proposed is not None and applier is not None:
+                token = applier.proposed.put(name, payload, headers, proposed)
             start = time.perf_counter()
             try:
                 return await self.log.append(entry, payload, headers, key), entry, start
-            except NotFoundError:
-                self._entries.pop(name, None)
-                if attempt:
+            except BaseException as exc:
+                if token is not None:
+                    assert applier is not None
+                    applier.proposed.discard(token)
+                if not isinstance(exc, NotFoundError) or attempt:
                     raise
+                self._entries.pop(name, None)
         raise AssertionError("unreachable")  # the second attempt returned or raised
 
     def _check_entry_size(

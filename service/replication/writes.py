@@ -2,8 +2,10 @@
 
 A push is validated here once (``TableStore.validate_many``: the request limits, lr, ids, gradients and
 the step's finiteness, against this replica's copy), then each part is appended to its table's stream
-and this replica waits for its own applier to reach it; the applier checks every entry again (an entry
-can be written by anyone) and skips a bad one alike on every replica.
+and this replica waits for its own applier to reach it. The applier checks every entry again (an entry
+can be written by anyone) and skips a bad one alike on every replica; when it runs in this worker, an
+entry with exactly the bytes this worker published is applied with the step prepared here (not hashed
+nor coalesced twice: ``proposed.ProposedSteps``), its finiteness still checked at its version.
 
 A multi-table push is one stream entry per table (a stream per table: docs/replication.md). What holds:
 all of it is validated before any part is published, so a bad part publishes nothing; the parts are
@@ -28,6 +30,7 @@ from robez_core.errors import ConflictError, NotFoundError
 from robez_core.table import Table
 
 from ..config import TableSpec
+from ..log.entry import Proposed
 from ..store import TableInfo, TableStore, UpdateResult
 from ..store.journal import UpdatePart
 from ..store.writes import Offload, Readiness, Written
@@ -50,24 +53,27 @@ class ReplicatedWrites:
     async def update(
         self, decode: Callable[[], list[UpdatePart]], key: str | None, offload: Offload[Any], *, small: bool
     ) -> Written:
-        def validate() -> list[UpdatePart]:
+        def validate() -> list[tuple[UpdatePart, Proposed]]:
             parts = [
                 UpdatePart(part.table, torch.as_tensor(part.ids), torch.as_tensor(part.grads), part.lr)
                 for part in decode()
             ]
-            lrs = self.store.validate_many(parts)
+            validated = self.store.validate_many(parts)
             return [
-                UpdatePart(part.table, part.ids, part.grads, lr) for part, lr in zip(parts, lrs, strict=True)
+                (UpdatePart(part.table, part.ids, part.grads, lr), proposed)
+                for part, (lr, proposed) in zip(parts, validated, strict=True)
             ]
 
-        parts = await offload(validate)
+        validated = await offload(validate)
+        parts = [part for part, _ in validated]
         results: list[UpdateResult] = []
         publish = apply_wait = 0.0
-        for part in parts:
+        for part, proposed in validated:
             part_key = key if key is None or len(parts) == 1 else f"{key}/{part.table}"
             assert isinstance(part.ids, torch.Tensor) and isinstance(part.grads, torch.Tensor)
             assert part.lr is not None
-            logged = await self.replica.update(part.table, part.ids, part.grads, part.lr, part_key)
+            # The step prepared here is kept for this worker's applier: one validation per push.
+            logged = await self.replica.update(part.table, part.ids, part.grads, part.lr, part_key, proposed)
             # The applier hashes and applies (and records those times); here: the log's ack, then the wait.
             results.append(UpdateResult(logged.version, 0.0, logged.apply_wait_seconds))
             publish += logged.publish_seconds

@@ -52,6 +52,7 @@ from ..errors import RefusedUpdateError
 from ..faults import GROUP_APPENDED, NO_FAULTS, UPDATE_APPENDED, Faults
 from ..log.entry import (
     EntryGroup,
+    Proposed,
     SkippedRecord,
     UpdatePart,
     UpdateRecord,
@@ -536,31 +537,38 @@ class TableStore:
 
     def validate_update(self, name: str, ids: Tensor, grads: Tensor, lr: float | None = None) -> float:
         """``validate_many`` of one part; returns the lr to apply."""
-        return self.validate_many([UpdatePart(name, ids, grads, lr)])[0]
+        return self.validate_many([UpdatePart(name, ids, grads, lr)])[0][0]
 
-    def validate_many(self, parts: Sequence[UpdatePart]) -> list[float]:
-        """Every check ``propose`` makes before it changes anything; returns the lrs to apply. A replica
-        runs it before publishing, so a bad push is a 4xx and never reaches the log (its applier checks
-        again, at the entry's version: a log entry may have been written by anyone)."""
+    def validate_many(self, parts: Sequence[UpdatePart]) -> list[tuple[float, Proposed]]:
+        """Every check ``propose`` makes before it changes anything; returns the lr to apply and the
+        prepared step of each part. A replica runs it before publishing, so a bad push is a 4xx and
+        never reaches the log (its applier checks again, at the entry's version: a log entry may have
+        been written by anyone; the step saves this process's applier preparing the same bytes again)."""
         names = [part.table for part in parts]
         if not parts or len(set(names)) != len(names):
             raise InvalidInputError("an update names each of its tables once, and at least one")
         entries = [self.registry.entry(name) for name in names]
         lrs = self._check_request(entries, parts)
+        validated = []
         for entry, part, lr in zip(entries, parts, lrs, strict=True):
             step, _ = prepare(entry.table, as_tensor(part.ids), as_tensor(part.grads), lr)
             # A step that would leave a non-finite value on the table as this replica has it now is
             # refused before it is published (``apply`` checks again, at its version).
             check_step(entry.table, step)
-        return lrs
+            validated.append((lr, Proposed(entry.table, step)))
+        return validated
 
-    def apply(self, record: UpdateRecord | SkippedRecord) -> UpdateResult | SkippedRecord | None:
+    def apply(
+        self, record: UpdateRecord | SkippedRecord, proposed: Proposed | None = None
+    ) -> UpdateResult | SkippedRecord | None:
         """Apply the entry at log position ``record.version`` (the replicated log's commit): the table
         goes from ``version - 1`` to ``version``. None if the table already has it (a replay). An entry
         that fails a check (decoding it, or ``apply_record``'s) is an empty version: the
         ``SkippedRecord`` is returned. A gap is a ``CorruptionError``: the caller reads the log from the
         wrong place. The journal is not called: the log is the journal. The request limits are not
-        applied: they are this server's settings, and a log must be applied alike everywhere."""
+        applied: they are this server's settings, and a log must be applied alike everywhere.
+        ``proposed``: the step this process prepared from the entry's very bytes (``validate_many``),
+        see ``apply_logged_record``."""
         with self.registry.locked(record.table) as locked:
             if locked.version >= record.version:
                 return None
@@ -569,7 +577,7 @@ class TableStore:
                     f"table {record.table!r} is at version {locked.version}; "
                     f"log position {record.version} cannot follow it"
                 )
-            outcome = apply_logged_record(locked.table, record)
+            outcome = apply_logged_record(locked.table, record, proposed)
             # A skipped entry too moves the version: versions stay equal on every replica.
             self._commit([locked], [record.version])
         if isinstance(outcome, SkippedRecord):
