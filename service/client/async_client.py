@@ -4,7 +4,7 @@ their requests with ``calls`` and run multi-request operations as the same plans
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,6 +56,15 @@ class AsyncRobezClient(ClientCore):
         self._http = http_client or httpx.AsyncClient(
             base_url=base_url, timeout=timeout, transport=transport, verify=tls_verify(verify, cert)
         )
+
+    def _parts_content(self, parts: tuple[bytes, ...]) -> Any:
+        """The parts as an async iterable (httpx's async client takes no sync iterable), one per send."""
+
+        async def each() -> AsyncIterator[bytes]:
+            for part in parts:
+                yield part
+
+        return each()
 
     async def _send(self, call: Call[T]) -> T:
         for attempt in range(self.busy_retries + 1):

@@ -137,12 +137,22 @@ class ClientCore:
     # -- one request ------------------------------------------------------------------------------
 
     def _request_kwargs(self, call: Call[Any]) -> dict[str, Any]:
+        headers = {**self._auth_headers, **call.headers}
+        content = call.content
+        if isinstance(content, tuple):  # parts: httpx sends each as it is, with this length (not chunked)
+            headers["Content-Length"] = str(sum(len(part) for part in content))
+            content = self._parts_content(content)
         return {
-            "content": call.content,
+            "content": content,
             "json": call.json,
-            "headers": {**self._auth_headers, **call.headers},
+            "headers": headers,
             "params": dict(call.params) or None,
         }
+
+    def _parts_content(self, parts: tuple[bytes, ...]) -> Any:
+        """A body given as parts, as this client's httpx sends it: the parts themselves (a sync client
+        writes each to the socket; h11 does not join them)."""
+        return list(parts)
 
     def _busy_delay(self, response: httpx.Response, attempt: int) -> float | None:
         """Seconds to wait before resending after a 503, or None when the answer is final.

@@ -61,8 +61,8 @@ class RobezClientError(Exception):
         self.max_update_bytes = max_update_bytes
 
 
-def encode_ids(ids: IdsLike) -> tuple[bytes, int]:
-    """Encodes a 1-D sequence of ids as little-endian int64 bytes; returns (body, n).
+def ids_array(ids: IdsLike) -> np.ndarray:
+    """``ids`` as a 1-D little-endian int64 array (a view where they already are one, else a copy).
 
     Raises:
         ValueError: ids not 1-D, not integers, or outside int64.
@@ -84,17 +84,34 @@ def encode_ids(ids: IdsLike) -> tuple[bytes, int]:
             raise ValueError("ids must fit in int64")
     if array.ndim != 1:
         raise ValueError(f"ids must be 1-D, got shape {tuple(array.shape)}")
-    return np.ascontiguousarray(array, dtype=IDS_DTYPE).tobytes(), int(array.shape[0])
+    return array.astype(IDS_DTYPE, copy=False)
 
 
-def encode_rows(rows: Tensor | np.ndarray) -> tuple[bytes, tuple[int, int]]:
-    """Encodes a float (n, d) matrix as little-endian float32 row-major bytes; returns (body, (n, d))."""
+def rows_array(rows: Tensor | np.ndarray) -> np.ndarray:
+    """A float (n, d) matrix as a little-endian float32 array: a view (strides kept) where it already
+    is one, so that ``tobytes()`` gathers it into the body in one pass."""
     array = rows.detach().to(device="cpu", dtype=torch.float32).numpy() if isinstance(rows, Tensor) else rows
     array = np.asarray(array)
     if array.ndim != 2:
         raise ValueError(f"rows must be 2-D (n, d), got shape {tuple(array.shape)}")
+    return array.astype(ROWS_DTYPE, copy=False)
+
+
+def encode_ids(ids: IdsLike) -> tuple[bytes, int]:
+    """Encodes a 1-D sequence of ids as little-endian int64 bytes; returns (body, n).
+
+    Raises:
+        ValueError: ids not 1-D, not integers, or outside int64.
+    """
+    array = ids_array(ids)
+    return array.tobytes(), int(array.shape[0])
+
+
+def encode_rows(rows: Tensor | np.ndarray) -> tuple[bytes, tuple[int, int]]:
+    """Encodes a float (n, d) matrix as little-endian float32 row-major bytes; returns (body, (n, d))."""
+    array = rows_array(rows)
     n, d = array.shape
-    return np.ascontiguousarray(array, dtype=ROWS_DTYPE).tobytes(), (int(n), int(d))
+    return array.tobytes(), (int(n), int(d))
 
 
 def encode_update(ids: IdsLike, grads: Tensor | np.ndarray) -> tuple[bytes, str]:
@@ -125,7 +142,7 @@ def parse_shape(header: str | None) -> tuple[int, int]:
     return n, d
 
 
-def decode_rows(body: bytes, shape: tuple[int, int]) -> Tensor:
+def decode_rows(body: bytes | memoryview, shape: tuple[int, int]) -> Tensor:
     """Decodes little-endian float32 row-major bytes into a new float32 (n, d) tensor."""
     n, d = shape
     if len(body) != n * d * ROWS_DTYPE.itemsize:

@@ -4,6 +4,7 @@ bad input in any one table changes no table."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,8 +18,9 @@ from fastapi.testclient import TestClient
 from robez_core.collection import prepare_shared_step
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
-from service.client import RobezClient, RobezClientError
+from service.client import AsyncRobezClient, RobezClient, RobezClientError
 from service.client.calls import update_many_calls
+from service.client.wire import IdsLike
 
 from .conftest import SMALL_TABLE, assert_unchanged, create_table, error_of, table_state
 
@@ -261,7 +263,7 @@ def test_a_push_over_the_update_limit_is_split_into_groups_of_tables() -> None:
     calls = update_many_calls(rows, None, "k", 5 * row_bytes)
     assert [c.headers["X-Robez-Tables"] for c in calls] == ["a=3,b=2", "c=5", "c=4"]
     assert [c.headers["Idempotency-Key"] for c in calls] == ["k.0", "k.1", "k.2"]
-    assert sum(len(c.content or b"") for c in calls) == 14 * row_bytes
+    assert sum(len(c.body()) for c in calls) == 14 * row_bytes
     with pytest.raises(RobezClientError, match="over the server"):
         update_many_calls(rows, None, "k", row_bytes - 1)
 
@@ -282,3 +284,41 @@ def test_a_multi_table_push_needs_the_write_key(client_factory: Callable[..., Te
     assert table_state(client, "a")[1] == 0
     allowed = {**push, "headers": {**push["headers"], **three_tables_with}}
     assert client.post("/v1/update", **allowed).headers["x-robez-version"] == "1,1"
+
+
+def test_a_push_of_strided_gradients_is_sent_as_parts_with_its_length() -> None:
+    """The body goes out as its parts (no joined copy), framed by Content-Length, bytes as the wire
+    format says: each table's ids then its gradients, the gradients gathered from a column view."""
+    grad_output = torch.arange(5 * 12, dtype=torch.float32).reshape(5, 12)
+    updates: dict[str, tuple[IdsLike, torch.Tensor]] = {
+        "a": (torch.arange(5), grad_output[:, 0:4]),
+        "b": (np.arange(5) + 9, grad_output[:, 4:12]),
+    }
+    expected = b"".join(
+        np.asarray(ids, dtype="<i8").tobytes() + np.ascontiguousarray(grads, dtype="<f4").tobytes()
+        for ids, grads in updates.values()
+    )
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(
+            200, json={"results": [{"table": "a", "version": 1}, {"table": "b", "version": 1}]}
+        )
+
+    (call,) = update_many_calls(updates, None, "k", None)
+    assert isinstance(call.content, tuple) and call.body() == expected
+    with RobezClient("http://robez.test", transport=httpx.MockTransport(answer)) as robez:
+        assert robez.update_many(updates) == {"a": 1, "b": 1}
+
+    async def send_async() -> dict[str, int]:
+        async with AsyncRobezClient("http://robez.test", transport=httpx.MockTransport(answer)) as robez:
+            return await robez.update_many(updates)
+
+    assert asyncio.run(send_async()) == {"a": 1, "b": 1}
+    for request in seen:
+        assert (
+            request.headers["content-length"] == str(len(expected))
+            and "transfer-encoding" not in request.headers
+        )
+        assert request.content == expected
