@@ -23,8 +23,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two test processes (pytest-xdist): most tests wait on a server or NATS, so two keep both cores busy.
+# TEST_WORKERS=0 runs them in this process (one at a time).
+TEST_WORKERS ?= 2
 pytest: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 # The whole suite: lint, types, tests. This is what .ci/run calls.
 test: lint typecheck pytest
