@@ -329,6 +329,19 @@ class NatsCluster:
         """Until the cluster has elected its JetStream meta leader (a stream can be created)."""
         asyncio.run(_wait_for_jetstream(self.urls, self.connect_options(), timeout_s))
 
+    def meta_leader(self) -> str:
+        """The node leading JetStream's meta group as the nodes' logs last said ("" if none said yet):
+        robez's own login may not ask the server."""
+        said: list[tuple[str, str]] = []
+        for node in self.nodes:
+            for line in node.log_path.read_text(errors="replace").splitlines():
+                when = " ".join(line.split()[1:3])
+                if "Self is new JetStream cluster metadata leader" in line:
+                    said.append((when, node.name))
+                elif "new metadata leader: " in line:
+                    said.append((when, line.rsplit("new metadata leader: ", 1)[1].split("/")[0]))
+        return max(said)[1] if said else ""
+
     def kill(self, node: NatsNode) -> None:
         """kill -9 one node (by its pid) and reap it."""
         if node.process is not None and node.process.poll() is None:

@@ -103,19 +103,6 @@ def _settle(cluster: NatsCluster, avoid: NatsNode | None, streams: list[str]) ->
         time.sleep(0.5)
 
 
-def _meta_leader(cluster: NatsCluster) -> str:
-    """The node leading JetStream's meta group, as the nodes' logs last said (robez's login may not ask)."""
-    said: list[tuple[str, str]] = []
-    for node in cluster.nodes:
-        for line in node.log_path.read_text(errors="replace").splitlines():
-            when = " ".join(line.split()[1:3])
-            if "Self is new JetStream cluster metadata leader" in line:
-                said.append((when, node.name))
-            elif "new metadata leader: " in line:
-                said.append((when, line.rsplit("new metadata leader: ", 1)[1].split("/")[0]))
-    return max(said)[1] if said else ""
-
-
 def _election_s(cluster: NatsCluster, stream: str, leader: NatsNode) -> float:
     others = [node.url for node in cluster.nodes if node is not leader]
 
@@ -187,7 +174,7 @@ def run(tree: Path, rounds: int) -> list[str]:
                             _settle(cluster, connected, streams)
                             name = _leaders(cluster, cluster.urls)["KV_robez_tables"]
                         (victim,) = [n for n in cluster.nodes if n.name == name]
-                    meta = "*" if _meta_leader(cluster) == victim.name else ""
+                    meta = "*" if cluster.meta_leader() == victim.name else ""
                     cluster.freeze(victim)
                     try:
                         began = time.monotonic()

@@ -59,20 +59,6 @@ def _lead_elsewhere(cluster: NatsCluster, node: NatsNode, streams: list[str]) ->
         time.sleep(0.5)
 
 
-def _meta_leader(cluster: NatsCluster) -> str:
-    """The node leading JetStream's meta group, as the nodes' logs last said (robez's login may not ask)."""
-    said: list[tuple[str, str]] = []
-    for node in cluster.nodes:
-        for line in node.log_path.read_text(errors="replace").splitlines():
-            when = " ".join(line.split()[1:3])
-            if "Self is new JetStream cluster metadata leader" in line:
-                said.append((when, node.name))
-            elif "new metadata leader: " in line:
-                said.append((when, line.rsplit("new metadata leader: ", 1)[1].split("/")[0]))
-    assert said, "no node logged a meta leader"
-    return max(said)[1]
-
-
 def test_a_catalog_read_on_a_hung_node_fails_over_like_a_push(
     replicas_nats: NatsCluster, tmp_path: Path
 ) -> None:
@@ -82,7 +68,8 @@ def test_a_catalog_read_on_a_hung_node_fails_over_like_a_push(
     time, through another node. The replica is given that node's URL alone (it learns the others from
     it), so that it is connected there."""
     cluster = replicas_nats
-    meta = _meta_leader(cluster)
+    meta = cluster.meta_leader()
+    assert meta, "no node logged a meta leader"
     victim = next(node for node in cluster.nodes if node.name != meta)
     server = ReplicaServer("hung", cluster, tmp_path, "hung")
     server.args[server.args.index("--nats") + 1] = victim.url
@@ -93,7 +80,7 @@ def test_a_catalog_read_on_a_hung_node_fails_over_like_a_push(
         assert ready["log_server"] == f"127.0.0.1:{victim.client_port}", ready
         streams = ["KV_hung_tables", *[s for s in _leaders(cluster) if s.startswith(f"hung_{table}_")]]
         _lead_elsewhere(cluster, victim, streams)
-        assert _meta_leader(cluster) != victim.name
+        assert cluster.meta_leader() != victim.name
         cluster.freeze(victim)
         try:
             began = time.monotonic()
