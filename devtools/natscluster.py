@@ -329,6 +329,11 @@ class NatsCluster:
         """Until the cluster has elected its JetStream meta leader (a stream can be created)."""
         asyncio.run(_wait_for_jetstream(self.urls, self.connect_options(), timeout_s))
 
+    def stream_leaders(self, timeout_s: float = 60.0) -> dict[str, str]:
+        """Each clustered stream's leader node, asked of the cluster (asked again while JetStream is
+        between two meta leaders, up to ``timeout_s``)."""
+        return asyncio.run(_stream_leaders(self.urls, self.connect_options(), timeout_s))
+
     def meta_leader(self) -> str:
         """The node leading JetStream's meta group as the nodes' logs last said ("" if none said yet):
         robez's own login may not ask the server."""
@@ -374,6 +379,28 @@ class NatsCluster:
                 except subprocess.TimeoutExpired:
                     node.process.kill()
                     node.process.wait(timeout=10)
+
+
+async def _stream_leaders(urls: list[str], options: dict[str, Any], timeout_s: float) -> dict[str, str]:
+    import nats  # the runtime dependency of replicated mode; imported only when a cluster is probed
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            nc = await nats.connect(servers=urls, **options)
+            try:
+                js = nc.jetstream(timeout=5)
+                return {
+                    str(info.config.name): str(info.cluster.leader)
+                    for info in await js.streams_info()
+                    if info.cluster is not None
+                }
+            finally:
+                await nc.close()
+        except (TimeoutError, nats.errors.Error):  # JetStream between two meta leaders: ask again
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 async def _wait_for_jetstream(urls: list[str], options: dict[str, Any], timeout_s: float) -> None:

@@ -42,29 +42,6 @@ from loadtest.launch import RobezProcess
 _SMALL = {"num_embeddings": 1000, "embedding_dim": 8, "memory_size": 256, "chunk_size": 4}
 
 
-def _leaders(cluster: NatsCluster, urls: list[str]) -> dict[str, str]:
-    async def find() -> dict[str, str]:
-        nc = await nats.connect(servers=urls, **cluster.connect_options())
-        try:
-            js = nc.jetstream(timeout=5)
-            return {
-                str(info.config.name): str(info.cluster.leader)
-                for info in await js.streams_info()
-                if info.cluster is not None
-            }
-        finally:
-            await nc.close()
-
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return asyncio.run(find())
-        except (TimeoutError, nats.errors.Error):  # JetStream between two meta leaders: ask again
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-
-
 def _log_server(http: httpx.Client) -> str:
     """The NATS server the replica is connected to (once its /readyz names it)."""
     deadline = time.monotonic() + 60
@@ -87,7 +64,7 @@ def _settle(cluster: NatsCluster, avoid: NatsNode | None, streams: list[str]) ->
 
     deadline = time.monotonic() + 120
     while True:
-        leaders = _leaders(cluster, cluster.urls)
+        leaders = cluster.stream_leaders()
         bad = [
             s
             for s in streams
@@ -162,17 +139,17 @@ def run(tree: Path, rounds: int) -> list[str]:
                     (connected,) = [n for n in cluster.nodes if address == f"127.0.0.1:{n.client_port}"]
                     streams = [
                         "KV_robez_tables",
-                        *[s for s in _leaders(cluster, cluster.urls) if s.startswith(f"robez_{table}_")],
+                        *[s for s in cluster.stream_leaders() if s.startswith(f"robez_{table}_")],
                     ]
                     if case == "connected node":
                         _settle(cluster, connected, streams)
                         victim = connected
                     else:
                         _settle(cluster, None, streams)
-                        name = _leaders(cluster, cluster.urls)["KV_robez_tables"]
+                        name = cluster.stream_leaders()["KV_robez_tables"]
                         if name == connected.name:
                             _settle(cluster, connected, streams)
-                            name = _leaders(cluster, cluster.urls)["KV_robez_tables"]
+                            name = cluster.stream_leaders()["KV_robez_tables"]
                         (victim,) = [n for n in cluster.nodes if n.name == name]
                     meta = "*" if cluster.meta_leader() == victim.name else ""
                     cluster.freeze(victim)
@@ -187,9 +164,9 @@ def run(tree: Path, rounds: int) -> list[str]:
                     _settle(cluster, None, ["KV_robez_tables"])
                 table = f"elect{index}"
                 assert http.post("/v1/tables", json={"name": table, "config": _SMALL}).status_code == 201
-                (stream,) = [s for s in _leaders(cluster, cluster.urls) if s.startswith(f"robez_{table}_")]
+                (stream,) = [s for s in cluster.stream_leaders() if s.startswith(f"robez_{table}_")]
                 _settle(cluster, None, [stream])
-                (leader,) = [n for n in cluster.nodes if n.name == _leaders(cluster, cluster.urls)[stream]]
+                (leader,) = [n for n in cluster.nodes if n.name == cluster.stream_leaders()[stream]]
                 times["election"].append(f"{_election_s(cluster, stream, leader):.1f} s")
                 print(f"round {index + 1}, election: {times['election'][-1]}", flush=True)
                 _settle(cluster, None, [stream, "KV_robez_tables"])

@@ -21,22 +21,6 @@ from .conftest import ReplicaServer, create_table, running_replicas
 FAILOVER_S = 8.0
 
 
-def _leaders(cluster: NatsCluster) -> dict[str, str]:
-    async def find() -> dict[str, str]:
-        nc = await nats.connect(servers=cluster.urls, **cluster.connect_options())
-        try:
-            js = nc.jetstream(timeout=5)
-            return {
-                str(info.config.name): str(info.cluster.leader)
-                for info in await js.streams_info()
-                if info.cluster is not None
-            }
-        finally:
-            await nc.close()
-
-    return asyncio.run(find())
-
-
 def _step_down(cluster: NatsCluster, stream: str) -> None:
     async def request() -> None:
         nc = await nats.connect(servers=cluster.urls, **cluster.connect_options())
@@ -51,10 +35,12 @@ def _step_down(cluster: NatsCluster, stream: str) -> None:
 def _lead_elsewhere(cluster: NatsCluster, node: NatsNode, streams: list[str]) -> None:
     """Move the leadership of each of ``streams`` off ``node`` (its own failure is an election)."""
     deadline = time.monotonic() + 60
-    while any(_leaders(cluster).get(stream) in (node.name, "", "None", None) for stream in streams):
-        assert time.monotonic() < deadline, f"{node.name} stays a leader of {streams}: {_leaders(cluster)}"
+    while any(cluster.stream_leaders().get(stream) in (node.name, "", "None", None) for stream in streams):
+        assert time.monotonic() < deadline, (
+            f"{node.name} stays a leader of {streams}: {cluster.stream_leaders()}"
+        )
         for stream in streams:
-            if _leaders(cluster).get(stream) == node.name:
+            if cluster.stream_leaders().get(stream) == node.name:
                 _step_down(cluster, stream)
         time.sleep(0.5)
 
@@ -78,7 +64,7 @@ def test_a_catalog_read_on_a_hung_node_fails_over_like_a_push(
         create_table(server, table)
         ready = httpx.get(f"{server.url}/readyz", params={"writes": "true"}, timeout=10).json()
         assert ready["log_server"] == f"127.0.0.1:{victim.client_port}", ready
-        streams = ["KV_hung_tables", *[s for s in _leaders(cluster) if s.startswith(f"hung_{table}_")]]
+        streams = ["KV_hung_tables", *[s for s in cluster.stream_leaders() if s.startswith(f"hung_{table}_")]]
         _lead_elsewhere(cluster, victim, streams)
         assert cluster.meta_leader() != victim.name
         cluster.freeze(victim)
