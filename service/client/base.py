@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ssl
 import uuid
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -85,39 +85,33 @@ class ClientCore:
         self, table: str, ids: IdsLike, grads: Tensor | np.ndarray, lr: float | None
     ) -> Plan[int]:
         """One push (``update``): one request, or consecutive parts after a 413 naming a smaller limit."""
-        key, limit = uuid.uuid4().hex, self.max_update_bytes
-        for _ in range(MAX_SPLITS):
-            sent = 0
-            try:
-                version = 0
-                for call in update_calls(table, ids, grads, lr, key, limit):
-                    version = yield call
-                    sent += 1
-                return version
-            except RobezClientError as error:
-                limit = self._split_limit(error, limit, sent)
-                if limit is None:
-                    raise
-        raise RobezClientError(
-            413, f"the server lowered its update limit {MAX_SPLITS} times", "UpdateTooLargeError"
+        answers = yield from self._split_pushes(
+            lambda key, limit: update_calls(table, ids, grads, lr, key, limit)
         )
+        version: int = answers[-1] if answers else 0
+        return version
 
     def _update_many_plan(
         self, updates: Mapping[str, tuple[IdsLike, Tensor | np.ndarray]], lr: float | None
     ) -> Plan[dict[str, int]]:
         """One multi-table push (``update_many``): one request, or (over a 413's limit) groups of tables
         in order, each its own request; the versions of every table, the last group's where split."""
+        answers = yield from self._split_pushes(lambda key, limit: update_many_calls(updates, lr, key, limit))
+        return {name: version for versions in answers for name, version in versions.items()}
+
+    def _split_pushes(self, calls: Callable[[str, int | None], Iterable[Call[Any]]]) -> Plan[list[Any]]:
+        """The requests ``calls(key, limit)`` makes of a push (one Idempotency-Key for all of them), sent
+        in order, and sent again split smaller after a 413 that names a lower limit (``_split_limit``);
+        their answers in order."""
         key, limit = uuid.uuid4().hex, self.max_update_bytes
         for _ in range(MAX_SPLITS):
-            sent = 0
+            answers: list[Any] = []
             try:
-                versions: dict[str, int] = {}
-                for call in update_many_calls(updates, lr, key, limit):
-                    versions.update((yield call))
-                    sent += 1
-                return versions
+                for call in calls(key, limit):
+                    answers.append((yield call))
+                return answers
             except RobezClientError as error:
-                limit = self._split_limit(error, limit, sent)
+                limit = self._split_limit(error, limit, len(answers))
                 if limit is None:
                     raise
         raise RobezClientError(
