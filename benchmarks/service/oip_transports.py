@@ -196,6 +196,10 @@ def tail_latency(servers: dict[str, Server], seconds: float, slices: int = 3) ->
     return out
 
 
+_IDLE_ROUNDS = 5
+_IDLE_S = 2.0
+
+
 def _server_total_ms(reply: httpx.Response) -> float:
     part = next(part for part in reply.headers["Server-Timing"].split(",") if "total" in part)
     return float(part.split("dur=")[1])
@@ -204,7 +208,9 @@ def _server_total_ms(reply: httpx.Response) -> float:
 def first_requests(cwd: Path | None = None) -> dict[str, float]:
     """A start with an empty numba cache (a fresh clone): seconds to ready, then the server-side time
     (Server-Timing total; a push's timing) of ten rounds of a 1-id ``/v1`` binary lookup, a 1-id OIP
-    infer (binary) and an 8-id push: the first, the tenth and the median of the second to tenth."""
+    infer (binary) and an 8-id push: the first, the tenth and the median of the second to tenth; then the
+    median of ``_IDLE_ROUNDS`` more, each after ``_IDLE_S`` s idle (the first request too comes after an
+    idle wait: for ``/readyz``), to tell what start-up costs from what any request after a pause costs."""
     cache = Path(tempfile.mkdtemp(prefix="robez-numba-"))
     server = Server({"NUMBA_CACHE_DIR": str(cache)}, cwd=cwd)
     try:
@@ -219,22 +225,27 @@ def first_requests(cwd: Path | None = None) -> dict[str, float]:
         )
         infer_headers = {"Content-Type": OCTET, "Inference-Header-Content-Length": str(len(header))}
         times: dict[str, list[float]] = {"lookup": [], "infer": [], "push": []}
-        for _ in range(10):
+        idle: dict[str, list[float]] = {"lookup": [], "infer": [], "push": []}
+        for round_ in range(10 + _IDLE_ROUNDS):
+            if round_ >= 10:  # later: one request of each after an idle wait, as the first came after one
+                time.sleep(_IDLE_S)
             reply = http.post(
                 "/v1/tables/demo/lookup", content=ids, headers={"Content-Type": OCTET, "Accept": OCTET}
             )
-            times["lookup"].append(_server_total_ms(reply))
+            into = times if round_ < 10 else idle
+            into["lookup"].append(_server_total_ms(reply))
             reply = http.post("/v2/models/demo/infer", content=header + ids, headers=infer_headers)
-            times["infer"].append(_server_total_ms(reply))
+            into["infer"].append(_server_total_ms(reply))
             reply = http.post(
                 "/v1/tables/demo/update", json={"ids": list(range(8)), "grads": [[1e-3] * 64] * 8}
             )
-            times["push"].append(float(reply.json()["timing"]["total_ms"]))
+            into["push"].append(float(reply.json()["timing"]["total_ms"]))
         out = {"ready_s": server.ready_s}
         for kind, values in times.items():
             out[f"{kind}_first_ms"] = values[0]
             out[f"{kind}_tenth_ms"] = values[9]
             out[f"{kind}_median_ms"] = statistics.median(values[1:])
+            out[f"{kind}_after_idle_ms"] = statistics.median(idle[kind])
         return out
     finally:
         server.stop()
