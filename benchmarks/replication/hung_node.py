@@ -5,6 +5,8 @@ On a fresh 3-node cluster with one replica (``robez serve --nats``), ``--rounds`
 - ``connected node``: the node the replica is connected to is frozen (it leads neither the catalog nor the
   table's stream); timed: ``DELETE /v1/tables/<t>`` through the replica, which starts by reading the
   catalog (a KV get).
+- ``connected node, create``: as ``connected node``; timed: ``POST /v1/tables`` of a new table through the
+  replica (its stream, then its catalog entry).
 - ``catalog leader``: the catalog stream's leader is frozen (the replica is connected elsewhere); timed:
   the same drop, whose catalog read waits for a new leader.
 A drop also deletes the table's stream, a request to JetStream's meta leader: where the frozen node led
@@ -108,7 +110,8 @@ def _election_s(cluster: NatsCluster, stream: str, leader: NatsNode) -> float:
 
 
 def run(tree: Path, rounds: int) -> list[str]:
-    times: dict[str, list[str]] = {"connected node": [], "catalog leader": [], "election": []}
+    times: dict[str, list[str]] = {"connected node": [], "connected node, create": [], "catalog leader": []}
+    times["election"] = []
     with tempfile.TemporaryDirectory(prefix="robez-bench-hung-") as directory:
         workdir = Path(directory)
         cluster = NatsCluster(workdir / "nats", size=3)
@@ -131,8 +134,8 @@ def run(tree: Path, rounds: int) -> list[str]:
             ).start(300.0, interval_s=0.2)  # fmt: skip
             http = httpx.Client(base_url=server.url, timeout=60)
             for index in range(rounds):
-                for case in ("connected node", "catalog leader"):
-                    table = f"hung{index}{case[:3]}"
+                for case in ("connected node", "connected node, create", "catalog leader"):
+                    table = f"hung{index}{case[:3]}{len(case)}"
                     created = http.post("/v1/tables", json={"name": table, "config": _SMALL})
                     assert created.status_code == 201, created.text
                     address = _log_server(http)
@@ -141,7 +144,7 @@ def run(tree: Path, rounds: int) -> list[str]:
                         "KV_robez_tables",
                         *[s for s in cluster.stream_leaders() if s.startswith(f"robez_{table}_")],
                     ]
-                    if case == "connected node":
+                    if case.startswith("connected node"):
                         _settle(cluster, connected, streams)
                         victim = connected
                     else:
@@ -155,7 +158,10 @@ def run(tree: Path, rounds: int) -> list[str]:
                     cluster.freeze(victim)
                     try:
                         began = time.monotonic()
-                        response = http.delete(f"/v1/tables/{table}")
+                        if case.endswith("create"):
+                            response = http.post("/v1/tables", json={"name": f"{table}new", "config": _SMALL})
+                        else:
+                            response = http.delete(f"/v1/tables/{table}")
                         took = time.monotonic() - began
                     finally:
                         cluster.thaw(victim)

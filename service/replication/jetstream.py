@@ -84,6 +84,8 @@ logger = logging.getLogger("robez.replication.jetstream")
 
 _MSG_ID = "Nats-Msg-Id"
 _EXPECTED_STREAM = "Nats-Expected-Stream"  # what ``js.publish(stream=...)`` adds
+_EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
+_KV_OPERATION = "KV-Operation"  # a KV bucket's delete marker: "DEL"
 _HEADER_LINE = len(b"NATS/1.0\r\n")
 # A publish without an ack after this share of the publish timeout is sent again (same Nats-Msg-Id): its
 # stream's leader may have hung, and a new one be elected meanwhile.
@@ -106,6 +108,7 @@ _READ_REQUEST_TIMEOUT_S = 3.0
 _WATCH_RESYNC_S = 5.0
 # JetStream's error code for a publish whose Nats-Expected-Last-Subject-Sequence does not hold.
 _WRONG_LAST_SEQUENCE = 10071
+_WRONG_LAST_SEQUENCE_CONSTANT = 10164  # the same, as newer servers word it
 
 
 class JetStreamLog(SnapshotObjects):
@@ -307,30 +310,61 @@ class JetStreamLog(SnapshotObjects):
     async def create_table(
         self, name: str, config: dict[str, Any], optimizer: dict[str, Any]
     ) -> CatalogEntry:
+        # Both requests may be sent twice (``answered``: again on a new connection when a server hangs):
+        # adding a stream of the same configuration twice adds it once, and the catalog entry carries a
+        # message id, which the catalog's duplicate window answers with the first one's acknowledgement.
         entry = CatalogEntry(name, config, optimizer, secrets.token_hex(6))
-        try:
-            await self.js.add_stream(
-                StreamConfig(
-                    name=self.stream_name(entry),
-                    subjects=[self.subject(entry)],
-                    num_replicas=self.replicas,
-                    storage=StorageType.FILE,
-                    duplicate_window=self.dedup_window_s,
-                    allow_direct=True,
-                )
-            )
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise unavailable("create stream", exc) from exc
+        stream = StreamConfig(
+            name=self.stream_name(entry),
+            subjects=[self.subject(entry)],
+            num_replicas=self.replicas,
+            storage=StorageType.FILE,
+            duplicate_window=self.dedup_window_s,
+            allow_direct=True,
+        )
+        await self.answered("create stream", lambda: self.js.add_stream(stream))
         value = json.dumps({"config": config, "optimizer": optimizer, "incarnation": entry.incarnation})
         try:
-            await self.kv.create(name, value.encode())
+            try:
+                await self._catalog_write(name, value.encode(), 0, f"create.{entry.incarnation}")
+            except nats.js.errors.KeyWrongLastSequenceError:
+                # The name has a value: a table, or the marker of a dropped one (written over, as
+                # kv.create does).
+                try:
+                    await self.answered("read catalog", lambda: self.kv.get(name))
+                except nats.js.errors.KeyNotFoundError as deleted:  # its entry: the delete marker
+                    marker = getattr(deleted, "entry", None)
+                    revision = int(marker.revision or 0) if marker is not None else 0
+                    await self._catalog_write(name, value.encode(), revision, f"create.{entry.incarnation}")
+                else:
+                    raise
         except nats.js.errors.KeyWrongLastSequenceError as exc:
             await self._delete_stream(entry)
             raise ConflictError(f"table {name!r} already exists") from exc
-        except (TimeoutError, nats.errors.Error) as exc:
+        except (TimeoutError, nats.errors.Error, BusyError) as exc:
             await self._delete_stream(entry)
-            raise unavailable("create table", exc) from exc
+            raise exc if isinstance(exc, BusyError) else unavailable("create table", exc) from exc
         return entry
+
+    async def _catalog_write(
+        self, name: str, value: bytes, last: int, key: str, delete: bool = False
+    ) -> None:
+        """Write (or ``delete``) the catalog entry ``name`` if its revision is still ``last`` (0: none),
+        as nats-py's ``KeyValue`` does, with the message id ``key``: sent again on a new connection, it
+        is stored once. Raises ``KeyWrongLastSequenceError`` where the revision moved."""
+        headers = {_EXPECTED_LAST_SUBJECT_SEQUENCE: str(last), _MSG_ID: key}
+        if delete:
+            headers[_KV_OPERATION] = "DEL"
+
+        async def publish() -> None:
+            try:
+                await self.js.publish(f"$KV.{self.prefix}_tables.{name}", value, headers=headers)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code in (_WRONG_LAST_SEQUENCE, _WRONG_LAST_SEQUENCE_CONSTANT):
+                    raise nats.js.errors.KeyWrongLastSequenceError(description=exc.description) from exc
+                raise
+
+        await self.answered("write catalog", publish)
 
     async def get_table(self, name: str) -> CatalogEntry | None:
         try:
@@ -370,7 +404,7 @@ class JetStreamLog(SnapshotObjects):
             raise unavailable("read catalog", exc) from exc
         entry = self._decode_entry(name, found.value)
         try:
-            await self.kv.delete(name, last=found.revision)
+            await self._catalog_write(name, b"", int(found.revision or 0), f"drop.{entry.incarnation}", True)
         except nats.js.errors.KeyWrongLastSequenceError as exc:
             raise ConflictError(f"table {name!r} changed while being dropped; try again") from exc
         except (TimeoutError, nats.errors.Error) as exc:
@@ -387,9 +421,12 @@ class JetStreamLog(SnapshotObjects):
             logger.warning("table %s dropped; its loaded checkpoints could not be deleted: %s", name, exc)
 
     async def _delete_stream(self, entry: CatalogEntry) -> None:
+        # Sent again on a new connection (``answered``): a stream deleted by the first one is not found.
         try:
-            await self.js.delete_stream(self.stream_name(entry))
-        except (TimeoutError, nats.errors.Error):
+            await self.answered("delete stream", lambda: self.js.delete_stream(self.stream_name(entry)))
+        except nats.js.errors.NotFoundError:
+            pass
+        except (TimeoutError, nats.errors.Error, BusyError):
             logger.warning("could not delete stream %s", self.stream_name(entry), exc_info=True)
 
     async def watch_tables(self) -> AsyncGenerator[CatalogEvent, None]:

@@ -87,7 +87,8 @@ class SnapshotObjects:
     _reconnected: asyncio.Event  # set (and replaced) at every reconnect
 
     async def answered(self, what: str, read: Callable[[], Awaitable[T]]) -> T:
-        """``read()``'s answer (a request that changes nothing, so it may be sent twice), sent again after
+        """``read()``'s answer (a request that may be sent twice: one that changes nothing, or a write
+        made idempotent, e.g. by a message id within the stream's duplicate window), sent again after
         ``REQUEST_ATTEMPT_S`` without an answer, at once when the connection moves to another server (the
         answer cannot come back on it), and after the failures of a stream without a leader; ``BusyError``
         (``unavailable``) once ``timeout_s`` has passed. Other errors (not found, say) are ``read``'s."""
