@@ -11,8 +11,9 @@ So a checksum needs no copy of the state (``StateDigest``, a ``live_copy.CopyTar
 hashed straight from the live table without the update lock, and the granules the updates logged
 meanwhile touched hashed again (``consistent_copy``'s rounds; the last one's read under the lock); what
 it holds is 8 bytes per granule (1/32 of a float32 tensor) plus the small tensors. Where the journal
-keeps no log to say what changed (no data directory, a replica's memory journal), the state is copied
-whole under the lock into private memory, as before, and hashed after it.
+keeps no log to say what changed (no data directory, a replica), the granules are hashed under the lock,
+in one pass: no copy there either, and the lock held about as long as the copy it replaces took
+(hashing runs at memory speed: 0.2-0.45 s for 768 MiB here, a copy into fresh memory 0.23-1.9 s).
 
 The granule hash: the granule's 8-byte words each multiplied by its own odd 64-bit constant, folded
 (xor of the high half into the low), multiplied by one more, and summed (mod 2^64). Not a cryptographic
@@ -89,11 +90,9 @@ def _digest(parts: Mapping[str, tuple[np.ndarray | None, np.ndarray]]) -> str:
     return digest.hexdigest()
 
 
-def table_digest(
-    tensors: Mapping[str, np.ndarray], memory_size: int, *, pause: Callable[[], None] | None = None
-) -> str:
+def table_digest(tensors: Mapping[str, np.ndarray], memory_size: int) -> str:
     """The checksum of a table's state (``tensors``: name -> its values, flat or not; ``memory_size``:
-    the table's m), as the module docstring defines it. ``pause``: after each ``PIECE_BYTES`` hashed."""
+    the table's m), as the module docstring defines it, computed in one go."""
     parts: dict[str, tuple[np.ndarray | None, np.ndarray]] = {}
     for key, array in tensors.items():
         flat = np.ascontiguousarray(array).reshape(-1)
@@ -102,11 +101,7 @@ def table_digest(
             continue
         whole = memory_size // GRANULE
         hashes = np.empty(whole, dtype=np.uint64)
-        step = max(1, PIECE_BYTES // (GRANULE * flat.itemsize))
-        for start in range(0, whole, step):
-            _hash_range(flat, hashes, start, min(whole, start + step))
-            if pause is not None:
-                pause()
+        _hash_range(flat, hashes, 0, whole)
         parts[key] = (hashes, flat[whole * GRANULE :])
     return _digest(parts)
 
@@ -128,17 +123,13 @@ class StateDigest:
                 self._parts[key] = (np.empty(whole, dtype=np.uint64), tail)
             else:
                 self._parts[key] = (None, np.empty(size, dtype=dtype))
-        # The state copied whole under the lock, where the log could not say what changed (``fill``).
-        self._copied: dict[str, np.ndarray] | None = None
 
     def layout(self) -> Mapping[str, tuple[tuple[int, ...], np.dtype]]:
         return self._layout
 
     def fill(self, table: Table, *, pause: Callable[[], None] | None) -> None:
-        if pause is None:  # under the lock: a private copy, hashed after it (``hexdigest``)
-            self._copied = {key: source.copy() for key, source in _flat(table).items()}
-            self.memory_size = table.config.memory_size
-            return
+        """Hash every granule of ``table``: without the lock, or under it (``pause`` None) where the log
+        cannot say what changed; no copy either way (hashing runs at about the speed of a copy)."""
         whole = self.memory_size // GRANULE
         for key, source in _flat(table).items():
             hashes, rest = self._parts[key]
@@ -148,7 +139,8 @@ class StateDigest:
             step = max(1, PIECE_BYTES // (GRANULE * source.itemsize))
             for start in range(0, whole, step):
                 _hash_range(source, hashes, start, min(whole, start + step))
-                pause()
+                if pause is not None:
+                    pause()
             np.copyto(rest, source[whole * GRANULE :])
 
     def patch(self, table: Table, marks: np.ndarray) -> None:
@@ -178,10 +170,8 @@ class StateDigest:
             if tail is not None:
                 np.copyto(rest, tail)
 
-    def hexdigest(self, pause: Callable[[], None] | None = None) -> str:
-        """The digest of the state filled in (``pause``: after each piece hashed from a private copy)."""
-        if self._copied is not None:
-            return table_digest(self._copied, self.memory_size, pause=pause)
+    def hexdigest(self) -> str:
+        """The digest of the state filled in."""
         return _digest(self._parts)
 
 
