@@ -23,9 +23,10 @@ and measures, from a client on the same machine:
 - the data directory's size; a graceful stop (SIGTERM to exit).
 
     python -m benchmarks.service.big_tables [--memory-size 268435456] [--workers 2] [--updates 2000]
-        [--only-copies] [--tree DIR]
+        [--only-copies [--no-data-dir]] [--tree DIR]
 
-``--only-copies``: stop after the snapshot and the checksum. ``--tree``: the source tree whose
+``--only-copies``: stop after the snapshot and the checksum (``--no-data-dir``: a server without one, the
+checksum alone). ``--tree``: the source tree whose
 ``python -m service`` runs (default: the installed ``robez``), to compare a branch with main's tree.
 
 The periodic snapshot by age is turned off (``ROBEZ_SNAPSHOT_EVERY_SECONDS=0``) so the logged updates
@@ -98,12 +99,17 @@ class _Server(RobezProcess):
     log_path: Path  # always given
 
     def __init__(
-        self, data_dir: Path, shm_dir: Path, workers: int, log: Path, tree: Path | None = None
+        self,
+        data_dir: Path | None,
+        shm_dir: Path,
+        workers: int,
+        log: Path,
+        tree: Path | None = None,
     ) -> None:
         self.data_dir, self.shm_dir, self.workers = data_dir, shm_dir, workers
         self.exec_time = 0.0
         super().__init__(
-            ["--data-dir", str(data_dir), "--workers", str(workers)],
+            [*(["--data-dir", str(data_dir)] if data_dir is not None else []), "--workers", str(workers)],
             {
                 "ROBEZ_SHM_DIR": str(shm_dir),
                 "ROBEZ_LOG_LEVEL": "info",
@@ -367,12 +373,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="stop after the snapshot and the checksum (no restarts); their peak memory sampled",
     )
+    parser.add_argument(
+        "--no-data-dir",
+        action="store_true",
+        help="with --only-copies: a server without a data directory (no snapshot; the checksum alone)",
+    )
     args = parser.parse_args(argv)
+    if args.no_data_dir and not args.only_copies:
+        parser.error("--no-data-dir goes with --only-copies")
     state_bytes = 3 * 4 * args.memory_size
     root = Path(tempfile.mkdtemp(prefix="robez-bench-big-", dir=args.data_dir or Path.cwd()))
     shm_dir = Path(tempfile.mkdtemp(prefix="robez-bench-big-", dir="/dev/shm"))
     data_dir = root / "data"
-    server = _Server(data_dir, shm_dir, args.workers, root / "server.log", args.tree)
+    server = _Server(
+        None if args.no_data_dir else data_dir, shm_dir, args.workers, root / "server.log", args.tree
+    )
     lines: list[str] = []
 
     def row(what: str, figure: str) -> None:
@@ -416,22 +431,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"push of {args.push_ids} ids at rest, p50 / p99 / max",
             _percentiles([pusher.push() for _ in range(args.requests)]),
         )
-        logged = server.log_path.stat().st_size
-        with pusher.during() as during, _peak_memory(server) as memory:
-            seconds, response = _timed(
-                lambda: httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=1200)
+        if not args.no_data_dir:  # a server without one has no snapshot to take
+            logged = server.log_path.stat().st_size
+            with pusher.during() as during, _peak_memory(server) as memory:
+                seconds, response = _timed(
+                    lambda: httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=1200)
+                )
+                response.raise_for_status()
+            row("`POST .../snapshot` duration (one pusher running)", f"{seconds:.1f} s")
+            row(
+                "the snapshot's peak extra memory (PSS of the server's processes, shared memory once)",
+                _extra(memory, state_bytes),
             )
-            response.raise_for_status()
-        row("`POST .../snapshot` duration (one pusher running)", f"{seconds:.1f} s")
-        row(
-            "the snapshot's peak extra memory (PSS of the server's processes, shared memory once)",
-            _extra(memory, state_bytes),
-        )
-        row(f"pushes during the snapshot ({len(during)}), p50 / p99 / max", _percentiles(during))
-        row(
-            "the snapshot's copy of the state: longest update-lock hold (server log)",
-            _copy_log(server.log_path, logged),
-        )
+            row(f"pushes during the snapshot ({len(during)}), p50 / p99 / max", _percentiles(during))
+            row(
+                "the snapshot's copy of the state: longest update-lock hold (server log)",
+                _copy_log(server.log_path, logged),
+            )
         logged = server.log_path.stat().st_size
         with pusher.during() as during, _peak_memory(server) as memory:
             seconds, response = _timed(
@@ -532,7 +548,8 @@ def _report(args: argparse.Namespace, argv: Sequence[str] | None, state_bytes: i
     print(
         f"- table: m = {args.memory_size:,} (2^{args.memory_size.bit_length() - 1}), d = {DIM}, Z = {CHUNK}, "
         "adam: "
-        f"{state_bytes / MiB:,.0f} MiB of state; {args.workers} workers, fsync always; threads: the default"
+        f"{state_bytes / MiB:,.0f} MiB of state; {args.workers} workers, "
+        f"{'no data directory' if args.no_data_dir else 'fsync always'}; threads: the default"
     )
     print("- one client on the same machine; latencies measured by the client (binary bodies)\n")
     print("| what | measured |\n|---|---|")
