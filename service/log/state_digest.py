@@ -12,8 +12,8 @@ hashed straight from the live table without the update lock, and the granules th
 meanwhile touched hashed again (``consistent_copy``'s rounds; the last one's read under the lock); what
 it holds is 8 bytes per granule (1/32 of a float32 tensor) plus the small tensors. Where the journal
 keeps no log to say what changed (no data directory, a replica), the granules are hashed under the lock,
-in one pass: no copy there either, and the lock held about as long as the copy it replaces took
-(hashing runs at memory speed: 0.2-0.45 s for 768 MiB here, a copy into fresh memory 0.23-1.9 s).
+in one pass: no copy there either, and the lock held no longer than the copy it replaced (hashing runs
+at memory speed: 0.23-0.27 s for 768 MiB in the big-tables benchmark, main's copy 1.2-1.8 s).
 
 The granule hash: the granule's 8-byte words each multiplied by its own odd 64-bit constant, folded
 (xor of the high half into the low), multiplied by one more, and summed (mod 2^64). Not a cryptographic

@@ -591,7 +591,7 @@ class TableStore:
         update lock (``consistent_copy`` into a ``StateDigest``: the lock held only to read the granules
         the last few updates touched), and the digest holds 1/32 of the state's bytes. Where the journal
         cannot say what changed (no log: no data directory, a replica) the granules are hashed under the
-        lock, in one pass (no copy there either; about as long as the copy it replaces)."""
+        lock, in one pass (no copy there either; shorter than the copy it replaced)."""
         digest = StateDigest(self.registry.entry(name).table)
         version = consistent_copy(
             name,
