@@ -9,7 +9,8 @@ and measures, from a client on the same machine:
   p99 / max meanwhile (goal: p99 < 1 s);
 - ``GET .../checksum`` with the same pusher: its duration and the pushes' max meanwhile;
 - for each of the two, the longest hold of the table's update lock while the state was copied, as the
-  server logs it (``service/store/live_copy.py``);
+  server logs it (``service/store/live_copy.py``), and the peak extra memory meanwhile (the memory
+  below, sampled ten times a second, minus the memory before);
 - ``--updates`` logged pushes, ``kill -9`` of the server's process group, then a restart with the
   table's files evicted from the page cache: time to ``/readyz`` 200 and peak memory (PSS of the
   server's processes with its shared-memory files counted once, sampled ten times a second in a second
@@ -22,6 +23,11 @@ and measures, from a client on the same machine:
 - the data directory's size; a graceful stop (SIGTERM to exit).
 
     python -m benchmarks.service.big_tables [--memory-size 268435456] [--workers 2] [--updates 2000]
+        [--only-copies [--no-data-dir]] [--tree DIR]
+
+``--only-copies``: stop after the snapshot and the checksum (``--no-data-dir``: a server without one, the
+checksum alone). ``--tree``: the source tree whose
+``python -m service`` runs (default: the installed ``robez``), to compare a branch with main's tree.
 
 The periodic snapshot by age is turned off (``ROBEZ_SNAPSHOT_EVERY_SECONDS=0``) so the logged updates
 stay in the log for the restart. Prints a Markdown report, ready for docs/benchmarks/.
@@ -92,18 +98,28 @@ def server_memory_bytes(root: int, shm_dir: Path) -> int:
 class _Server(RobezProcess):
     log_path: Path  # always given
 
-    def __init__(self, data_dir: Path, shm_dir: Path, workers: int, log: Path) -> None:
+    def __init__(
+        self,
+        data_dir: Path | None,
+        shm_dir: Path,
+        workers: int,
+        log: Path,
+        tree: Path | None = None,
+    ) -> None:
         self.data_dir, self.shm_dir, self.workers = data_dir, shm_dir, workers
         self.exec_time = 0.0
         super().__init__(
-            ["--data-dir", str(data_dir), "--workers", str(workers)],
+            [*(["--data-dir", str(data_dir)] if data_dir is not None else []), "--workers", str(workers)],
             {
                 "ROBEZ_SHM_DIR": str(shm_dir),
                 "ROBEZ_LOG_LEVEL": "info",
                 "ROBEZ_DEFAULT_TABLE": "false",
                 "ROBEZ_SNAPSHOT_EVERY_SECONDS": "0",
+                **({"PYTHONPATH": str(tree)} if tree is not None else {}),
             },
             log_path=log,
+            program=[sys.executable, "-m", "service"] if tree is not None else None,
+            cwd=tree,
         )
 
     def start(self, timeout_s: float = 600.0, *, sample_memory: bool = True) -> tuple[float, int]:  # type: ignore[override]
@@ -135,6 +151,35 @@ class _Server(RobezProcess):
         os.killpg(self.process.pid, signal.SIGTERM)
         self.process.wait(timeout=300)
         return time.monotonic() - start
+
+
+@contextlib.contextmanager
+def _peak_memory(server: _Server) -> Iterator[list[int]]:
+    """Sample the server's memory (``server_memory_bytes``) ten times a second inside the block; the
+    list holds [memory before the block, peak during it] once the block is over."""
+    figures = [server.memory()]
+    peak = figures[0]
+    stop = threading.Event()
+
+    def loop() -> None:
+        nonlocal peak
+        while not stop.wait(0.1):
+            peak = max(peak, server.memory())
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        yield figures
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        figures.append(max(peak, server.memory()))
+
+
+def _extra(figures: list[int], state_bytes: int) -> str:
+    before, peak = figures
+    extra = peak - before
+    return f"{extra / MiB:,.0f} MiB = state x {extra / state_bytes:.2f} (before: {before / MiB:,.0f} MiB)"
 
 
 def _percentiles(seconds: list[float]) -> str:
@@ -320,12 +365,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--push-ids", type=int, default=256)
     parser.add_argument("--requests", type=int, default=200, help="lookups and pushes timed at rest")
     parser.add_argument("--data-dir", type=Path, default=None, help="parent of the data dir (default .)")
+    parser.add_argument(
+        "--tree", type=Path, default=None, help="the source tree the server runs from (default: this one)"
+    )
+    parser.add_argument(
+        "--only-copies",
+        action="store_true",
+        help="stop after the snapshot and the checksum (no restarts); their peak memory sampled",
+    )
+    parser.add_argument(
+        "--no-data-dir",
+        action="store_true",
+        help="with --only-copies: a server without a data directory (no snapshot; the checksum alone)",
+    )
     args = parser.parse_args(argv)
+    if args.no_data_dir and not args.only_copies:
+        parser.error("--no-data-dir goes with --only-copies")
     state_bytes = 3 * 4 * args.memory_size
     root = Path(tempfile.mkdtemp(prefix="robez-bench-big-", dir=args.data_dir or Path.cwd()))
     shm_dir = Path(tempfile.mkdtemp(prefix="robez-bench-big-", dir="/dev/shm"))
     data_dir = root / "data"
-    server = _Server(data_dir, shm_dir, args.workers, root / "server.log")
+    server = _Server(
+        None if args.no_data_dir else data_dir, shm_dir, args.workers, root / "server.log", args.tree
+    )
     lines: list[str] = []
 
     def row(what: str, figure: str) -> None:
@@ -369,30 +431,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"push of {args.push_ids} ids at rest, p50 / p99 / max",
             _percentiles([pusher.push() for _ in range(args.requests)]),
         )
-        logged = server.log_path.stat().st_size
-        with pusher.during() as during:
-            seconds, response = _timed(
-                lambda: httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=1200)
+        if not args.no_data_dir:  # a server without one has no snapshot to take
+            logged = server.log_path.stat().st_size
+            with pusher.during() as during, _peak_memory(server) as memory:
+                seconds, response = _timed(
+                    lambda: httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=1200)
+                )
+                response.raise_for_status()
+            row("`POST .../snapshot` duration (one pusher running)", f"{seconds:.1f} s")
+            row(
+                "the snapshot's peak extra memory (PSS of the server's processes, shared memory once)",
+                _extra(memory, state_bytes),
             )
-            response.raise_for_status()
-        row("`POST .../snapshot` duration (one pusher running)", f"{seconds:.1f} s")
-        row(f"pushes during the snapshot ({len(during)}), p50 / p99 / max", _percentiles(during))
-        row(
-            "the snapshot's copy of the state: longest update-lock hold (server log)",
-            _copy_log(server.log_path, logged),
-        )
+            row(f"pushes during the snapshot ({len(during)}), p50 / p99 / max", _percentiles(during))
+            row(
+                "the snapshot's copy of the state: longest update-lock hold (server log)",
+                _copy_log(server.log_path, logged),
+            )
         logged = server.log_path.stat().st_size
-        with pusher.during() as during:
+        with pusher.during() as during, _peak_memory(server) as memory:
             seconds, response = _timed(
                 lambda: httpx.get(f"{server.url}/v1/tables/big/checksum", timeout=1200)
             )
             response.raise_for_status()
         row("`GET .../checksum` duration (one pusher running)", f"{seconds:.1f} s")
+        row(
+            "the checksum's peak extra memory (PSS of the server's processes, shared memory once)",
+            _extra(memory, state_bytes),
+        )
         row(f"pushes during the checksum ({len(during)}), p50 / p99 / max", _percentiles(during))
         row(
             "the checksum's copy of the state: longest update-lock hold (server log)",
             _copy_log(server.log_path, logged),
         )
+        if args.only_copies:
+            row("graceful stop (SIGTERM to exit)", f"{server.terminate():.1f} s")
+            return _report(args, argv, state_bytes, lines)
         seconds, _ = _timed(lambda: [pusher.push() for _ in range(args.updates)])
         row(f"{args.updates} more pushes logged", f"{seconds:.1f} s")
         server.kill()
@@ -450,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _ in range(20):
             pusher.push()
         row("graceful stop (SIGTERM to exit) with 20 pushes since the restart", f"{server.terminate():.1f} s")
-        empty = _Server(root / "empty", shm_dir, args.workers, root / "server.log")
+        empty = _Server(root / "empty", shm_dir, args.workers, root / "server.log", args.tree)
         try:
             empty_start, empty_peak = empty.start()
         finally:
@@ -463,13 +537,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.kill()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
+    return _report(args, argv, state_bytes, lines)
+
+
+def _report(args: argparse.Namespace, argv: Sequence[str] | None, state_bytes: int, lines: list[str]) -> int:
+    """Print the Markdown report."""
     print(f"# One server with a big table ({datetime.date.today().isoformat()})\n")
     print(f"- command: `python -m benchmarks.service.big_tables {' '.join(argv or sys.argv[1:])}`")
     print(f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}")
     print(
         f"- table: m = {args.memory_size:,} (2^{args.memory_size.bit_length() - 1}), d = {DIM}, Z = {CHUNK}, "
         "adam: "
-        f"{state_bytes / MiB:,.0f} MiB of state; {args.workers} workers, fsync always; threads: the default"
+        f"{state_bytes / MiB:,.0f} MiB of state; {args.workers} workers, "
+        f"{'no data directory' if args.no_data_dir else 'fsync always'}; threads: the default"
     )
     print("- one client on the same machine; latencies measured by the client (binary bodies)\n")
     print("| what | measured |\n|---|---|")

@@ -10,4 +10,5 @@ log implementation (``service/wal/``, ``service/replication/``); both import thi
 - ``journal.py``: the ``Journal`` protocol the store drives, ``NullJournal`` (keeps nothing), ``LogMark``.
 - ``memory.py``: ``MemoryLog``, a ``Journal`` in memory for tests (snapshots and records, replay).
 - ``live_copy.py``: ``consistent_copy``, the state at one version copied while updates go on.
+- ``state_digest.py``: a table's checksum with no copy of its state (granule hashes, ``StateDigest``).
 """

@@ -20,6 +20,10 @@ every update is logged, with its version, before it is applied. So ``consistent_
    at V1; the lock was held to read the few updates logged during the last round and their rows, never
    for work that grows with the updates made during the copy.
 
+What the copy is written into is a ``CopyTarget``: arrays (``ArrayTarget``: private memory, or the
+mapping of a snapshot file), or a checksum's granule digests (``state_digest.StateDigest``: no copy of
+the state at all; docs/durability.md "Checksum").
+
 Where the journal cannot say which ids changed (no data directory: ``NullJournal``; the log replaced by
 another worker's snapshot or a load, or an unfinished update cut off it by a repair), the copy is made
 under the lock, as a whole. A test can make the lock-free copy slow (``Faults.slow_down`` after each
@@ -32,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, suppress
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -50,25 +54,73 @@ T = TypeVar("T")
 # Positions are patched in granules of this many values (256 bytes of float32).
 GRANULE = 64
 # The lock-free copy goes in pieces of this many bytes (a test's pause after each: Faults.slow_down).
-_PIECE_BYTES = 1 << 24
+PIECE_BYTES = 1 << 24
 # At most this many lock-free patch rounds; the last, locked round comes earlier once a round ends with at
 # most _FEW_UPDATES updates logged since the one before (their ids are read and hashed, and their granules
 # gathered, under the lock). At 2**28 under a pusher at full speed five rounds left the rows of 3-5
 # updates to the locked one (two left ~110: 0.3-0.5 s of lock).
 _ROUNDS = 5
 _FEW_UPDATES = 8
+# The ids of the updates a round patches are hashed this many at a time (the offsets and marks' temporaries:
+# a few bytes per id each, bounded whatever the updates made during the copy).
+_HASH_BATCH_IDS = 1 << 16
+
+
+Gathered = list[tuple[str, np.ndarray | None, np.ndarray, np.ndarray | None]]
+
+
+class CopyTarget(Protocol):
+    """What ``consistent_copy`` writes the state into."""
+
+    def layout(self) -> Mapping[str, tuple[tuple[int, ...], np.dtype]]:
+        """Each tensor's (shape, dtype) the target was made for (checked against the table's)."""
+        ...
+
+    def fill(self, table: Table, *, pause: Callable[[], None] | None) -> None:
+        """Take every tensor of ``table`` whole: without the lock (``pause`` after each piece of
+        ``PIECE_BYTES``: the test hook) or, ``pause`` None, under it (the log could not say what changed)."""
+        ...
+
+    def patch(self, table: Table, marks: np.ndarray) -> None:
+        """Take again, without the lock, the granules ``marks`` (``touched``) names and the small tensors."""
+        ...
+
+    def write(self, gathered: Gathered) -> None:
+        """Take what ``gather`` read under the lock (the last round's granules and the small tensors)."""
+        ...
+
+
+class ArrayTarget:
+    """A ``CopyTarget`` of arrays: name -> a contiguous numpy array of each of ``Table.tensors()``' shape
+    and dtype (private memory, or a mapping of a snapshot file)."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def layout(self) -> Mapping[str, tuple[tuple[int, ...], np.dtype]]:
+        return {key: (array.shape, array.dtype) for key, array in self.arrays.items()}
+
+    def fill(self, table: Table, *, pause: Callable[[], None] | None) -> None:
+        _copy_whole(table, self.arrays, pause=pause)
+
+    def patch(self, table: Table, marks: np.ndarray) -> None:
+        self.write(gather(table, marks))
+
+    def write(self, gathered: Gathered) -> None:
+        _scatter(self.arrays, gathered)
 
 
 def consistent_copy(
     name: str,
     journal: Journal,
     exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
-    targets: Mapping[str, np.ndarray],
+    targets: Mapping[str, np.ndarray] | CopyTarget,
     finish: Callable[[Table, int, LogMark | None], T],
     faults: Faults = NO_FAULTS,
 ) -> T:
     """Fill ``targets`` (name -> a contiguous numpy array of each of ``Table.tensors()``' shape and
-    dtype: private memory, or a mapping of a snapshot file) with the table's state at one version V;
+    dtype: private memory, or a mapping of a snapshot file; or any ``CopyTarget``) with the table's
+    state at one version V;
     ``finish(table, V, mark)`` is called under the update lock at V, the copy complete (``mark``: the
     journal's note of its log at V, None where the copy was made whole under the lock), and its result
     returned. The lock is held for the rows changed since the last lock-free round (see the module
@@ -87,7 +139,8 @@ def consistent_copy(
                 holds.append(time.perf_counter() - start)
 
     started = time.perf_counter()
-    result, version, how = _copy(name, journal, locked, targets, finish, faults)
+    target = ArrayTarget(targets) if isinstance(targets, Mapping) else targets
+    result, version, how = _copy(name, journal, locked, target, finish, faults)
     logger.info(
         "table %r: state copied at version %d in %.2f s (%s); the update lock held at most %.1f ms",
         name,
@@ -103,7 +156,7 @@ def _copy(
     name: str,
     journal: Journal,
     exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
-    targets: Mapping[str, np.ndarray],
+    targets: CopyTarget,
     finish: Callable[[Table, int, LogMark | None], T],
     faults: Faults,
 ) -> tuple[T, int, str]:
@@ -111,7 +164,7 @@ def _copy(
 
     def whole(now: Table, version: int, why: str) -> tuple[T, int, str]:
         """The copy made whole, the lock held (the log cannot say what changed)."""
-        _copy_whole(now, targets, pause=None)
+        targets.fill(now, pause=None)
         return finish(now, version, None), version, f"whole, under the lock: {why}"
 
     with exclusive() as (table, version):
@@ -119,7 +172,7 @@ def _copy(
         if mark is None:
             return whole(table, version, "no log")
         source = _arrays(table, targets)
-    _copy_whole(table, targets, pause=faults.slow_down)
+    targets.fill(table, pause=faults.slow_down)
     cannot_tell = "the log could not say what changed during the copy"
     for round_ in range(_ROUNDS + 1):
         with exclusive() as (now, version):
@@ -135,8 +188,8 @@ def _copy(
                 ids = journal.updated_ids(name, mark, until)
                 if ids is None:
                     return whole(now, version, cannot_tell)
-                marks = _touched(now, ids)
-                gathered = _gather(now, marks)
+                marks = touched(now, ids)
+                gathered = gather(now, marks)
                 result = finish(now, version, until)
                 how = (
                     f"lock-free, {round_} lock-free patch round(s), then {int(np.count_nonzero(marks))} "
@@ -149,20 +202,21 @@ def _copy(
         if ids is None:
             with exclusive() as (now, version):
                 return whole(now, version, cannot_tell)
-        _scatter(targets, _gather(table, _touched(table, ids)))
+        targets.patch(table, touched(table, ids))
         mark = until
     else:  # pragma: no cover
         raise AssertionError("unreachable")
-    _scatter(targets, gathered)
+    targets.write(gathered)
     return result, version, how
 
 
-def _arrays(table: Table, targets: Mapping[str, np.ndarray]) -> dict[str, int]:
+def _arrays(table: Table, targets: CopyTarget) -> dict[str, int]:
     """The table's tensors by address, checked against ``targets``' layout."""
     tensors = table.tensors()
+    layout = targets.layout()
     for key, tensor in tensors.items():
-        target = targets.get(key)
-        if target is None or target.shape != tuple(tensor.shape) or target.dtype != _dtype(tensor):
+        target = layout.get(key)
+        if target is None or target != (tuple(tensor.shape), _dtype(tensor)):
             raise ConflictError(f"table of another layout than its copy ({key!r}): replaced meanwhile?")
     return {key: tensor.data_ptr() for key, tensor in tensors.items()}
 
@@ -176,14 +230,14 @@ def _copy_whole(table: Table, targets: Mapping[str, np.ndarray], *, pause: Calla
     for key, tensor in table.tensors().items():
         source = tensor.detach().reshape(-1).numpy()
         target = targets[key].reshape(-1)
-        step = max(1, _PIECE_BYTES // source.itemsize)
+        step = max(1, PIECE_BYTES // source.itemsize)
         for start in range(0, source.size, step):
             np.copyto(target[start : start + step], source[start : start + step])
             if pause is not None:
                 pause()
 
 
-def _touched(table: Table, ids: list[np.ndarray]) -> np.ndarray:
+def touched(table: Table, ids: list[np.ndarray]) -> np.ndarray:
     """A byte per granule of the table's (m,) tensors: 1 where one of the updates of ``ids`` changed a
     position (each chunk offset ``o`` covers ``[o, o + Z)``)."""
     config = table.config
@@ -199,34 +253,37 @@ def _touched(table: Table, ids: list[np.ndarray]) -> np.ndarray:
 
 
 def _hashed(table: Table, ids: list[np.ndarray]) -> Iterator[np.ndarray]:
-    """The chunk offsets (flat) of every update of ``ids``: in one call to the hash for all of them (a
-    lock-free round may patch thousands of updates), each update alone where one of them is refused
-    (an update refused as a whole changed nothing)."""
-    if not ids:
-        return
-    try:
-        yield _hash(table, np.concatenate(ids))
-    except InvalidInputError:
-        for update_ids in ids:
-            with suppress(InvalidInputError):
-                yield _hash(table, update_ids)
+    """The chunk offsets (flat) of every update of ``ids``: in one call to the hash for the updates of
+    each ``_HASH_BATCH_IDS`` ids (a lock-free round may patch thousands of updates; batches keep the
+    temporaries small), each update alone where one of a batch is refused (an update refused as a whole
+    changed nothing)."""
+    batch: list[np.ndarray] = []
+    count = 0
+    for index, update_ids in enumerate(ids):
+        batch.append(update_ids)
+        count += update_ids.size
+        if count >= _HASH_BATCH_IDS or index == len(ids) - 1:
+            try:
+                yield _hash(table, np.concatenate(batch))
+            except InvalidInputError:
+                for one in batch:
+                    with suppress(InvalidInputError):
+                        yield _hash(table, one)
+            batch, count = [], 0
 
 
 def _hash(table: Table, ids: np.ndarray) -> np.ndarray:
     return table.hash(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))).numpy().reshape(-1)
 
 
-_Gathered = list[tuple[str, np.ndarray | None, np.ndarray, np.ndarray | None]]
-
-
-def _gather(table: Table, marks: np.ndarray) -> _Gathered:
+def gather(table: Table, marks: np.ndarray) -> Gathered:
     """Private copies of the marked granules of each (m,) tensor of the table (key, granule indexes,
     their values, the tail past the last whole granule if marked) and of every other tensor (adam's
     step) whole (key, None, values, None)."""
     m = table.config.memory_size
     whole = m // GRANULE
     picked = np.flatnonzero(marks[:whole])
-    gathered: _Gathered = []
+    gathered: Gathered = []
     for key, tensor in table.tensors().items():
         source = tensor.detach().reshape(-1).numpy()
         if source.size != m:
@@ -238,8 +295,8 @@ def _gather(table: Table, marks: np.ndarray) -> _Gathered:
     return gathered
 
 
-def _scatter(targets: Mapping[str, np.ndarray], gathered: _Gathered) -> None:
-    """Write what ``_gather`` read into ``targets``."""
+def _scatter(targets: Mapping[str, np.ndarray], gathered: Gathered) -> None:
+    """Write what ``gather`` read into ``targets``."""
     for key, picked, values, tail in gathered:
         target = targets[key].reshape(-1)
         if picked is None:

@@ -19,7 +19,6 @@ Lock order, everywhere: a table's update lock, then the registry lock (``registr
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import signal
@@ -65,6 +64,7 @@ from ..log.entry import (
 )
 from ..log.journal import Journal, NullJournal
 from ..log.live_copy import consistent_copy
+from ..log.state_digest import StateDigest
 from ..shm import (
     SharedDirectory,
     TableEntry,
@@ -585,33 +585,22 @@ class TableStore:
         return UpdateResult(record.version, *outcome)
 
     def checksum(self, name: str) -> tuple[int, str]:
-        """(version, sha256 hex) over the array and optimizer state at one version. Replicas at the same
-        version have the same digest. The state is copied into private memory (allocated and filled
-        without the update lock: ``consistent_copy``, which holds the lock only to patch the rows updated
-        during the copy; the whole copy under the lock where the journal cannot say which: no data
-        directory), and hashed without the lock; the copy costs the table's state bytes of private
-        memory for the length of the hash."""
-        layout = self.registry.entry(name).table.tensors()
-        copies = {
-            key: np.empty(tuple(t.shape), dtype=t.detach()[:0].numpy().dtype) for key, t in layout.items()
-        }
-        del layout
+        """(version, digest hex) of the array and optimizer state at one version (``state_digest.py``:
+        sha256 over 64-bit hashes of 256-byte granules). Replicas at the same version have the same
+        digest. No copy of the state is made: the granules are hashed from the live table without the
+        update lock (``consistent_copy`` into a ``StateDigest``: the lock held only to read the granules
+        the last few updates touched), and the digest holds 1/32 of the state's bytes. Where the journal
+        cannot say what changed (no log: no data directory, a replica) the granules are hashed under the
+        lock, in one pass (no copy there either; shorter than the copy it replaced)."""
+        digest = StateDigest(self.registry.entry(name).table)
         version = consistent_copy(
             name,
             self.journal,
             partial(self.exclusive, name),
-            copies,
+            digest,
             lambda _table, at, _mark: at,
             self.faults,
         )
-        digest = hashlib.sha256()
-        for key, copy in sorted(copies.items()):
-            digest.update(key.encode())
-            view = copy.reshape(-1).view(np.uint8).data
-            for start in range(0, len(view), _HASH_PIECE_BYTES):
-                digest.update(view[start : start + _HASH_PIECE_BYTES])
-                self.faults.slow_down()
-            del view
         return version, digest.hexdigest()
 
     def warm_up(self) -> None:
@@ -660,10 +649,6 @@ class TableStore:
     def close(self) -> None:
         """Release this worker's locks and mappings (the shared directory stays; its owner removes it)."""
         self.registry.close()
-
-
-# The checksum hashes its copy in pieces of this many bytes (so the test hook can slow it down).
-_HASH_PIECE_BYTES = 1 << 24
 
 
 def _resolve_lr(entry: TableEntry, lr: float | None) -> float:

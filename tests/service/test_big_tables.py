@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from robez_core.table import Table
 from service.app import create_app
 from service.config import Settings
 from service.log import live_copy
+from service.log.state_digest import digest_of_table
 from service.store import TableStore
 from service.wal import WalJournal
 
@@ -248,15 +249,6 @@ class _Pushes:
         return table
 
 
-def _sha256(table: Table) -> str:
-    """The checksum's digest, computed here: sha256 over each tensor's name then bytes, names sorted."""
-    digest = hashlib.sha256()
-    for key, tensor in sorted(table.tensors().items()):
-        digest.update(key.encode())
-        digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 @pytest.mark.slow
 def test_pushes_go_on_while_a_snapshot_copies_its_table_and_the_snapshot_is_exact(
     client_factory: Callable[..., TestClient], tmp_path: Path
@@ -289,24 +281,33 @@ def test_pushes_go_on_while_a_snapshot_copies_its_table_and_the_snapshot_is_exac
 
 
 @pytest.mark.slow
-def test_pushes_go_on_while_a_checksum_copies_its_table_and_it_hashes_exactly_its_version(
+def test_pushes_go_on_while_a_checksum_hashes_its_table_with_no_copy_and_exactly_its_version(
     client_factory: Callable[..., TestClient], tmp_path: Path
 ) -> None:
+    """The granules are hashed from the live table without the lock (slowed by the test hook), those the
+    pushes touched meanwhile hashed again: the digest is exactly its version's, and the checksum holds
+    no copy of the state (it held one, 48 MiB here, until issue 39)."""
     client = _big_adam(client_factory, tmp_path, data_dir=tmp_path / "data")
     store = store_of(client)
     pushes = _Pushes(client, seed=12)
     quiet = store.checksum("big")
-    assert quiet == (pushes.start_version, _sha256(pushes.start))  # the digest computed here is the same
+    assert quiet == (pushes.start_version, digest_of_table(pushes.start))  # the digest defined alike
+    state_bytes = sum(t.numel() * t.element_size() for t in store.table("big").tensors().values())
     store.faults.slow_seconds = SLOW_SECONDS
     summed: list[tuple[int, str]] = []
-    latencies, started, ended = _pushes_during(lambda: summed.append(store.checksum("big")), pushes.push)
+    tracemalloc.start()  # numpy reports its arrays' memory to it (torch's tensors, the pushes', not)
+    try:
+        latencies, started, ended = _pushes_during(lambda: summed.append(store.checksum("big")), pushes.push)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     store.faults.slow_seconds = 0.0
+    assert peak <= state_bytes / 4, (peak, state_bytes)  # issue 39: <= 1/4 (main: a whole copy, 1x)
     version, digest = summed[0]
     assert version >= pushes.start_version + 3, (version, pushes.start_version)  # pushed during the copy
-    assert ended - started >= 6 * SLOW_SECONDS  # copy and hash slowed
+    assert ended - started >= 3 * SLOW_SECONDS  # the hashing slowed: 3 pieces of 16 MiB
     assert max(latencies) < SLOW_SECONDS, latencies  # as in the snapshot's test above
-    assert version < store.version("big")  # and during the hash
-    assert digest == _sha256(pushes.oracle(version))
+    assert digest == digest_of_table(pushes.oracle(version))
 
 
 class _LockedReads:
@@ -368,26 +369,41 @@ def test_a_copy_reads_under_the_lock_only_the_updates_of_its_last_round(
     rounds = int(copied.split("lock-free, ")[1].split(" ")[0])
     assert reads.locked[0] <= live_copy._FEW_UPDATES or rounds == live_copy._ROUNDS, (reads, copied)
     assert reads.locked[0] < during_copy / 4, (reads, copied)
-    assert digest == _sha256(pushes.oracle(version))
+    assert digest == digest_of_table(pushes.oracle(version))
 
 
 @pytest.mark.slow
-def test_a_checksum_without_a_data_dir_copies_under_the_lock_and_is_exact(
+def test_a_checksum_without_a_data_dir_hashes_under_the_lock_with_no_copy_and_is_exact(
     client_factory: Callable[..., TestClient], tmp_path: Path
 ) -> None:
-    """No log to say what changed during a lock-free copy: the copy is made under the lock (not slowed),
-    the hash without it; the digest is still exactly its version's."""
+    """No log to say what changed during a lock-free pass: the granules are hashed under the lock, in
+    one pass, with no copy of the state (main copied the state into private memory under the lock, 1x,
+    and hashed the copy); the digest is exactly its version's while pushes go on around it."""
     client = _big_adam(client_factory, tmp_path)
     store = store_of(client)
     assert store.journal_is_memory_only()
     pushes = _Pushes(client, seed=13)
-    store.faults.slow_seconds = SLOW_SECONDS / 2
+    state_bytes = sum(t.numel() * t.element_size() for t in store.table("big").tensors().values())
     summed: list[tuple[int, str]] = []
-    latencies, _started, _ended = _pushes_during(lambda: summed.append(store.checksum("big")), pushes.push)
-    store.faults.slow_seconds = 0.0
-    version, digest = summed[0]
-    assert version < store.version("big") and len(latencies) >= 3  # pushes went on during the hash
-    assert digest == _sha256(pushes.oracle(version))
+
+    def checksums() -> None:
+        for _ in range(3):
+            pushed = len(pushes.pushed)
+            deadline = time.monotonic() + 10
+            while len(pushes.pushed) == pushed and time.monotonic() < deadline:
+                time.sleep(0.001)  # a push in between: each checksum at another version
+            summed.append(store.checksum("big"))
+
+    tracemalloc.start()
+    try:
+        latencies, _started, _ended = _pushes_during(checksums, pushes.push)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= state_bytes / 4, (peak, state_bytes)  # issue 39 (main: a whole copy, 1x)
+    assert len(latencies) >= 3 and summed[-1][0] > summed[0][0], (len(latencies), summed)
+    for version, digest in summed:
+        assert digest == digest_of_table(pushes.oracle(version))
 
 
 def _restarted(tmp_path: Path, store: TableStore) -> Table:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from devtools.natscluster import NatsCluster, free_ports
 from loadtest.launch import RobezProcess
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
+from service.log.state_digest import digest_of_table
 
 REPO = Path(__file__).resolve().parents[3]
 SMALL = {"num_embeddings": 1000, "embedding_dim": 8, "memory_size": 4096, "chunk_size": 4}
@@ -184,11 +184,7 @@ def replay_checksum(pushes_in_order: list[int], optimizer: dict[str, Any] | None
     for seed in pushes_in_order:
         ids, grads = push_grads(seed)
         table.apply_gradients(ids, grads)
-    digest = hashlib.sha256()
-    for key, tensor in sorted(table.tensors().items()):
-        digest.update(key.encode())
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    return digest_of_table(table)
 
 
 def stream_leader(cluster: NatsCluster, prefix: str, table: str) -> str:

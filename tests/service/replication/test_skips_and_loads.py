@@ -26,6 +26,7 @@ from devtools.natscluster import NatsCluster
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
 from service.client import OCTET_STREAM, SHAPE_HEADER, encode_update
+from service.log.state_digest import digest_of_table
 from service.replication.records import KIND, LR, OBJECT, SHA256, SHAPE
 from service.wal import read_checkpoint
 
@@ -137,11 +138,7 @@ def checkpoint_of(seeds: list[int]) -> tuple[bytes, str]:
 def checksum_of(checkpoint: bytes) -> str:
     """The /checksum digest of a table downloaded as a robez checkpoint."""
     table, _ = read_checkpoint(checkpoint, format="robez")
-    digest = hashlib.sha256()
-    for key, tensor in sorted(table.tensors().items()):
-        digest.update(key.encode())
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    return digest_of_table(table)
 
 
 def converged(servers: list[ReplicaServer], table: str, version: int) -> str:

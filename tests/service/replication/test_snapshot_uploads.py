@@ -8,7 +8,6 @@ a private replay, and dropping the table leaves no chunk.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import re
 import time
 import uuid
@@ -25,6 +24,7 @@ from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
 from service import faults
 from service.client import OCTET_STREAM, SHAPE_HEADER, encode_update
+from service.log.state_digest import digest_of_table
 
 from .conftest import ADAM, ReplicaServer
 
@@ -94,11 +94,7 @@ def expected_checksum(seeds: list[int]) -> str:
     table = Table(TableConfig.from_dict(CONFIG), OptimizerConfig.from_dict(ADAM))
     for seed in seeds:
         table.apply_gradients(*grads_of(seed))
-    digest = hashlib.sha256()
-    for key, tensor in sorted(table.tensors().items()):
-        digest.update(key.encode())
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    return digest_of_table(table)
 
 
 def wait_uploaded(servers: list[ReplicaServer], version: int, timeout_s: float = 60) -> None:

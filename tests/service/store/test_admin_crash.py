@@ -18,7 +18,6 @@ surviving worker. Checked at each point:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -38,6 +37,7 @@ from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import ConflictError, NotFoundError
 from robez_core.table import Table
 from service.config import Settings, TableSpec
+from service.log.state_digest import digest_of_table
 from service.shm import REPLACED, STATE, SharedDirectory
 from service.store import TableStore
 from service.wal import LOG_FILE, META_FILE, WalJournal
@@ -286,11 +286,7 @@ def test_a_worker_killed_in_the_middle_of_a_delete(point: Point, worker: Worker,
 
 def _digest(table: Table) -> str:
     """What ``GET /v1/tables/{name}/checksum`` answers for a table holding these tensors."""
-    digest = hashlib.sha256()
-    for key, tensor in sorted(table.tensors().items()):
-        digest.update(key.encode())
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
-    return digest.hexdigest()
+    return digest_of_table(table)
 
 
 def _post_update(url: str, ids: torch.Tensor, grads: torch.Tensor) -> httpx.Response:
