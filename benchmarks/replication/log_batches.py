@@ -39,7 +39,7 @@ import numpy as np
 from devtools.natscluster import NatsCluster
 from robez_core import hostinfo
 
-from .replicas import _D
+from .replicas import DIM
 
 _GROUP = 8
 
@@ -65,8 +65,8 @@ async def _measure(cluster: NatsCluster, pushes: int, rows: int, rounds: int) ->
     )
     assert "error" not in created, created
     entry = await log.create_table("batches", {}, {})
-    payload = np.random.default_rng(5).bytes(rows * 8 + rows * _D * 4)
-    headers = {"Robez-Shape": f"{rows},{_D}", "Robez-Lr": (0.01).hex()}
+    payload = np.random.default_rng(5).bytes(rows * 8 + rows * DIM * 4)
+    headers = {"Robez-Shape": f"{rows},{DIM}", "Robez-Lr": (0.01).hex()}
     counter = 0
 
     def key() -> str:
@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Load average (1, 5, 15 min): {load_before} before, {load_after} after  ")
     print(
         "3 NATS nodes, TLS and logins, R3 file streams, sync_interval always; "
-        f"{args.rows} ids x {_D} per push\n"
+        f"{args.rows} ids x {DIM} per push\n"
     )
     print("| appends | p50 ms per append (each round) | pushes/s (each round) |")
     print("|---|---|---|")

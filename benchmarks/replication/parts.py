@@ -32,7 +32,7 @@ import numpy as np
 from devtools.natscluster import NatsCluster
 from robez_core import hostinfo
 
-from .replicas import _D, _percentile, _push_body, _Server
+from .replicas import DIM, BenchServer, percentile, push_body
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,14 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix=".robez-bench-parts-", dir=args.dir))
     cluster = NatsCluster(workdir / "nats", size=3)
-    server: _Server | None = None
+    server: BenchServer | None = None
     names = [f"part{index}" for index in range(args.tables)]
     latency: dict[str, list[float]] = {"one": [], "many": []}
     publish: dict[str, list[float]] = {"one": [], "many": []}
     try:
         cluster.start()
         cluster.wait_for_jetstream()
-        server = _Server(
+        server = BenchServer(
             "a", workdir, ["--nats", ",".join(cluster.urls), "--replica-name", "a"], cluster.robez_env()
         )
         server.wait_ready()
@@ -71,15 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 created.raise_for_status()
 
             def one() -> httpx.Response:
-                body, headers = _push_body(rng, args.rows)
+                body, headers = push_body(rng, args.rows)
                 return client.post(f"/v1/tables/{names[0]}/update", content=body, headers=headers)
 
             def many() -> httpx.Response:
-                bodies = [_push_body(rng, args.rows)[0] for _ in names]
+                bodies = [push_body(rng, args.rows)[0] for _ in names]
                 headers = {
                     "Content-Type": "application/octet-stream",
                     "X-Robez-Tables": ",".join(f"{name}={args.rows}" for name in names),
-                    "X-Robez-Shapes": ";".join(f"{args.rows},{_D}" for _ in names),
+                    "X-Robez-Shapes": ";".join(f"{args.rows},{DIM}" for _ in names),
                 }
                 return client.post("/v1/update", content=b"".join(bodies), headers=headers)
 
@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = "python -m benchmarks.replication.parts " + shlex.join(list(argv or sys.argv[1:]))
-    one_p50, many_p50 = (_percentile(latency[kind], 50) * 1e3 for kind in ("one", "many"))
+    one_p50, many_p50 = (percentile(latency[kind], 50) * 1e3 for kind in ("one", "many"))
     print(f"# Multi-table pushes on a replica — {date}\n")
     print(f"Command: `{command.strip()}` in {Path.cwd()} (took {time.perf_counter() - began:.0f} s)  ")
     print(
@@ -116,8 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|---|---|---|---|")
     for kind, label in (("one", "1 table"), ("many", f"{args.tables} tables")):
         print(
-            f"| {label}, {args.rows} ids each | {_percentile(latency[kind], 50) * 1e3:.2f} | "
-            f"{_percentile(latency[kind], 99) * 1e3:.2f} | {statistics.median(publish[kind]):.2f} |"
+            f"| {label}, {args.rows} ids each | {percentile(latency[kind], 50) * 1e3:.2f} | "
+            f"{percentile(latency[kind], 99) * 1e3:.2f} | {statistics.median(publish[kind]):.2f} |"
         )
     print(f"\n{args.tables}-table push p50 / 1-table push p50: {many_p50 / one_p50:.2f}")
     return 0

@@ -37,7 +37,7 @@ from devtools.natscluster import NatsCluster
 from loadtest.server import tree_cpu_seconds
 from robez_core import hostinfo
 
-from .replicas import _D, _percentile, _Server, _updates
+from .replicas import DIM, BenchServer, percentile, timed_updates
 
 _RECORD = 16 * 1024  # TLS's largest record
 _HOPS = 5  # publish to the leader, two routes, deliveries to A and to B
@@ -67,7 +67,7 @@ def _aead_costs(rows: int, repeat: int = 300) -> list[tuple[str, float, float]]:
     """(suite, µs to seal one push's bytes, µs to open them), the push cut into 16 KiB records."""
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
-    size = rows * 8 + rows * _D * 4
+    size = rows * 8 + rows * DIM * 4
     data = os.urandom(size)
     records = [data[start : start + _RECORD] for start in range(0, size, _RECORD)]
     nonce = os.urandom(12)
@@ -95,17 +95,18 @@ def _aead_costs(rows: int, repeat: int = 300) -> list[tuple[str, float, float]]:
 def _end_to_end(secure: bool, workdir: Path, pushes: int, rows: int) -> dict[int, dict[str, float]]:
     """{writers: {"p50_ms", "per_s", "cpu_<process>_ms"...}} for one cluster and replicas A, B."""
     cluster = NatsCluster(workdir / "nats", size=3, secure=secure)
-    servers: list[_Server] = []
+    servers: list[BenchServer] = []
     try:
         cluster.start()
         cluster.wait_for_jetstream()
         nats_args = ["--nats", ",".join(cluster.urls)]
         servers = [
-            _Server(name, workdir, [*nats_args, "--replica-name", name], cluster.robez_env()) for name in "ab"
+            BenchServer(name, workdir, [*nats_args, "--replica-name", name], cluster.robez_env())
+            for name in "ab"
         ]
         for server in servers:
             server.wait_ready()
-        _updates(servers[0].url, 1, 20, rows)  # kernels loaded, connections open
+        timed_updates(servers[0].url, 1, 20, rows)  # kernels loaded, connections open
         processes = {"A": servers[0].pid, "B": servers[1].pid}
         for node in cluster.nodes:
             assert node.process is not None
@@ -113,9 +114,9 @@ def _end_to_end(secure: bool, workdir: Path, pushes: int, rows: int) -> dict[int
         figures = {}
         for writers in (1, 8):
             before = {name: tree_cpu_seconds(pid) for name, pid in processes.items()}
-            *latencies, elapsed = _updates(servers[0].url, writers, pushes, rows)
+            *latencies, elapsed = timed_updates(servers[0].url, writers, pushes, rows)
             after = {name: tree_cpu_seconds(pid) for name, pid in processes.items()}
-            row = {"p50_ms": _percentile(latencies, 50) * 1e3, "per_s": len(latencies) / elapsed}
+            row = {"p50_ms": percentile(latencies, 50) * 1e3, "per_s": len(latencies) / elapsed}
             for name in processes:
                 row[f"cpu {name}"] = (after[name] - before[name]) / len(latencies) * 1e3
             figures[writers] = row
@@ -163,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = "python -m benchmarks.replication.tls_cost " + shlex.join(list(argv or sys.argv[1:]))
     flags = hostinfo.listed_flags(("aes", "vaes", "vpclmulqdq", "avx2", "avx512f")) or ()
-    size = args.rows * 8 + args.rows * _D * 4
+    size = args.rows * 8 + args.rows * DIM * 4
     print(f"# TLS cost of a replicated push — {date}\n")
     print(f"Command: `{command.strip()}` (took {time.perf_counter() - began:.0f} s)  ")
     print(
