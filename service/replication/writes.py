@@ -8,7 +8,8 @@ entry with exactly the bytes this worker published is applied with the step prep
 nor coalesced twice: ``proposed.ProposedSteps``), its finiteness still checked at its version.
 
 A multi-table push is one stream entry per table (a stream per table: docs/replication.md). What holds:
-all of it is validated before any part is published, so a bad part publishes nothing; then every part
+all of it is validated, and every part's entry size checked against the log's limit, before any part
+is published, so a bad part or one too large (413) publishes nothing; then every part
 is published at once, each with the request's Idempotency-Key and its table (``key/table``), and their
 acks are awaited together (pipelined: a push of k tables costs about one ack round trip, not k); the
 answer comes once every part is in the log and applied here. If a part fails (or the replica dies), the
@@ -69,16 +70,24 @@ class ReplicatedWrites:
 
         validated = await offload(validate)
 
+        def key_of(part: UpdatePart) -> str | None:
+            return key if key is None or len(validated) == 1 else f"{key}/{part.table}"
+
         async def append(part: UpdatePart, proposed: Proposed) -> ReplicatedUpdate:
-            part_key = key if key is None or len(validated) == 1 else f"{key}/{part.table}"
             assert isinstance(part.ids, torch.Tensor) and isinstance(part.grads, torch.Tensor)
             assert part.lr is not None
             # The step prepared here is kept for this worker's applier: one validation per push.
-            return await self.replica.update(part.table, part.ids, part.grads, part.lr, part_key, proposed)
+            return await self.replica.update(
+                part.table, part.ids, part.grads, part.lr, key_of(part), proposed
+            )
 
         if len(validated) == 1:
             logged = [await append(*validated[0])]
         else:
+            for part, _ in validated:  # a part over the log's entry limit: 413 before any is published
+                assert isinstance(part.ids, torch.Tensor) and isinstance(part.grads, torch.Tensor)
+                assert part.lr is not None
+                await self.replica.check_size(part.table, part.ids, part.grads, part.lr, key_of(part))
             # Every part in flight at once; all of them settle (stored and applied, or failed) before the
             # answer, so no part is still being published after a failure was answered.
             settled = await asyncio.gather(*(append(*each) for each in validated), return_exceptions=True)

@@ -16,8 +16,10 @@ from torch import Tensor
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import BusyError
 from service.config import TableSpec
+from service.errors import UpdateTooLargeError
 from service.log.entry import Proposed
 from service.log.journal import NullJournal
+from service.replication.records import update_too_large
 from service.replication.replica import ReplicatedUpdate
 from service.replication.writes import ReplicatedWrites
 from service.shm import SharedDirectory
@@ -48,15 +50,22 @@ class _Log:
 
     name = "replica"
 
-    def __init__(self, together: int, hold_s: float, fail: str | None = None) -> None:
+    def __init__(
+        self, together: int, hold_s: float, fail: str | None = None, too_large: str | None = None
+    ) -> None:
         self.together = together
         self.hold_s = hold_s
         self.fail = fail
+        self.too_large = too_large
         self.in_flight = 0
         self.most_in_flight = 0
         self.keys: list[str | None] = []
         self.settled: list[str] = []
         self._all_in = asyncio.Event()
+
+    async def check_size(self, name: str, ids: Tensor, grads: Tensor, lr: float, key: str | None) -> None:
+        if name == self.too_large:
+            raise update_too_large(name, int(ids.numel()), int(grads.shape[1]), 2000, 1000, 200)
 
     async def update(
         self, name: str, ids: Tensor, grads: Tensor, lr: float, key: str | None, proposed: Proposed | None
@@ -70,6 +79,8 @@ class _Log:
         try:
             if name == self.fail:
                 raise BusyError(f"no ack for {name!r}")
+            if name == self.too_large:  # the log refuses it (what ``Replica.update`` checks too)
+                raise update_too_large(name, int(ids.numel()), int(grads.shape[1]), 2000, 1000, 200)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_in.wait(), self.hold_s)
             return ReplicatedUpdate(TABLES.index(name) + 10, 0.001, 0.0005, duplicate=False)
@@ -111,6 +122,15 @@ def test_a_failed_part_is_answered_only_once_every_part_has_settled(store: Table
     # request is still on its way to the log behind the client's back (its retry stores what is missing).
     assert sorted(log.settled) == sorted(TABLES)
     assert log.in_flight == 0
+
+
+def test_a_part_over_the_log_limit_is_refused_before_any_part_is_published(store: TableStore) -> None:
+    # The client answers a 413 by splitting the push under new keys ({key}.0, ...): a part stored under
+    # the old key would then be stored, and applied, a second time.
+    log = _Log(together=len(TABLES), hold_s=0.2, too_large="c")
+    with pytest.raises(UpdateTooLargeError):
+        _update(store, log, "k4")
+    assert log.keys == []
 
 
 def test_a_one_table_push_keeps_the_request_key(store: TableStore) -> None:
