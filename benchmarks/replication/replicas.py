@@ -60,12 +60,12 @@ if TYPE_CHECKING:
 
     from service.natsauth import NatsAuth
 
-_D = 64
+DIM = 64
 # Paced pushing threads of the lag run: enough that a slow push (p99 ~ 40 ms) does not hold the rate down.
 _LAG_THREADS = 16
 
 
-class _Server(RobezProcess):
+class BenchServer(RobezProcess):
     """``robez serve ARGS`` (1 kernel thread) spawned at once; ``wait_ready`` / ``stop`` as every tool."""
 
     def __init__(self, name: str, workdir: Path, args: list[str], env: dict[str, str]) -> None:
@@ -77,7 +77,7 @@ class _Server(RobezProcess):
         )
         self.spawn()
 
-    def wait_ready(self, timeout_s: float = 120.0, **_: object) -> _Server:
+    def wait_ready(self, timeout_s: float = 120.0, **_: object) -> BenchServer:
         super().wait_ready(timeout_s, interval_s=0.2)
         return self
 
@@ -85,18 +85,18 @@ class _Server(RobezProcess):
         super().stop(timeout_s)
 
 
-def _push_body(rng: np.random.Generator, rows: int) -> tuple[bytes, dict[str, str]]:
+def push_body(rng: np.random.Generator, rows: int) -> tuple[bytes, dict[str, str]]:
     ids = rng.integers(0, 10_000_000, rows, dtype="<i8")
-    grads = rng.standard_normal((rows, _D), dtype=np.float32).astype("<f4")
-    headers = {"Content-Type": "application/octet-stream", "X-Robez-Shape": f"{rows},{_D}"}
+    grads = rng.standard_normal((rows, DIM), dtype=np.float32).astype("<f4")
+    headers = {"Content-Type": "application/octet-stream", "X-Robez-Shape": f"{rows},{DIM}"}
     return ids.tobytes() + grads.tobytes(), headers
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def _updates(
+def timed_updates(
     url: str, writers: int, pushes: int, rows: int, stages: dict[str, list[float]] | None = None
 ) -> list[float]:
     """``pushes`` updates split over ``writers`` threads; returns each push's latency (s) and, last,
@@ -112,7 +112,7 @@ def _updates(
         mine: list[float] = []
         with httpx.Client(base_url=url, timeout=30) as client:
             for _ in range(pushes // writers):
-                body, headers = _push_body(rng, rows)
+                body, headers = push_body(rng, rows)
                 start = time.perf_counter()
                 response = client.post("/v1/tables/demo/update", content=body, headers=headers)
                 mine.append(time.perf_counter() - start)
@@ -145,14 +145,14 @@ class _Rounds:
     def add(self, measured: list[float]) -> None:
         *latencies, elapsed = measured
         self.latencies += latencies
-        self.round_p50.append(_percentile(latencies, 50))
+        self.round_p50.append(percentile(latencies, 50))
         self.count += len(latencies)
         self.elapsed += elapsed
 
     def figures(self) -> dict[str, float]:
         return {
-            "p50_ms": _percentile(self.latencies, 50) * 1e3,
-            "p99_ms": _percentile(self.latencies, 99) * 1e3,
+            "p50_ms": percentile(self.latencies, 50) * 1e3,
+            "p99_ms": percentile(self.latencies, 99) * 1e3,
             "per_s": self.count / self.elapsed if self.elapsed else float("nan"),
         }
 
@@ -175,7 +175,7 @@ def _log_floor(urls: list[str], auth: NatsAuth, pushes: int, rows: int) -> dict[
             try:
                 for index in range(pushes):
                     ids = torch.from_numpy(rng.integers(0, 10_000_000, rows, dtype=np.int64))
-                    grads = torch.from_numpy(rng.standard_normal((rows, _D), dtype=np.float32))
+                    grads = torch.from_numpy(rng.standard_normal((rows, DIM), dtype=np.float32))
                     payload, headers = encode_update(ids, grads, 0.01)
                     start = time.perf_counter()
                     await log.append(entry, payload, headers, key=f"floor-{index}")
@@ -187,7 +187,7 @@ def _log_floor(urls: list[str], auth: NatsAuth, pushes: int, rows: int) -> dict[
             await log.close()
 
     latencies = asyncio.run(measure())
-    return {"p50_ms": _percentile(latencies, 50) * 1e3, "p99_ms": _percentile(latencies, 99) * 1e3}
+    return {"p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3}
 
 
 def _stream(
@@ -212,7 +212,7 @@ def _stream(
             while next_at < end:
                 time.sleep(max(0.0, next_at - time.perf_counter()))
                 next_at += period
-                body, headers = _push_body(rng, rows)
+                body, headers = push_body(rng, rows)
                 response = writer.post("/v1/tables/demo/update", content=body, headers=headers)
                 acked = time.perf_counter()
                 if response.status_code != 200:
@@ -353,8 +353,8 @@ def _window(
     return {
         "lookups": done,
         "per_s": done / wall,
-        "p50_ms": _percentile(latencies, 50) * 1e3,
-        "p99_ms": _percentile(latencies, 99) * 1e3,
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
         "cpu_s": cpu,
         "wall_s": wall,
         "pushes_per_s": pushes,
@@ -428,21 +428,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix=".robez-bench-replication-", dir=args.dir))
     cluster = NatsCluster(workdir / "nats", size=3)
-    servers: list[_Server] = []
+    servers: list[BenchServer] = []
     try:
         cluster.start()
         cluster.wait_for_jetstream()
         nats_args = ["--nats", ",".join(cluster.urls)]
-        a = _Server("a", workdir, [*nats_args, "--replica-name", "a"], cluster.robez_env())
-        b = _Server("b", workdir, [*nats_args, "--replica-name", "b"], cluster.robez_env())
-        local = _Server(
+        a = BenchServer("a", workdir, [*nats_args, "--replica-name", "a"], cluster.robez_env())
+        b = BenchServer("b", workdir, [*nats_args, "--replica-name", "b"], cluster.robez_env())
+        local = BenchServer(
             "local", workdir, ["--data-dir", str(workdir / "local-data")], {"ROBEZ_WAL_FSYNC": "always"}
         )
         servers = [a, b, local]
         for server in servers:
             server.wait_ready()
         for server in (a, local):  # first pushes load kernels and open connections
-            _updates(server.url, 1, 10, args.rows)
+            timed_updates(server.url, 1, 10, args.rows)
         print(f"servers ready; update latency, {args.rounds} rounds ...", file=sys.stderr)
 
         rows_out = []
@@ -452,8 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             stages: dict[str, list[float]] = {}
             before = _means(a.url)
             for _ in range(args.rounds):
-                replicated.add(_updates(a.url, writers, per_round, args.rows, stages))
-                baseline.add(_updates(local.url, writers, per_round, args.rows))
+                replicated.add(timed_updates(a.url, writers, per_round, args.rows, stages))
+                baseline.add(timed_updates(local.url, writers, per_round, args.rows))
             after = _means(a.url)
             ratios = [r / b_ for r, b_ in zip(replicated.round_p50, baseline.round_p50, strict=True)]
             split = {
@@ -509,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Every robez server: 1 worker, 1 kernel thread; NATS: 3 nodes, R3 streams, sync_interval always. "
             "Compare figures of this run with each other, not with other runs.\n"
         )
-        print(f"## Update latency, {args.rows} ids x {_D} per push (binary, HTTP on loopback)\n")
+        print(f"## Update latency, {args.rows} ids x {DIM} per push (binary, HTTP on loopback)\n")
         print(
             f"{args.rounds} alternating rounds of replicated (to A) and local pushes; p50/p99 pooled over "
             "the rounds; the ratio is the median of the rounds' p50 ratios (their range in brackets).\n"
@@ -564,14 +564,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{len(lags)} pushes from {_LAG_THREADS} paced threads in a process of their own, each push "
             f"followed by the lag probe at B; refused pushes by status: {streamed['failed'] or 'none'}.\n"
         )
-        p99 = _percentile(lags, 99) * 1e3
+        p99 = percentile(lags, 99) * 1e3
         rate_note = (
             "" if achieved >= 0.95 * args.rate else f", at {achieved:.0f}/s instead of {args.rate:g}/s"
         )
         print("| p50 ms | p99 ms | max ms | goal p99 < 50 ms |")
         print("|---|---|---|---|")
         print(
-            f"| {_percentile(lags, 50) * 1e3:.2f} | {p99:.2f} "
+            f"| {percentile(lags, 50) * 1e3:.2f} | {p99:.2f} "
             f"| {max(lags) * 1e3 if lags else float('nan'):.2f} "
             f"| {_verdict(p99 < 50 and not rate_note, f'{p99:.1f} ms{rate_note}')} |"
         )

@@ -35,7 +35,7 @@ from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
 from .applier import STATUS_FILE, Applier, ReplicaStatus
 from .log import Appended, CatalogEntry, LogTrimmedError, ReplicatedLog
-from .records import encode_load, encode_update, update_too_large
+from .records import LR, SHAPE, encode_load, encode_update, payload_bytes, update_too_large
 from .replay import file_sha256, replay_log
 
 logger = logging.getLogger("robez.replication")
@@ -284,6 +284,22 @@ class Replica:
         return ReplicatedUpdate(
             appended.position, acked - start, time.perf_counter() - acked, appended.duplicate
         )
+
+    async def check_size(self, name: str, ids: Tensor, grads: Tensor, lr: float, key: str | None) -> None:
+        """The 413 ``update`` would raise for this push's entry, without encoding it: a multi-table push
+        checks every part before it publishes any, so a part over the limit publishes nothing (the
+        client then splits the push with new keys, which must not store a part a second time)."""
+        entry = await self._wait_local(name, fresh=False)
+        num_rows = int(ids.numel())
+        dim = int(grads.shape[1]) if grads.dim() == 2 else 0
+        trace = tracing.inject() if tracing.TRACER is not None else {}
+        headers = {SHAPE: f"{num_rows},{dim}", LR: float(lr).hex(), **trace}
+        key = key or "0" * 32  # the length of a generated key
+        limit = self.log.max_entry_bytes()
+        size = self.log.entry_bytes(entry, payload_bytes(num_rows, dim), headers, key)
+        if limit and size > limit:
+            overhead = size - payload_bytes(num_rows, dim)
+            raise update_too_large(entry.name, num_rows, dim, size, limit, overhead)
 
     async def load(self, name: str, table: Table, path: Path, key: str | None) -> ReplicatedUpdate:
         """Load a checkpoint on every replica: ``table`` aligned to the table, saved at ``path`` (robez

@@ -8,16 +8,20 @@ entry with exactly the bytes this worker published is applied with the step prep
 nor coalesced twice: ``proposed.ProposedSteps``), its finiteness still checked at its version.
 
 A multi-table push is one stream entry per table (a stream per table: docs/replication.md). What holds:
-all of it is validated before any part is published, so a bad part publishes nothing; the parts are
-published in order, each with the request's Idempotency-Key and its table (``key/table``); if the
-replica or its connection fails between two parts, the parts already stored stay and the client's
-retry with the same key stores the rest once (the stored parts are deduplicated by the log). A replica
-that applies the log never sees a part half-applied, but a lookup may see one table's part before the
-next one's.
+all of it is validated, and every part's entry size checked against the log's limit, before any part
+is published, so a bad part or one too large (413) publishes nothing; then every part
+is published at once, each with the request's Idempotency-Key and its table (``key/table``), and their
+acks are awaited together (pipelined: a push of k tables costs about one ack round trip, not k); the
+answer comes once every part is in the log and applied here. If a part fails (or the replica dies), the
+parts already stored stay and the client's retry with the same key stores the rest once (the stored
+parts are deduplicated by the log); which parts were stored is not a prefix any more, as the parts go
+to different streams. A replica that applies the log never sees a part half-applied, but a lookup may
+see one table's part before another's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import tempfile
 from collections.abc import Callable
@@ -35,7 +39,7 @@ from ..store import TableInfo, TableStore, UpdateResult
 from ..store.journal import UpdatePart
 from ..store.writes import Offload, Readiness, Written
 from ..wal.checkpoints import align_checkpoint
-from .replica import Replica
+from .replica import Replica, ReplicatedUpdate
 
 
 class ReplicatedWrites:
@@ -65,20 +69,39 @@ class ReplicatedWrites:
             ]
 
         validated = await offload(validate)
-        parts = [part for part, _ in validated]
-        results: list[UpdateResult] = []
-        publish = apply_wait = 0.0
-        for part, proposed in validated:
-            part_key = key if key is None or len(parts) == 1 else f"{key}/{part.table}"
+
+        def key_of(part: UpdatePart) -> str | None:
+            return key if key is None or len(validated) == 1 else f"{key}/{part.table}"
+
+        async def append(part: UpdatePart, proposed: Proposed) -> ReplicatedUpdate:
             assert isinstance(part.ids, torch.Tensor) and isinstance(part.grads, torch.Tensor)
             assert part.lr is not None
             # The step prepared here is kept for this worker's applier: one validation per push.
-            logged = await self.replica.update(part.table, part.ids, part.grads, part.lr, part_key, proposed)
-            # The applier hashes and applies (and records those times); here: the log's ack, then the wait.
-            results.append(UpdateResult(logged.version, 0.0, logged.apply_wait_seconds))
-            publish += logged.publish_seconds
-            apply_wait += logged.apply_wait_seconds
-        stages = {"publish": publish, "apply_wait": apply_wait}
+            return await self.replica.update(
+                part.table, part.ids, part.grads, part.lr, key_of(part), proposed
+            )
+
+        if len(validated) == 1:
+            logged = [await append(*validated[0])]
+        else:
+            for part, _ in validated:  # a part over the log's entry limit: 413 before any is published
+                assert isinstance(part.ids, torch.Tensor) and isinstance(part.grads, torch.Tensor)
+                assert part.lr is not None
+                await self.replica.check_size(part.table, part.ids, part.grads, part.lr, key_of(part))
+            # Every part in flight at once; all of them settle (stored and applied, or failed) before the
+            # answer, so no part is still being published after a failure was answered.
+            settled = await asyncio.gather(*(append(*each) for each in validated), return_exceptions=True)
+            for outcome in settled:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            logged = [outcome for outcome in settled if isinstance(outcome, ReplicatedUpdate)]
+        # The applier hashes and applies (and records those times); here: the log's ack, then the wait.
+        # The parts overlap, so a stage is the longest part's, not their sum.
+        results = [UpdateResult(each.version, 0.0, each.apply_wait_seconds) for each in logged]
+        stages = {
+            "publish": max(each.publish_seconds for each in logged),
+            "apply_wait": max(each.apply_wait_seconds for each in logged),
+        }
         return Written(results, stages, self.replica.name)
 
     async def wait_version(self, name: str, version: int, timeout_s: float) -> bool:

@@ -103,6 +103,31 @@ def test_retry_with_the_same_key_is_applied_once(replicas: list[ReplicaServer]) 
     assert_converged(replicas, table, 2, replay_checksum([7, 8]))
 
 
+def test_a_multi_table_push_is_applied_once_per_table_across_retries(replicas: list[ReplicaServer]) -> None:
+    """The parts of one push (one entry per table's stream, published together) are each applied once,
+    on both replicas, when the push is resent with its key to either replica."""
+    tables = ("multi_a", "multi_b")
+    for table in tables:
+        create_table(replicas[0], table)
+    bodies = [encode_update(*push_grads(seed)) for seed in (11, 12)]
+    headers = {
+        "Content-Type": OCTET_STREAM,
+        "X-Robez-Tables": ",".join(f"{table}=16" for table in tables),
+        "X-Robez-Shapes": ";".join(shape for _, shape in bodies),
+        "Idempotency-Key": uuid.uuid4().hex,
+    }
+    body = b"".join(part for part, _ in bodies)
+    answers = [
+        httpx.post(f"{server.url}/v1/update", content=body, headers=headers, timeout=30)
+        for server in (replicas[0], replicas[1], replicas[0])
+    ]
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["X-Robez-Version"] == "1,1"
+    for table, seed in zip(tables, (11, 12), strict=True):
+        assert_converged(replicas, table, 1, replay_checksum([seed]))
+
+
 def test_read_your_writes_across_replicas(replicas: list[ReplicaServer]) -> None:
     table = "ryw"
     create_table(replicas[0], table)

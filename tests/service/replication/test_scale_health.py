@@ -207,6 +207,21 @@ def test_client_splits_a_push_over_the_limit_and_every_part_applies(
     assert (checksum["version"], checksum["sha256"]) == (parts, digest)
 
 
+def test_a_multi_table_push_with_a_part_over_the_limit_stores_each_part_once(
+    small_limit_replica: tuple[NatsCluster, ReplicaServer],
+) -> None:
+    """The 413 comes before any part is published: the client's split resends every part under new
+    keys, so a part stored before the 413 would be applied twice."""
+    _, server = small_limit_replica
+    small, big = "many_small", "many_big"
+    for table in (small, big):
+        create(server, table, WIDE)
+    with RobezClient(server.url) as client:
+        versions = client.update_many({small: wide_push(4, 16), big: wide_push(5, 300)})
+    assert server.version(small) == versions[small] == 1
+    assert server.version(big) == versions[big] >= 3  # in parts of what fits
+
+
 # -- health -----------------------------------------------------------------------------------------
 
 
