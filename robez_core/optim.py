@@ -185,6 +185,34 @@ def count_nonfinite(
     raise ConfigError(f"unknown optimizer {optimizer.name!r}")
 
 
+def apply_coalesced_checked(
+    optimizer: OptimizerConfig,
+    weight: Tensor,
+    state: dict[str, Tensor],
+    locations: Tensor,
+    values: Tensor,
+    lr: float | None = None,
+) -> int:
+    """``count_nonfinite`` then, if it is 0, ``apply_coalesced``, in one pass (``kernels.checked_step``):
+    returns that count; when it is not 0 nothing changed (Adam's step count neither). The same bits."""
+    step_lr = optimizer.lr if lr is None else _check_lr(lr)
+    with torch.no_grad():
+        if optimizer.name == "sgd":
+            return kernels.checked_step("sgd", weight, [], locations, values, (step_lr,))
+        if optimizer.name == "adagrad":
+            sums = [state["sum"]]
+            return kernels.checked_step("adagrad", weight, sums, locations, values, (step_lr, optimizer.eps))
+        if optimizer.name == "adam":
+            step = int(state["step"][0]) + 1
+            moments = [state["exp_avg"], state["exp_avg_sq"]]
+            scalars = (step_lr, *optimizer.betas, optimizer.eps, float(step))
+            bad = kernels.checked_step("adam", weight, moments, locations, values, scalars)
+            if not bad:
+                state["step"][0] = step
+            return bad
+    raise ConfigError(f"unknown optimizer {optimizer.name!r}")
+
+
 # (sgd, adagrad, adam) serial kernels of a step and of its dry run: the same arguments, in the same order.
 _STEP_KERNELS = (serial.sgd, serial.adagrad, serial.adam)
 _NONFINITE_KERNELS = (serial.sgd_nonfinite, serial.adagrad_nonfinite, serial.adam_nonfinite)

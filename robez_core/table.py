@@ -420,10 +420,7 @@ class Table:
                 self.optimizer, self.weight, self.state, step.locations, step.values, step.lr
             )
         if bad:
-            raise InvalidInputError(
-                f"the update would make {bad} of the {step.locations.numel()} array locations it touches "
-                f"non-finite (lr {step.lr:g} x gradient overflows float32); refused, nothing changed"
-            )
+            raise _non_finite_step(bad, step)
 
     def apply_step(self, step: PreparedStep) -> None:
         """Apply a step from ``prepare_step`` of this table (its config), in place."""
@@ -432,6 +429,21 @@ class Table:
             optim.small_step(self.optimizer, *small.step_arrays(step))
             return
         optim.apply_coalesced(self.optimizer, self.weight, self.state, step.locations, step.values, step.lr)
+
+    def apply_checked_step(self, step: PreparedStep) -> None:
+        """``check_step`` and ``apply_step`` with one read of each touched location instead of two
+        (``optim.apply_coalesced_checked``; the same bits): refused, with ``check_step``'s error and
+        every value as it was, when the step would leave one non-finite. A reader that does not hold the
+        update lock may meanwhile see finite values of a step that ends refused."""
+        if self._small_step_path(step) is not None:  # a small step's two calls read a few rows
+            self.check_step(step)
+            self.apply_step(step)
+            return
+        bad = optim.apply_coalesced_checked(
+            self.optimizer, self.weight, self.state, step.locations, step.values, step.lr
+        )
+        if bad:
+            raise _non_finite_step(bad, step)
 
     def _small_step_path(self, step: PreparedStep) -> SmallPath | None:
         """The small path a step was prepared on, if it is still this table's (same tensors)."""
@@ -627,3 +639,10 @@ def import_paper_state_dict(
         random_numbers=rn,
     )
     return Table(config, optimizer, weight=weight.cpu().contiguous().clone())
+
+
+def _non_finite_step(bad: int, step: PreparedStep) -> InvalidInputError:
+    return InvalidInputError(
+        f"the update would make {bad} of the {step.locations.numel()} array locations it touches "
+        f"non-finite (lr {step.lr:g} x gradient overflows float32); refused, nothing changed"
+    )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -36,8 +37,10 @@ from .. import buffers
 from ..errors import ConfigError, InvalidInputError
 from ._jit import (
     _DENSE_COALESCE_FACTOR,
+    _adagrad_checked_kernel,
     _adagrad_kernel,
     _adagrad_nonfinite_kernel,
+    _adam_checked_kernel,
     _adam_kernel,
     _adam_nonfinite_kernel,
     _chunk_offsets_kernel,
@@ -46,9 +49,11 @@ from ._jit import (
     _gather_kernel,
     _lookup_bag_kernel,
     _lookup_kernel,
+    _restore_kernel,
     _scatter_partitioned_kernel,
     _scatter_private_kernel,
     _scatter_serial_kernel,
+    _sgd_checked_kernel,
     _sgd_kernel,
     _sgd_nonfinite_kernel,
     _warm_kernel,
@@ -70,6 +75,7 @@ __all__ = [
     "FeatureLayout",
     "adagrad_step",
     "adam_step",
+    "checked_step",
     "chunk_offsets",
     "coalesce_chunk_rows",
     "coalesce_grad",
@@ -508,6 +514,50 @@ def adam_nonfinite(
             work=loc_np.shape[0],
         )
     )
+
+
+def checked_step(
+    optimizer: str,
+    weight: torch.Tensor,
+    states: Sequence[torch.Tensor],
+    locations: torch.Tensor,
+    values: torch.Tensor,
+    scalars: Sequence[float],
+) -> int:
+    """``<optimizer>_nonfinite`` and ``<optimizer>_step`` in one pass over ``locations`` (unique): the step
+    is applied and 0 returned, or, when it would leave any value non-finite, the count of such locations
+    is returned and every array holds what it held before (the locations written before the count was
+    known are put back). One read of each touched location where the two calls make two. Meanwhile a
+    reader without the caller's lock may see a refused step's finite new values.
+
+    ``states``: sgd none, adagrad (sum,), adam (exp_avg, exp_avg_sq); ``scalars``: sgd (lr,), adagrad
+    (lr, eps), adam (lr, beta1, beta2, eps, step)."""
+    weight_np, loc_np, val_np = _step_inputs(weight, locations, values)
+    arrays = [weight_np] + [_state_np(state, weight, "the optimizer state") for state in states]
+    kept = [_scratch(f"checked_step.{i}", loc_np.shape[0], np.float32) for i in range(len(arrays))]
+    set_kernel_threads()
+    work = loc_np.shape[0]
+    if optimizer == "sgd":
+        (lr,) = scalars
+        bad = _sgd_checked_kernel(weight_np, loc_np, val_np, np.float32(lr), *kept, work=work)
+    elif optimizer == "adagrad":
+        lr, eps = scalars
+        bad = _adagrad_checked_kernel(
+            *arrays, loc_np, val_np, np.float32(lr), np.float32(eps), *kept, work=work
+        )
+    elif optimizer == "adam":
+        lr, beta1, beta2, eps, step = scalars
+        step_size = np.float32(adam_step_size(lr, beta1, beta2, int(step)))
+        f32 = np.float32
+        bad = _adam_checked_kernel(
+            *arrays, loc_np, val_np, f32(beta1), f32(beta2), f32(eps), step_size, *kept, work=work
+        )
+    else:
+        raise ConfigError(f"unknown optimizer {optimizer!r}")
+    if bad:
+        for array, old in zip(arrays, kept, strict=True):
+            _restore_kernel(array, loc_np, old, work=work)
+    return int(bad)
 
 
 def adam_step_size(lr: float, beta1: float, beta2: float, step: int) -> float:

@@ -1174,6 +1174,106 @@ def _adam_nonfinite_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1
     return bad
 
 
+# A step and its dry run in one pass (``kernels.checked_step``): each touched location is read once, its
+# old values kept in ``undo_*`` (one slot per location), and written only where every new value is
+# finite; the caller puts the kept values back (``_restore_kernel``) when any location counted bad. The
+# arithmetic is the step's above, so an accepted step leaves the same bits. Half the random reads of a
+# dry run then a step: on a large array those reads miss the TLB (docs/benchmarks/dlrm-server-*.md).
+
+
+@_parallel_kernel
+def _sgd_checked_kernel(weight, locations, values, lr, undo_weight):
+    bad = 0
+    for k in prange(locations.shape[0]):
+        ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
+        if ahead != _NO_LOCATION:
+            _prefetch_write(weight, ahead)
+        i = locations[k]
+        g = values[k]
+        old = weight[i]
+        undo_weight[k] = old
+        w = old - lr * g
+        if np.isfinite(g) and np.isfinite(w):
+            weight[i] = w
+        else:
+            bad += 1
+    return bad
+
+
+@_parallel_kernel
+def _adagrad_checked_kernel(weight, state_sum, locations, values, lr, eps, undo_weight, undo_sum):
+    bad = 0
+    for k in prange(locations.shape[0]):
+        ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
+        if ahead != _NO_LOCATION:
+            _prefetch_write(weight, ahead)
+            _prefetch_write(state_sum, ahead)
+        i = locations[k]
+        g = values[k]
+        old_weight = weight[i]
+        old_sum = state_sum[i]
+        undo_weight[k] = old_weight
+        undo_sum[k] = old_sum
+        s = old_sum + g * g
+        w = old_weight - lr * (g / (np.sqrt(s) + eps))
+        if np.isfinite(g) and np.isfinite(s) and np.isfinite(w):
+            state_sum[i] = s
+            weight[i] = w
+        else:
+            bad += 1
+    return bad
+
+
+@_parallel_kernel
+def _adam_checked_kernel(
+    weight,
+    exp_avg,
+    exp_avg_sq,
+    locations,
+    values,
+    beta1,
+    beta2,
+    eps,
+    step_size,
+    undo_weight,
+    undo_avg,
+    undo_sq,
+):
+    one_minus_beta1 = np.float32(1.0) - beta1
+    one_minus_beta2 = np.float32(1.0) - beta2
+    bad = 0
+    for k in prange(locations.shape[0]):
+        ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
+        if ahead != _NO_LOCATION:
+            _prefetch_write(weight, ahead)
+            _prefetch_write(exp_avg, ahead)
+            _prefetch_write(exp_avg_sq, ahead)
+        i = locations[k]
+        g = values[k]
+        old_avg = exp_avg[i]
+        old_sq = exp_avg_sq[i]
+        old_weight = weight[i]
+        undo_weight[k] = old_weight
+        undo_avg[k] = old_avg
+        undo_sq[k] = old_sq
+        m = old_avg + (g - old_avg) * one_minus_beta1
+        v = old_sq + (g * g - old_sq) * one_minus_beta2
+        w = old_weight - step_size * (m / (np.sqrt(v) + eps))
+        if np.isfinite(g) and np.isfinite(m) and np.isfinite(v) and np.isfinite(w):
+            exp_avg[i] = m
+            exp_avg_sq[i] = v
+            weight[i] = w
+        else:
+            bad += 1
+    return bad
+
+
+@_parallel_kernel
+def _restore_kernel(array, locations, kept):
+    for k in prange(locations.shape[0]):
+        array[locations[k]] = kept[k]
+
+
 # Their serial copies under module names, so that compiled code (``_checked_step_kernel``) can call them.
 _sgd_serial = _sgd_kernel.serial
 _adagrad_serial = _adagrad_kernel.serial

@@ -132,6 +132,7 @@ def apply_record(
     step: PreparedStep | None = None,
     logged_as: tuple[str, int] | None = None,
     checked_when_logged: bool = False,
+    check_in_step: bool = False,
 ) -> tuple[float, float] | SkippedRecord:
     """Apply one update to ``table`` (see the module's docstring); the caller holds the table's update
     lock (or owns a table nobody serves) and moves its version.
@@ -156,12 +157,22 @@ def apply_record(
             passed ``check_step`` before they were appended: the replay applies the same step to the
             same bytes, so the check (a third of a replay's time) is not made again. The inputs' own
             checks still are.
+        check_in_step: with ``step`` and without ``logged_as``: ``step`` was not checked; it is checked
+            in the same pass that applies it (``Table.apply_checked_step``: the same bits, one read of
+            each touched location instead of two) and refused (``RefusedUpdateError``) with nothing
+            changed. For a push of one step that no log holds (the store without a data directory).
 
     Returns (seconds hashing, seconds coalescing, checking and stepping), or the ``SkippedRecord``.
     """
     if step is not None and logged_as is None:
         start = time.perf_counter()
-        table.apply_step(step)
+        if not check_in_step:
+            table.apply_step(step)
+            return 0.0, time.perf_counter() - start
+        try:
+            table.apply_checked_step(step)
+        except InvalidInputError as error:
+            raise RefusedUpdateError(str(error), "non_finite_step") from error
         return 0.0, time.perf_counter() - start
     start = time.perf_counter()
     hash_seconds = 0.0

@@ -405,6 +405,8 @@ class TableStore:
             return None
         try:
             steps = [step for step, _ in prepared]
+            # No log to append to first: a push of one step is checked in the pass that applies it.
+            fused = self.journal_is_memory_only() and sum(step is not None for step in steps) == 1
             for index, held in enumerate(locked):
                 if held is not entries[index]:  # a load switched the table meanwhile (same config)
                     ids, grads = tensors[index]
@@ -416,7 +418,7 @@ class TableStore:
                             [locked[i].table for i in mine[0]], mine[0], tensors, lrs
                         )
                 step = steps[index]
-                if step is not None:  # None: a shared group's later part, in its first part's step
+                if step is not None and not fused:  # None: a shared group's later part (in the first's)
                     # Before the log: a step that would leave a non-finite value is refused.
                     with _naming(names, next((g for g in shared if g[0] == index), [index])):
                         check_step(held.table, step)
@@ -429,12 +431,19 @@ class TableStore:
             ticket = self._propose_records(locked, records)
             if self._may_die:
                 self._fault_point(locked[0].table, *tensors[0], lrs[0])
-            applied = [
-                apply_record(held.table, record.ids, record.grads, record.lr, step=step)
-                if step is not None
-                else (0.0, 0.0)
-                for held, record, step in zip(locked, records, steps, strict=True)
-            ]  # if one raises, the marks stay: the next holder of the lock repairs
+            try:
+                first = next(index for index, step in enumerate(steps) if step is not None)
+                with _naming(names, next((g for g in shared if g[0] == first), [first])):
+                    applied = [
+                        apply_record(held.table, r.ids, r.grads, r.lr, step=step, check_in_step=fused)
+                        if step is not None
+                        else (0.0, 0.0)
+                        for held, r, step in zip(locked, records, steps, strict=True)
+                    ]  # if one raises, the marks stay: the next holder of the lock repairs
+            except RefusedUpdateError:  # the one-pass check refused: nothing changed, nothing to repair
+                for held in locked:
+                    held.set_pending(0)
+                raise
             self._commit(locked, versions)
         finally:
             self.registry.release_many(locked)

@@ -694,6 +694,43 @@ def test_prepare_check_apply_is_apply_gradients_at_and_refuses_overflow(name: st
         )
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_a_checked_step_in_one_pass_is_check_then_apply_and_a_refused_one_changes_nothing(
+    name: str, threads: int
+) -> None:
+    """``apply_checked_step`` (the dry run and the step in one pass, issue 37): the same bits as
+    ``check_step`` + ``apply_step``; refused, when one location of many overflows, with every value
+    (those it wrote before and after that one) and Adam's step count as they were."""
+    if threads > numba.config.NUMBA_NUM_THREADS:  # type: ignore[attr-defined]
+        pytest.skip("numba has one thread on this machine")
+    config = TableConfig(num_embeddings=5000, embedding_dim=16, memory_size=200_000, chunk_size=8)
+    optimizer = OptimizerConfig(name=name, lr=0.05, max_lr=3e38)  # type: ignore[arg-type]
+    split, one_pass = Table(config, optimizer), Table(config, optimizer)
+    generator = torch.Generator().manual_seed(5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            ids = torch.randint(0, 5000, (4 * SMALL_BATCH_MAX_IDS,), generator=generator)
+            grads = torch.randn(ids.numel(), 16, generator=generator)
+            step = split.prepare_step(split.hash(ids), grads, 0.1)
+            split.check_step(step)
+            split.apply_step(step)
+            one_pass.apply_checked_step(one_pass.prepare_step(one_pass.hash(ids), grads, 0.1))
+        _assert_bitwise_equal(_snapshot(split), _snapshot(one_pass))
+
+        before = _snapshot(one_pass)
+        grads = torch.full((ids.numel(), 16), 1e-3)
+        grads[ids.numel() // 2] = 1e30  # one row of many: lr x grad (sgd) or grad^2 (adagrad, adam) overflows
+        refused = one_pass.prepare_step(one_pass.hash(ids), grads, 1e10)
+        with pytest.raises(InvalidInputError, match="non-finite"):
+            one_pass.apply_checked_step(refused)
+    finally:
+        torch.set_num_threads(previous)
+    _assert_bitwise_equal(before, _snapshot(one_pass))
+
+
 # ------------------------------------------------------------------------- small-batch fast path
 
 

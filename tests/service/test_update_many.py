@@ -322,3 +322,41 @@ def test_a_push_of_strided_gradients_is_sent_as_parts_with_its_length() -> None:
             and "transfer-encoding" not in request.headers
         )
         assert request.content == expected
+
+
+def test_a_step_that_would_overflow_is_refused_whole_and_leaves_no_mark(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a data directory a push of one step is checked in the pass that applies it (issue 37):
+    one overflowing row among many (a and b over one array: one coalesced step; d alone) is refused,
+    naming its tables, with every value as it was, and the next push is applied as version 1 with no
+    repair of a dead writer (the refused push's pending marks were cleared)."""
+    optimizer = {**ADAGRAD, "max_lr": 3e38}
+    create_table(client, "a", optimizer=optimizer)
+    response = client.post(
+        "/v1/tables",
+        json={"name": "b", "config": {**SMALL_TABLE, "val_offset": 1000}, "optimizer": optimizer,
+              "share_array_with": "a"},
+    )  # fmt: skip
+    assert response.status_code == 201, response.text
+    create_table(client, "d", optimizer={"name": "adam", "lr": 0.01, "max_lr": 3e38})
+    generator = np.random.default_rng(3)
+    parts = {
+        name: (generator.integers(0, 1000, 100), generator.standard_normal((100, 8)).astype(np.float32))
+        for name in ("a", "b")
+    }
+    before = {name: table_state(client, name) for name in ("a", "b", "d")}
+    parts["b"][1][50] = 1e30  # lr 1e10 x 1e30: grad^2 overflows adagrad's sum at this row's locations
+    alone = {"d": (parts["a"][0], parts["b"][1])}
+    for case, tables in ((parts, "'a', 'b'"), (alone, "")):
+        response = client.post("/v1/update", params={"lr": 1e10}, **binary_many(case))
+        assert error_of(response, 422) == "InvalidInputError"
+        assert "non-finite" in response.json()["error"] and tables in response.json()["error"]
+        for name, state in before.items():
+            assert_unchanged(client, name, state)
+    parts["b"][1][50] = 0.5
+    with caplog.at_level("WARNING", logger="robez"):
+        response = client.post("/v1/update", **binary_many(parts))
+    assert response.status_code == 200, response.text
+    assert [result["version"] for result in response.json()["results"]] == [1, 1]
+    assert not [r for r in caplog.records if "died" in r.getMessage()]
