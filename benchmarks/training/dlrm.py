@@ -534,13 +534,17 @@ def train(name: str, settings: Settings) -> dict[str, Any]:
     # per clock ("wall": perf_counter, "cpu": this thread's CPU time), per part, one value a step
     parts: dict[str, dict[str, list[float]]] = {clock: {p: [] for p in PARTS} for clock in CLOCKS}
     losses = []
+    # Every training batch made before the first step (~1 MB each): making one takes 16-21 ms, which
+    # between two timed steps would be free time for a variant with requests in flight (a prefetch, a
+    # push) and flatter it; so no untimed work runs between steps.
+    batches = [data.batch(step + settings.data_offset) for step in range(settings.steps)]
     next_batch: Batch | None = None
     for step in range(settings.steps):
         if step == settings.warmup:
             embeddings.extra(max(step, 1))  # the variant's own figures count the timed steps only
-        batch = next_batch if next_batch is not None else data.batch(step + settings.data_offset)
+        batch = next_batch if next_batch is not None else batches[step]
         prefetching = embeddings.prefetch is not None and step + 1 < settings.steps
-        next_batch = data.batch(step + 1 + settings.data_offset) if prefetching else None
+        next_batch = batches[step + 1] if prefetching else None
         t0 = _now()
         pooled = embeddings.lookup(batch)
         if embeddings.prefetch is not None and next_batch is not None:
@@ -792,7 +796,10 @@ def write_report(
         f"Zipf({ZIPF_EXPONENT}) ids; ROBE-Z array {settings.memory_size:,} floats "
         f"({settings.memory_size * 4 / 1e6:.0f} MB, {settings.compression}x), Z = {settings.chunk_size}; "
         f"{settings.steps} steps, medians of the last {settings.steps - settings.warmup}; eval loss over "
-        f"{settings.eval_batches} held-out batches; {settings.threads} thread(s) (torch, numba, OpenMP).",
+        f"{settings.eval_batches} held-out batches; {settings.threads} thread(s) (torch, numba, OpenMP). "
+        f"The {settings.steps} training batches are made before the first step (no untimed work between "
+        "steps while a variant's requests are in flight); the trainer's peak RSS includes them (~1 MB "
+        "each).",
         f"Load average before / after: {load[0]} / {load[1]}.",
         "",
     ]
