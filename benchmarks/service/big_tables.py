@@ -108,6 +108,7 @@ class _Server(RobezProcess):
     ) -> None:
         self.data_dir, self.shm_dir, self.workers = data_dir, shm_dir, workers
         self.exec_time = 0.0
+        self.readings: list[tuple[float, float]] = []  # each ``memory()`` reading: (start, end), monotonic
         super().__init__(
             [*(["--data-dir", str(data_dir)] if data_dir is not None else []), "--workers", str(workers)],
             {
@@ -142,7 +143,11 @@ class _Server(RobezProcess):
 
     def memory(self) -> int:
         assert self.process is not None
-        return server_memory_bytes(self.pid, self.shm_dir)
+        start = time.monotonic()
+        try:
+            return server_memory_bytes(self.pid, self.shm_dir)
+        finally:
+            self.readings.append((start, time.monotonic()))
 
     def terminate(self) -> float:  # type: ignore[override]
         """SIGTERM the process group; seconds until the server exited."""
@@ -156,7 +161,11 @@ class _Server(RobezProcess):
 @contextlib.contextmanager
 def _peak_memory(server: _Server) -> Iterator[list[int]]:
     """Sample the server's memory (``server_memory_bytes``) ten times a second inside the block; the
-    list holds [memory before the block, peak during it] once the block is over."""
+    list holds [memory before the block, peak during it] once the block is over. Enter it before the
+    pusher (and so leave it after): a reading walks the page tables of every server process (smaps),
+    0.1-0.6 s with a 768 MiB table, and a push it overlaps may wait for it (250-420 ms measured); the
+    reading before the block, taken while the first push ran, was taken for the call's doing
+    (docs/benchmarks/copies-2026-11-27.md). The pushes that overlapped no reading: ``_apart``."""
     figures = [server.memory()]
     peak = figures[0]
     stop = threading.Event()
@@ -190,13 +199,21 @@ def _percentiles(seconds: list[float]) -> str:
     return f"{statistics.median(ordered) * 1e3:.1f} / {p99 * 1e3:.1f} / {ordered[-1] * 1e3:.1f} ms"
 
 
+def _apart(spans: list[tuple[float, float]], readings: list[tuple[float, float]]) -> list[float]:
+    """The latencies of the pushes (``spans``: start, end) that overlapped none of the memory
+    ``readings`` (start, end): what the call alone did to them."""
+    return [end - start for start, end in spans if not any(a < end and start < b for a, b in readings)]
+
+
 class _Pusher:
-    """Pushes of ``num_ids`` random ids, one at a time on one connection; latencies in seconds."""
+    """Pushes of ``num_ids`` random ids, one at a time on one connection; latencies in seconds (and,
+    for those of the last ``during`` block, their (start, end), monotonic: ``spans``)."""
 
     def __init__(self, url: str, num_ids: int, seed: int) -> None:
         self.client = httpx.Client(base_url=url, timeout=300.0)
         self.random = np.random.default_rng(seed)
         self.num_ids = num_ids
+        self.spans: list[tuple[float, float]] = []
 
     def push(self) -> float:
         ids = self.random.integers(0, 1 << 40, self.num_ids, dtype=np.int64)
@@ -215,11 +232,14 @@ class _Pusher:
     def during(self) -> Iterator[list[float]]:
         """Push continuously on a thread inside the block; the list fills with latencies."""
         latencies: list[float] = []
+        self.spans = []
         stop = threading.Event()
 
         def loop() -> None:
             while not stop.is_set():
+                start = time.monotonic()
                 latencies.append(self.push())
+                self.spans.append((start, time.monotonic()))
 
         thread = threading.Thread(target=loop)
         thread.start()
@@ -433,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if not args.no_data_dir:  # a server without one has no snapshot to take
             logged = server.log_path.stat().st_size
-            with pusher.during() as during, _peak_memory(server) as memory:
+            with _peak_memory(server) as memory, pusher.during() as during:
                 seconds, response = _timed(
                     lambda: httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=1200)
                 )
@@ -444,12 +464,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _extra(memory, state_bytes),
             )
             row(f"pushes during the snapshot ({len(during)}), p50 / p99 / max", _percentiles(during))
+            apart = _apart(pusher.spans, server.readings)
+            row(f"... of them, those overlapping no memory reading ({len(apart)})", _percentiles(apart))
             row(
                 "the snapshot's copy of the state: longest update-lock hold (server log)",
                 _copy_log(server.log_path, logged),
             )
         logged = server.log_path.stat().st_size
-        with pusher.during() as during, _peak_memory(server) as memory:
+        with _peak_memory(server) as memory, pusher.during() as during:
             seconds, response = _timed(
                 lambda: httpx.get(f"{server.url}/v1/tables/big/checksum", timeout=1200)
             )
@@ -460,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _extra(memory, state_bytes),
         )
         row(f"pushes during the checksum ({len(during)}), p50 / p99 / max", _percentiles(during))
+        apart = _apart(pusher.spans, server.readings)
+        row(f"... of them, those overlapping no memory reading ({len(apart)})", _percentiles(apart))
         row(
             "the checksum's copy of the state: longest update-lock hold (server log)",
             _copy_log(server.log_path, logged),
