@@ -36,25 +36,39 @@ def _read(path: str) -> str:
         return f"unreadable ({error.strerror})"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def step_arguments(doc: str) -> argparse.Namespace:
+    """The options of the benchmarks that time DLRM-shaped coalesced steps on one array."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--floats", type=int, default=26_233_210, help="array size (the DLRM run's)")
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--passes", type=int, default=5)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def dlrm_steps(
+    m: int, batch: int, count: int, grad_scale: float = 1.0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` coalesced steps (locations, summed gradients) of 26 tables x ``batch`` Zipf ids, d = 16,
+    Z = 32, on an array of ``m`` floats, as ``benchmarks/training/dlrm.py`` makes them."""
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(count):
+        offsets = [
+            torch.from_numpy((rng.zipf(1.1, batch) * 7919 % (m - CHUNK)).astype(np.int64)).view(-1, 1)
+            for _ in range(FEATURES)
+        ]
+        grads = [torch.randn(batch, DIM) * grad_scale for _ in range(FEATURES)]
+        steps.append(coalesce_chunk_rows(offsets, grads, CHUNK, m))
+    return steps
+
+
+def main() -> None:
+    args = step_arguments(__doc__ or "")
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     m = args.floats
-    rng = np.random.default_rng(0)
-    steps = []
-    for _ in range(args.steps):
-        offsets = [
-            torch.from_numpy((rng.zipf(1.1, args.batch) * 7919 % (m - CHUNK)).astype(np.int64)).view(-1, 1)
-            for _ in range(FEATURES)
-        ]
-        grads = [torch.randn(args.batch, DIM) for _ in range(FEATURES)]
-        steps.append(coalesce_chunk_rows(offsets, grads, CHUNK, m))
+    steps = dlrm_steps(m, args.batch, args.steps)
     with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="robez-array-memory-") as shm_dir:
         copies: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         files = [os.path.join(shm_dir, name) for name in ("weight", "sum")]

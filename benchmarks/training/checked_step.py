@@ -15,19 +15,18 @@ first, and checks that both copies end with the same bits.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 from robez_core import kernels
-from robez_core.kernels.collection import coalesce_chunk_rows
 
-FEATURES, DIM, CHUNK, LR, EPS = 26, 16, 32, 0.05, 1e-10
+from .array_memory import dlrm_steps, step_arguments
+
+LR, EPS = 0.05, 1e-10
 
 
 def _two_passes(
@@ -47,24 +46,11 @@ WAYS = {"two passes (check, then step)": _two_passes, "one pass (checked_step)":
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--floats", type=int, default=26_233_210, help="array size (the DLRM run's)")
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--passes", type=int, default=5)
-    args = parser.parse_args()
+    args = step_arguments(__doc__ or "")
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     m = args.floats
-    rng = np.random.default_rng(0)
-    steps = []
-    for _ in range(args.steps):
-        offsets = [
-            torch.from_numpy((rng.zipf(1.1, args.batch) * 7919 % (m - CHUNK)).astype(np.int64)).view(-1, 1)
-            for _ in range(FEATURES)
-        ]
-        grads = [torch.randn(args.batch, DIM) * 0.01 for _ in range(FEATURES)]
-        steps.append(coalesce_chunk_rows(offsets, grads, CHUNK, m))
+    steps = dlrm_steps(m, args.batch, args.steps, grad_scale=0.01)
     times: dict[tuple[str, str], list[float]] = {}
     same_bits = {}
     with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="robez-checked-step-") as shm_dir:
