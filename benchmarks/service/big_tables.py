@@ -451,42 +451,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"push of {args.push_ids} ids at rest, p50 / p99 / max",
             _percentiles([pusher.push() for _ in range(args.requests)]),
         )
-        if not args.no_data_dir:  # a server without one has no snapshot to take
+
+        def copy_of_the_state(what: str, call: str, request: Callable[[], httpx.Response]) -> None:
+            """Time ``request`` (``call``: a snapshot or a checksum) with a pusher running: its duration,
+            peak extra memory, the pushes meanwhile and the longest update-lock hold it logged."""
             logged = server.log_path.stat().st_size
             with _peak_memory(server) as memory, pusher.during() as during:
-                seconds, response = _timed(
-                    lambda: httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=1200)
-                )
+                seconds, response = _timed(request)
                 response.raise_for_status()
-            row("`POST .../snapshot` duration (one pusher running)", f"{seconds:.1f} s")
+            row(f"`{call}` duration (one pusher running)", f"{seconds:.1f} s")
             row(
-                "the snapshot's peak extra memory (PSS of the server's processes, shared memory once)",
+                f"the {what}'s peak extra memory (PSS of the server's processes, shared memory once)",
                 _extra(memory, state_bytes),
             )
-            row(f"pushes during the snapshot ({len(during)}), p50 / p99 / max", _percentiles(during))
+            row(f"pushes during the {what} ({len(during)}), p50 / p99 / max", _percentiles(during))
             apart = _apart(pusher.spans, server.readings)
             row(f"... of them, those overlapping no memory reading ({len(apart)})", _percentiles(apart))
             row(
-                "the snapshot's copy of the state: longest update-lock hold (server log)",
+                f"the {what}'s copy of the state: longest update-lock hold (server log)",
                 _copy_log(server.log_path, logged),
             )
-        logged = server.log_path.stat().st_size
-        with _peak_memory(server) as memory, pusher.during() as during:
-            seconds, response = _timed(
-                lambda: httpx.get(f"{server.url}/v1/tables/big/checksum", timeout=1200)
+
+        if not args.no_data_dir:  # a server without one has no snapshot to take
+            copy_of_the_state(
+                "snapshot",
+                "POST .../snapshot",
+                lambda: httpx.post(f"{server.url}/v1/tables/big/snapshot", timeout=1200),
             )
-            response.raise_for_status()
-        row("`GET .../checksum` duration (one pusher running)", f"{seconds:.1f} s")
-        row(
-            "the checksum's peak extra memory (PSS of the server's processes, shared memory once)",
-            _extra(memory, state_bytes),
-        )
-        row(f"pushes during the checksum ({len(during)}), p50 / p99 / max", _percentiles(during))
-        apart = _apart(pusher.spans, server.readings)
-        row(f"... of them, those overlapping no memory reading ({len(apart)})", _percentiles(apart))
-        row(
-            "the checksum's copy of the state: longest update-lock hold (server log)",
-            _copy_log(server.log_path, logged),
+        copy_of_the_state(
+            "checksum",
+            "GET .../checksum",
+            lambda: httpx.get(f"{server.url}/v1/tables/big/checksum", timeout=1200),
         )
         if args.only_copies:
             row("graceful stop (SIGTERM to exit)", f"{server.terminate():.1f} s")
