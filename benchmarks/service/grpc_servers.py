@@ -1,12 +1,15 @@
 """The floor of a gRPC server in Python: server CPU per call of an echo handler (no robez code), for
-``grpc.aio`` and the synchronous server (thread pool), each with a stream-unary handler (how robez reads
-a message itself, issue 40) and a unary-unary one.
+``grpc.aio`` (on asyncio's loop and on uvloop, robez's) and the synchronous server (thread pool), each
+with a stream-unary handler (how robez reads a message itself, issue 40) and a unary-unary one; beside
+them, ``robez serve --grpc-port`` answering a 1-id ``ModelInfer`` (raw contents, as Triton's client sends).
 
     python -m benchmarks.service.grpc_servers [--rounds 5] [--calls 1000]
 
 Each variant is a server process of its own on a free loopback port; one synchronous caller sends a
-40-byte message per call; variants alternate inside every round; CPU of the server's every thread
-(/proc schedstat) per call, median over rounds.
+40-byte message per call (the 1-id request for robez); variants alternate inside every round; CPU of the
+server's every thread (/proc schedstat) per call, median over rounds, and its split: the thread that
+runs the handlers (the main thread: the event loop, or for the synchronous server the pool's threads
+are counted apart) against gRPC's own threads (its poller, event engine).
 """
 
 from __future__ import annotations
@@ -14,23 +17,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 
-VARIANTS = ("aio stream-unary", "aio unary-unary", "sync stream-unary", "sync unary-unary")
+VARIANTS = (
+    "aio stream-unary",
+    "aio unary-unary",
+    "uvloop stream-unary",
+    "sync stream-unary",
+    "sync unary-unary",
+    "robez ModelInfer",
+)
 _OPTIONS = [("grpc.so_reuseport", 1), ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
 _MESSAGE = b"x" * 40
 
 
 def _handler(kind: str, shape: str) -> grpc.RpcMethodHandler:
-    if kind == "aio":
+    if kind in ("aio", "uvloop"):
 
         async def read_one(_: object, context: grpc.aio.ServicerContext) -> bytes:
             body: bytes = await context.read()
@@ -57,7 +69,7 @@ def _handler(kind: str, shape: str) -> grpc.RpcMethodHandler:
 def serve(variant: str, port: int) -> None:
     kind, shape = variant.split(" ")
     handlers = (grpc.method_handlers_generic_handler("bench", {"Echo": _handler(kind, shape)}),)
-    if kind == "aio":
+    if kind in ("aio", "uvloop"):
 
         async def run() -> None:
             server = grpc.aio.server(options=_OPTIONS)
@@ -66,7 +78,12 @@ def serve(variant: str, port: int) -> None:
             await server.start()
             await server.wait_for_termination()
 
-        asyncio.run(run())
+        if kind == "uvloop":
+            import uvloop
+
+            uvloop.run(run())
+        else:
+            asyncio.run(run())
         return
     sync = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_OPTIONS)
     sync.add_generic_rpc_handlers(handlers)
@@ -75,14 +92,40 @@ def serve(variant: str, port: int) -> None:
     sync.wait_for_termination()
 
 
-def _cpu_s(pid: int) -> float:
-    total = 0
+def _cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds of process ``pid``: (its main thread, its other threads)."""
+    main = others = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            total += int((task / "schedstat").read_text().split()[0])
+            ns = int((task / "schedstat").read_text().split()[0])
         except FileNotFoundError:  # a thread that ended
             continue
-    return total / 1e9
+        if task.name == str(pid):
+            main += ns
+        else:
+            others += ns
+    return main / 1e9, others / 1e9
+
+
+_SHM_DIRS: list[str] = []  # the robez servers' shared-memory folders, removed at the end
+
+
+def _robez(port: int) -> subprocess.Popen[bytes]:
+    """``robez serve`` (1 worker, 1 kernel thread, the demo table) with its gRPC port on ``port``."""
+    shm = tempfile.mkdtemp(prefix="robez-grpc-floor-")
+    _SHM_DIRS.append(shm)
+    env = {**os.environ, "ROBEZ_SHM_DIR": shm, "ROBEZ_THREADS_PER_WORKER": "1"}
+    command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(_free_port())]
+    return subprocess.Popen([*command, "--grpc-port", str(port)], env=env, stdout=subprocess.DEVNULL)
+
+
+def _infer_message() -> bytes:
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="demo")
+    request.inputs.add(name="ids", datatype="INT64", shape=[1])
+    request.raw_input_contents.append((7).to_bytes(8, "little"))
+    return request.SerializeToString()
 
 
 def _free_port() -> int:
@@ -104,42 +147,65 @@ def main() -> None:
     for variant in VARIANTS:
         port = _free_port()
         command = [sys.executable, "-m", "benchmarks.service.grpc_servers", "--serve", variant, str(port)]
-        servers[variant] = (subprocess.Popen(command), port)
+        servers[variant] = (_robez(port) if variant.startswith("robez") else subprocess.Popen(command), port)
+    messages = {
+        variant: _infer_message() if variant.startswith("robez") else _MESSAGE for variant in VARIANTS
+    }
     try:
         calls = {}
         for variant, (_, port) in servers.items():
-            call = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary("/bench/Echo")
-            deadline = time.monotonic() + 60
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+            method = (
+                "/inference.GRPCInferenceService/ModelInfer" if variant.startswith("robez") else "/bench/Echo"
+            )
+            call = channel.unary_unary(method)
+            message = messages[variant]
+            deadline = time.monotonic() + 120
             while True:
                 try:
-                    call(_MESSAGE, timeout=5)
+                    call(message, timeout=5)
                     break
                 except grpc.RpcError:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)
             for _ in range(200):
-                call(_MESSAGE, timeout=10)
+                call(message, timeout=10)
             calls[variant] = call
-        results: dict[str, list[tuple[float, float]]] = {variant: [] for variant in VARIANTS}
+        results: dict[str, list[tuple[float, float, float]]] = {variant: [] for variant in VARIANTS}
         for _ in range(args.rounds):
             for variant, call in calls.items():
-                pid = servers[variant][0].pid
-                cpu, wall = _cpu_s(pid), time.perf_counter()
+                pid, message = servers[variant][0].pid, messages[variant]
+                (main_cpu, other_cpu), wall = _cpu_s(pid), time.perf_counter()
                 for _ in range(args.calls):
-                    call(_MESSAGE, timeout=10)
-                cpu, wall = _cpu_s(pid) - cpu, time.perf_counter() - wall
-                results[variant].append((cpu / args.calls * 1e6, args.calls / wall))
+                    call(message, timeout=10)
+                main_after, other_after = _cpu_s(pid)
+                wall = time.perf_counter() - wall
+                per_call = 1e6 / args.calls
+                results[variant].append(
+                    (
+                        (main_after - main_cpu) * per_call,
+                        (other_after - other_cpu) * per_call,
+                        args.calls / wall,
+                    )
+                )
     finally:
         for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=30)
+        for shm in _SHM_DIRS:
+            shutil.rmtree(shm, ignore_errors=True)
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
-    print(f"| server | CPU µs/call (median of {args.rounds}) | calls/s |\n|---|---:|---:|")
+    print(
+        f"| server | CPU µs/call (median of {args.rounds}) | main thread | other threads | calls/s |\n"
+        "|---|---:|---:|---:|---:|"
+    )
     for variant, runs in results.items():
-        cpu = statistics.median(c for c, _ in runs)
-        rate = statistics.median(r for _, r in runs)
-        print(f"| {variant} | {cpu:.0f} | {rate:.0f} |")
+        main_cpu = statistics.median(m for m, _, _ in runs)
+        other_cpu = statistics.median(o for _, o, _ in runs)
+        total = statistics.median(m + o for m, o, _ in runs)
+        rate = statistics.median(r for _, _, r in runs)
+        print(f"| {variant} | {total:.0f} | {main_cpu:.0f} | {other_cpu:.0f} | {rate:.0f} |")
     print(f"\nload average after: {load}; grpc {grpc.__version__}")
 
 
