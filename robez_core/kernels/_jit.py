@@ -1076,13 +1076,38 @@ def _coalesce_sorted_kernel(grad_rows, offsets, embedding_dim, chunk_size):
 # optimizer steps (locations are unique, so the loops run in parallel without races)
 
 
+# The optimizers' float32 arithmetic at one location, shared by the steps, their dry runs and the checked
+# steps below (inlined: the same machine code as written out in each), so that the three agree bit for bit.
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _sgd_new(w, g, lr):
+    return w - lr * g
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _adagrad_new(w, s, g, lr, eps):
+    """(new weight, new sum)."""
+    s = s + g * g
+    return w - lr * (g / (np.sqrt(s) + eps)), s
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _adam_new(w, m, v, g, one_minus_beta1, one_minus_beta2, eps, step_size):
+    """(new weight, new exp_avg, new exp_avg_sq)."""
+    m = m + (g - m) * one_minus_beta1
+    v = v + (g * g - v) * one_minus_beta2
+    return w - step_size * (m / (np.sqrt(v) + eps)), m, v
+
+
 @_parallel_kernel
 def _sgd_kernel(weight, locations, values, lr):
     for k in prange(locations.shape[0]):
         ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
         if ahead != _NO_LOCATION:
             _prefetch_write(weight, ahead)
-        weight[locations[k]] -= lr * values[k]
+        i = locations[k]
+        weight[i] = _sgd_new(weight[i], values[k], lr)
 
 
 @_parallel_kernel
@@ -1093,10 +1118,7 @@ def _adagrad_kernel(weight, state_sum, locations, values, lr, eps):
             _prefetch_write(weight, ahead)
             _prefetch_write(state_sum, ahead)
         i = locations[k]
-        g = values[k]
-        s = state_sum[i] + g * g
-        state_sum[i] = s
-        weight[i] -= lr * (g / (np.sqrt(s) + eps))
+        weight[i], state_sum[i] = _adagrad_new(weight[i], state_sum[i], values[k], lr, eps)
 
 
 @_parallel_kernel
@@ -1110,12 +1132,9 @@ def _adam_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, e
             _prefetch_write(exp_avg, ahead)
             _prefetch_write(exp_avg_sq, ahead)
         i = locations[k]
-        g = values[k]
-        m = exp_avg[i] + (g - exp_avg[i]) * one_minus_beta1
-        v = exp_avg_sq[i] + (g * g - exp_avg_sq[i]) * one_minus_beta2
-        exp_avg[i] = m
-        exp_avg_sq[i] = v
-        weight[i] -= step_size * (m / (np.sqrt(v) + eps))
+        weight[i], exp_avg[i], exp_avg_sq[i] = _adam_new(
+            weight[i], exp_avg[i], exp_avg_sq[i], values[k], one_minus_beta1, one_minus_beta2, eps, step_size
+        )
 
 
 # Dry runs of the three steps above: the same float32 arithmetic, nothing written; they count the touched
@@ -1130,7 +1149,7 @@ def _sgd_nonfinite_kernel(weight, locations, values, lr):
         if ahead != _NO_LOCATION:
             _prefetch_read(weight, ahead)
         g = values[k]
-        w = weight[locations[k]] - lr * g
+        w = _sgd_new(weight[locations[k]], g, lr)
         if not (np.isfinite(g) and np.isfinite(w)):
             bad += 1
     return bad
@@ -1146,8 +1165,7 @@ def _adagrad_nonfinite_kernel(weight, state_sum, locations, values, lr, eps):
             _prefetch_read(state_sum, ahead)
         i = locations[k]
         g = values[k]
-        s = state_sum[i] + g * g
-        w = weight[i] - lr * (g / (np.sqrt(s) + eps))
+        w, s = _adagrad_new(weight[i], state_sum[i], g, lr, eps)
         if not (np.isfinite(g) and np.isfinite(s) and np.isfinite(w)):
             bad += 1
     return bad
@@ -1166,9 +1184,9 @@ def _adam_nonfinite_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1
             _prefetch_read(exp_avg_sq, ahead)
         i = locations[k]
         g = values[k]
-        m = exp_avg[i] + (g - exp_avg[i]) * one_minus_beta1
-        v = exp_avg_sq[i] + (g * g - exp_avg_sq[i]) * one_minus_beta2
-        w = weight[i] - step_size * (m / (np.sqrt(v) + eps))
+        w, m, v = _adam_new(
+            weight[i], exp_avg[i], exp_avg_sq[i], g, one_minus_beta1, one_minus_beta2, eps, step_size
+        )
         if not (np.isfinite(g) and np.isfinite(m) and np.isfinite(v) and np.isfinite(w)):
             bad += 1
     return bad
@@ -1192,7 +1210,7 @@ def _sgd_checked_kernel(weight, locations, values, lr, undo_weight):
         g = values[k]
         old = weight[i]
         undo_weight[k] = old
-        w = old - lr * g
+        w = _sgd_new(old, g, lr)
         if np.isfinite(g) and np.isfinite(w):
             weight[i] = w
         else:
@@ -1214,8 +1232,7 @@ def _adagrad_checked_kernel(weight, state_sum, locations, values, lr, eps, undo_
         old_sum = state_sum[i]
         undo_weight[k] = old_weight
         undo_sum[k] = old_sum
-        s = old_sum + g * g
-        w = old_weight - lr * (g / (np.sqrt(s) + eps))
+        w, s = _adagrad_new(old_weight, old_sum, g, lr, eps)
         if np.isfinite(g) and np.isfinite(s) and np.isfinite(w):
             state_sum[i] = s
             weight[i] = w
@@ -1256,9 +1273,7 @@ def _adam_checked_kernel(
         undo_weight[k] = old_weight
         undo_avg[k] = old_avg
         undo_sq[k] = old_sq
-        m = old_avg + (g - old_avg) * one_minus_beta1
-        v = old_sq + (g * g - old_sq) * one_minus_beta2
-        w = old_weight - step_size * (m / (np.sqrt(v) + eps))
+        w, m, v = _adam_new(old_weight, old_avg, old_sq, g, one_minus_beta1, one_minus_beta2, eps, step_size)
         if np.isfinite(g) and np.isfinite(m) and np.isfinite(v) and np.isfinite(w):
             exp_avg[i] = m
             exp_avg_sq[i] = v
