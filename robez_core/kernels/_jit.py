@@ -159,7 +159,13 @@ class _KernelPair:
     def __init__(self, py_func: Callable[..., Any], chunk_size: int = 0) -> None:
         self._py_func = py_func
         self.chunk_size = chunk_size
-        source = _renamed(py_func, f"_z{chunk_size}", {"_CHUNK": chunk_size}) if chunk_size else py_func
+        source = py_func
+        if chunk_size:
+            constants: dict[str, Any] = {"_CHUNK": chunk_size}
+            for name in py_func.__code__.co_names:
+                if name in _CHUNK_BODIES:  # the loops it calls see this chunk size too
+                    constants[name] = _chunk_body_for(name, chunk_size)
+            source = _renamed(py_func, f"_z{chunk_size}", constants)
         self.serial = njit(cache=True, nogil=True, error_model="numpy")(_renamed(source, "_serial"))
         self.parallel = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(source)
         self.__doc__ = py_func.__doc__
@@ -184,6 +190,31 @@ class _KernelPair:
 
 def _parallel_kernel(py_func: Callable[..., Any]) -> _KernelPair:
     return _KernelPair(py_func)
+
+
+# The loops of a kernel whose serial and ``prange`` copies both call them (``_lookup_groups``): compiled
+# once, serially, instead of once inside each copy. numba's parallel compilation of a loop body costs
+# two to three times its serial one (the parfor passes run over every inlined statement), so a kernel
+# whose ``prange`` body is one call compiles in a fraction of the time, for every user's first run
+# (docs/benchmarks/suite-2026-11-27.md). A body that reads ``_CHUNK`` gets a copy per specialised chunk
+# size, made for the kernels compiled for that size (``_KernelPair``).
+_CHUNK_BODIES: dict[str, Callable[..., Any]] = {}
+_CHUNK_BODY_COPIES: dict[tuple[str, int], Any] = {}
+
+
+def _kernel_body(py_func: Callable[..., Any]) -> Any:
+    _CHUNK_BODIES[py_func.__name__] = py_func
+    return njit(cache=True, nogil=True, error_model="numpy")(py_func)
+
+
+def _chunk_body_for(name: str, chunk_size: int) -> Any:
+    copy = _CHUNK_BODY_COPIES.get((name, chunk_size))
+    if copy is None:
+        source = _renamed(_CHUNK_BODIES[name], f"_z{chunk_size}", {"_CHUNK": chunk_size})
+        copy = _CHUNK_BODY_COPIES[(name, chunk_size)] = njit(cache=True, nogil=True, error_model="numpy")(
+            source
+        )
+    return copy
 
 
 # --------------------------------------------------------------------------------------------------
@@ -651,30 +682,40 @@ def _hash_block(
 # forward
 
 
-@_parallel_kernel
-def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, range_size, out):
+@_kernel_body
+def _chunk_offsets_groups(ids, val_offset, num_chunks, mode, random_numbers, range_size, out, first, end):
+    """The chunk offsets of the ids of groups ``first`` to ``end`` (``_HASH_GROUP`` blocks each)."""
     num_ids = ids.shape[0]
     flat = out.reshape(-1)
     num_blocks = (num_ids + _HASH_BLOCK - 1) // _HASH_BLOCK
-    # One scratch per group of blocks, not per block (256 allocations for 32768 ids): see _HASH_GROUP
-    for group in prange((num_blocks + _HASH_GROUP - 1) // _HASH_GROUP):
-        scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
-        for block in range(group * _HASH_GROUP, min(num_blocks, (group + 1) * _HASH_GROUP)):
-            begin = block * _HASH_BLOCK
-            count = min(_HASH_BLOCK, num_ids - begin)
-            _hash_block(
-                ids,
-                begin,
-                count,
-                val_offset,
-                num_chunks,
-                mode,
-                random_numbers,
-                range_size,
-                scratch,
-                flat,
-                begin * num_chunks,
-            )
+    # One scratch per call (a group, or all of them), not per block: see _HASH_GROUP
+    scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
+    for block in range(first * _HASH_GROUP, min(num_blocks, end * _HASH_GROUP)):
+        begin = block * _HASH_BLOCK
+        count = min(_HASH_BLOCK, num_ids - begin)
+        _hash_block(
+            ids,
+            begin,
+            count,
+            val_offset,
+            num_chunks,
+            mode,
+            random_numbers,
+            range_size,
+            scratch,
+            flat,
+            begin * num_chunks,
+        )
+
+
+@_parallel_kernel
+def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, range_size, out):
+    num_groups = (ids.shape[0] + _HASH_BLOCK * _HASH_GROUP - 1) // (_HASH_BLOCK * _HASH_GROUP)
+    for unsigned_group in prange(num_groups):
+        group = np.int64(unsigned_group)  # prange's index is unsigned: one signature of the body for both
+        _chunk_offsets_groups(
+            ids, val_offset, num_chunks, mode, random_numbers, range_size, out, group, group + 1
+        )
 
 
 @_parallel_kernel
@@ -703,10 +744,22 @@ def _gather_kernel(weight, offsets, embedding_dim, chunk_size, streaming, prefet
             _store_fence()
 
 
-@_parallel_kernel
-def _lookup_kernel(
-    weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, streaming, prefetch, out
+@_kernel_body
+def _lookup_groups(
+    weight,
+    ids,
+    val_offset,
+    embedding_dim,
+    chunk_size,
+    mode,
+    random_numbers,
+    streaming,
+    prefetch,
+    out,
+    first,
+    end,
 ):
+    """The rows of the ids of groups ``first`` to ``end`` (``_HASH_GROUP`` blocks each)."""
     chunk = _CHUNK if _CHUNK else chunk_size  # see _gather_kernel
     whole = embedding_dim // chunk
     rest = embedding_dim - whole * chunk
@@ -715,15 +768,103 @@ def _lookup_kernel(
     num_ids = ids.shape[0]
     flat = out.reshape(-1)
     num_blocks = (num_ids + _HASH_BLOCK - 1) // _HASH_BLOCK
-    for group in prange((num_blocks + _HASH_GROUP - 1) // _HASH_GROUP):
-        scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
-        offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
-        for block in range(group * _HASH_GROUP, min(num_blocks, (group + 1) * _HASH_GROUP)):
-            begin = block * _HASH_BLOCK
-            count = min(_HASH_BLOCK, num_ids - begin)
+    scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
+    offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
+    for block in range(first * _HASH_GROUP, min(num_blocks, end * _HASH_GROUP)):
+        begin = block * _HASH_BLOCK
+        count = min(_HASH_BLOCK, num_ids - begin)
+        _hash_block(
+            ids,
+            begin,
+            count,
+            val_offset,
+            num_chunks,
+            mode,
+            random_numbers,
+            range_size,
+            scratch,
+            offsets,
+            0,
+        )
+        for j in range(count):
+            if prefetch and j + _PREFETCH_ROWS < count:
+                for c in range(num_chunks):
+                    length = min(chunk, embedding_dim - c * chunk)
+                    ahead = offsets[(j + _PREFETCH_ROWS) * num_chunks + c]
+                    _prefetch_chunk(weight, ahead, length, False)
+            base = (begin + j) * embedding_dim
+            first_offset = j * num_chunks
+            for c in range(whole):
+                _copy_chunk(flat, base + c * chunk, weight, offsets[first_offset + c], chunk, streaming)
+            if rest:
+                _copy_chunk(
+                    flat, base + whole * chunk, weight, offsets[first_offset + whole], rest, streaming
+                )
+    if streaming:
+        _store_fence()
+
+
+@_parallel_kernel
+def _lookup_kernel(
+    weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, streaming, prefetch, out
+):
+    num_groups = (ids.shape[0] + _HASH_BLOCK * _HASH_GROUP - 1) // (_HASH_BLOCK * _HASH_GROUP)
+    for unsigned_group in prange(num_groups):
+        group = np.int64(unsigned_group)  # prange's index is unsigned: one signature of the body for both
+        _lookup_groups(
+            weight,
+            ids,
+            val_offset,
+            embedding_dim,
+            chunk_size,
+            mode,
+            random_numbers,
+            streaming,
+            prefetch,
+            out,
+            group,
+            group + 1,
+        )
+
+
+@_kernel_body
+def _lookup_bag_groups(
+    weight,
+    ids,
+    bag_offsets,
+    per_sample_weights,
+    has_weights,
+    mean,
+    val_offset,
+    embedding_dim,
+    chunk_size,
+    mode,
+    random_numbers,
+    prefetch,
+    out,
+    first_group,
+    end_group,
+):
+    """The pooled rows of bags ``first_group * _BAG_GROUP`` to ``end_group * _BAG_GROUP``: the hashing
+    scratch is allocated per call (a group of bags, or all of them), not per bag."""
+    num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
+    range_size = weight.shape[0] - chunk_size + 1
+    num_bags = bag_offsets.shape[0]
+    num_ids = ids.shape[0]
+    flat = out.reshape(-1)
+    scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
+    offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
+    for b in range(first_group * _BAG_GROUP, min(num_bags, end_group * _BAG_GROUP)):
+        begin = bag_offsets[b]
+        end = bag_offsets[b + 1] if b + 1 < num_bags else num_ids
+        base = b * embedding_dim
+        for j in range(embedding_dim):
+            flat[base + j] = 0.0
+        for block_begin in range(begin, end, _HASH_BLOCK):
+            count = min(_HASH_BLOCK, end - block_begin)
             _hash_block(
                 ids,
-                begin,
+                block_begin,
                 count,
                 val_offset,
                 num_chunks,
@@ -737,17 +878,20 @@ def _lookup_kernel(
             for j in range(count):
                 if prefetch and j + _PREFETCH_ROWS < count:
                     for c in range(num_chunks):
-                        length = min(chunk, embedding_dim - c * chunk)
+                        length = min(chunk_size, embedding_dim - c * chunk_size)
                         ahead = offsets[(j + _PREFETCH_ROWS) * num_chunks + c]
                         _prefetch_chunk(weight, ahead, length, False)
-                base = (begin + j) * embedding_dim
-                first = j * num_chunks
-                for c in range(whole):
-                    _copy_chunk(flat, base + c * chunk, weight, offsets[first + c], chunk, streaming)
-                if rest:
-                    _copy_chunk(flat, base + whole * chunk, weight, offsets[first + whole], rest, streaming)
-        if streaming:
-            _store_fence()
+                scale = per_sample_weights[block_begin + j] if has_weights else np.float32(1.0)
+                for c in range(num_chunks):
+                    start = c * chunk_size
+                    src = offsets[j * num_chunks + c]
+                    _add_scaled(
+                        flat, base + start, weight, src, min(chunk_size, embedding_dim - start), scale
+                    )
+        if mean and end > begin:
+            inv_count = np.float32(1.0) / np.float32(end - begin)
+            for j in range(embedding_dim):
+                flat[base + j] *= inv_count
 
 
 @_parallel_kernel
@@ -766,53 +910,26 @@ def _lookup_bag_kernel(
     prefetch,
     out,
 ):
-    num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
-    range_size = weight.shape[0] - chunk_size + 1
-    num_bags = bag_offsets.shape[0]
-    num_ids = ids.shape[0]
-    flat = out.reshape(-1)
-    # Bags are taken a group at a time so the hashing scratch is allocated per group, not per bag.
-    for group in prange((num_bags + _BAG_GROUP - 1) // _BAG_GROUP):
-        scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
-        offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
-        for b in range(group * _BAG_GROUP, min(num_bags, (group + 1) * _BAG_GROUP)):
-            begin = bag_offsets[b]
-            end = bag_offsets[b + 1] if b + 1 < num_bags else num_ids
-            base = b * embedding_dim
-            for j in range(embedding_dim):
-                flat[base + j] = 0.0
-            for block_begin in range(begin, end, _HASH_BLOCK):
-                count = min(_HASH_BLOCK, end - block_begin)
-                _hash_block(
-                    ids,
-                    block_begin,
-                    count,
-                    val_offset,
-                    num_chunks,
-                    mode,
-                    random_numbers,
-                    range_size,
-                    scratch,
-                    offsets,
-                    0,
-                )
-                for j in range(count):
-                    if prefetch and j + _PREFETCH_ROWS < count:
-                        for c in range(num_chunks):
-                            length = min(chunk_size, embedding_dim - c * chunk_size)
-                            ahead = offsets[(j + _PREFETCH_ROWS) * num_chunks + c]
-                            _prefetch_chunk(weight, ahead, length, False)
-                    scale = per_sample_weights[block_begin + j] if has_weights else np.float32(1.0)
-                    for c in range(num_chunks):
-                        start = c * chunk_size
-                        src = offsets[j * num_chunks + c]
-                        _add_scaled(
-                            flat, base + start, weight, src, min(chunk_size, embedding_dim - start), scale
-                        )
-            if mean and end > begin:
-                inv_count = np.float32(1.0) / np.float32(end - begin)
-                for j in range(embedding_dim):
-                    flat[base + j] *= inv_count
+    num_groups = (bag_offsets.shape[0] + _BAG_GROUP - 1) // _BAG_GROUP
+    for unsigned_group in prange(num_groups):
+        group = np.int64(unsigned_group)  # prange's index is unsigned: one signature of the body for both
+        _lookup_bag_groups(
+            weight,
+            ids,
+            bag_offsets,
+            per_sample_weights,
+            has_weights,
+            mean,
+            val_offset,
+            embedding_dim,
+            chunk_size,
+            mode,
+            random_numbers,
+            prefetch,
+            out,
+            group,
+            group + 1,
+        )
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
