@@ -153,7 +153,8 @@ class _KernelPair:
 
     A kernel that reads the global ``_CHUNK`` (its row loops, see ``_gather_kernel``) is also compiled per
     chunk size in ``_SPECIALISED_CHUNK_SIZES``: ``for_chunk(Z)`` gives the pair whose copies see
-    ``_CHUNK = Z``, compiled (or loaded from the cache) on first use.
+    ``_CHUNK = Z``, compiled (or loaded from the cache) on first use, as are the copies of the loops it
+    calls (``_kernel_body``) for that size.
     """
 
     def __init__(self, py_func: Callable[..., Any], chunk_size: int = 0) -> None:
