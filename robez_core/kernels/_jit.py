@@ -160,14 +160,23 @@ class _KernelPair:
     def __init__(self, py_func: Callable[..., Any], chunk_size: int = 0) -> None:
         self._py_func = py_func
         self.chunk_size = chunk_size
+        bodies = [name for name in py_func.__code__.co_names if name in _KERNEL_BODIES]
+        constants: dict[str, Any] = {"_CHUNK": chunk_size} if chunk_size else {}
+        suffix = f"_z{chunk_size}" if chunk_size else ""
+        # the serial copy has the loops it calls (``_kernel_body``) inlined, the parallel one calls them
+        serial_source = _renamed(
+            py_func,
+            f"{suffix}_serial",
+            {**constants, **{name: _body_for(name, chunk_size, True) for name in bodies}},
+        )
         source = py_func
         if chunk_size:
-            constants: dict[str, Any] = {"_CHUNK": chunk_size}
-            for name in py_func.__code__.co_names:
-                if name in _CHUNK_BODIES:  # the loops it calls see this chunk size too
-                    constants[name] = _chunk_body_for(name, chunk_size)
-            source = _renamed(py_func, f"_z{chunk_size}", constants)
-        self.serial = njit(cache=True, nogil=True, error_model="numpy")(_renamed(source, "_serial"))
+            source = _renamed(
+                py_func,
+                suffix,
+                {**constants, **{name: _body_for(name, chunk_size, False) for name in bodies}},
+            )
+        self.serial = njit(cache=True, nogil=True, error_model="numpy")(serial_source)
         self.parallel = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(source)
         self.__doc__ = py_func.__doc__
         self._specialised: dict[int, _KernelPair] = {}
@@ -193,28 +202,33 @@ def _parallel_kernel(py_func: Callable[..., Any]) -> _KernelPair:
     return _KernelPair(py_func)
 
 
-# The loops of a kernel whose serial and ``prange`` copies both call them (``_lookup_groups``): compiled
-# once, serially, instead of once inside each copy. numba's parallel compilation of a loop body costs
-# two to three times its serial one (the parfor passes run over every inlined statement), so a kernel
-# whose ``prange`` body is one call compiles in a fraction of the time, for every user's first run
-# (docs/benchmarks/suite-2026-11-27.md). A body that reads ``_CHUNK`` gets a copy per specialised chunk
-# size, made for the kernels compiled for that size (``_KernelPair``).
-_CHUNK_BODIES: dict[str, Callable[..., Any]] = {}
-_CHUNK_BODY_COPIES: dict[tuple[str, int], Any] = {}
+# The loops of a kernel's ``prange`` body (``_lookup_groups``), compiled on their own and called by its
+# parallel copy. numba's parallel compilation of a loop body costs two to three times its serial one (the
+# parfor passes run over every inlined statement), so a ``prange`` body that is one call compiles in a
+# fraction of the time, for every user's first run (docs/benchmarks/suite-2026-11-27.md). The serial copy
+# has them inlined (``inline="always"``): the machine code of the small batches' path is the one it was.
+# A body that reads ``_CHUNK`` gets copies per specialised chunk size, made for the kernels compiled for
+# that size (``_KernelPair``).
+_KERNEL_BODIES: dict[str, Callable[..., Any]] = {}
+_KERNEL_BODY_COPIES: dict[tuple[str, int, bool], Any] = {}
 
 
 def _kernel_body(py_func: Callable[..., Any]) -> Any:
-    _CHUNK_BODIES[py_func.__name__] = py_func
-    return njit(cache=True, nogil=True, error_model="numpy")(py_func)
+    _KERNEL_BODIES[py_func.__name__] = py_func
+    body = njit(cache=True, nogil=True, error_model="numpy")(py_func)
+    _KERNEL_BODY_COPIES[(py_func.__name__, 0, False)] = body
+    return body
 
 
-def _chunk_body_for(name: str, chunk_size: int) -> Any:
-    copy = _CHUNK_BODY_COPIES.get((name, chunk_size))
+def _body_for(name: str, chunk_size: int, inline: bool) -> Any:
+    """The compilation of body ``name`` for ``chunk_size`` (0: generic), inlined into its caller or not."""
+    copy = _KERNEL_BODY_COPIES.get((name, chunk_size, inline))
     if copy is None:
-        source = _renamed(_CHUNK_BODIES[name], f"_z{chunk_size}", {"_CHUNK": chunk_size})
-        copy = _CHUNK_BODY_COPIES[(name, chunk_size)] = njit(cache=True, nogil=True, error_model="numpy")(
-            source
-        )
+        suffix = (f"_z{chunk_size}" if chunk_size else "") + ("_inline" if inline else "")
+        source = _renamed(_KERNEL_BODIES[name], suffix, {"_CHUNK": chunk_size} if chunk_size else None)
+        options: dict[str, Any] = {"inline": "always"} if inline else {}
+        copy = njit(cache=True, nogil=True, error_model="numpy", **options)(source)
+        _KERNEL_BODY_COPIES[(name, chunk_size, inline)] = copy
     return copy
 
 
