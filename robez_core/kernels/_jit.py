@@ -153,30 +153,14 @@ class _KernelPair:
 
     A kernel that reads the global ``_CHUNK`` (its row loops, see ``_gather_kernel``) is also compiled per
     chunk size in ``_SPECIALISED_CHUNK_SIZES``: ``for_chunk(Z)`` gives the pair whose copies see
-    ``_CHUNK = Z``, compiled (or loaded from the cache) on first use, as are the copies of the loops it
-    calls (``_kernel_body``) for that size.
+    ``_CHUNK = Z``, compiled (or loaded from the cache) on first use.
     """
 
     def __init__(self, py_func: Callable[..., Any], chunk_size: int = 0) -> None:
         self._py_func = py_func
         self.chunk_size = chunk_size
-        bodies = [name for name in py_func.__code__.co_names if name in _KERNEL_BODIES]
-        constants: dict[str, Any] = {"_CHUNK": chunk_size} if chunk_size else {}
-        suffix = f"_z{chunk_size}" if chunk_size else ""
-        # the serial copy has the loops it calls (``_kernel_body``) inlined, the parallel one calls them
-        serial_source = _renamed(
-            py_func,
-            f"{suffix}_serial",
-            {**constants, **{name: _body_for(name, chunk_size, True) for name in bodies}},
-        )
-        source = py_func
-        if chunk_size:
-            source = _renamed(
-                py_func,
-                suffix,
-                {**constants, **{name: _body_for(name, chunk_size, False) for name in bodies}},
-            )
-        self.serial = njit(cache=True, nogil=True, error_model="numpy")(serial_source)
+        source = _renamed(py_func, f"_z{chunk_size}", {"_CHUNK": chunk_size}) if chunk_size else py_func
+        self.serial = njit(cache=True, nogil=True, error_model="numpy")(_renamed(source, "_serial"))
         self.parallel = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(source)
         self.__doc__ = py_func.__doc__
         self._specialised: dict[int, _KernelPair] = {}
@@ -200,36 +184,6 @@ class _KernelPair:
 
 def _parallel_kernel(py_func: Callable[..., Any]) -> _KernelPair:
     return _KernelPair(py_func)
-
-
-# The loops of a kernel's ``prange`` body (``_lookup_groups``), compiled on their own and called by its
-# parallel copy. numba's parallel compilation of a loop body costs two to three times its serial one (the
-# parfor passes run over every inlined statement), so a ``prange`` body that is one call compiles in a
-# fraction of the time, for every user's first run (docs/benchmarks/suite-2026-11-27.md). The serial copy
-# has them inlined (``inline="always"``): the machine code of the small batches' path is the one it was.
-# A body that reads ``_CHUNK`` gets copies per specialised chunk size, made for the kernels compiled for
-# that size (``_KernelPair``).
-_KERNEL_BODIES: dict[str, Callable[..., Any]] = {}
-_KERNEL_BODY_COPIES: dict[tuple[str, int, bool], Any] = {}
-
-
-def _kernel_body(py_func: Callable[..., Any]) -> Any:
-    _KERNEL_BODIES[py_func.__name__] = py_func
-    body = njit(cache=True, nogil=True, error_model="numpy")(py_func)
-    _KERNEL_BODY_COPIES[(py_func.__name__, 0, False)] = body
-    return body
-
-
-def _body_for(name: str, chunk_size: int, inline: bool) -> Any:
-    """The compilation of body ``name`` for ``chunk_size`` (0: generic), inlined into its caller or not."""
-    copy = _KERNEL_BODY_COPIES.get((name, chunk_size, inline))
-    if copy is None:
-        suffix = (f"_z{chunk_size}" if chunk_size else "") + ("_inline" if inline else "")
-        source = _renamed(_KERNEL_BODIES[name], suffix, {"_CHUNK": chunk_size} if chunk_size else None)
-        options: dict[str, Any] = {"inline": "always"} if inline else {}
-        copy = njit(cache=True, nogil=True, error_model="numpy", **options)(source)
-        _KERNEL_BODY_COPIES[(name, chunk_size, inline)] = copy
-    return copy
 
 
 # --------------------------------------------------------------------------------------------------
@@ -697,40 +651,30 @@ def _hash_block(
 # forward
 
 
-@_kernel_body
-def _chunk_offsets_groups(ids, val_offset, num_chunks, mode, random_numbers, range_size, out, first, end):
-    """The chunk offsets of the ids of groups ``first`` to ``end`` (``_HASH_GROUP`` blocks each)."""
+@_parallel_kernel
+def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, range_size, out):
     num_ids = ids.shape[0]
     flat = out.reshape(-1)
     num_blocks = (num_ids + _HASH_BLOCK - 1) // _HASH_BLOCK
-    # One scratch per call (a group, or all of them), not per block: see _HASH_GROUP
-    scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
-    for block in range(first * _HASH_GROUP, min(num_blocks, end * _HASH_GROUP)):
-        begin = block * _HASH_BLOCK
-        count = min(_HASH_BLOCK, num_ids - begin)
-        _hash_block(
-            ids,
-            begin,
-            count,
-            val_offset,
-            num_chunks,
-            mode,
-            random_numbers,
-            range_size,
-            scratch,
-            flat,
-            begin * num_chunks,
-        )
-
-
-@_parallel_kernel
-def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, range_size, out):
-    num_groups = (ids.shape[0] + _HASH_BLOCK * _HASH_GROUP - 1) // (_HASH_BLOCK * _HASH_GROUP)
-    for unsigned_group in prange(num_groups):
-        group = np.int64(unsigned_group)  # prange's index is unsigned: one signature of the body for both
-        _chunk_offsets_groups(
-            ids, val_offset, num_chunks, mode, random_numbers, range_size, out, group, group + 1
-        )
+    # One scratch per group of blocks, not per block (256 allocations for 32768 ids): see _HASH_GROUP
+    for group in prange((num_blocks + _HASH_GROUP - 1) // _HASH_GROUP):
+        scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
+        for block in range(group * _HASH_GROUP, min(num_blocks, (group + 1) * _HASH_GROUP)):
+            begin = block * _HASH_BLOCK
+            count = min(_HASH_BLOCK, num_ids - begin)
+            _hash_block(
+                ids,
+                begin,
+                count,
+                val_offset,
+                num_chunks,
+                mode,
+                random_numbers,
+                range_size,
+                scratch,
+                flat,
+                begin * num_chunks,
+            )
 
 
 @_parallel_kernel
@@ -759,22 +703,10 @@ def _gather_kernel(weight, offsets, embedding_dim, chunk_size, streaming, prefet
             _store_fence()
 
 
-@_kernel_body
-def _lookup_groups(
-    weight,
-    ids,
-    val_offset,
-    embedding_dim,
-    chunk_size,
-    mode,
-    random_numbers,
-    streaming,
-    prefetch,
-    out,
-    first,
-    end,
+@_parallel_kernel
+def _lookup_kernel(
+    weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, streaming, prefetch, out
 ):
-    """The rows of the ids of groups ``first`` to ``end`` (``_HASH_GROUP`` blocks each)."""
     chunk = _CHUNK if _CHUNK else chunk_size  # see _gather_kernel
     whole = embedding_dim // chunk
     rest = embedding_dim - whole * chunk
@@ -783,103 +715,15 @@ def _lookup_groups(
     num_ids = ids.shape[0]
     flat = out.reshape(-1)
     num_blocks = (num_ids + _HASH_BLOCK - 1) // _HASH_BLOCK
-    scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
-    offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
-    for block in range(first * _HASH_GROUP, min(num_blocks, end * _HASH_GROUP)):
-        begin = block * _HASH_BLOCK
-        count = min(_HASH_BLOCK, num_ids - begin)
-        _hash_block(
-            ids,
-            begin,
-            count,
-            val_offset,
-            num_chunks,
-            mode,
-            random_numbers,
-            range_size,
-            scratch,
-            offsets,
-            0,
-        )
-        for j in range(count):
-            if prefetch and j + _PREFETCH_ROWS < count:
-                for c in range(num_chunks):
-                    length = min(chunk, embedding_dim - c * chunk)
-                    ahead = offsets[(j + _PREFETCH_ROWS) * num_chunks + c]
-                    _prefetch_chunk(weight, ahead, length, False)
-            base = (begin + j) * embedding_dim
-            first_offset = j * num_chunks
-            for c in range(whole):
-                _copy_chunk(flat, base + c * chunk, weight, offsets[first_offset + c], chunk, streaming)
-            if rest:
-                _copy_chunk(
-                    flat, base + whole * chunk, weight, offsets[first_offset + whole], rest, streaming
-                )
-    if streaming:
-        _store_fence()
-
-
-@_parallel_kernel
-def _lookup_kernel(
-    weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, streaming, prefetch, out
-):
-    num_groups = (ids.shape[0] + _HASH_BLOCK * _HASH_GROUP - 1) // (_HASH_BLOCK * _HASH_GROUP)
-    for unsigned_group in prange(num_groups):
-        group = np.int64(unsigned_group)  # prange's index is unsigned: one signature of the body for both
-        _lookup_groups(
-            weight,
-            ids,
-            val_offset,
-            embedding_dim,
-            chunk_size,
-            mode,
-            random_numbers,
-            streaming,
-            prefetch,
-            out,
-            group,
-            group + 1,
-        )
-
-
-@_kernel_body
-def _lookup_bag_groups(
-    weight,
-    ids,
-    bag_offsets,
-    per_sample_weights,
-    has_weights,
-    mean,
-    val_offset,
-    embedding_dim,
-    chunk_size,
-    mode,
-    random_numbers,
-    prefetch,
-    out,
-    first_group,
-    end_group,
-):
-    """The pooled rows of bags ``first_group * _BAG_GROUP`` to ``end_group * _BAG_GROUP``: the hashing
-    scratch is allocated per call (a group of bags, or all of them), not per bag."""
-    num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
-    range_size = weight.shape[0] - chunk_size + 1
-    num_bags = bag_offsets.shape[0]
-    num_ids = ids.shape[0]
-    flat = out.reshape(-1)
-    scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
-    offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
-    for b in range(first_group * _BAG_GROUP, min(num_bags, end_group * _BAG_GROUP)):
-        begin = bag_offsets[b]
-        end = bag_offsets[b + 1] if b + 1 < num_bags else num_ids
-        base = b * embedding_dim
-        for j in range(embedding_dim):
-            flat[base + j] = 0.0
-        for block_begin in range(begin, end, _HASH_BLOCK):
-            count = min(_HASH_BLOCK, end - block_begin)
+    for group in prange((num_blocks + _HASH_GROUP - 1) // _HASH_GROUP):
+        scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
+        offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
+        for block in range(group * _HASH_GROUP, min(num_blocks, (group + 1) * _HASH_GROUP)):
+            begin = block * _HASH_BLOCK
+            count = min(_HASH_BLOCK, num_ids - begin)
             _hash_block(
                 ids,
-                block_begin,
+                begin,
                 count,
                 val_offset,
                 num_chunks,
@@ -893,20 +737,17 @@ def _lookup_bag_groups(
             for j in range(count):
                 if prefetch and j + _PREFETCH_ROWS < count:
                     for c in range(num_chunks):
-                        length = min(chunk_size, embedding_dim - c * chunk_size)
+                        length = min(chunk, embedding_dim - c * chunk)
                         ahead = offsets[(j + _PREFETCH_ROWS) * num_chunks + c]
                         _prefetch_chunk(weight, ahead, length, False)
-                scale = per_sample_weights[block_begin + j] if has_weights else np.float32(1.0)
-                for c in range(num_chunks):
-                    start = c * chunk_size
-                    src = offsets[j * num_chunks + c]
-                    _add_scaled(
-                        flat, base + start, weight, src, min(chunk_size, embedding_dim - start), scale
-                    )
-        if mean and end > begin:
-            inv_count = np.float32(1.0) / np.float32(end - begin)
-            for j in range(embedding_dim):
-                flat[base + j] *= inv_count
+                base = (begin + j) * embedding_dim
+                first = j * num_chunks
+                for c in range(whole):
+                    _copy_chunk(flat, base + c * chunk, weight, offsets[first + c], chunk, streaming)
+                if rest:
+                    _copy_chunk(flat, base + whole * chunk, weight, offsets[first + whole], rest, streaming)
+        if streaming:
+            _store_fence()
 
 
 @_parallel_kernel
@@ -925,26 +766,53 @@ def _lookup_bag_kernel(
     prefetch,
     out,
 ):
-    num_groups = (bag_offsets.shape[0] + _BAG_GROUP - 1) // _BAG_GROUP
-    for unsigned_group in prange(num_groups):
-        group = np.int64(unsigned_group)  # prange's index is unsigned: one signature of the body for both
-        _lookup_bag_groups(
-            weight,
-            ids,
-            bag_offsets,
-            per_sample_weights,
-            has_weights,
-            mean,
-            val_offset,
-            embedding_dim,
-            chunk_size,
-            mode,
-            random_numbers,
-            prefetch,
-            out,
-            group,
-            group + 1,
-        )
+    num_chunks = (embedding_dim + chunk_size - 1) // chunk_size
+    range_size = weight.shape[0] - chunk_size + 1
+    num_bags = bag_offsets.shape[0]
+    num_ids = ids.shape[0]
+    flat = out.reshape(-1)
+    # Bags are taken a group at a time so the hashing scratch is allocated per group, not per bag.
+    for group in prange((num_bags + _BAG_GROUP - 1) // _BAG_GROUP):
+        scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
+        offsets = np.empty(_HASH_BLOCK * num_chunks, dtype=np.int64)
+        for b in range(group * _BAG_GROUP, min(num_bags, (group + 1) * _BAG_GROUP)):
+            begin = bag_offsets[b]
+            end = bag_offsets[b + 1] if b + 1 < num_bags else num_ids
+            base = b * embedding_dim
+            for j in range(embedding_dim):
+                flat[base + j] = 0.0
+            for block_begin in range(begin, end, _HASH_BLOCK):
+                count = min(_HASH_BLOCK, end - block_begin)
+                _hash_block(
+                    ids,
+                    block_begin,
+                    count,
+                    val_offset,
+                    num_chunks,
+                    mode,
+                    random_numbers,
+                    range_size,
+                    scratch,
+                    offsets,
+                    0,
+                )
+                for j in range(count):
+                    if prefetch and j + _PREFETCH_ROWS < count:
+                        for c in range(num_chunks):
+                            length = min(chunk_size, embedding_dim - c * chunk_size)
+                            ahead = offsets[(j + _PREFETCH_ROWS) * num_chunks + c]
+                            _prefetch_chunk(weight, ahead, length, False)
+                    scale = per_sample_weights[block_begin + j] if has_weights else np.float32(1.0)
+                    for c in range(num_chunks):
+                        start = c * chunk_size
+                        src = offsets[j * num_chunks + c]
+                        _add_scaled(
+                            flat, base + start, weight, src, min(chunk_size, embedding_dim - start), scale
+                        )
+            if mean and end > begin:
+                inv_count = np.float32(1.0) / np.float32(end - begin)
+                for j in range(embedding_dim):
+                    flat[base + j] *= inv_count
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
