@@ -7,12 +7,14 @@
   chunk offsets and the bag lookup, serial (1 thread) then parallel (2 threads), in a fresh subprocess
   with an empty ``NUMBA_CACHE_DIR`` (what a fresh clone or a new image pays once);
 - ``call_us``: the median over ``--repeats`` rounds of the mean CPU microseconds (1 thread) or wall
-  microseconds (2 threads) of a call, on a 262,144-float table, from numba's cache (warm).
+  microseconds (2 threads) of a call, on a 262,144-float table, from numba's cache (warm): through
+  ``robez_core.kernels`` (checks and set-up included), and the serial lookup compilation called directly.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -60,9 +62,11 @@ def compile_seconds() -> dict[str, float]:
 
 
 def call_microseconds(repeats: int) -> dict[str, float]:
+    import numpy as np
     import torch
 
     from robez_core import kernels, paper_random_numbers
+    from robez_core.kernels import runtime, serial
 
     generator = torch.Generator().manual_seed(0)
     weight, constants = torch.randn(262_144, generator=generator), paper_random_numbers()
@@ -87,6 +91,17 @@ def call_microseconds(repeats: int) -> dict[str, float]:
             lambda: kernels.lookup_bag(weight, large, bags, None, "sum", 64, 32, constants),
         ),
     ]
+    # the serial compilation of the lookup called directly (no checks, no set-up): what a 1-thread worker runs
+    mode, hash_constants, _ = runtime.hash_setup("paper", constants, 262_144, 32)
+    weight_np = weight.numpy()
+    for n in (1, 8, 4096):
+        ids_np = one.numpy() if n == 1 else small.numpy()[:n]
+        out = np.empty((n, 64), np.float32)
+        kernel = serial.lookup_for(32)
+        args = (weight_np, ids_np, np.int64(0), 64, 32, mode, hash_constants, False, False, out)
+        cases.append(
+            (f"serial lookup kernel {n} ids", 1, 20_000 if n < 100 else 200, functools.partial(kernel, *args))
+        )
     results = {}
     for name, threads, calls, call in cases:
         torch.set_num_threads(threads)
