@@ -5,8 +5,9 @@ compiles a kernel on its first call with each signature, serial and ``prange`` c
 ``TableStore.warm_up`` loads the one-id paths; ``warm_kernels`` adds the batch sizes that pick the other
 paths: the parallel copies (past ``_PARALLEL_MIN_WORK`` values, when the worker runs several kernel
 threads), the bag lookups (sum, mean, weighted), and the update's small-batch step, sorted and dense
-coalesces. Lookups read the real tables; updates run on a private table of each kind (same dimension,
-chunk size, hash and optimizer), so nothing shared changes. A table of more than 2^31 values takes the
+coalesces, and the one-pass checked step of a push without a data directory. Lookups read the real
+tables; updates run on a private table of each kind (same dimension, chunk size, hash and optimizer), so
+nothing shared changes. A table of more than 2^31 values takes the
 64-bit-offset updates, which compile on its first push (such a table would need its twin in memory).
 
 ``python -m service.warmup`` runs it once for the demo table's kind: the container image's build runs it,
@@ -27,7 +28,7 @@ from robez_core.config import TableConfig
 from robez_core.table import Table
 
 from .config import demo_table_spec
-from .log.entry import apply_record
+from .log.entry import apply_record, prepare
 from .metrics import Metrics
 from .store import TableStore
 
@@ -60,6 +61,9 @@ def _warm_private(embedding_dim: int, chunk_size: int, hash_name: Any, optimizer
         private.gather(private.hash(ids))
         private.apply_gradients(ids, grads)
         apply_record(private, ids, grads, private.optimizer.lr)
+        # and the one-pass checked step of a push without a data directory (``check_in_step``)
+        step, _ = prepare(private, ids, grads, private.optimizer.lr)
+        apply_record(private, ids, grads, private.optimizer.lr, step=step, check_in_step=True)
 
 
 def warm_kernels(store: TableStore, metrics: Metrics | None = None) -> float:
