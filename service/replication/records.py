@@ -68,13 +68,24 @@ def encode_update(
 ) -> tuple[bytes, dict[str, str]]:
     """(payload, headers) of one validated push: ids int64 (n,), grads float32 (n, d); ``trace``: the
     W3C trace headers of the push (``tracing.inject``), carried as they are."""
-    num_rows = int(ids.numel())
-    dim = int(grads.shape[1]) if grads.dim() == 2 else 0
+    num_rows, dim = update_shape(ids, grads)
     payload = (
         ids.reshape(-1).numpy().astype(_IDS, copy=False).tobytes()
         + grads.reshape(num_rows, dim).numpy().astype(_GRADS, copy=False).tobytes()
     )
-    return payload, {SHAPE: f"{num_rows},{dim}", LR: float(lr).hex(), **(trace or {})}
+    return payload, update_headers(num_rows, dim, lr, trace)
+
+
+def update_shape(ids: Tensor, grads: Tensor) -> tuple[int, int]:
+    """(ids, dim) of a push: what its entry's ``SHAPE`` header says."""
+    return int(ids.numel()), int(grads.shape[1]) if grads.dim() == 2 else 0
+
+
+def update_headers(
+    num_rows: int, dim: int, lr: float, trace: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The headers of a push's entry (``encode_update``'s, also for its size before it is encoded)."""
+    return {SHAPE: f"{num_rows},{dim}", LR: float(lr).hex(), **(trace or {})}
 
 
 def encode_load(object_name: str, sha256: str) -> tuple[bytes, dict[str, str]]:

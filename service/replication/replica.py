@@ -35,7 +35,15 @@ from ..metrics import Metrics
 from ..store import TableInfo, TableStore, validate_table_name
 from .applier import STATUS_FILE, Applier, ReplicaStatus
 from .log import Appended, CatalogEntry, LogTrimmedError, ReplicatedLog
-from .records import LR, SHAPE, encode_load, encode_update, payload_bytes, update_too_large
+from .records import (
+    SHAPE,
+    encode_load,
+    encode_update,
+    payload_bytes,
+    update_headers,
+    update_shape,
+    update_too_large,
+)
 from .replay import file_sha256, replay_log
 
 logger = logging.getLogger("robez.replication")
@@ -290,16 +298,12 @@ class Replica:
         checks every part before it publishes any, so a part over the limit publishes nothing (the
         client then splits the push with new keys, which must not store a part a second time)."""
         entry = await self._wait_local(name, fresh=False)
-        num_rows = int(ids.numel())
-        dim = int(grads.shape[1]) if grads.dim() == 2 else 0
+        num_rows, dim = update_shape(ids, grads)
         trace = tracing.inject() if tracing.TRACER is not None else {}
-        headers = {SHAPE: f"{num_rows},{dim}", LR: float(lr).hex(), **trace}
         key = key or "0" * 32  # the length of a generated key
-        limit = self.log.max_entry_bytes()
-        size = self.log.entry_bytes(entry, payload_bytes(num_rows, dim), headers, key)
-        if limit and size > limit:
-            overhead = size - payload_bytes(num_rows, dim)
-            raise update_too_large(entry.name, num_rows, dim, size, limit, overhead)
+        self._check_entry_size(
+            entry, payload_bytes(num_rows, dim), update_headers(num_rows, dim, lr, trace), key
+        )
 
     async def load(self, name: str, table: Table, path: Path, key: str | None) -> ReplicatedUpdate:
         """Load a checkpoint on every replica: ``table`` aligned to the table, saved at ``path`` (robez
@@ -388,7 +392,7 @@ class Replica:
             # The cached catalog entry may be of an incarnation dropped since: then the append finds no
             # stream, and the second attempt reads the catalog again.
             entry = await self._wait_local(name, fresh=attempt > 0)
-            self._check_entry_size(entry, payload, headers, key, grads)
+            self._check_entry_size(entry, len(payload), headers, key)
             # Kept before the append: this worker's applier may read the entry before the ack comes.
             applier = self.applier
             token = None
@@ -406,17 +410,15 @@ class Replica:
                 self._entries.pop(name, None)
         raise AssertionError("unreachable")  # the second attempt returned or raised
 
-    def _check_entry_size(
-        self, entry: CatalogEntry, payload: bytes, headers: dict[str, str], key: str, grads: Tensor
-    ) -> None:
-        """413 before publishing when the entry is over the connected server's limit: NATS would refuse
-        it (and a retry would never pass), so the client learns the limit and splits instead."""
+    def _check_entry_size(self, entry: CatalogEntry, payload: int, headers: dict[str, str], key: str) -> None:
+        """413 before publishing when the entry (``payload`` bytes with ``headers``) is over the connected
+        server's limit: NATS would refuse it (and a retry would never pass), so the client learns the
+        limit and splits instead."""
         limit = self.log.max_entry_bytes()
-        size = self.log.entry_bytes(entry, len(payload), headers, key)
+        size = self.log.entry_bytes(entry, payload, headers, key)
         if limit and size > limit:
-            num_rows = int(grads.shape[0]) if grads.dim() == 2 else 0
-            dim = int(grads.shape[1]) if grads.dim() == 2 else 0
-            raise update_too_large(entry.name, num_rows, dim, size, limit, size - len(payload))
+            num_rows, dim = (int(n) for n in headers[SHAPE].split(","))
+            raise update_too_large(entry.name, num_rows, dim, size, limit, size - payload)
 
     def _local_incarnation(self, name: str) -> str | None:
         if self.applier is not None:  # this worker applies the log: no need to read what it wrote
