@@ -104,6 +104,23 @@ def wait_uploaded(servers: list[ReplicaServer], version: int, timeout_s: float =
         time.sleep(0.2)
 
 
+def wait_no_upload_running(servers: list[ReplicaServer], timeout_s: float = 60) -> None:
+    """Until every state a server copied for an upload was uploaded (or logged as not kept / failed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = []
+        for server in servers:
+            log = server.log_path.read_text()
+            ended = len(events(server, "snapshot")) + log.count("this one was not kept")
+            ended += log.count("snapshot failed")
+            if len(events(server, "state")) > ended:
+                running.append(server.name)
+        if not running:
+            return
+        assert time.monotonic() < deadline, f"uploads still running on {running}"
+        time.sleep(0.2)
+
+
 def test_uploads_run_beside_pushes_and_leave_one_snapshot(nats_cluster: NatsCluster, tmp_path: Path) -> None:
     table = "big"
     a = ReplicaServer("ua", nats_cluster, tmp_path, PREFIX, **SETTINGS).start()
@@ -127,16 +144,25 @@ def test_uploads_run_beside_pushes_and_leave_one_snapshot(nats_cluster: NatsClus
         while seed < 4 * EVERY + 5:
             acked.append(push((a, b)[seed % 2], table, seed))
             seed += 1
-        wait_uploaded([a, b], 4 * EVERY)
+        # An upload came due in these 3 x EVERY pushes. Which versions are uploaded depends on how long
+        # each upload takes: one running when the count comes due again takes the later version, and the
+        # other replica, finding the lease taken, leaves that one to it (a loaded machine: 20, 40, 71).
+        wait_uploaded([a, b], 2 * EVERY)
+        wait_no_upload_running([a, b])
         a.wait_version(table, seed)
         b.wait_version(table, seed)
         assert a.checksum(table)["sha256"] == b.checksum(table)["sha256"]
-        # 3. A stops: B alone uploads the next one.
+        # 3. A stops: B alone uploads the next one (due within EVERY pushes of B's count, or half of
+        #    that past the stored one: pushed until B copies a newer state, at most 3 x EVERY pushes).
         a.stop()
-        while seed < 5 * EVERY + 5:
+        stored = max(v for server in (a, b) for _, v in events(server, "snapshot"))
+        limit = seed + 3 * EVERY
+        while not any(v > stored for _, v in events(b, "state")):
+            assert seed < limit, f"no upload by B after {3 * EVERY} pushes:\n{b.log()}"
             acked.append(push(b, table, seed))
             seed += 1
-        wait_uploaded([b], 5 * EVERY)
+        wait_uploaded([b], stored + 1)
+        wait_no_upload_running([b])
         time.sleep(1.0)  # the last upload's purge of the previous object's chunks
 
         # Pushes were acknowledged while uploads ran, none slower than 3 s.
