@@ -161,6 +161,9 @@ def apply_record(
             in the same pass that applies it (``Table.apply_checked_step``: the same bits, one read of
             each touched location instead of two) and refused (``RefusedUpdateError``) with nothing
             changed. For a push of one step that no log holds (the store without a data directory).
+            Every other path that checks (a logged entry, a push prepared here) checks in the pass that
+            applies too; a reader without the update lock may then see, for a moment, finite values of
+            a step that ends refused or skipped (docs/api.md).
 
     Returns (seconds hashing, seconds coalescing, checking and stepping), or the ``SkippedRecord``.
     """
@@ -186,13 +189,19 @@ def apply_record(
                 return timings
             start = time.perf_counter()
             step, hash_seconds = prepare(table, as_tensor(ids), as_tensor(grads), lr)
-        if not checked_when_logged:
-            check_step(table, step)
+        if checked_when_logged:
+            table.apply_step(step)
+        else:
+            # Checked in the pass that applies it (one read of each touched location, the same bits as
+            # ``check_step`` then ``apply_step``); refused with every value as it was.
+            try:
+                table.apply_checked_step(step)
+            except InvalidInputError as error:
+                raise RefusedUpdateError(str(error), "non_finite_step") from error
     except RefusedUpdateError as error:
         if logged_as is None:
             raise
         return skipped(SkippedRecord(*logged_as, error.reason, str(error)))
-    table.apply_step(step)
     return hash_seconds, time.perf_counter() - start
 
 

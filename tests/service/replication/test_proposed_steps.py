@@ -132,22 +132,29 @@ def test_a_proposed_step_of_another_table_or_lr_is_not_used(
     assert not torch.equal(_state(proposer)["weight"], _state(other)["weight"])  # lr differed
 
 
-def test_a_proposed_step_is_still_checked_at_the_entrys_version(stores: list[TableStore]) -> None:
+@pytest.mark.parametrize("rows", ROWS)
+def test_a_proposed_step_is_still_checked_at_the_entrys_version(stores: list[TableStore], rows: int) -> None:
     """The step was fine on the table as it was when proposed; the entry is applied where it would
-    make a value non-finite: skipped, as on a replica that prepares it itself."""
+    make a value non-finite: skipped, as on a replica that prepares it itself, and the table is as it
+    was, bit for bit (the general path checks in the pass that applies: what it wrote is put back)."""
     proposer, other = stores
-    ids = torch.tensor([7])
-    grads = torch.ones(1, SMALL["embedding_dim"])
+    ids = torch.arange(rows) * 7919
+    grads = torch.ones(rows, SMALL["embedding_dim"])
     ((lr, proposed),) = proposer.validate_many([UpdatePart(ENTRY.name, ids, grads, None)])
     payload, headers = encode_update(ids, grads, lr)
-    # Meanwhile the table changed (here: by hand) so that the step would leave non-finite values.
+    # Meanwhile the table changed (here: by hand) so that the step would leave a non-finite value, at
+    # the last location it touches only: every other one is written first.
+    last = int(proposed.step.locations[-1])
     for store in stores:
-        store.table(ENTRY.name).weight.fill_(float("inf"))
+        store.table(ENTRY.name).weight[last] = float("inf")
+    before = _state(proposer)
     record = decode_entry(ENTRY.name, 1, payload, headers)
     assert isinstance(record, UpdateRecord)
     mine, theirs = proposer.apply(record, proposed), other.apply(record)
     assert isinstance(mine, SkippedRecord) and isinstance(theirs, SkippedRecord)
     assert mine.reason == theirs.reason == "non_finite_step"
+    after = _state(proposer)
+    assert all(torch.equal(before[name], after[name]) for name in before)
     _assert_bitwise_equal(proposer, other)
 
 
