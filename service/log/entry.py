@@ -31,6 +31,7 @@ from robez_core.optim import PreparedStep
 from robez_core.table import Table
 
 from ..errors import RefusedUpdateError
+from .granules import GranuleMarks
 
 logger = logging.getLogger("robez.store")
 
@@ -133,6 +134,7 @@ def apply_record(
     logged_as: tuple[str, int] | None = None,
     checked_when_logged: bool = False,
     check_in_step: bool = False,
+    marks: GranuleMarks | None = None,
 ) -> tuple[float, float] | SkippedRecord:
     """Apply one update to ``table`` (see the module's docstring); the caller holds the table's update
     lock (or owns a table nobody serves) and moves its version.
@@ -161,11 +163,17 @@ def apply_record(
             in the same pass that applies it (``Table.apply_checked_step``: the same bits, one read of
             each touched location instead of two) and refused (``RefusedUpdateError``) with nothing
             changed. For a push of one step that no log holds (the store without a data directory).
+        marks: the record of the granules changed while copies of the table's array run
+            (``granules.py``; the served tables', None for a private one): while a copy runs, the
+            granules the update's positions cover are marked in it (one shared read otherwise).
 
     Returns (seconds hashing, seconds coalescing, checking and stepping), or the ``SkippedRecord``.
     """
+    copying = marks is not None and marks.active()
     if step is not None and logged_as is None:
         start = time.perf_counter()
+        if copying:
+            _mark(marks, step)
         if not check_in_step:
             table.apply_step(step)
             return 0.0, time.perf_counter() - start
@@ -183,6 +191,9 @@ def apply_record(
             # A small batch is hashed, checked and applied in two compiled calls; None: the general path.
             timings = table.try_checked_update(ids, grads, lr)
             if timings is not None:
+                if copying:  # hashed inside the compiled call: hashed again, only while a copy runs
+                    assert marks is not None
+                    marks.mark_chunks(table.hash(as_tensor(ids)).numpy().reshape(-1), table.config.chunk_size)
                 return timings
             start = time.perf_counter()
             step, hash_seconds = prepare(table, as_tensor(ids), as_tensor(grads), lr)
@@ -192,25 +203,43 @@ def apply_record(
         if logged_as is None:
             raise
         return skipped(SkippedRecord(*logged_as, error.reason, str(error)))
+    if copying:
+        _mark(marks, step)
     table.apply_step(step)
     return hash_seconds, time.perf_counter() - start
 
 
+def _mark(marks: GranuleMarks | None, step: PreparedStep) -> None:
+    """The granules of the positions ``step`` changes marked in ``marks`` (a copy runs)."""
+    assert marks is not None
+    marks.mark_positions(step.locations.numpy())
+
+
 def apply_logged_record(
-    table: Table, record: UpdateRecord | SkippedRecord, proposed: Proposed | None = None
+    table: Table,
+    record: UpdateRecord | SkippedRecord,
+    proposed: Proposed | None = None,
+    marks: GranuleMarks | None = None,
 ) -> tuple[float, float] | SkippedRecord:
     """One entry of a log applied to ``table`` (served, under its lock, or a private rebuild):
     ``apply_record`` with every check, or nothing for an entry that could not even be decoded.
     ``proposed``: the step this process prepared from the entry's very bytes when it proposed it, used
     (not hashed nor coalesced again) if it was prepared on this table with this lr; the checks that
-    read the array are made all the same, so the outcome is the same bits either way."""
+    read the array are made all the same, so the outcome is the same bits either way. ``marks``: see
+    ``apply_record``."""
     if isinstance(record, SkippedRecord):
         return skipped(record)
     step = None
     if proposed is not None and proposed.table is table and proposed.step.lr == record.lr:
         step = proposed.step
     return apply_record(
-        table, record.ids, record.grads, record.lr, step=step, logged_as=(record.table, record.version)
+        table,
+        record.ids,
+        record.grads,
+        record.lr,
+        step=step,
+        logged_as=(record.table, record.version),
+        marks=marks,
     )
 
 
