@@ -40,6 +40,7 @@ without a big table.
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, suppress
@@ -48,6 +49,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import torch
 
+from robez_core.checkpoint import CheckpointWriter
 from robez_core.errors import ConflictError, InvalidInputError, RobezError
 from robez_core.table import Table
 
@@ -371,3 +373,26 @@ def _scatter(targets: Mapping[str, np.ndarray], gathered: Gathered) -> None:
             target[: whole * GRANULE].reshape(whole, GRANULE)[picked] = values
         if tail is not None:
             np.copyto(target[target.size - tail.size :], tail)
+
+
+@contextmanager
+def mapped_checkpoint(
+    fd: int, writer: CheckpointWriter, tensors: Mapping[str, torch.Tensor]
+) -> Iterator[dict[str, np.ndarray]]:
+    """Numpy views of each tensor's bytes in the checkpoint file ``fd`` (``CheckpointWriter.begin``:
+    header written, space allocated), through a shared mapping of the file: what is written to them is
+    the file's content (an ``ArrayTarget``'s arrays for ``consistent_copy``)."""
+    mapped = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    views: dict[str, np.ndarray] = {}
+    try:
+        for key, (start, _nbytes) in writer.spans().items():
+            tensor = tensors[key]
+            dtype = tensor.detach().reshape(-1)[:0].numpy().dtype
+            views[key] = np.frombuffer(mapped, dtype=dtype, count=tensor.numel(), offset=start).reshape(
+                tuple(tensor.shape)
+            )
+        yield views
+    finally:
+        views.clear()
+        with suppress(BufferError):  # a view still held by a traceback: it goes with that
+            mapped.close()

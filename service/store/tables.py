@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from robez_core.checkpoint import CheckpointFile
+from robez_core.checkpoint import CheckpointFile, CheckpointWriter
 from robez_core.collection import prepare_shared_step
 from robez_core.config import TableConfig
 from robez_core.errors import (
@@ -64,7 +64,7 @@ from ..log.entry import (
 )
 from ..log.granules import GranuleMarks
 from ..log.journal import Journal, NullJournal
-from ..log.live_copy import consistent_copy
+from ..log.live_copy import consistent_copy, mapped_checkpoint
 from ..log.state_digest import StateDigest
 from ..shm import (
     SharedDirectory,
@@ -615,6 +615,26 @@ class TableStore:
             partial(self.marks_of, name),
         )
         return version, digest.hexdigest()
+
+    def copy_to_file(self, name: str, fd: int) -> tuple[CheckpointWriter, int]:
+        """The table's state at one version written into the empty file ``fd`` as a robez checkpoint,
+        its checksums blank (``finish`` on the writer returned completes it), while its updates go on:
+        ``consistent_copy`` into a mapping of the file, as ``checksum``. Returns the writer and the
+        version. (With a data directory the journal's ``snapshot`` is the way to a checkpoint.)"""
+        table = self.registry.entry(name).table
+        tensors = table.tensors()
+        writer = CheckpointWriter.begin(fd, tensors, table.metadata())  # header; space allocated
+        with mapped_checkpoint(fd, writer, tensors) as targets:
+            version = consistent_copy(
+                name,
+                self.journal,
+                partial(self.exclusive, name),
+                targets,
+                lambda _table, at, _mark: at,
+                self.faults,
+                partial(self.marks_of, name),
+            )
+        return writer, version
 
     def marks_of(self, name: str, table: Table) -> GranuleMarks | None:
         """The record of the granules changed while copies run (``granules.py``) of the array of the
