@@ -64,7 +64,7 @@ from ..log.entry import (
 )
 from ..log.granules import GranuleMarks
 from ..log.journal import Journal, NullJournal
-from ..log.live_copy import consistent_copy, mapped_checkpoint
+from ..log.live_copy import FileTarget, consistent_copy
 from ..log.state_digest import StateDigest
 from ..shm import (
     SharedDirectory,
@@ -619,21 +619,20 @@ class TableStore:
     def copy_to_file(self, name: str, fd: int) -> tuple[CheckpointWriter, int]:
         """The table's state at one version written into the empty file ``fd`` as a robez checkpoint,
         its checksums blank (``finish`` on the writer returned completes it), while its updates go on:
-        ``consistent_copy`` into a mapping of the file, as ``checksum``. Returns the writer and the
-        version. (With a data directory the journal's ``snapshot`` is the way to a checkpoint.)"""
+        ``consistent_copy`` into the file (``FileTarget``: written, not mapped), as ``checksum``.
+        Returns the writer and the version. (With a data directory: the journal's ``snapshot``.)"""
         table = self.registry.entry(name).table
         tensors = table.tensors()
         writer = CheckpointWriter.begin(fd, tensors, table.metadata())  # header; space allocated
-        with mapped_checkpoint(fd, writer, tensors) as targets:
-            version = consistent_copy(
-                name,
-                self.journal,
-                partial(self.exclusive, name),
-                targets,
-                lambda _table, at, _mark: at,
-                self.faults,
-                partial(self.marks_of, name),
-            )
+        version = consistent_copy(
+            name,
+            self.journal,
+            partial(self.exclusive, name),
+            FileTarget(fd, writer, tensors),
+            lambda _table, at, _mark: at,
+            self.faults,
+            partial(self.marks_of, name),
+        )
         return writer, version
 
     def marks_of(self, name: str, table: Table) -> GranuleMarks | None:

@@ -4,6 +4,7 @@ take only their own marks; a dead copy's bit is taken back."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from robez_core.checkpoint import CheckpointWriter
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.table import Table
 from service.config import Settings, TableSpec
@@ -146,3 +148,36 @@ def test_copies_take_only_their_own_marks_and_a_dead_copy_s_bit_is_taken_back() 
     assert record.begin() is None  # every bit taken
     raw[8 : granules.HEADER_BYTES].view(np.int64)[second] = int(dead.stdout)
     assert record.begin() == second  # the dead one's
+
+
+@pytest.mark.parametrize("how", ["patch", "write"])
+def test_a_file_target_patched_where_updates_touched_holds_the_table(tmp_path: Path, how: str) -> None:
+    """``FileTarget`` (the checkpoint download's and a replica snapshot's copy, written with pwrite):
+    filled, then patched in runs of adjacent granules and the tail, the file loads bitwise as the table."""
+    table = Table(CONFIG, ADAM)
+    generator = torch.Generator().manual_seed(4)
+    table.apply_gradients(torch.arange(300), torch.randn(300, 8, generator=generator))
+    path = tmp_path / "copy.safetensors"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        writer = CheckpointWriter.begin(fd, table.tensors(), table.metadata())
+        target = live_copy.FileTarget(fd, writer, table.tensors())
+        target.fill(table, pause=lambda: None)
+        every = torch.arange(5000)
+        reach = table.hash(every) + CONFIG.chunk_size - 1
+        tail = every[(reach >= CONFIG.memory_size - 40).any(dim=1)][:1]  # an id whose chunk is in the tail
+        ids = torch.cat([torch.arange(40), tail])  # adjacent granules (runs) and the tail
+        table.apply_gradients(ids, torch.randn(ids.numel(), 8, generator=generator))
+        marks = live_copy.touched(table, [ids.numpy()])
+        assert marks[-1] and 1 < np.count_nonzero(marks) < marks.size / 2
+        assert (np.diff(np.flatnonzero(marks)) == 1).any()  # a run of adjacent granules: one pwrite
+        if how == "patch":
+            target.patch(table, marks)
+        else:
+            target.write(live_copy.gather(table, marks))
+        writer.finish(fd, durable=False)
+    finally:
+        os.close(fd)
+    loaded = Table.load(path)  # checksums checked
+    for key, tensor in table.tensors().items():
+        assert torch.equal(loaded.tensors()[key].view(torch.uint8), tensor.view(torch.uint8)), key
