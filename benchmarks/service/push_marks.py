@@ -10,6 +10,7 @@ running" holds a copy's bit of the record (``GranuleMarks.begin``) with no copy 
 alone, not a copy's competition for the CPU and memory (the big-tables benchmark measures that).
 
     python -m benchmarks.service.push_marks --tree /tmp/main-tree --tree . [--rounds 3] [--pushes 2000]
+        [--no-copy-only]
 
 Prints a Markdown table plus the machine and command, ready for docs/benchmarks/.
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 SIZES = (64, 256)
 
 
-def child(pushes: int) -> dict[str, float]:
+def child(pushes: int, copy_mode: bool = True) -> dict[str, float]:
     """In a child process whose ``service`` is the tree's: median seconds per push, by (ids, mode)."""
     import shutil
 
@@ -60,7 +61,7 @@ def child(pushes: int) -> dict[str, float]:
             for size in SIZES
         }
         record = getattr(copier.registry.entry("t"), "marks", None)  # None: a tree before the record
-        modes = ["no copy"] + (["a copy running"] if record is not None else [])
+        modes = ["no copy"] + (["a copy running"] if record is not None and copy_mode else [])
         samples: dict[str, list[float]] = {f"{size} {mode}": [] for size in SIZES for mode in modes}
         block = 100
         for index in range(pushes // block + 1):  # the first block warms up
@@ -96,10 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pushes", type=int, default=2000, help="timed pushes per size and mode, per run")
+    parser.add_argument(
+        "--no-copy-only",
+        action="store_true",
+        help="time the pushes with no copy running alone (same work per tree)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.pushes)))
+        print(json.dumps(child(args.pushes, copy_mode=not args.no_copy_only)))
         return 0
     script = Path(__file__).resolve()
     results: dict[str, list[dict[str, float]]] = {str(tree): [] for tree in args.tree}
@@ -109,7 +115,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             env = {key: value for key, value in os.environ.items() if not key.startswith("ROBEZ_")}
             env["PYTHONPATH"] = str(tree.resolve())
             done = subprocess.run(
-                [sys.executable, str(script), "--child", "--pushes", str(args.pushes), "--tree", str(tree)],
+                [
+                    *(
+                        sys.executable,
+                        str(script),
+                        "--child",
+                        "--pushes",
+                        str(args.pushes),
+                        "--tree",
+                        str(tree),
+                    ),
+                    *(["--no-copy-only"] if args.no_copy_only else []),
+                ],
                 capture_output=True,
                 text=True,
                 check=True,
