@@ -40,6 +40,7 @@ without a big table.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -123,23 +124,26 @@ class ArrayTarget:
 
 class FileTarget:
     """A ``CopyTarget`` of a checkpoint file (``CheckpointWriter.begin``: header written, space
-    allocated): each tensor's bytes written at its place with ``pwrite``, the patched granules too (runs
-    of adjacent ones in one call). No mapping of the file: its pages never count in this process's
-    memory, and a write that waits for a page's writeback is never made under the lock."""
+    allocated). The fill writes each tensor at its place with ``pwrite`` (the bulk of the copy: the file's
+    pages never mapped, so never in this process's memory figures); the patches and the last round's
+    granules are written through a mapping of the file made for that write alone (scattered granules:
+    one ``pwrite`` each made the rounds too slow to converge under a pusher, measured at 2^26)."""
 
     def __init__(self, fd: int, writer: CheckpointWriter, tensors: Mapping[str, torch.Tensor]) -> None:
         self._fd = fd
-        self._starts = {key: start for key, (start, _nbytes) in writer.spans().items()}
+        self._writer = writer
+        self._tensors = dict(tensors)
         self._layout = {key: (tuple(tensor.shape), _dtype(tensor)) for key, tensor in tensors.items()}
 
     def layout(self) -> Mapping[str, tuple[tuple[int, ...], np.dtype]]:
         return self._layout
 
     def fill(self, table: Table, *, pause: Callable[[], None] | None) -> None:
+        starts = {key: start for key, (start, _nbytes) in self._writer.spans().items()}
         for key, tensor in table.tensors().items():
             source = tensor.detach().reshape(-1).numpy().view(np.uint8)
             for start in range(0, source.size, PIECE_BYTES):
-                _pwrite(self._fd, source[start : start + PIECE_BYTES], self._starts[key] + start)
+                _pwrite(self._fd, source[start : start + PIECE_BYTES], starts[key] + start)
                 if pause is not None:
                     pause()
 
@@ -147,20 +151,8 @@ class FileTarget:
         self.write(gather(table, marks))
 
     def write(self, gathered: Gathered) -> None:
-        for key, picked, values, tail in gathered:
-            start = self._starts[key]
-            if picked is None:
-                _pwrite(self._fd, values.view(np.uint8).reshape(-1), start)
-                continue
-            granule_bytes = GRANULE * values.itemsize
-            if picked.size:
-                breaks = np.flatnonzero(np.diff(picked) != 1) + 1
-                for first, end in zip(np.r_[0, breaks], np.r_[breaks, picked.size], strict=True):
-                    run = values[first:end].view(np.uint8).reshape(-1)
-                    _pwrite(self._fd, run, start + int(picked[first]) * granule_bytes)
-            if tail is not None:
-                size = int(np.prod(self._layout[key][0]))
-                _pwrite(self._fd, tail.view(np.uint8), start + (size - tail.size) * tail.itemsize)
+        with mapped_checkpoint(self._fd, self._writer, self._tensors) as arrays:
+            _scatter(arrays, gathered)
 
 
 def _pwrite(fd: int, data: np.ndarray, position: int) -> None:
@@ -169,6 +161,28 @@ def _pwrite(fd: int, data: np.ndarray, position: int) -> None:
     while view.nbytes:
         written = os.pwrite(fd, view, position)
         view, position = view[written:], position + written
+
+
+@contextmanager
+def mapped_checkpoint(
+    fd: int, writer: CheckpointWriter, tensors: Mapping[str, torch.Tensor]
+) -> Iterator[dict[str, np.ndarray]]:
+    """Numpy views of each tensor's bytes in the checkpoint file ``fd`` (``CheckpointWriter.begin``:
+    header written, space allocated), through a shared mapping of the file: what is written to them is
+    the file's content (an ``ArrayTarget``'s arrays for ``consistent_copy``)."""
+    mapped = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    views: dict[str, np.ndarray] = {}
+    try:
+        for key, (start, _nbytes) in writer.spans().items():
+            tensor = tensors[key]
+            views[key] = np.frombuffer(
+                mapped, dtype=_dtype(tensor), count=tensor.numel(), offset=start
+            ).reshape(tuple(tensor.shape))
+        yield views
+    finally:
+        views.clear()
+        with suppress(BufferError):  # a view still held by a traceback: it goes with that
+            mapped.close()
 
 
 def consistent_copy(
