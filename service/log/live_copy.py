@@ -40,7 +40,6 @@ without a big table.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -76,6 +75,9 @@ _FEW_GRANULES = 1 << 13
 # The ids of the updates a round patches are hashed this many at a time (the offsets and marks' temporaries:
 # a few bytes per id each, bounded whatever the updates made during the copy).
 _HASH_BATCH_IDS = 1 << 16
+# A lock-free patch of a checkpoint file (``FileTarget``) writes again every block of this many granules
+# holding a marked one (64 KiB of float32).
+_BLOCK_GRANULES = 256
 
 
 Gathered = list[tuple[str, np.ndarray | None, np.ndarray, np.ndarray | None]]
@@ -124,35 +126,64 @@ class ArrayTarget:
 
 class FileTarget:
     """A ``CopyTarget`` of a checkpoint file (``CheckpointWriter.begin``: header written, space
-    allocated). The fill writes each tensor at its place with ``pwrite`` (the bulk of the copy: the file's
-    pages never mapped, so never in this process's memory figures); the patches and the last round's
-    granules are written through a mapping of the file made for that write alone (scattered granules:
-    one ``pwrite`` each made the rounds too slow to converge under a pusher, measured at 2^26)."""
+    allocated), written with ``pwrite`` from the live table, never mapped: the file's pages are never in
+    this process's memory figures (main wrote it so, under the lock). The fill writes each tensor in
+    pieces; a lock-free patch writes again every block of ``_BLOCK_GRANULES`` granules holding a marked
+    one (adjacent blocks in one call: a round costs at most a fill, whatever the marks; one call per
+    granule did not converge at 2^26 under a pusher); the last round's granules, gathered under the
+    lock, are written in runs of adjacent ones."""
 
     def __init__(self, fd: int, writer: CheckpointWriter, tensors: Mapping[str, torch.Tensor]) -> None:
         self._fd = fd
-        self._writer = writer
-        self._tensors = dict(tensors)
+        self._starts = {key: start for key, (start, _nbytes) in writer.spans().items()}
         self._layout = {key: (tuple(tensor.shape), _dtype(tensor)) for key, tensor in tensors.items()}
 
     def layout(self) -> Mapping[str, tuple[tuple[int, ...], np.dtype]]:
         return self._layout
 
     def fill(self, table: Table, *, pause: Callable[[], None] | None) -> None:
-        starts = {key: start for key, (start, _nbytes) in self._writer.spans().items()}
         for key, tensor in table.tensors().items():
             source = tensor.detach().reshape(-1).numpy().view(np.uint8)
             for start in range(0, source.size, PIECE_BYTES):
-                _pwrite(self._fd, source[start : start + PIECE_BYTES], starts[key] + start)
+                _pwrite(self._fd, source[start : start + PIECE_BYTES], self._starts[key] + start)
                 if pause is not None:
                     pause()
 
     def patch(self, table: Table, marks: np.ndarray) -> None:
-        self.write(gather(table, marks))
+        m = table.config.memory_size
+        padded = np.zeros(-(-marks.size // _BLOCK_GRANULES) * _BLOCK_GRANULES, dtype=bool)
+        padded[: marks.size] = marks.astype(bool)
+        dirty = np.flatnonzero(padded.reshape(-1, _BLOCK_GRANULES).any(axis=1))
+        block = _BLOCK_GRANULES * GRANULE  # values
+        for key, tensor in table.tensors().items():
+            source = tensor.detach().reshape(-1).numpy()
+            if source.size != m:  # adam's step: whole
+                _pwrite(self._fd, source.view(np.uint8), self._starts[key])
+                continue
+            for i, j in _runs(dirty):
+                low, high = int(dirty[i]) * block, min(m, (int(dirty[j - 1]) + 1) * block)
+                _pwrite(self._fd, source[low:high].view(np.uint8), self._starts[key] + low * source.itemsize)
 
     def write(self, gathered: Gathered) -> None:
-        with mapped_checkpoint(self._fd, self._writer, self._tensors) as arrays:
-            _scatter(arrays, gathered)
+        for key, picked, values, tail in gathered:
+            start = self._starts[key]
+            if picked is None:
+                _pwrite(self._fd, values.view(np.uint8).reshape(-1), start)
+                continue
+            granule_bytes = GRANULE * values.itemsize
+            for i, j in _runs(picked):
+                _pwrite(
+                    self._fd, values[i:j].view(np.uint8).reshape(-1), start + int(picked[i]) * granule_bytes
+                )
+            if tail is not None:
+                size = int(np.prod(self._layout[key][0]))
+                _pwrite(self._fd, tail.view(np.uint8), start + (size - tail.size) * tail.itemsize)
+
+
+def _runs(indices: np.ndarray) -> list[tuple[int, int]]:
+    """(i, j) for each run of consecutive values ``indices[i:j]`` of the sorted ``indices``."""
+    breaks = (np.flatnonzero(np.diff(indices) != 1) + 1).tolist()
+    return list(zip([0, *breaks], [*breaks, int(indices.size)], strict=True)) if indices.size else []
 
 
 def _pwrite(fd: int, data: np.ndarray, position: int) -> None:
@@ -161,28 +192,6 @@ def _pwrite(fd: int, data: np.ndarray, position: int) -> None:
     while view.nbytes:
         written = os.pwrite(fd, view, position)
         view, position = view[written:], position + written
-
-
-@contextmanager
-def mapped_checkpoint(
-    fd: int, writer: CheckpointWriter, tensors: Mapping[str, torch.Tensor]
-) -> Iterator[dict[str, np.ndarray]]:
-    """Numpy views of each tensor's bytes in the checkpoint file ``fd`` (``CheckpointWriter.begin``:
-    header written, space allocated), through a shared mapping of the file: what is written to them is
-    the file's content (an ``ArrayTarget``'s arrays for ``consistent_copy``)."""
-    mapped = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    views: dict[str, np.ndarray] = {}
-    try:
-        for key, (start, _nbytes) in writer.spans().items():
-            tensor = tensors[key]
-            views[key] = np.frombuffer(
-                mapped, dtype=_dtype(tensor), count=tensor.numel(), offset=start
-            ).reshape(tuple(tensor.shape))
-        yield views
-    finally:
-        views.clear()
-        with suppress(BufferError):  # a view still held by a traceback: it goes with that
-            mapped.close()
 
 
 def consistent_copy(

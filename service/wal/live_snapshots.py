@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import mmap
 import os
 import time
 import uuid
@@ -20,7 +21,7 @@ from robez_core.checkpoint import CheckpointWriter, fsync_dir
 from robez_core.errors import ConflictError, CorruptionError
 
 from ..log.journal import Journal, LogMark, is_storage_full
-from ..log.live_copy import consistent_copy, mapped_checkpoint
+from ..log.live_copy import consistent_copy
 from .files import (
     table_bytes,
     validate_table_name,
@@ -39,6 +40,8 @@ from .records import (
 )
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from robez_core.table import Table
 
 logger = logging.getLogger("robez.wal")
@@ -102,7 +105,7 @@ class WalLiveSnapshots(WalLayout):
                     log_end = mark.where[2] if mark is not None else self._log_end(name, meta, current)
                     return current, log_end, os.stat(directory / LOG_FILE).st_ino
 
-                with mapped_checkpoint(fd, writer, tensors) as targets:
+                with _mapped(fd, writer, tensors) as targets:
                     # consistent_copy reads only log_mark and updated_ids (below) of the journal: this
                     # part of WalJournal, which implements the whole Journal.
                     journal = cast("Journal", self)
@@ -348,3 +351,24 @@ def _copy_range(source: int, target: int, begin: int, end: int) -> None:
         if copied <= 0:
             raise CorruptionError(f"the log was cut short at byte {position} while it was copied")
         position += copied
+
+
+@contextlib.contextmanager
+def _mapped(fd: int, writer: CheckpointWriter, tensors: dict[str, Tensor]) -> Iterator[dict[str, np.ndarray]]:
+    """Numpy views of each tensor's bytes in the checkpoint file ``fd`` (``CheckpointWriter.begin``:
+    header written, space allocated), through a shared mapping of the file: what is written to them is
+    the file's content."""
+    mapped = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    views: dict[str, np.ndarray] = {}
+    try:
+        for key, (start, _nbytes) in writer.spans().items():
+            tensor = tensors[key]
+            dtype = tensor.detach().reshape(-1)[:0].numpy().dtype
+            views[key] = np.frombuffer(mapped, dtype=dtype, count=tensor.numel(), offset=start).reshape(
+                tuple(tensor.shape)
+            )
+        yield views
+    finally:
+        views.clear()
+        with contextlib.suppress(BufferError):  # a view still held by a traceback: it goes with that
+            mapped.close()
