@@ -9,6 +9,8 @@ Layout of one server's shared directory (``<shm_dir>/robez-<server id>/``, tmpfs
     generation             int64 (1,): bumped after every registry change, polled by every request
     arrays/<id>.weight     float32 (m,)        one per array; tables created with share_array_with
     arrays/<id>.state.<k>  optimizer state     point at the same array (and its optimizer state)
+    arrays/<id>.granules   uint8               the granules updates changed while copies of the array
+                                               run (service/log/granules.py)
     locks/<id>.lock        flock: the update lock of a table (shared by the tables sharing its array);
                            it outlives the arrays a load switches the table between
     tables/<uid>.counters  int64 (3,): [version, state, pending] (state: live, deleted, replaced by a
@@ -40,6 +42,8 @@ from torch import Tensor
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import CorruptionError, LimitExceededError
 from robez_core.table import Table
+
+from .log.granules import GranuleMarks, record_bytes
 
 VERSION, STATE, PENDING = 0, 1, 2  # indices of a table's counters
 NUM_COUNTERS = 3
@@ -127,6 +131,7 @@ class SharedArray:
 
     array_id: str
     tensors: dict[str, Tensor]  # "weight", "state.<name>" as Table.tensors() names them
+    marks: GranuleMarks  # the granules changed while copies run (arrays/<id>.granules)
 
     @property
     def weight(self) -> Tensor:
@@ -172,6 +177,11 @@ class TableEntry:
 
     def set_pending(self, version: int) -> None:
         self._counters_np[PENDING] = version
+
+    @property
+    def marks(self) -> GranuleMarks:
+        """The record of the granules updates change while copies of the table's array run."""
+        return self.array.marks
 
 
 @dataclass
@@ -265,6 +275,18 @@ class SharedDirectory:
         if numel == 0:
             return torch.empty(0, dtype=dtype)
         return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+
+    def allocate_marks(self, array_id: str, memory_size: int) -> GranuleMarks:
+        """A new record of changed granules for the array ``array_id`` (``GranuleMarks``)."""
+        return GranuleMarks(
+            self.allocate(f"arrays/{array_id}.granules", record_bytes(memory_size), torch.uint8).numpy()
+        )
+
+    def map_marks(self, array_id: str, memory_size: int) -> GranuleMarks:
+        """The record of changed granules of the array ``array_id``, as ``allocate_marks`` made it."""
+        return GranuleMarks(
+            self.map(f"arrays/{array_id}.granules", record_bytes(memory_size), torch.uint8).numpy()
+        )
 
     def read_registry(self) -> Registry:
         data = json.loads(self.registry_path.read_text())

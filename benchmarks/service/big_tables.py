@@ -26,7 +26,7 @@ and measures, from a client on the same machine:
         [--only-copies [--no-data-dir]] [--tree DIR]
 
 ``--only-copies``: stop after the snapshot and the checksum (``--no-data-dir``: a server without one, the
-checksum alone). ``--tree``: the source tree whose
+checksum and a checkpoint download). ``--tree``: the source tree whose
 ``python -m service`` runs (default: the installed ``robez``), to compare a branch with main's tree.
 
 The periodic snapshot by age is turned off (``ROBEZ_SNAPSHOT_EVERY_SECONDS=0``) so the logged updates
@@ -396,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-data-dir",
         action="store_true",
-        help="with --only-copies: a server without a data directory (no snapshot; the checksum alone)",
+        help="with --only-copies: a server without a data directory (the checksum and a download)",
     )
     args = parser.parse_args(argv)
     if args.no_data_dir and not args.only_copies:
@@ -483,6 +483,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "GET .../checksum",
             lambda: httpx.get(f"{server.url}/v1/tables/big/checksum", timeout=1200),
         )
+        if args.no_data_dir:  # with one, a download is the snapshot above, then the file streamed
+
+            def download() -> httpx.Response:
+                with httpx.stream("GET", f"{server.url}/v1/tables/big/checkpoint", timeout=1200) as response:
+                    for _ in response.iter_bytes(1 << 20):
+                        pass  # read and dropped: the client's memory is not the server's
+                return response
+
+            copy_of_the_state("checkpoint download", "GET .../checkpoint (read to the end)", download)
         if args.only_copies:
             row("graceful stop (SIGTERM to exit)", f"{server.terminate():.1f} s")
             return _report(args, argv, state_bytes, lines)

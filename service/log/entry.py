@@ -31,6 +31,7 @@ from robez_core.optim import PreparedStep
 from robez_core.table import Table
 
 from ..errors import RefusedUpdateError
+from .granules import GranuleMarks
 
 logger = logging.getLogger("robez.store")
 
@@ -133,6 +134,7 @@ def apply_record(
     logged_as: tuple[str, int] | None = None,
     checked_when_logged: bool = False,
     check_in_step: bool = False,
+    marks: GranuleMarks | None = None,
 ) -> tuple[float, float] | SkippedRecord:
     """Apply one update to ``table`` (see the module's docstring); the caller holds the table's update
     lock (or owns a table nobody serves) and moves its version.
@@ -164,11 +166,17 @@ def apply_record(
             Every other path that checks (a logged entry, a push prepared here) checks in the pass that
             applies too; a reader without the update lock may then see, for a moment, finite values of
             a step that ends refused or skipped (docs/api.md).
+        marks: the record of the granules changed while copies of the table's array run
+            (``granules.py``; the served tables', None for a private one): while a copy runs, the
+            granules the update's positions cover are marked in it (one shared read otherwise).
 
     Returns (seconds hashing, seconds coalescing, checking and stepping), or the ``SkippedRecord``.
     """
+    copying = marks is not None and marks.active()
     if step is not None and logged_as is None:
         start = time.perf_counter()
+        if copying:
+            _mark(marks, step)
         if not check_in_step:
             table.apply_step(step)
             return 0.0, time.perf_counter() - start
@@ -186,9 +194,14 @@ def apply_record(
             # A small batch is hashed, checked and applied in two compiled calls; None: the general path.
             timings = table.try_checked_update(ids, grads, lr)
             if timings is not None:
+                if copying:  # hashed inside the compiled call: hashed again, only while a copy runs
+                    assert marks is not None
+                    marks.mark_chunks(table.hash(as_tensor(ids)).numpy().reshape(-1), table.config.chunk_size)
                 return timings
             start = time.perf_counter()
             step, hash_seconds = prepare(table, as_tensor(ids), as_tensor(grads), lr)
+        if copying:  # a refused step leaves its marks: a granule copied again for nothing
+            _mark(marks, step)
         if checked_when_logged:
             table.apply_step(step)
         else:
@@ -205,21 +218,37 @@ def apply_record(
     return hash_seconds, time.perf_counter() - start
 
 
+def _mark(marks: GranuleMarks | None, step: PreparedStep) -> None:
+    """The granules of the positions ``step`` changes marked in ``marks`` (a copy runs)."""
+    assert marks is not None
+    marks.mark_positions(step.locations.numpy())
+
+
 def apply_logged_record(
-    table: Table, record: UpdateRecord | SkippedRecord, proposed: Proposed | None = None
+    table: Table,
+    record: UpdateRecord | SkippedRecord,
+    proposed: Proposed | None = None,
+    marks: GranuleMarks | None = None,
 ) -> tuple[float, float] | SkippedRecord:
     """One entry of a log applied to ``table`` (served, under its lock, or a private rebuild):
     ``apply_record`` with every check, or nothing for an entry that could not even be decoded.
     ``proposed``: the step this process prepared from the entry's very bytes when it proposed it, used
     (not hashed nor coalesced again) if it was prepared on this table with this lr; the checks that
-    read the array are made all the same, so the outcome is the same bits either way."""
+    read the array are made all the same, so the outcome is the same bits either way. ``marks``: see
+    ``apply_record``."""
     if isinstance(record, SkippedRecord):
         return skipped(record)
     step = None
     if proposed is not None and proposed.table is table and proposed.step.lr == record.lr:
         step = proposed.step
     return apply_record(
-        table, record.ids, record.grads, record.lr, step=step, logged_as=(record.table, record.version)
+        table,
+        record.ids,
+        record.grads,
+        record.lr,
+        step=step,
+        logged_as=(record.table, record.version),
+        marks=marks,
     )
 
 

@@ -24,15 +24,23 @@ What the copy is written into is a ``CopyTarget``: arrays (``ArrayTarget``: priv
 mapping of a snapshot file), or a checksum's granule digests (``state_digest.StateDigest``: no copy of
 the state at all; docs/durability.md "Checksum").
 
-Where the journal cannot say which ids changed (no data directory: ``NullJournal``; the log replaced by
-another worker's snapshot or a load, or an unfinished update cut off it by a repair), the copy is made
-under the lock, as a whole. A test can make the lock-free copy slow (``Faults.slow_down`` after each
-piece, the ``faults`` argument) without a big table.
+Where no log says which ids changed (no data directory: ``NullJournal``; a replica, whose log is the
+replicated one), the rounds are the same with the granules taken from the array's record of changed
+granules instead (``granules.py``, the ``granules`` argument; ``_copy_marked``): under the lock at the
+start a bit of it is taken and its marks cleared, and from then on every update marks in it the granules
+it changes (``entry.apply_record``); each round takes (copies and clears) those marks under the lock and
+copies their granules again without it; the last round's (at most ``_FEW_GRANULES``, or after the
+fifth) are read under the lock; the bit is freed at the end. Where neither can say (no record given,
+``granules.SLOTS`` copies of the array running already, the log replaced by another worker's snapshot
+or a load, or an unfinished update cut off it by a repair), the copy is made under the lock, as a whole.
+A test can make the lock-free copy slow (``Faults.slow_down`` after each piece, the ``faults`` argument)
+without a big table.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, suppress
@@ -41,18 +49,18 @@ from typing import Protocol, TypeVar
 import numpy as np
 import torch
 
-from robez_core.errors import ConflictError, InvalidInputError
+from robez_core.checkpoint import CheckpointWriter
+from robez_core.errors import ConflictError, InvalidInputError, RobezError
 from robez_core.table import Table
 
 from ..faults import NO_FAULTS, Faults
+from .granules import GRANULE, SLOTS, GranuleMarks, granule_count, mark_chunks
 from .journal import Journal, LogMark
 
 logger = logging.getLogger("robez.store")
 
 T = TypeVar("T")
 
-# Positions are patched in granules of this many values (256 bytes of float32).
-GRANULE = 64
 # The lock-free copy goes in pieces of this many bytes (a test's pause after each: Faults.slow_down).
 PIECE_BYTES = 1 << 24
 # At most this many lock-free patch rounds; the last, locked round comes earlier once a round ends with at
@@ -61,9 +69,15 @@ PIECE_BYTES = 1 << 24
 # updates to the locked one (two left ~110: 0.3-0.5 s of lock).
 _ROUNDS = 5
 _FEW_UPDATES = 8
+# Without a log (the changed granules taken from the array's record, granules.py), the last round comes
+# once a round ends with at most this many granules changed (2 MiB of float32 per (m,) tensor).
+_FEW_GRANULES = 1 << 13
 # The ids of the updates a round patches are hashed this many at a time (the offsets and marks' temporaries:
 # a few bytes per id each, bounded whatever the updates made during the copy).
 _HASH_BATCH_IDS = 1 << 16
+# A lock-free patch of a checkpoint file (``FileTarget``) writes again every block of this many granules
+# holding a marked one (64 KiB of float32).
+_BLOCK_GRANULES = 256
 
 
 Gathered = list[tuple[str, np.ndarray | None, np.ndarray, np.ndarray | None]]
@@ -110,6 +124,76 @@ class ArrayTarget:
         _scatter(self.arrays, gathered)
 
 
+class FileTarget:
+    """A ``CopyTarget`` of a checkpoint file (``CheckpointWriter.begin``: header written, space
+    allocated), written with ``pwrite`` from the live table, never mapped: the file's pages are never in
+    this process's memory figures (main wrote it so, under the lock). The fill writes each tensor in
+    pieces; a lock-free patch writes again every block of ``_BLOCK_GRANULES`` granules holding a marked
+    one (adjacent blocks in one call: a round costs at most a fill, whatever the marks; one call per
+    granule did not converge at 2^26 under a pusher); the last round's granules, gathered under the
+    lock, are written in runs of adjacent ones."""
+
+    def __init__(self, fd: int, writer: CheckpointWriter, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._fd = fd
+        self._starts = {key: start for key, (start, _nbytes) in writer.spans().items()}
+        self._layout = {key: (tuple(tensor.shape), _dtype(tensor)) for key, tensor in tensors.items()}
+
+    def layout(self) -> Mapping[str, tuple[tuple[int, ...], np.dtype]]:
+        return self._layout
+
+    def fill(self, table: Table, *, pause: Callable[[], None] | None) -> None:
+        for key, tensor in table.tensors().items():
+            source = tensor.detach().reshape(-1).numpy().view(np.uint8)
+            for start in range(0, source.size, PIECE_BYTES):
+                _pwrite(self._fd, source[start : start + PIECE_BYTES], self._starts[key] + start)
+                if pause is not None:
+                    pause()
+
+    def patch(self, table: Table, marks: np.ndarray) -> None:
+        m = table.config.memory_size
+        padded = np.zeros(-(-marks.size // _BLOCK_GRANULES) * _BLOCK_GRANULES, dtype=bool)
+        padded[: marks.size] = marks.astype(bool)
+        dirty = np.flatnonzero(padded.reshape(-1, _BLOCK_GRANULES).any(axis=1))
+        block = _BLOCK_GRANULES * GRANULE  # values
+        for key, tensor in table.tensors().items():
+            source = tensor.detach().reshape(-1).numpy()
+            if source.size != m:  # adam's step: whole
+                _pwrite(self._fd, source.view(np.uint8), self._starts[key])
+                continue
+            for i, j in _runs(dirty):
+                low, high = int(dirty[i]) * block, min(m, (int(dirty[j - 1]) + 1) * block)
+                _pwrite(self._fd, source[low:high].view(np.uint8), self._starts[key] + low * source.itemsize)
+
+    def write(self, gathered: Gathered) -> None:
+        for key, picked, values, tail in gathered:
+            start = self._starts[key]
+            if picked is None:
+                _pwrite(self._fd, values.view(np.uint8).reshape(-1), start)
+                continue
+            granule_bytes = GRANULE * values.itemsize
+            for i, j in _runs(picked):
+                _pwrite(
+                    self._fd, values[i:j].view(np.uint8).reshape(-1), start + int(picked[i]) * granule_bytes
+                )
+            if tail is not None:
+                size = int(np.prod(self._layout[key][0]))
+                _pwrite(self._fd, tail.view(np.uint8), start + (size - tail.size) * tail.itemsize)
+
+
+def _runs(indices: np.ndarray) -> list[tuple[int, int]]:
+    """(i, j) for each run of consecutive values ``indices[i:j]`` of the sorted ``indices``."""
+    breaks = (np.flatnonzero(np.diff(indices) != 1) + 1).tolist()
+    return list(zip([0, *breaks], [*breaks, int(indices.size)], strict=True)) if indices.size else []
+
+
+def _pwrite(fd: int, data: np.ndarray, position: int) -> None:
+    """All of ``data`` (contiguous bytes) written at ``position`` of ``fd``."""
+    view = np.ascontiguousarray(data).data.cast("B")
+    while view.nbytes:
+        written = os.pwrite(fd, view, position)
+        view, position = view[written:], position + written
+
+
 def consistent_copy(
     name: str,
     journal: Journal,
@@ -117,6 +201,7 @@ def consistent_copy(
     targets: Mapping[str, np.ndarray] | CopyTarget,
     finish: Callable[[Table, int, LogMark | None], T],
     faults: Faults = NO_FAULTS,
+    granules: Callable[[Table], GranuleMarks | None] | None = None,
 ) -> T:
     """Fill ``targets`` (name -> a contiguous numpy array of each of ``Table.tensors()``' shape and
     dtype: private memory, or a mapping of a snapshot file; or any ``CopyTarget``) with the table's
@@ -126,7 +211,9 @@ def consistent_copy(
     returned. The lock is held for the rows changed since the last lock-free round (see the module
     docstring); the longest hold is logged (info). Raises ``ConflictError`` if the table was replaced by
     one of another layout meanwhile. ``faults``: testing only, a pause after each piece of the lock-free
-    copy."""
+    copy. ``granules``: called under the lock with the table held, the record of changed granules of its
+    array (``granules.GranuleMarks``), used where the journal keeps no log (see the module docstring);
+    None (or it returns None): such a copy is made whole under the lock."""
     holds: list[float] = []
 
     @contextmanager
@@ -140,7 +227,7 @@ def consistent_copy(
 
     started = time.perf_counter()
     target = ArrayTarget(targets) if isinstance(targets, Mapping) else targets
-    result, version, how = _copy(name, journal, locked, target, finish, faults)
+    result, version, how = _copy(name, journal, locked, target, finish, faults, granules)
     logger.info(
         "table %r: state copied at version %d in %.2f s (%s); the update lock held at most %.1f ms",
         name,
@@ -159,6 +246,7 @@ def _copy(
     targets: CopyTarget,
     finish: Callable[[Table, int, LogMark | None], T],
     faults: Faults,
+    granules: Callable[[Table], GranuleMarks | None] | None,
 ) -> tuple[T, int, str]:
     """``consistent_copy``: (finish's result, the version copied, how it was copied)."""
 
@@ -169,9 +257,15 @@ def _copy(
 
     with exclusive() as (table, version):
         mark = journal.log_mark(name, version)
-        if mark is None:
-            return whole(table, version, "no log")
         source = _arrays(table, targets)
+        if mark is None:
+            record = None if granules is None else granules(table)
+            slot = None if record is None else record.begin()
+            if record is None or slot is None:
+                return whole(table, version, "no log" if record is None else f"{SLOTS} copies run already")
+    if mark is None:
+        assert record is not None and slot is not None
+        return _copy_marked(record, slot, exclusive, (table, source), targets, finish, faults)
     targets.fill(table, pause=faults.slow_down)
     cannot_tell = "the log could not say what changed during the copy"
     for round_ in range(_ROUNDS + 1):
@@ -210,6 +304,57 @@ def _copy(
     return result, version, how
 
 
+def _copy_marked(
+    record: GranuleMarks,
+    slot: int,
+    exclusive: Callable[[], AbstractContextManager[tuple[Table, int]]],
+    started: tuple[Table, dict[str, int]],
+    targets: CopyTarget,
+    finish: Callable[[Table, int, LogMark | None], T],
+    faults: Faults,
+) -> tuple[T, int, str]:
+    """``_copy`` where no log says what changed: the same rounds, the granules changed meanwhile taken
+    from the array's record (``granules.py``: ``slot``, begun under the lock at the copy's start, marks
+    every granule an update changes from then on), not from the log. ``started``: the table and its
+    tensors' addresses at the start (a load switches the table to other arrays, with another record: the
+    copy is then made whole under the lock). The slot is ended under the lock, whatever happens."""
+    table, source = started
+    ended = False
+    try:
+        targets.fill(table, pause=faults.slow_down)
+        for round_ in range(_ROUNDS + 1):
+            with exclusive() as (now, version):
+                if _arrays(now, targets) != source or not record.holds(slot):
+                    record.end(slot)
+                    ended = True
+                    targets.fill(now, pause=None)
+                    why = "the table was replaced during the copy"
+                    return finish(now, version, None), version, f"whole, under the lock: {why}"
+                marks = record.take(slot)
+                changed = int(np.count_nonzero(marks))
+                if round_ == _ROUNDS or changed <= _FEW_GRANULES:
+                    # The last round: the few granules changed since the last take gathered under the
+                    # lock, written into the target after it (as ``_copy``'s).
+                    record.end(slot)
+                    ended = True
+                    gathered = gather(now, marks)
+                    result = finish(now, version, None)
+                    how = (
+                        f"lock-free, {round_} lock-free patch round(s), then {changed} granules read under "
+                        "the lock (no log: the array's record of changed granules)"
+                    )
+                    break
+            targets.patch(table, marks)  # lock-free: what changes meanwhile is in the next take
+        else:  # pragma: no cover
+            raise AssertionError("unreachable")
+    finally:
+        if not ended:
+            with suppress(RobezError), exclusive():
+                record.end(slot)
+    targets.write(gathered)
+    return result, version, how
+
+
 def _arrays(table: Table, targets: CopyTarget) -> dict[str, int]:
     """The table's tensors by address, checked against ``targets``' layout."""
     tensors = table.tensors()
@@ -240,15 +385,9 @@ def _copy_whole(table: Table, targets: Mapping[str, np.ndarray], *, pause: Calla
 def touched(table: Table, ids: list[np.ndarray]) -> np.ndarray:
     """A byte per granule of the table's (m,) tensors: 1 where one of the updates of ``ids`` changed a
     position (each chunk offset ``o`` covers ``[o, o + Z)``)."""
-    config = table.config
-    m, z = config.memory_size, config.chunk_size
-    marks = np.zeros(-(-m // GRANULE), dtype=np.uint8)
-    spread = (z - 1) // GRANULE + 2  # granules one chunk can touch, at most
+    marks = np.zeros(granule_count(table.config.memory_size), dtype=np.uint8)
     for offsets in _hashed(table, ids):
-        first = offsets // GRANULE
-        last = (offsets + (z - 1)) // GRANULE
-        for step in range(spread):
-            marks[np.minimum(first + step, last)] = 1
+        mark_chunks(marks, offsets, table.config.chunk_size)
     return marks
 
 

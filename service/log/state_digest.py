@@ -1,6 +1,6 @@
 """A table's checksum at one version with no copy of its state (``TableStore.checksum``).
 
-The digest is defined over granules (``live_copy.GRANULE`` values, 256 bytes of float32), the pieces a
+The digest is defined over granules (``granules.GRANULE`` values, 256 bytes of float32), the pieces a
 lock-free copy patches: every tensor of the weight's length (m values: the weight, adam's and adagrad's
 moments) is cut into its m // GRANULE whole granules, each hashed to 64 bits (``granule_hashes``), and
 its tail (the m % GRANULE values after them) kept as bytes; every other tensor (adam's step) is kept as
@@ -11,9 +11,8 @@ So a checksum needs no copy of the state (``StateDigest``, a ``live_copy.CopyTar
 hashed straight from the live table without the update lock, and the granules the updates logged
 meanwhile touched hashed again (``consistent_copy``'s rounds; the last one's read under the lock); what
 it holds is 8 bytes per granule (1/32 of a float32 tensor) plus the small tensors. Where the journal
-keeps no log to say what changed (no data directory, a replica), the granules are hashed under the lock,
-in one pass: no copy there either, and the lock held no longer than the copy it replaced (hashing runs
-at memory speed: 0.23-0.27 s for 768 MiB in the big-tables benchmark, main's copy 1.2-1.8 s).
+keeps no log to say what changed (no data directory, a replica), the same rounds take the changed
+granules from the array's record of them (``granules.py``).
 
 The granule hash: the granule's 8-byte words each multiplied by its own odd 64-bit constant, folded
 (xor of the high half into the low), multiplied by one more, and summed (mod 2^64). Not a cryptographic

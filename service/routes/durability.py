@@ -183,15 +183,15 @@ def _checkpoint_bytes(table: Table) -> bytes:
 
 def _open_checkpoint(store: TableStore, name: str) -> tuple[BinaryIO, int]:
     """A fresh snapshot of the table, opened: the journal's (which also compacts the log) or, without a
-    data directory, a temporary file written under the update lock and unlinked once open."""
+    data directory, a temporary file (unlinked once open) the state is copied into while updates go on
+    (``TableStore.copy_to_file``: the lock held for the granules changed during the last round)."""
     if isinstance(store.journal, WalJournal):
         store.snapshot(name)
         return store.journal.open_snapshot(name)
     descriptor, path = tempfile.mkstemp(prefix="robez-export-", suffix=".safetensors")
     try:
         os.unlink(path)  # the open descriptor keeps it until the download ends
-        with store.exclusive(name) as (table, version):
-            writer = table.begin_write(descriptor)  # at memory speed: updates wait only for this
+        writer, version = store.copy_to_file(name, descriptor)
         writer.finish(descriptor, durable=False)
         return os.fdopen(descriptor, "rb"), version
     except BaseException:

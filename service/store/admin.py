@@ -224,6 +224,7 @@ class TableAdmin:
                 tensors[key] = self._registry.directory.allocate(
                     f"arrays/{array_id}.{key}", shape_numel(shape), dtype
                 ).view(shape)
+            self._registry.directory.allocate_marks(array_id, config.memory_size)
             if not fill:
                 pass
             elif isinstance(source, CheckpointFile):
@@ -246,7 +247,7 @@ class TableAdmin:
         return array_id, Table(config, optimizer, weight=tensors["weight"], state=state)
 
     def _remove_array(self, array_id: str, layout: dict[str, Any]) -> None:
-        for key in layout:
+        for key in [*layout, "granules"]:
             (self._registry.directory.arrays_dir / f"{array_id}.{key}").unlink(missing_ok=True)
 
     def install(
@@ -419,6 +420,7 @@ class TableAdmin:
             ]
             for counters in sharers:
                 counters[PENDING] = LOADING
+            entry.marks.mark_all()  # copies of the old array running: what they copy is replaced
             try:
                 array_id, shared = self._new_array(registry, table.config, table.optimizer, source)
             except BaseException:  # nothing was written: no array, nothing on disk

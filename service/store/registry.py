@@ -124,7 +124,7 @@ class TableRegistry:
             ).view(tuple(shape))
             for key, (shape, dtype) in record["layout"].items()
         }
-        return SharedArray(array_id, tensors)
+        return SharedArray(array_id, tensors, self.directory.map_marks(array_id, tensors["weight"].numel()))
 
     # -- a table's update lock, held by every change of a table -----------------------------------
 

@@ -91,6 +91,10 @@ def repair(registry: TableRegistry, journal: Journal, entry: TableEntry) -> None
         _repair_load_or_delete(registry, journal, entry)
         return
     what = f"while applying update {pending}" if pending > 0 else "while it held the table's lock"
+    # Whatever the dead holder changed, every copy running marks it all changed (and the dead one's
+    # copy, if it ran one, is over).
+    entry.marks.reclaim()
+    entry.marks.mark_all()
     rebuilt = journal.recover(entry.name, version)
     if rebuilt is None:
         logger.warning(

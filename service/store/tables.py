@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from robez_core.checkpoint import CheckpointFile
+from robez_core.checkpoint import CheckpointFile, CheckpointWriter
 from robez_core.collection import prepare_shared_step
 from robez_core.config import TableConfig
 from robez_core.errors import (
@@ -62,8 +62,9 @@ from ..log.entry import (
     check_step,
     prepare,
 )
+from ..log.granules import GranuleMarks
 from ..log.journal import Journal, NullJournal
-from ..log.live_copy import consistent_copy
+from ..log.live_copy import FileTarget, consistent_copy
 from ..log.state_digest import StateDigest
 from ..shm import (
     SharedDirectory,
@@ -435,7 +436,9 @@ class TableStore:
                 first = next(index for index, step in enumerate(steps) if step is not None)
                 with _naming(names, next((g for g in shared if g[0] == first), [first])):
                     applied = [
-                        apply_record(held.table, r.ids, r.grads, r.lr, step=step, check_in_step=fused)
+                        apply_record(
+                            held.table, r.ids, r.grads, r.lr, step=step, check_in_step=fused, marks=held.marks
+                        )
                         if step is not None
                         else (0.0, 0.0)
                         for held, r, step in zip(locked, records, steps, strict=True)
@@ -509,7 +512,7 @@ class TableStore:
             version = locked.version + 1
             locked.set_pending(version)  # as propose: a worker that dies mid-step leaves the mark
             try:
-                timings = apply_record(locked.table, part.ids, part.grads, lr)
+                timings = apply_record(locked.table, part.ids, part.grads, lr, marks=locked.marks)
             except InvalidInputError:  # refused before anything changed
                 locked.set_pending(0)
                 raise
@@ -586,7 +589,7 @@ class TableStore:
                     f"table {record.table!r} is at version {locked.version}; "
                     f"log position {record.version} cannot follow it"
                 )
-            outcome = apply_logged_record(locked.table, record, proposed)
+            outcome = apply_logged_record(locked.table, record, proposed, locked.marks)
             # A skipped entry too moves the version: versions stay equal on every replica.
             self._commit([locked], [record.version])
         if isinstance(outcome, SkippedRecord):
@@ -599,8 +602,8 @@ class TableStore:
         digest. No copy of the state is made: the granules are hashed from the live table without the
         update lock (``consistent_copy`` into a ``StateDigest``: the lock held only to read the granules
         the last few updates touched), and the digest holds 1/32 of the state's bytes. Where the journal
-        cannot say what changed (no log: no data directory, a replica) the granules are hashed under the
-        lock, in one pass (no copy there either; shorter than the copy it replaced)."""
+        keeps no log (no data directory, a replica), the granules the updates change meanwhile are taken
+        from the array's record of them in shared memory (``marks_of``, ``log/granules.py``) instead."""
         digest = StateDigest(self.registry.entry(name).table)
         version = consistent_copy(
             name,
@@ -609,8 +612,35 @@ class TableStore:
             digest,
             lambda _table, at, _mark: at,
             self.faults,
+            partial(self.marks_of, name),
         )
         return version, digest.hexdigest()
+
+    def copy_to_file(self, name: str, fd: int) -> tuple[CheckpointWriter, int]:
+        """The table's state at one version written into the empty file ``fd`` as a robez checkpoint,
+        its checksums blank (``finish`` on the writer returned completes it), while its updates go on:
+        ``consistent_copy`` into the file (``FileTarget``: written, not mapped), as ``checksum``.
+        Returns the writer and the version. (With a data directory: the journal's ``snapshot``.)"""
+        table = self.registry.entry(name).table
+        tensors = table.tensors()
+        writer = CheckpointWriter.begin(fd, tensors, table.metadata())  # header; space allocated
+        version = consistent_copy(
+            name,
+            self.journal,
+            partial(self.exclusive, name),
+            FileTarget(fd, writer, tensors),
+            lambda _table, at, _mark: at,
+            self.faults,
+            partial(self.marks_of, name),
+        )
+        return writer, version
+
+    def marks_of(self, name: str, table: Table) -> GranuleMarks | None:
+        """The record of the granules changed while copies run (``granules.py``) of the array of the
+        table ``name`` served as ``table``; None if ``table`` is no longer it. Called with its lock held
+        (``consistent_copy``'s ``granules``)."""
+        entry = self.registry.entry(name)
+        return entry.marks if entry.table is table else None
 
     def warm_up(self) -> None:
         """Load the compiled kernels now (numba's on-disk cache), so a worker's first lookup or update is

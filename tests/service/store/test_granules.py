@@ -1,0 +1,183 @@
+"""The record of the granules changed while copies run (service/log/granules.py): every apply path marks
+what it changes, through any worker's mapping, and only while a copy runs; copies running at once each
+take only their own marks; a dead copy's bit is taken back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from robez_core.checkpoint import CheckpointWriter
+from robez_core.config import OptimizerConfig, TableConfig
+from robez_core.table import Table
+from service.config import Settings, TableSpec
+from service.log import granules, live_copy
+from service.log.entry import UpdatePart, UpdateRecord
+from service.log.journal import NullJournal
+from service.shm import SharedDirectory
+from service.store import TableStore
+
+from ..conftest import make_settings
+
+CONFIG = TableConfig(num_embeddings=5000, embedding_dim=8, memory_size=(1 << 14) + 40, chunk_size=4)
+ADAM = OptimizerConfig.from_dict({"name": "adam", "lr": 0.05})
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return make_settings(tmp_path, default_table=False)
+
+
+@pytest.fixture
+def directory(settings: Settings) -> Iterator[SharedDirectory]:
+    prepared = TableStore.prepare(settings, NullJournal())
+    yield prepared
+    prepared.remove()
+
+
+def _changed(before: dict[str, np.ndarray], table: Table) -> np.ndarray:
+    """A byte per granule: 1 where a value of an (m,) tensor differs from ``before``."""
+    m = table.config.memory_size
+    changed = np.zeros(granules.granule_count(m), dtype=bool)
+    for key, tensor in table.tensors().items():
+        now = tensor.detach().reshape(-1).numpy()
+        if now.size != m:
+            continue
+        differs = now.view(np.uint8).reshape(m, -1) != before[key].view(np.uint8).reshape(m, -1)
+        padded = np.zeros(changed.size * granules.GRANULE, dtype=bool)
+        padded[:m] = differs.any(axis=1)
+        changed |= padded.reshape(-1, granules.GRANULE).any(axis=1)
+    return changed.view(np.uint8)
+
+
+def test_every_apply_path_marks_the_granules_it_changes_while_a_copy_runs(
+    settings: Settings, directory: SharedDirectory
+) -> None:
+    copier = TableStore(directory, settings, NullJournal())  # the worker that copies
+    pusher = TableStore(directory, settings, NullJournal())  # another one, which pushes
+    try:
+        copier.create("t", TableSpec(CONFIG, ADAM))
+        copier.create("u", TableSpec(CONFIG, ADAM, share_array_with="t"))
+        table = copier.table("t")
+        generator = torch.Generator().manual_seed(3)
+
+        def grads(count: int) -> torch.Tensor:
+            return torch.randn(count, 8, generator=generator)
+
+        def ids(count: int) -> torch.Tensor:
+            return torch.randint(0, 5000, (count,), generator=generator)
+
+        small, prepared, of_t, of_u, logged = ids(10), ids(200), ids(30), ids(30), ids(40)
+        pushes: list[tuple[str, Callable[[], object], list[tuple[Table, torch.Tensor]]]] = [
+            # a small batch, hashed inside the compiled step
+            ("small", lambda: pusher.update("t", small, grads(10)), [(table, small)]),
+            # a prepared step, checked in the pass that applies it
+            ("prepared", lambda: pusher.update("t", prepared, grads(200)), [(table, prepared)]),
+            # one coalesced step of two tables over one array
+            (
+                "shared",
+                lambda: pusher.update_many(
+                    [UpdatePart("t", of_t, grads(30)), UpdatePart("u", of_u, grads(30))]
+                ),
+                [(table, of_t), (copier.table("u"), of_u)],
+            ),
+            # the replicated log's entry (a replica's applier)
+            (
+                "replicated",
+                lambda: pusher.apply(UpdateRecord("t", pusher.version("t") + 1, logged, grads(40), 0.05)),
+                [(table, logged)],
+            ),
+        ]
+        marks = copier.registry.entry("t").marks
+        for what, push, touched_by in pushes:
+            with copier.exclusive("t"):
+                slot = marks.begin()
+            assert slot is not None
+            before = {key: t.detach().reshape(-1).numpy().copy() for key, t in table.tensors().items()}
+            push()
+            with copier.exclusive("t"):
+                taken = marks.take(slot)
+                marks.end(slot)
+            changed = _changed(before, table)
+            touched = np.zeros_like(taken)
+            for on, its_ids in touched_by:
+                touched |= live_copy.touched(on, [its_ids.numpy()])
+            assert changed.any(), what
+            assert not (changed & ~taken).any(), what  # every granule changed is marked
+            assert not (taken & ~touched).any(), what  # and only those the update's chunks cover
+        # No copy running: nothing is marked.
+        marks.marks[:] = 0
+        pusher.update("t", small, grads(10))
+        pusher.update("t", prepared, grads(200))
+        assert not marks.marks.any()
+    finally:
+        copier.close()
+        pusher.close()
+
+
+def test_copies_take_only_their_own_marks_and_a_dead_copy_s_bit_is_taken_back() -> None:
+    m = 1000
+    raw = np.zeros(granules.record_bytes(m), dtype=np.uint8)
+    record = granules.GranuleMarks(raw)
+    assert not record.active()
+    first = record.begin()
+    record.mark_chunks(np.array([0, 130]), 4)  # granules 0 and 2
+    second = record.begin()
+    assert first is not None and second is not None and first != second
+    record.mark_positions(np.array([64 * 5 + 3]))  # granule 5
+    assert np.flatnonzero(record.take(first)).tolist() == [0, 2, 5]
+    assert np.flatnonzero(record.take(first)).tolist() == []  # taken: cleared
+    assert np.flatnonzero(record.take(second)).tolist() == [5]  # only what changed since it began
+    record.mark_all()
+    assert record.take(second).all() and record.take(first).all()
+    record.end(first)
+    assert record.active() and record.holds(second) and not record.holds(first)
+    # A copy whose process died leaves its bit: the next begin takes it back.
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+    )
+    for _ in range(granules.SLOTS - 1):
+        assert record.begin() is not None
+    assert record.begin() is None  # every bit taken
+    raw[8 : granules.HEADER_BYTES].view(np.int64)[second] = int(dead.stdout)
+    assert record.begin() == second  # the dead one's
+
+
+@pytest.mark.parametrize("how", ["patch", "write"])
+def test_a_file_target_patched_where_updates_touched_holds_the_table(tmp_path: Path, how: str) -> None:
+    """``FileTarget`` (the checkpoint download's and a replica snapshot's copy, written with pwrite):
+    filled, then patched in runs of adjacent granules and the tail, the file loads bitwise as the table."""
+    table = Table(CONFIG, ADAM)
+    generator = torch.Generator().manual_seed(4)
+    table.apply_gradients(torch.arange(300), torch.randn(300, 8, generator=generator))
+    path = tmp_path / "copy.safetensors"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        writer = CheckpointWriter.begin(fd, table.tensors(), table.metadata())
+        target = live_copy.FileTarget(fd, writer, table.tensors())
+        target.fill(table, pause=lambda: None)
+        every = torch.arange(5000)
+        reach = table.hash(every) + CONFIG.chunk_size - 1
+        tail = every[(reach >= CONFIG.memory_size - 40).any(dim=1)][:1]  # an id whose chunk is in the tail
+        ids = torch.cat([torch.arange(40), tail])  # adjacent granules (runs) and the tail
+        table.apply_gradients(ids, torch.randn(ids.numel(), 8, generator=generator))
+        marks = live_copy.touched(table, [ids.numpy()])
+        assert marks[-1] and 1 < np.count_nonzero(marks) < marks.size / 2
+        assert (np.diff(np.flatnonzero(marks)) == 1).any()  # a run of adjacent granules: one pwrite
+        if how == "patch":
+            target.patch(table, marks)
+        else:
+            target.write(live_copy.gather(table, marks))
+        writer.finish(fd, durable=False)
+    finally:
+        os.close(fd)
+    loaded = Table.load(path)  # checksums checked
+    for key, tensor in table.tensors().items():
+        assert torch.equal(loaded.tensors()[key].view(torch.uint8), tensor.view(torch.uint8)), key
