@@ -81,6 +81,20 @@ def memory_gib() -> float:
     return math.nan
 
 
+def process_alive(pid: int) -> bool:
+    """A process ``pid`` runs on this machine (another user's counts): whether what it owns (a shared
+    directory, a copy's slot, a scratch file) is still in use."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def load_average() -> tuple[float, float, float]:
     """The 1, 5 and 15 minute load averages (NaN where the system keeps none): a busy machine inflates
     every figure, so reports record it."""

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from robez_core.config import OptimizerConfig, TableConfig
 from robez_core.errors import CorruptionError, LimitExceededError
+from robez_core.hostinfo import process_alive
 from robez_core.table import Table
 
 from .log.granules import GranuleMarks, record_bytes
@@ -306,11 +307,7 @@ def remove_stale_directories(shm_dir: Path) -> list[Path]:
             pid = int((path / "owner.pid").read_text())
         except (OSError, ValueError):
             continue  # not ours, or still being created
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not process_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-        except PermissionError:
-            pass  # alive, another user's
     return removed

@@ -24,6 +24,8 @@ import os
 
 import numpy as np
 
+from robez_core.hostinfo import process_alive
+
 # Positions are patched in granules of this many values (256 bytes of float32).
 GRANULE = 64
 SLOTS = 8
@@ -83,7 +85,7 @@ class GranuleMarks:
         """Free the bits of copies whose process is gone (killed mid-copy)."""
         for slot in range(SLOTS):
             pid = int(self._owners[slot])
-            if pid and not _alive(pid):
+            if pid and not process_alive(pid):
                 self.end(slot)
 
     def begin(self) -> int | None:
@@ -115,13 +117,3 @@ class GranuleMarks:
         """The copy of ``slot`` is over: its bit freed."""
         self._owners[slot] = 0
         self._active[0] = int(self._active[0]) & ~(1 << slot)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

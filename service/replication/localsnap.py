@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from robez_core.errors import ConfigError
+from robez_core.hostinfo import process_alive
 from robez_core.table import Table
 
 from ..wal.files import write_file_durably
@@ -137,19 +138,7 @@ def remove_stale_files(directory: Path, temp_files: bool = True) -> None:
     for path in paths:
         for pattern in _STALE if temp_files else _STALE[:1]:
             match = pattern.match(path.name)
-            if match is not None and not _alive(int(match["pid"])):
+            if match is not None and not process_alive(int(match["pid"])):
                 path.unlink(missing_ok=True)
                 logger.info("removed %s (left by process %s, which is gone)", path, match["pid"])
                 break
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
