@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,22 +24,8 @@ from service.log.journal import NullJournal
 from service.shm import SharedDirectory
 from service.store import TableStore
 
-from ..conftest import make_settings
-
 CONFIG = TableConfig(num_embeddings=5000, embedding_dim=8, memory_size=(1 << 14) + 40, chunk_size=4)
 ADAM = OptimizerConfig.from_dict({"name": "adam", "lr": 0.05})
-
-
-@pytest.fixture
-def settings(tmp_path: Path) -> Settings:
-    return make_settings(tmp_path, default_table=False)
-
-
-@pytest.fixture
-def directory(settings: Settings) -> Iterator[SharedDirectory]:
-    prepared = TableStore.prepare(settings, NullJournal())
-    yield prepared
-    prepared.remove()
 
 
 def _changed(before: dict[str, np.ndarray], table: Table) -> np.ndarray:

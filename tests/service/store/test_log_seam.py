@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,15 +19,8 @@ from service.shm import SharedDirectory
 from service.store import TableStore, UpdatePart
 from service.store.journal import SkippedRecord, UpdateRecord
 
-from ..conftest import make_settings
-
 CONFIG = TableConfig(num_embeddings=100, embedding_dim=8, memory_size=1024, chunk_size=4)
 WIDE = TableConfig(num_embeddings=50, embedding_dim=4, memory_size=512, chunk_size=2, seed=3)
-
-
-@pytest.fixture
-def settings(tmp_path: Path) -> Settings:
-    return make_settings(tmp_path, default_table=False)
 
 
 def _directory(settings: Settings, tag: str) -> SharedDirectory:

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,18 +25,6 @@ from service.wal import LOG_FILE, META_FILE, WalJournal
 from ..conftest import make_settings
 
 CONFIG = TableConfig(num_embeddings=100, embedding_dim=8, memory_size=1024, chunk_size=4)
-
-
-@pytest.fixture
-def settings(tmp_path: Path) -> Settings:
-    return make_settings(tmp_path, default_table=False)
-
-
-@pytest.fixture
-def directory(settings: Settings) -> Iterator[SharedDirectory]:
-    prepared = TableStore.prepare(settings, NullJournal())
-    yield prepared
-    prepared.remove()
 
 
 def test_workers_see_each_others_tables_and_updates(settings: Settings, directory: SharedDirectory) -> None:
