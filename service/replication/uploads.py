@@ -1,8 +1,10 @@
-"""Snapshot uploads of the applier (``applier.py``): when a table's state is copied (under its update
-lock, for that copy alone), written to the data directory (``localsnap.py``) and uploaded to the log's
-snapshot store under a lease, and the log trimmed below it; all of it in background tasks, one per table
-at a time, while the applier applies on. ``SnapshotUploads`` is the part of ``Applier`` that schedules
-them (the count trigger of the apply loop, ``_upload_timer``); the state it reads is the applier's.
+"""Snapshot uploads of the applier (``applier.py``): when a table's state is copied (lock-free:
+``TableStore.copy_to_file`` takes the update lock only for its brief rounds), written to the data
+directory (``localsnap.py``) and uploaded to the log's snapshot store under a lease, and the log trimmed
+below it; all of it, the copy included, in background tasks, one per table at a time, while the
+applier applies on (only the lease is taken in the apply loop). ``SnapshotUploads`` is the part of
+``Applier`` that schedules them (the count trigger of the apply loop, ``_upload_timer``); the state it
+reads is the applier's.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ class SnapshotUploads:
     _last_upload: dict[str, float]
     _since_local: dict[str, int]
 
-    # -- snapshots: a copy while updates go on, then everything else in the background ---------------
+    # -- snapshots: the lease here, the copy and everything else in the background ------------------
 
     def _snapshot_running(self, name: str) -> bool:
-        """A snapshot of the table is being started (lease, copy) or runs in the background."""
+        """A snapshot of the table is being started (lease) or runs in the background (copy, upload)."""
         task = self._snapshot_tasks.get(name)
         return name in self._snapshot_starting or (task is not None and not task.done())
 
@@ -66,27 +68,29 @@ class SnapshotUploads:
         return pending, version
 
     async def _local_snapshot(self, entry: CatalogEntry, wait: bool = False) -> None:
-        """Write the table's state to the data directory (localsnap.py): the copy now, the checksums,
-        fsync and rename in the background (``wait``: before returning). Failures are logged only."""
+        """Write the table's state to the data directory (localsnap.py) in the background: the copy, the
+        checksums, fsync and rename (``wait``: before returning). Failures are logged only."""
         name = entry.name
         if self.local is None or name not in self.store.names() or self._snapshot_running(name):
             return
-        applied = self._since_local.get(name, 0)
-        self._snapshot_starting.add(name)
+        counts = (self._since_local.get(name, 0), self.store.version(name))
+        task = asyncio.create_task(self._write_local(entry, counts), name=f"robez-localsnap-{name}")
+        self._snapshot_tasks[name] = task
+        if wait:
+            await task
+
+    async def _write_local(self, entry: CatalogEntry, counts: tuple[int, int]) -> None:
+        """The background local snapshot: the copy, then ``_finish_local``. ``counts``: the updates
+        counted toward it and the version when it was started (``_in_copy``)."""
+        assert self.local is not None
+        name = entry.name
         try:
             pending, version = await self._copy(name, self.local.path_for(name, entry.incarnation, 0))
         except (RobezError, OSError) as exc:
             logger.warning("table %s: local snapshot failed: %s", name, exc)
             return
-        finally:
-            self._snapshot_starting.discard(name)
-        self._count_local(name, applied)
-        task = asyncio.create_task(
-            self._finish_local(entry, pending, version), name=f"robez-localsnap-{name}"
-        )
-        self._snapshot_tasks[name] = task
-        if wait:
-            await task
+        self._count_local(name, _in_copy(counts, version))
+        await self._finish_local(entry, pending, version)
 
     async def _finish_local(
         self, entry: CatalogEntry, pending: PendingCheckpoint, version: int
@@ -117,9 +121,9 @@ class SnapshotUploads:
 
     async def _snapshot(self, entry: CatalogEntry, also_local: bool = False) -> None:
         """Start uploading the table's state, unless another replica holds the table's upload lease or
-        stored a recent snapshot. Only the copy (``_copy``) happens here; the upload, the trim and the
-        local snapshot (``also_local``: the same file serves both) run in a background task, one per
-        table at a time, while the applier applies on."""
+        stored a recent snapshot. Only the lease is taken here; the copy (``_copy``), the upload, the
+        trim and the local snapshot (``also_local``: the same file serves both) run in a background task,
+        one per table at a time, while the applier applies on."""
         name = entry.name
         if self._snapshot_running(name):
             return  # due again once it finished (the counters keep counting)
@@ -160,13 +164,28 @@ class SnapshotUploads:
     async def _start_upload(
         self, entry: CatalogEntry, lease: SnapshotLease, applied: int, also_local: bool
     ) -> None:
+        """Start the background task that copies the table's state and uploads it (``_copy_upload``);
+        the lease is released whatever happens to it, even if it is cancelled before it starts."""
         name = entry.name
-        applied_local = self._since_local.get(name, 0)
         local = self.local if also_local else None
         if local is not None:
             path = local.path_for(name, entry.incarnation, 0)
         else:
             path = self._scratch / f"{SCRATCH_PREFIX}{os.getpid()}-{name}.safetensors"
+        counts = (applied, self._since_local.get(name, 0), self.store.version(name))
+        task = asyncio.create_task(
+            self._copy_upload(entry, lease, path, local is not None, counts), name=f"robez-upload-{name}"
+        )
+        task.add_done_callback(lambda done: _release_if_cancelled(done, lease))
+        self._snapshot_tasks[name] = task
+
+    async def _copy_upload(
+        self, entry: CatalogEntry, lease: SnapshotLease, path: Path, local: bool, counts: tuple[int, int, int]
+    ) -> None:
+        """The copy of an upload (``_copy``), then the upload (``_upload``). ``counts``: the updates
+        counted toward the upload and toward the local snapshot, and the version, when it was started."""
+        name = entry.name
+        applied, applied_local, started = counts
         try:
             pending, version = await self._copy(name, path)
         except BaseException as exc:
@@ -176,14 +195,12 @@ class SnapshotUploads:
             logger.warning("table %s: snapshot failed: %s", name, exc)
             self._count_uploaded(name, applied)
             return
-        # Counted at the copy: updates applied while it uploads count toward the next one.
-        self._count_uploaded(name, applied)
-        if local is not None:
-            self._count_local(name, applied_local)
-        task = asyncio.create_task(
-            self._upload(entry, lease, pending, version, local is not None), name=f"robez-upload-{name}"
-        )
-        self._snapshot_tasks[name] = task
+        # Counted at the copy (with the updates applied while it ran, up to its version): those applied
+        # while it uploads count toward the next one.
+        self._count_uploaded(name, _in_copy((applied, started), version))
+        if local:
+            self._count_local(name, _in_copy((applied_local, started), version))
+        await self._upload(entry, lease, pending, version, local)
 
     async def _upload(
         self, entry: CatalogEntry, lease: SnapshotLease, pending: PendingCheckpoint, version: int, local: bool
@@ -236,6 +253,25 @@ class SnapshotUploads:
                 counted = bool(every) and since >= every
                 if (timed or counted) and not task.done() and not self._snapshot_running(name):
                     await self._snapshot(entry)
+
+
+def _in_copy(counts: tuple[int, int], version: int) -> int:
+    """The updates a copy at ``version`` holds of those counted since the last one: ``counts`` (the count
+    and the version when the copy was started) plus those applied while it ran."""
+    applied, started = counts
+    return applied + max(0, version - started)
+
+
+def _release_if_cancelled(task: asyncio.Task[None], lease: SnapshotLease) -> None:
+    """A done callback: release the lease of an upload task that was cancelled (before it started, its
+    own ``finally`` never ran; ``release`` again is a no-op)."""
+    if task.cancelled():
+        _releasing.add(released := asyncio.ensure_future(lease.release()))
+        released.add_done_callback(_releasing.discard)
+
+
+# The lease releases ``_release_if_cancelled`` started (a reference until they end).
+_releasing: set[asyncio.Future[None]] = set()
 
 
 def _write_copy(store: TableStore, name: str, path: Path) -> tuple[PendingCheckpoint, int, float]:
