@@ -16,18 +16,25 @@ This one never blocks on a worker. Every ``check_interval_s`` it looks at each w
   read later without waiting: one silent for ``healthcheck_timeout_s`` (hung, or stopped) is killed and
   replaced. A dead worker's pipe reads as closed at once.
 
-The workers are the same uvicorn ``Server`` over the same listening socket as uvicorn's, spawned the same
-way; SIGINT / SIGTERM stop them all (SIGTERM, then a wait for their graceful shutdown).
+The workers are the same uvicorn ``Server`` over the same listening socket as uvicorn's; SIGINT / SIGTERM
+stop them all (SIGTERM, then a wait for their graceful shutdown).
 
-At start the workers are spawned before the tables are loaded (``run(prepare)``): each imports the app
-(torch, the kernels: seconds) while this process reads the tables into shared memory, and starts serving
-once ``prepare`` has returned. A restart of a big table then costs the load, not the load plus the
-workers' start-up (docs/benchmarks/big-tables-*.md).
+Workers are forked from a fork server (multiprocessing's ``forkserver``) that imported the app once
+(``service.forkserver``: torch, numba, the kernels' module; ~2.8 s of CPU and ~230 MB of heap in each
+spawned worker before): a worker, or the replacement of a dead one, starts in milliseconds and shares
+those pages with its siblings. The fork server is a fresh process (a fork of the supervisor would copy
+whatever its threads held), started before the tables are loaded (``run(prepare)``), so its import
+overlaps the load: a restart of a big table costs the load, not the load plus the import
+(docs/benchmarks/big-tables-*.md). It ignores SIGTERM (a stop sent to the whole process group leaves
+the stopping to this supervisor, which waits for the workers' graceful shutdown) and exits with this
+process; a worker dies with the fork server (``PR_SET_PDEATHSIG``), so a fork server that is killed
+leaves no worker running unsupervised: the workers are replaced from a new one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import signal
@@ -37,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -46,8 +54,12 @@ from uvicorn.config import STARTUP_FAILURE
 
 logger = logging.getLogger("robez.supervisor")
 
-multiprocessing.allow_connection_pickling()  # the listening sockets go to each spawned worker
-_spawn = multiprocessing.get_context("spawn")
+multiprocessing.allow_connection_pickling()  # the listening sockets go to each started worker
+# The fork server starts with this process's environment at that moment: ``robez serve`` sets the
+# workers' (the ``ROBEZ_*`` settings, the shared directory) before it supervises.
+_workers_context = multiprocessing.get_context("forkserver")
+_workers_context.set_forkserver_preload(["service.forkserver"])
+_PR_SET_PDEATHSIG = 1
 # Workers that died younger than this count as failed starts for the back-off.
 _YOUNG_DEATH_S = 10.0
 _MAX_BACKOFF_S = 10.0
@@ -65,12 +77,19 @@ def _answer_pings(conn: Connection) -> None:
         return
 
 
-def _worker_main(
-    config: uvicorn.Config, sockets: list[socket.socket], conn: Connection, tables_ready: Connection
-) -> None:
-    """A worker process: answer pings on a thread, load the app (its imports), wait until the supervisor
-    says the tables are ready (a message on ``tables_ready``), then serve ``config``'s app on the
-    inherited sockets. The pipe closed without a message: the supervisor is gone, so is this worker."""
+def _die_with_the_fork_server() -> None:
+    """SIGKILL this worker when its parent, the fork server, dies: the supervisor then sees every worker
+    gone (it reads their exit through the fork server) and starts new ones, with no old one left serving."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _worker_main(config: uvicorn.Config, sockets: list[socket.socket], conn: Connection) -> None:
+    """A worker process, forked once the tables are loaded: answer pings on a thread, load the app (its
+    imports are the fork server's), then serve ``config``'s app on the inherited sockets."""
+    _die_with_the_fork_server()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN, until uvicorn's handler
     config.configure_logging()
     # The server's logging.basicConfig (cli.serve) does not reach a spawned worker: without this, robez's
     # own loggers ("robez.*") printed warnings alone, bare, whatever ROBEZ_LOG_LEVEL said.
@@ -82,7 +101,7 @@ def _worker_main(
     threading.Thread(target=_answer_pings, args=(conn,), name="robez-pong", daemon=True).start()
     with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C reaches the supervisor, which stops us too
         try:
-            config.load()  # what uvicorn would do first: import the app while the tables load
+            config.load()  # what uvicorn would do first: build the app
         except (Exception, SystemExit) as exc:
             # The app, its TLS files or its protocol are broken: a replacement would fail the same way
             # (a bad key respawned workers forever, issue 40.4). uvicorn's status says "do not restart".
@@ -90,12 +109,6 @@ def _worker_main(
                 raise
             logger.error("worker start-up failed: %s: %s", type(exc).__name__, exc)
             sys.exit(STARTUP_FAILURE)
-        try:
-            tables_ready.recv()
-        except EOFError:
-            return
-        finally:
-            tables_ready.close()
         uvicorn.Server(config).run(sockets=sockets)
 
 
@@ -103,19 +116,9 @@ def _worker_main(
 class _Worker:
     process: BaseProcess
     conn: Connection
-    tables_ready: Connection | None = None  # until ``release``: the write end of the worker's wait
     started: float = field(default_factory=time.monotonic)
     last_answer: float = field(default_factory=time.monotonic)
     ping_sent: float | None = None
-
-    def release(self) -> None:
-        """Let the worker serve: the tables are ready (a worker that died meanwhile is told nothing)."""
-        if self.tables_ready is None:
-            return
-        with contextlib.suppress(OSError):
-            self.tables_ready.send(b"ready")
-        self.tables_ready.close()
-        self.tables_ready = None
 
     def check(self, now: float, timeout_s: float) -> str | None:
         """Why this worker must be replaced (dead, hung), or None; never waits."""
@@ -164,44 +167,29 @@ class WorkerSupervisor:
         self._young_deaths = [0] * workers
         self._restart_at = [0.0] * workers
         self.exit_status = 0
-        self._tables_loaded = False  # ``run``'s ``prepare`` has returned: workers serve once started
 
     def _spawn(self) -> _Worker:
-        parent_conn, child_conn = _spawn.Pipe()
-        # A pipe, not a multiprocessing Event: a named semaphore would stay in /dev/shm after a kill -9.
-        ready_reader, ready_writer = _spawn.Pipe(duplex=False)
-        process = _spawn.Process(
+        parent_conn, child_conn = _workers_context.Pipe()
+        process = _workers_context.Process(
             target=_worker_main,
-            kwargs={
-                "config": self.config,
-                "sockets": self.sockets,
-                "conn": child_conn,
-                "tables_ready": ready_reader,
-            },
+            kwargs={"config": self.config, "sockets": self.sockets, "conn": child_conn},
             name="robez-worker",
         )
         process.start()
         child_conn.close()  # the worker holds the only other end: its death closes the pipe
-        ready_reader.close()
-        worker = _Worker(process, parent_conn, tables_ready=ready_writer)
-        if self._tables_loaded:
-            worker.release()
-        return worker
+        return _Worker(process, parent_conn)
 
     def run(self, prepare: Callable[[], None] = lambda: None) -> int:
-        """Start the workers, run ``prepare`` (the tables' load) while they import the app, let them
-        serve, and supervise until SIGINT / SIGTERM (or a worker's start-up failure); returns the exit
+        """Start the fork server, run ``prepare`` (the tables' load) while it imports the app, start the
+        workers, and supervise until SIGINT / SIGTERM (or a worker's start-up failure); returns the exit
         status. What ``prepare`` raises is raised here, once the workers are stopped."""
         try:
-            self.workers = [self._spawn() for _ in range(self.num_workers)]
+            forkserver.ensure_running()  # returns at once; the fork server imports while the tables load
             prepare()
+            self.workers = [self._spawn() for _ in range(self.num_workers)]
         except BaseException:  # the load failed, or a SIGTERM during it (the caller's handler raises)
             self._stop_all()
             raise
-        self._tables_loaded = True
-        for worker in self.workers:
-            if worker is not None:
-                worker.release()
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             logger.info(
@@ -294,8 +282,6 @@ class WorkerSupervisor:
         for slot in self.workers:
             if slot is not None:
                 slot.conn.close()
-                if slot.tables_ready is not None:
-                    slot.tables_ready.close()
 
 
 def run_workers(

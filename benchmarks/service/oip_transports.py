@@ -37,6 +37,8 @@ import numpy as np
 import orjson
 from tritonclient.grpc import service_pb2 as pb
 
+from loadtest.server import tree_pids
+
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_DIR = ROOT / "docs" / "benchmarks"
 OCTET = "application/octet-stream"
@@ -90,11 +92,7 @@ class Server:
     def cpu_s(self) -> float:
         """CPU time of every thread of the server's process tree (/proc/<pid>/task/*/schedstat: ns), s."""
         total = 0
-        pids = [self.process.pid]
-        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
-        if children.exists():
-            pids += [int(pid) for pid in children.read_text().split()]
-        for pid in pids:
+        for pid in tree_pids(self.process.pid):
             for task in Path(f"/proc/{pid}/task").iterdir():
                 with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended
                     total += int((task / "schedstat").read_text().split()[0])

@@ -21,6 +21,7 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from loadtest.server import tree_rss_bytes
 from service.grpc.wire import decode_int64s, parse_request
 
 from .subprocess_server import RobezServer, free_port
@@ -31,17 +32,8 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
 def _rss_mib(pid: int) -> float:
-    """Resident memory of ``pid`` and its children (the server's process tree), in MiB."""
-    total = 0.0
-    pids = [pid]
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        pids += [int(child) for child in children.read_text().split()]
-    for one in pids:
-        for line in Path(f"/proc/{one}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) / 1024
-    return total
+    """Resident memory of ``pid`` and its descendants (the server's process tree), in MiB."""
+    return tree_rss_bytes(pid) / MiB
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from service.store import TableStore
 from service.wal import WalJournal
 
 from .conftest import make_settings
-from .subprocess_server import RobezServer
+from .subprocess_server import RobezServer, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -159,18 +159,14 @@ def _data_dir_with_table(tmp_path: Path, memory_size: int) -> Path:
     return data_dir
 
 
-def _spawned_workers(pid: int) -> list[int]:
-    """The worker processes the supervisor ``pid`` spawned (multiprocessing's ``spawn_main``), alive."""
-    workers = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == pid and b"spawn_main" in command:
-            workers.append(int(stat.parent.name))
-    return workers
+def _fork_servers(pid: int) -> list[int]:
+    """The fork server of the supervisor ``pid`` (its child running multiprocessing's ``forkserver``)."""
+    found = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        with contextlib.suppress(OSError):
+            if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(int(child))
+    return found
 
 
 def _live_in_group(group: int) -> list[int]:
@@ -195,10 +191,10 @@ def _maps_torch(pid: int) -> bool:
 
 
 @pytest.mark.timeout(240)
-def test_workers_import_the_app_while_the_tables_load(tmp_path: Path) -> None:
-    """A restart's cost is the load, not the load plus the workers' start-up: both workers are spawned
-    and have imported torch while the supervisor is still reading the table (made slow by the test
-    hook, 1.5 s per 16 MiB), and serve it once it is loaded."""
+def test_the_app_is_imported_while_the_tables_load_and_workers_are_forks_of_it(tmp_path: Path) -> None:
+    """A restart's cost is the load, not the load plus the workers' start-up: the fork server has imported
+    torch (the app) while the supervisor is still reading the table (made slow by the test hook, 1.5 s
+    per 16 MiB); the two workers are its forks, started once the table is loaded, and serve it."""
     data_dir = _data_dir_with_table(tmp_path, 1 << 22)  # 32 MiB: two slow pieces
     server = RobezServer(
         tmp_path / "server.log",
@@ -218,10 +214,16 @@ def test_workers_import_the_app_while_the_tables_load(tmp_path: Path) -> None:
         while "loaded table big" not in (server.log() if server.log_path.exists() else ""):
             assert time.monotonic() < deadline and ready.is_alive(), server.log()
             if server.process is not None:
-                seen_during_load |= {pid for pid in _spawned_workers(server.process.pid) if _maps_torch(pid)}
+                seen_during_load |= {pid for pid in _fork_servers(server.process.pid) if _maps_torch(pid)}
             time.sleep(0.05)
-        assert len(seen_during_load) == 2, f"workers with torch loaded during the load: {seen_during_load}"
+        assert len(seen_during_load) == 1, f"fork servers with torch during the load: {seen_during_load}"
         ready.join(timeout=180)
+        assert server.process is not None
+        workers = worker_pids(server.process.pid)
+        assert len(workers) == 2, workers
+        for worker in workers:  # forks of the fork server: its parent, and torch without a new import
+            parent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            assert parent in seen_during_load and _maps_torch(worker)
         response = httpx.post(f"{server.url}/v1/tables/big/lookup", json={"ids": [1, 2]}, timeout=30)
         assert response.status_code == 200, response.text
     finally:
@@ -261,3 +263,56 @@ def test_a_failed_load_stops_the_workers_started_meanwhile(tmp_path: Path) -> No
         time.sleep(0.1)
     assert not _live_in_group(process.pid), "processes of the server left running"
     assert not list(shm_dir.glob("robez-*")), "shared memory left behind"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_workers_die_with_their_fork_server_and_a_group_sigterm_stops_them_gracefully(tmp_path: Path) -> None:
+    """A fork server killed (-9) takes its workers along (none left serving unsupervised): the supervisor
+    starts two new ones from a new fork server, which serve. Then a SIGTERM to the whole process group (what
+    systemd or a terminal sends) is a graceful stop: the fork server ignores it, each worker finishes its
+    shutdown, the server exits 0, and nothing of it is left running."""
+    server = RobezServer(
+        tmp_path / "server.log",
+        ["--workers", "2"],
+        {"ROBEZ_SHM_DIR": str(tmp_path / "shm"), "ROBEZ_LOG_LEVEL": "info"},
+    )
+    server.start()
+    try:
+        assert server.process is not None
+        pid = server.process.pid
+        old_workers = worker_pids(pid)
+        (old_fork_server,) = _fork_servers(pid)
+        assert len(old_workers) == 2, old_workers
+        os.kill(old_fork_server, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            new_workers = set(worker_pids(pid)) - set(old_workers)
+            gone = not any(_alive(worker) for worker in old_workers)
+            if gone and len(new_workers) == 2:
+                break
+            assert time.monotonic() < deadline, f"old alive: {gone=}, new: {new_workers}\n{server.log_tail()}"
+            time.sleep(0.05)
+        while (
+            httpx.post(f"{server.url}/v1/tables/demo/lookup", json={"ids": [1]}, timeout=30).status_code
+            != 200
+        ):
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.1)
+        os.killpg(pid, signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0, server.log_tail()
+        for worker in new_workers:
+            assert f"Finished server process [{worker}]" in server.log(), server.log_tail()
+        deadline = time.monotonic() + 10
+        while _live_in_group(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _live_in_group(pid), "processes of the server left running"
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log()

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .subprocess_server import RobezServer
+from .subprocess_server import RobezServer, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -24,17 +24,8 @@ LOOKUP = {"ids": [1, 2, 3]}
 
 
 def _workers(server_pid: int) -> set[int]:
-    """The supervisor's worker processes (spawned children; not a multiprocessing helper)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    workers = set()
-    for child in children:
-        try:
-            command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        except FileNotFoundError:
-            continue  # gone meanwhile
-        if b"multiprocessing" in command and b"resource_tracker" not in command:
-            workers.add(int(child))
-    return workers
+    """The supervisor's worker processes: the children of its fork server (``service.forkserver``)."""
+    return set(worker_pids(server_pid))
 
 
 def _new_worker(server_pid: int, known: set[int], timeout_s: float = 30.0) -> int:
