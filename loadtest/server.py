@@ -269,6 +269,23 @@ def tree_pids(pid: int, max_processes: int = 1024) -> list[int]:
     return found
 
 
+def worker_pids(server_pid: int) -> list[int]:
+    """The live workers of a ``robez serve --workers N`` (N > 1) whose pid is ``server_pid``: the children of
+    its fork server (``service.supervisor``), itself the server's child; for a server of before the fork
+    server (a benchmark's ``--source``), its spawned children."""
+    workers = []
+    for pid in tree_pids(server_pid):
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        forked = b"forkserver" in command and parent != server_pid
+        if forked or b"spawn_main" in command:
+            workers.append(pid)
+    return workers
+
+
 def tree_rss_bytes(pid: int, max_processes: int = 1024) -> int:
     """Resident memory of ``pid`` and its descendants, summed (pages shared between them count twice)."""
     return sum(rss_bytes(each) for each in tree_pids(pid, max_processes))

@@ -91,8 +91,9 @@ def _worker_main(config: uvicorn.Config, sockets: list[socket.socket], conn: Con
     _die_with_the_fork_server()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN, until uvicorn's handler
     config.configure_logging()
-    # The server's logging.basicConfig (cli.serve) does not reach a spawned worker: without this, robez's
-    # own loggers ("robez.*") printed warnings alone, bare, whatever ROBEZ_LOG_LEVEL said.
+    # The server's logging.basicConfig (cli.serve) does not reach a worker (the fork server is a new
+    # process): without this, robez's own loggers ("robez.*") printed warnings alone, bare, whatever
+    # ROBEZ_LOG_LEVEL said.
     level = config.log_level
     logging.basicConfig(
         level=level.upper() if isinstance(level, str) else (level or logging.INFO),

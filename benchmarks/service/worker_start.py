@@ -4,10 +4,11 @@ killed worker leaves its slot empty.
 For each worker count: the server is started on its demo table (1 kernel thread per worker) and timed from
 exec until ``/readyz`` answers 200; the proportional set size (PSS, /proc/<pid>/smaps_rollup) of every
 process of its tree is summed; then ``--kills`` times, one worker is killed (-9) and timed until a new
-worker has said its kernels are warm (its log line: the last step before it serves); the server's CPU
-(user + system of the whole tree, /proc) is read before the first kill and after the last.
+worker has said its kernels are warm (its log line: the last step before it serves); each kill waits until
+the workers are older than the supervisor's back-off age (10 s: a worker killed young twice in a row is
+replaced after a back-off, which is not what is measured).
 
-    python -m benchmarks.service.worker_start [--workers 2,4] [--kills 5] [--source DIR]
+    python -m benchmarks.service.worker_start [--workers 2,4] [--kills 4] [--source DIR]
 
 ``--source DIR`` starts the servers from another checkout (its ``python -m service``, run in DIR), to
 compare a change with the code before it on the same machine in one run; the default is this checkout.
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loadtest.launch import RobezProcess
-from loadtest.server import tree_pids
+from loadtest.server import tree_pids, worker_pids
 from robez_core.hostinfo import cpu_model
 
 _WARM_LINE = "robez.warmup: kernels warm"
@@ -49,24 +50,6 @@ def _pss_mib(pid: int) -> float:
     return total_kib / 1024
 
 
-def _workers(server_pid: int) -> list[int]:
-    """The server's worker processes: the members of its tree that serve (named by their log's pid)."""
-    found = []
-    for pid in tree_pids(server_pid):
-        if pid == server_pid:
-            continue
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        spawned = b"spawn_main" in command  # the code before the fork server: the supervisor's children
-        forked = b"forkserver" in command and parent != server_pid  # the fork server's children
-        if spawned or forked:
-            found.append(pid)
-    return found
-
-
 def _one_count(workers: int, kills: int, source: Path | None, work: Path) -> dict[str, float]:
     log = work / f"server-{workers}.log"
     server = RobezProcess(
@@ -81,7 +64,7 @@ def _one_count(workers: int, kills: int, source: Path | None, work: Path) -> dic
     assert server.process is not None
     pid = server.process.pid
     deadline = time.monotonic() + 60
-    while len(_workers(pid)) < workers or log.read_text().count(_WARM_LINE) < workers:
+    while len(worker_pids(pid)) < workers or log.read_text().count(_WARM_LINE) < workers:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{workers} workers never ran:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
@@ -95,7 +78,7 @@ def _one_count(workers: int, kills: int, source: Path | None, work: Path) -> dic
                 # replaced after a back-off (a crash loop must not spin), which is not measured here.
                 time.sleep(_YOUNG_DEATH_S + 1.0)
             warm_lines = log.read_text().count(_WARM_LINE)
-            victim = _workers(pid)[0]
+            victim = worker_pids(pid)[0]
             killed = time.monotonic()
             os.kill(victim, signal.SIGKILL)
             while log.read_text().count(_WARM_LINE) <= warm_lines:

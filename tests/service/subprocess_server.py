@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from loadtest.launch import RobezProcess, free_port
-from loadtest.server import tree_pids
+from loadtest.server import worker_pids
 
 __all__ = ["RobezServer", "free_port", "serve", "worker_pids"]
 
@@ -78,18 +78,3 @@ def serve(tmp_path: Path, **settings: str) -> Iterator[RobezServer]:
         yield server
     finally:
         server.stop()
-
-
-def worker_pids(server_pid: int) -> list[int]:
-    """The live worker processes of a ``robez serve --workers N`` (N > 1) whose pid is ``server_pid``: the
-    children of its fork server (``service.supervisor``), which is the server's child."""
-    workers = []
-    for pid in tree_pids(server_pid):
-        try:
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        if parent != server_pid and b"forkserver" in command:
-            workers.append(pid)
-    return workers
