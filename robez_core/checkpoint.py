@@ -126,7 +126,7 @@ class CheckpointWriter:
         at the start of the empty file ``fd``; nothing hashed or fsynced. Raises ``OSError``."""
         writer = cls._write_header(fd, tensors, metadata)
         for name, (start, _nbytes) in writer.spans().items():
-            _pwrite_fully(fd, _byte_view(tensors[name]), start)
+            pwrite_fully(fd, _byte_view(tensors[name]), start)
         return writer
 
     @classmethod
@@ -151,7 +151,7 @@ class CheckpointWriter:
         blank = {**metadata, "checksums": json.dumps(dict.fromkeys(sorted(tensors), _BLANK_CHECKSUM))}
         entries = _file_order(tensors)
         header = _safetensors_header(entries, blank)
-        _pwrite_fully(fd, memoryview(header), 0)
+        pwrite_fully(fd, memoryview(header), 0)
         return cls(entries, dict(metadata), len(header))
 
     def spans(self) -> dict[str, tuple[int, int]]:
@@ -189,7 +189,7 @@ class CheckpointWriter:
         header = _safetensors_header(self._entries, metadata)
         if len(header) != self._data_start:  # the checksums have the blanks' length
             raise OSError(errno.EIO, "checkpoint header changed size")  # pragma: no cover
-        _pwrite_fully(fd, memoryview(header), 0)
+        pwrite_fully(fd, memoryview(header), 0)
         if durable:
             os.fsync(fd)
 
@@ -245,7 +245,7 @@ class PendingCheckpoint:
             self.tmp.unlink(missing_ok=True)
 
 
-def _pwrite_fully(fd: int, view: memoryview, position: int) -> int:
+def pwrite_fully(fd: int, view: memoryview, position: int) -> int:
     """Write ``view`` at ``position`` in pieces; returns the position after it."""
     for start in range(0, view.nbytes, _PIECE_BYTES):
         piece = view[start : start + _PIECE_BYTES]

@@ -40,7 +40,6 @@ without a big table.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, suppress
@@ -49,7 +48,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import torch
 
-from robez_core.checkpoint import CheckpointWriter
+from robez_core.checkpoint import CheckpointWriter, pwrite_fully
 from robez_core.errors import ConflictError, InvalidInputError, RobezError
 from robez_core.table import Table
 
@@ -188,10 +187,7 @@ def _runs(indices: np.ndarray) -> list[tuple[int, int]]:
 
 def _pwrite(fd: int, data: np.ndarray, position: int) -> None:
     """All of ``data`` (contiguous bytes) written at ``position`` of ``fd``."""
-    view = np.ascontiguousarray(data).data.cast("B")
-    while view.nbytes:
-        written = os.pwrite(fd, view, position)
-        view, position = view[written:], position + written
+    pwrite_fully(fd, np.ascontiguousarray(data).data.cast("B"), position)
 
 
 def consistent_copy(
