@@ -25,6 +25,9 @@ from service.log.state_digest import digest_of_table
 from service.shm import SharedDirectory
 from service.store import TableStore
 from service.store.inplace import RESTORE_OVERWRITING
+from service.wal import WalJournal
+
+from ..conftest import make_settings
 
 CONFIG = TableConfig(num_embeddings=100_000, embedding_dim=8, memory_size=1 << 20, chunk_size=4)
 ADAM = OptimizerConfig("adam", lr=0.1)
@@ -267,3 +270,33 @@ def test_a_checksum_copying_while_a_restore_overwrites_is_of_one_version(
         thread.join(timeout=60)
         faults.at_pause = None
     assert results == [(8, digest_of_table(source))]
+
+
+def test_with_a_data_directory_a_restart_serves_the_restored_table_and_the_updates_after_it(
+    tmp_path: Path,
+) -> None:
+    """With a data directory the journal holds the restored table (written from the file, not from the
+    array) and the updates after it: a restart from it serves what the workers served."""
+    settings = make_settings(tmp_path, default_table=False, data_dir=tmp_path / "data")
+    journal = WalJournal(tmp_path / "data")
+    directory = TableStore.prepare(settings, journal)
+    store = TableStore(directory, settings, journal)
+    try:
+        store.create("t", TableSpec(CONFIG, ADAM))
+        store.update("t", torch.tensor([1]), torch.ones(1, 8))
+        source = _filled(3)
+        store.restore_from_file("t", _save(source, tmp_path, "source"), 5)
+        assert store.version("t") == 5 and _same(store.table("t"), source)
+        store.update("t", torch.tensor([2]), torch.ones(1, 8))
+        source.apply_gradients(torch.tensor([2]), torch.ones(1, 8))
+        assert _same(store.table("t"), source)
+    finally:
+        store.close()
+        journal.close()
+        directory.remove()
+    reopened = WalJournal(tmp_path / "data")
+    try:
+        loaded = reopened.load("t")
+    finally:
+        reopened.close()
+    assert loaded is not None and loaded[1] == 6 and _same(loaded[0], source)
