@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from robez_core.checkpoint import CheckpointFile
 from robez_core.config import OptimizerConfig, TableConfig
@@ -27,7 +28,7 @@ from service.store import TableStore
 from service.store.inplace import RESTORE_OVERWRITING
 from service.wal import WalJournal
 
-from ..conftest import make_settings
+from ..conftest import make_settings, store_of
 
 CONFIG = TableConfig(num_embeddings=100_000, embedding_dim=8, memory_size=1 << 20, chunk_size=4)
 ADAM = OptimizerConfig("adam", lr=0.1)
@@ -300,3 +301,23 @@ def test_with_a_data_directory_a_restart_serves_the_restored_table_and_the_updat
     finally:
         reopened.close()
     assert loaded is not None and loaded[1] == 6 and _same(loaded[0], source)
+
+
+def test_a_torn_table_answers_503_with_retry_after_over_http(
+    client: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = store_of(client)
+    table = store.table("demo")
+    path = tmp_path / "demo.safetensors"
+    table.save(path)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 1
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(CheckpointFile, "verify", lambda self: None)  # as if changed after its check
+    with pytest.raises(CorruptionError):
+        store.restore_from_file("demo", path, 3)
+    lookup = client.post("/v1/tables/demo/lookup", json={"ids": [1, 2]})
+    assert lookup.status_code == 503 and "Retry-After" in lookup.headers
+    assert "restored from a snapshot in place" in lookup.text
+    grads = [[0.0] * table.config.embedding_dim]
+    assert client.post("/v1/tables/demo/update", json={"ids": [1], "grads": grads}).status_code == 503
