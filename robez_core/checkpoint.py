@@ -25,6 +25,7 @@ import errno
 import hashlib
 import json
 import math
+import mmap
 import os
 import uuid
 from collections.abc import Callable, Mapping
@@ -381,6 +382,40 @@ class CheckpointFile:
                     done += got
                 if digest is not None and digest.hexdigest() != self._checksums[name]:
                     raise CorruptionError(f"checkpoint {where!r}: checksum mismatch in tensor {name!r}")
+
+    def verify(self) -> None:
+        """Read the whole file once, piece by piece into one small buffer, and check every tensor's
+        checksum: ``CorruptionError`` on a mismatch, ``OSError`` if it cannot be read. For a caller about
+        to overwrite memory it cannot get back (a restore in place) with what ``read_into`` will read."""
+        where = str(self.path)
+        buffer = memoryview(bytearray(_PIECE_BYTES))
+        with open(self.path, "rb", buffering=0) as handle:
+            ahead = read_ahead(handle.fileno(), 0, 0)
+            for name, (start, end) in self._spans.items():
+                digest = hashlib.blake2b(digest_size=16)
+                position = start
+                while position < end:
+                    got = os.preadv(handle.fileno(), [buffer[: min(end - position, _PIECE_BYTES)]], position)
+                    if not got:
+                        raise CorruptionError(f"checkpoint {where!r} ended inside tensor {name!r}")
+                    digest.update(buffer[:got])
+                    position += got
+                    ahead = read_ahead(handle.fileno(), position, ahead)
+                if digest.hexdigest() != self._checksums[name]:
+                    raise CorruptionError(f"checkpoint {where!r}: checksum mismatch in tensor {name!r}")
+
+    def mapped(self) -> dict[str, Tensor]:
+        """The file's tensors (``layout``'s names) over a private copy-on-write mapping of it: memory of
+        the page cache, none of this process's own unless written (never: the caller only reads them,
+        e.g. to write them elsewhere). The mapping lives as long as the tensors do."""
+        with open(self.path, "rb") as handle:
+            mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        tensors = {}
+        for name, (start, end) in self._spans.items():
+            shape, dtype = self.layout[name]
+            count = (end - start) // _itemsize(dtype)
+            tensors[name] = torch.frombuffer(mapping, dtype=dtype, count=count, offset=start).view(shape)
+        return tensors
 
 
 def read_ahead(fd: int, position: int, asked: int) -> int:

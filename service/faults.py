@@ -15,7 +15,8 @@ Off unless the environment names them, read by ``Faults.from_environment`` at th
 (``service.app.create_app_from_env``, ``robez serve``); never set them in production. They are not in
 ``Settings``: no user sets them. Everything else takes a ``Faults`` argument defaulting to ``NO_FAULTS``.
 
-The kill points (``TableStore.restore`` / ``delete``, ``WalJournal.create`` / ``snapshot`` / ``drop``):
+The kill points (``TableStore.restore`` / ``restore_from_file`` / ``delete``, ``WalJournal.create`` /
+``snapshot`` / ``drop``):
 
 - ``create:staged``: a new table's snapshot and log are written in its ``.creating-*`` folder, not yet
   renamed into place (the next server start on a free data directory removes the folder);
@@ -24,6 +25,9 @@ The kill points (``TableStore.restore`` / ``delete``, ``WalJournal.create`` / ``
 - ``load:durable``: the loaded table is durable (snapshot + empty log), the registry not switched;
 - ``load:published``: the registry is switched, the old counters not yet marked replaced;
 - ``load:switched``: the old counters are marked replaced, the old array not yet released;
+- ``restore:durable``: a restore in place (service/store/inplace.py) made the new table durable, the
+  array not yet written;
+- ``restore:overwriting``: a restore in place wrote half of the array;
 - ``drop:renamed``: the table's folder is renamed aside (``.dropped-*``), not yet removed;
 - ``delete:dropped``: the table's folder is gone from the data directory, the registry still has it;
 - ``delete:published``: the registry no longer has the table, its counters are not marked deleted.

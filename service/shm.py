@@ -13,8 +13,9 @@ Layout of one server's shared directory (``<shm_dir>/robez-<server id>/``, tmpfs
                                                run (service/log/granules.py)
     locks/<id>.lock        flock: the update lock of a table (shared by the tables sharing its array);
                            it outlives the arrays a load switches the table between
-    tables/<uid>.counters  int64 (3,): [version, state, pending] (state: live, deleted, replaced by a
-                           load; pending: the version an update under way will produce, else 0)
+    tables/<uid>.counters  int64 (5,): [version, state, pending, overwrites, target] (state: live,
+                           deleted, replaced by a load; pending: the version an update under way will
+                           produce, else 0; overwrites: odd while the array is restored in place)
 
 Every worker maps the same files (``torch.from_file(..., shared=True)``, MAP_SHARED), so a table's memory
 is held once whatever the worker count, and an update written through one worker's mapping is what every
@@ -47,12 +48,17 @@ from robez_core.table import Table
 from .log.granules import GranuleMarks, record_bytes
 
 VERSION, STATE, PENDING = 0, 1, 2  # indices of a table's counters
-NUM_COUNTERS = 3
+# counters[OVERWRITES]: odd while the array is overwritten in place (service/store/inplace.py), or left
+# torn by an overwrite that died; lookups and updates refuse it then. counters[TARGET]: the version that
+# overwrite writes (the repair rebuilds it from the data directory).
+OVERWRITES, TARGET = 3, 4
+NUM_COUNTERS = 5
 # counters[PENDING]: 0, or what the holder of the table's lock is doing, which the next holder finds if
 # that worker died (service/store/repair.py's docstring): the version an update will produce, or one of these.
 EXCLUSIVE = -1  # a snapshot (or another exclusive holder) runs
 LOADING = -2  # a load (``TableStore.restore``)
 DELETING = -3  # a delete
+OVERWRITING = -4  # a restore into the table's own array (``TableStore.restore_from_file``)
 LIVE, DELETED, REPLACED = 0, 1, 2  # counters[STATE]
 DIR_PREFIX = "robez-"
 
@@ -152,7 +158,7 @@ class TableEntry:
     table: Table
     array: SharedArray
     lock: FileLock  # the table's update lock, the same object for every entry of this table
-    counters: Tensor  # int64 (3,) [version, state, pending], shared
+    counters: Tensor  # int64 (5,) [version, state, pending, overwrites, target], shared
     # the same memory as numpy: reading one value this way costs ~0.1 us instead of ~2 us
     _counters_np: np.ndarray = field(init=False, repr=False)
 
@@ -178,6 +184,12 @@ class TableEntry:
 
     def set_pending(self, version: int) -> None:
         self._counters_np[PENDING] = version
+
+    @property
+    def overwrites(self) -> int:
+        """Odd while the array is overwritten in place or was left torn (``inplace.py``); lookups read
+        it before and after they gather."""
+        return int(self._counters_np[OVERWRITES])
 
     @property
     def marks(self) -> GranuleMarks:

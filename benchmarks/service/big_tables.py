@@ -25,6 +25,13 @@ and measures, from a client on the same machine:
     python -m benchmarks.service.big_tables [--memory-size 268435456] [--workers 2] [--updates 2000]
         [--only-copies [--no-data-dir]] [--tree DIR]
 
+``--only-restore``: only a restore of a snapshot file into the existing table (a replica whose log was
+trimmed past it: ``TableStore.restore_from_file``), in one process over its own shared directory with
+no data directory, as on a replica: the peak extra memory (PSS of the process with its shared-memory
+files counted once, and the shared-memory files alone) and the time of the restore in place against
+the switch to a new array filled from the file that it replaces (main's, ``TableAdmin.restore``),
+alternated, ``--rounds`` each.
+
 ``--only-copies``: stop after the snapshot and the checksum (``--no-data-dir``: a server without one, the
 checksum and a checkpoint download). ``--tree``: the source tree whose
 ``python -m service`` runs (default: the installed ``robez``), to compare a branch with main's tree.
@@ -377,6 +384,118 @@ def _load_alone(data_dir: Path, shm_dir: Path) -> str:
     return f"{done.stdout.splitlines()[-1]} ({found.group(1) if found else 'load not logged'})"
 
 
+def restore_worker(shm_dir: str, checkpoint: str, memory_size: int) -> None:
+    """The process ``--only-restore`` measures: a store over a new shared directory in ``shm_dir``, no
+    data directory, table t (``memory_size`` floats, adam) saved to ``checkpoint``; then, for each line
+    on stdin ("in-place" or "switch"), t restored from the file that way at the next version, and the
+    seconds it took printed."""
+    from robez_core.checkpoint import CheckpointFile
+    from robez_core.config import OptimizerConfig, TableConfig
+    from service.config import Settings, TableSpec
+    from service.log.journal import NullJournal
+    from service.store import TableStore
+    from service.store.admin import TableAdmin
+
+    settings = Settings(_env_file=None, shm_dir=Path(shm_dir), default_table=False)  # type: ignore[call-arg]
+    journal = NullJournal()
+    store = TableStore(TableStore.prepare(settings, journal), settings, journal)
+    config = TableConfig(
+        num_embeddings=memory_size, embedding_dim=DIM, memory_size=memory_size, chunk_size=CHUNK
+    )
+    store.create("t", TableSpec(config, OptimizerConfig("adam")))
+    store.table("t").weight.add_(1.0)
+    store.table("t").save(checkpoint)
+    switch = TableAdmin(store.registry, journal, store.limits)  # main's restore_from_file
+    print("ready", flush=True)
+    for version, line in enumerate(sys.stdin, start=1):
+        start = time.perf_counter()
+        if line.strip() == "switch":
+            switch.restore("t", CheckpointFile.open(checkpoint), version)
+        else:
+            store.restore_from_file("t", Path(checkpoint), version)
+        print(f"{time.perf_counter() - start:.3f}", flush=True)
+
+
+def _shm_bytes(shm_dir: Path) -> int:
+    return sum(path.stat().st_blocks * 512 for path in shm_dir.glob("robez-*/**/*") if path.is_file())
+
+
+def _sampled_restore(worker: subprocess.Popen[str], mode: str, shm_dir: Path) -> tuple[float, int, int]:
+    """One restore by ``worker`` (``restore_worker``), its memory sampled 20 times a second: (seconds,
+    peak extra PSS + shm, peak extra shm)."""
+    assert worker.stdin is not None and worker.stdout is not None
+    before = (server_memory_bytes(worker.pid, shm_dir), _shm_bytes(shm_dir))
+    peak = list(before)
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.05):
+            peak[0] = max(peak[0], server_memory_bytes(worker.pid, shm_dir))
+            peak[1] = max(peak[1], _shm_bytes(shm_dir))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        worker.stdin.write(f"{mode}\n")
+        worker.stdin.flush()
+        seconds = float(worker.stdout.readline())
+    finally:
+        stop.set()
+        sampler.join(timeout=60)
+    return seconds, peak[0] - before[0], peak[1] - before[1]
+
+
+def _only_restore(args: argparse.Namespace, root: Path, shm_dir: Path, state_bytes: int) -> list[str]:
+    """``--only-restore`` (module docstring): the report's rows."""
+    code = (
+        "import sys; from benchmarks.service.big_tables import restore_worker; "
+        "restore_worker(*sys.argv[1:3], int(sys.argv[3]))"
+    )
+    worker = subprocess.Popen(
+        [sys.executable, "-c", code, str(shm_dir), str(root / "t.safetensors"), str(args.memory_size)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert worker.stdin is not None and worker.stdout is not None
+    results: dict[str, dict[str, list[float]]] = {}  # bytes as floats too
+    try:
+        assert worker.stdout.readline().strip() == "ready"
+
+        for round_ in range(args.rounds):
+            modes = ["switch", "in-place"] if round_ % 2 == 0 else ["in-place", "switch"]
+            for mode in modes:
+                figures = results.setdefault(mode, {"seconds": [], "sampled": [], "pss": [], "shm": []})
+                worker.stdin.write(f"{mode}\n")  # timed without sampling: a reading costs a CPU
+                worker.stdin.flush()
+                figures["seconds"].append(float(worker.stdout.readline()))
+                sampled, extra_pss, extra_shm = _sampled_restore(worker, mode, shm_dir)
+                figures["sampled"].append(sampled)
+                figures["pss"].append(extra_pss)
+                figures["shm"].append(extra_shm)
+    finally:
+        worker.kill()
+        worker.wait()
+    rows = []
+    for mode, label in (("switch", "switch to a new array (main)"), ("in-place", "in place (this branch)")):
+        figures = results[mode]
+        peak_pss, peak_shm = max(figures["pss"]), max(figures["shm"])
+        rows.append(
+            f"| restore from a file, {label}: seconds (median of {args.rounds}; each) | "
+            f"{statistics.median(figures['seconds']):.2f} s "
+            f"({', '.join(f'{x:.2f}' for x in figures['seconds'])}) |"
+        )
+        rows.append(
+            f"| restore from a file, {label}: peak extra memory, PSS + shm (max of {args.rounds} sampled "
+            f"at 20 Hz) | {peak_pss / MiB:,.0f} MiB = state x {peak_pss / state_bytes:.2f} |"
+        )
+        rows.append(
+            f"| restore from a file, {label}: peak extra /dev/shm | {peak_shm / MiB:,.0f} MiB = state x "
+            f"{peak_shm / state_bytes:.2f} |"
+        )
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.service.big_tables", description=__doc__)
     parser.add_argument("--memory-size", type=int, default=1 << 28)
@@ -398,12 +517,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="with --only-copies: a server without a data directory (the checksum and a download)",
     )
+    parser.add_argument(
+        "--only-restore",
+        action="store_true",
+        help="only a restore from a file into the existing table, in place vs switched (no server)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="with --only-restore: restores of each kind")
     args = parser.parse_args(argv)
     if args.no_data_dir and not args.only_copies:
         parser.error("--no-data-dir goes with --only-copies")
     state_bytes = 3 * 4 * args.memory_size
     root = Path(tempfile.mkdtemp(prefix="robez-bench-big-", dir=args.data_dir or Path.cwd()))
     shm_dir = Path(tempfile.mkdtemp(prefix="robez-bench-big-", dir="/dev/shm"))
+    if args.only_restore:
+        try:
+            rows = _only_restore(args, root, shm_dir, state_bytes)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(shm_dir, ignore_errors=True)
+        args.no_data_dir, args.workers = True, 1
+        return _report(args, argv, state_bytes, rows)
     data_dir = root / "data"
     server = _Server(
         None if args.no_data_dir else data_dir, shm_dir, args.workers, root / "server.log", args.tree
@@ -579,7 +712,10 @@ def _report(args: argparse.Namespace, argv: Sequence[str] | None, state_bytes: i
         f"{state_bytes / MiB:,.0f} MiB of state; {args.workers} workers, "
         f"{'no data directory' if args.no_data_dir else 'fsync always'}; threads: the default"
     )
-    print("- one client on the same machine; latencies measured by the client (binary bodies)\n")
+    if getattr(args, "only_restore", False):
+        print("- one process (no server): the restores timed inside it, its memory read from /proc\n")
+    else:
+        print("- one client on the same machine; latencies measured by the client (binary bodies)\n")
     print("| what | measured |\n|---|---|")
     print("\n".join(lines))
     return 0

@@ -487,6 +487,9 @@ class Applier(SnapshotUploads):
                 if name in self._rebuild:
                     await self._rebuild_table(entry)
                     self._rebuild.discard(name)
+                if self.store.torn(name):  # a restore in place cut short: lookups answer 503 until
+                    logger.warning("table %s: restoring the snapshot again over a torn table", name)
+                    return await self._restore_snapshot(entry, need=self.store.version(name))
                 return self.store.version(name)
             await anyio.to_thread.run_sync(self.store.delete, name)
         spec = TableSpec(TableConfig.from_dict(entry.config), OptimizerConfig.from_dict(entry.optimizer))
@@ -593,8 +596,9 @@ class Applier(SnapshotUploads):
                 )
 
     async def _restore_snapshot(self, entry: CatalogEntry, need: int) -> int:
-        """The log was trimmed past this replica's position: load the snapshot (at >= ``need``) into a
-        new shared array and switch the table to it (``TableStore.restore_from_file``)."""
+        """The log was trimmed past this replica's position: write the snapshot (at >= ``need``) over the
+        table's own shared array (``TableStore.restore_from_file``, in place: lookups of the table answer
+        503 meanwhile; a restore cut short leaves it refused, and ``_bootstrap`` restores it again)."""
 
         def restore(path: Path, position: int) -> None:
             self.store.restore_from_file(entry.name, path, position)

@@ -12,6 +12,10 @@ but stay mapped until the lookup drops them) and reports the old version; one th
 load's response sees only the new array. An update that was waiting for the lock finds its entry marked
 replaced and starts again on the new array.
 
+A restore from a file into an existing table (``TableStore.restore_from_file``, a replica) writes the
+array in place instead, with no second copy: ``inplace.py``. A table such a restore left torn can still be
+loaded over or deleted here (both replace its whole array).
+
 A load or a delete marks the table's counters (``LOADING`` / ``DELETING``) while it runs; what a worker
 killed at each step leaves and how the next holder of the lock repairs it is in ``repair.py``.
 """
@@ -336,7 +340,7 @@ class TableAdmin:
         Marked ``DELETING`` first: a worker killed before the registry is published leaves the table
         served but perhaps gone from the data directory; the next holder of the lock writes it back
         (``repair.py``). On an error the mark stays for the same reason."""
-        with self._registry.locked(name) as entry, self._registry.lock.hold():
+        with self._registry.locked(name, torn_ok=True) as entry, self._registry.lock.hold():
             registry = self._registry.directory.read_registry()
             record = registry.tables.get(name)
             if record is None or record["uid"] != entry.uid:  # changes of a table hold its lock
@@ -395,7 +399,7 @@ class TableAdmin:
         worker dies meanwhile, the next holder of the lock puts the data directory and the shared
         memory back in line with whichever table the registry publishes (``repair.py``).
         """
-        with self._registry.locked(name) as entry, self._registry.lock.hold():
+        with self._registry.locked(name, torn_ok=True) as entry, self._registry.lock.hold():
             table = entry.table
             if after is not None and entry.version != after:
                 if entry.version > after:

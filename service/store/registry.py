@@ -129,18 +129,19 @@ class TableRegistry:
     # -- a table's update lock, held by every change of a table -----------------------------------
 
     @contextmanager
-    def locked(self, name: str) -> Iterator[TableEntry]:
+    def locked(self, name: str, *, torn_ok: bool = False) -> Iterator[TableEntry]:
         """The table's current entry, its update lock held: no update, snapshot, load or delete of it runs
         meanwhile. An entry a load replaced while this waited for the lock is looked up again; one whose
-        last holder died in the middle of an update is repaired first."""
-        with self.try_locked(name, blocking=True) as entry:
+        last holder died in the middle of an update is repaired first. A table an in-place restore left
+        torn (``inplace.py``) is a ``BusyError``, unless ``torn_ok`` (the restore that mends it)."""
+        with self.try_locked(name, blocking=True, torn_ok=torn_ok) as entry:
             assert entry is not None
             yield entry
 
     @contextmanager
-    def try_locked(self, name: str, blocking: bool) -> Iterator[TableEntry | None]:
+    def try_locked(self, name: str, blocking: bool, *, torn_ok: bool = False) -> Iterator[TableEntry | None]:
         """As ``locked``; with ``blocking=False`` None at once when the lock is held elsewhere."""
-        entry = self.acquire(name, blocking)
+        entry = self.acquire(name, blocking, torn_ok=torn_ok)
         if entry is None:
             yield None
             return
@@ -149,7 +150,7 @@ class TableRegistry:
         finally:
             entry.lock.release()
 
-    def acquire(self, name: str, blocking: bool) -> TableEntry | None:
+    def acquire(self, name: str, blocking: bool, *, torn_ok: bool = False) -> TableEntry | None:
         """``try_locked`` without the context manager (the small-update path, where it costs ~2 us of
         a request): the current entry with its lock taken, which the caller releases
         (``entry.lock.release()``); None at once with ``blocking=False`` when the lock is held elsewhere."""
@@ -163,6 +164,8 @@ class TableRegistry:
                 state = entry.state
                 if state == DELETED:
                     raise NotFoundError(f"no table named {name!r}")
+                if state == LIVE and not torn_ok:
+                    refuse_torn(entry)
             except BaseException:
                 entry.lock.release()
                 raise
@@ -198,6 +201,8 @@ class TableRegistry:
                     state = entry.state
                     if state == DELETED:
                         raise NotFoundError(f"no table named {name!r}")
+                    if state == LIVE:
+                        refuse_torn(entry)
                     if state == REPLACED:
                         switched = True
                         break
@@ -238,6 +243,16 @@ class TableRegistry:
                 lock.close()
             self.arrays, self.entries, self._locks = {}, {}, {}
         self.lock.close()
+
+
+def refuse_torn(entry: TableEntry) -> None:
+    """``BusyError`` (503) if the table's array is being restored in place, or an in-place restore that
+    died left it torn (``OVERWRITES`` odd, ``inplace.py``): its rows are not served until restored."""
+    if entry.overwrites & 1:
+        raise BusyError(
+            f"table {entry.name!r} is being restored from a snapshot in place (or such a restore was cut "
+            "short and it waits for the next); try again shortly, or another replica"
+        )
 
 
 def _release(locks: list[FileLock]) -> None:

@@ -51,6 +51,9 @@ repair:
   request holding the old entry finds the mark and answers 404; its files go at the next repair, load
   or delete. Whole-server kill: gone.
 
+A restore in place (``inplace.py``) marks ``pending = OVERWRITING``; its kill points and repair
+(``repair_overwrite``) are in that module's docstring.
+
 Until that next holder comes, a whole-server kill restarts from the data directory alone: the loaded
 table, or no table, from ``snapshot:committed`` / ``drop:renamed`` on, though the workers were still
 serving the old one. Nothing acknowledged is lost that way: no update was acknowledged since the kill,
@@ -66,15 +69,18 @@ import torch
 from robez_core.errors import CorruptionError
 from robez_core.table import Table
 
-from ..log.journal import Journal
+from ..log.journal import Journal, NullJournal
 from ..shm import (
     DELETED,
     DELETING,
     LIVE,
     LOADING,
     NUM_COUNTERS,
+    OVERWRITES,
+    OVERWRITING,
     REPLACED,
     STATE,
+    TARGET,
     Registry,
     SharedDirectory,
     TableEntry,
@@ -89,6 +95,9 @@ def repair(registry: TableRegistry, journal: Journal, entry: TableEntry) -> None
     version, pending = entry.version, entry.pending
     if pending in (LOADING, DELETING):
         _repair_load_or_delete(registry, journal, entry)
+        return
+    if pending == OVERWRITING:
+        repair_overwrite(journal, entry)
         return
     what = f"while applying update {pending}" if pending > 0 else "while it held the table's lock"
     # Whatever the dead holder changed, every copy running marks it all changed (and the dead one's
@@ -144,6 +153,45 @@ def _repair_load_or_delete(registry: TableRegistry, journal: Journal, entry: Tab
             logger.warning("table %r: a worker died %s it, after the registry published it", name, what)
         remove_orphans(registry.directory, published)
         entry.set_pending(0)
+
+
+def repair_overwrite(journal: Journal, entry: TableEntry) -> None:
+    """The holder of the lock died (or failed) in ``restore_in_place``; caller holds the lock
+    (``inplace.py``'s docstring, crashes: the kill points ``restore:durable``, ``restore:overwriting``)."""
+    name, target = entry.name, int(entry.counters[TARGET])
+    if entry.overwrites % 2 == 0:  # nothing of the array written: the table served is the truth
+        if not isinstance(journal, NullJournal):
+            write_journal(journal, name, entry.table, entry.version)
+        logger.warning(
+            "table %r: a restore in place died before it wrote the array; version %d stays",
+            name,
+            entry.version,
+        )
+        entry.set_pending(0)
+        return
+    entry.marks.reclaim()
+    entry.marks.mark_all()
+    rebuilt = None if isinstance(journal, NullJournal) else journal.recover(name, target)
+    if rebuilt is None:
+        entry.set_pending(0)  # OVERWRITES stays odd: refused until a restore writes the whole array
+        logger.error(
+            "table %r: a restore in place died half way and there is no data directory to rebuild it "
+            "from; the table answers 503 until it is restored again (a replica does that itself)",
+            name,
+        )
+        return
+    for key, tensor in rebuilt.tensors().items():
+        target_tensor = entry.array.tensors[key]
+        target_tensor.copy_(tensor.reshape(target_tensor.shape))
+    entry.set_version(target)
+    entry.marks.mark_all()
+    entry.counters[OVERWRITES] += 1
+    entry.set_pending(0)
+    logger.warning(
+        "table %r: a restore in place died half way; version %d rebuilt from the data directory",
+        name,
+        target,
+    )
 
 
 def write_journal(journal: Journal, name: str, table: Table, version: int) -> None:

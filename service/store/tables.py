@@ -9,7 +9,8 @@ Consistency: updates of an array are serialised by its lock; lookups never take 
 while an update is applied may read a row with some values from before and some from after that update
 (values are float32 stores, never torn); every lookup that starts after an update's response was sent
 sees the whole update, since the update finished writing before it responded. A lookup reports the table
-version read before it gathered: its rows include at least that many updates.
+version read before it gathered: its rows include at least that many updates. A restore in place
+(``restore_from_file``, ``inplace.py``) is never seen half done: a lookup it overlaps answers 503.
 
 An update marks ``pending`` before it appends to the journal and clears it after the version counter is
 bumped; whoever takes the lock next and finds the mark set repairs the table first (``repair.py``).
@@ -81,6 +82,7 @@ from .api import (
     UpdateResult,
     validate_table_name,
 )
+from .inplace import lookup_ends, lookup_starts, restore_in_place
 from .registry import TableRegistry
 from .repair import repair
 
@@ -222,8 +224,13 @@ class TableStore:
         return self.info(name)
 
     def restore_from_file(self, name: str, path: Path, version: int) -> None:
-        """``restore`` from the checkpoint file at ``path``, read straight into the new shared array."""
-        self._admin.restore(name, CheckpointFile.open(path), version)
+        """Overwrite the table with the checkpoint file at ``path`` at ``version``, in its own array piece
+        by piece (``inplace.py``: no second array; lookups answer 503 meanwhile, never a mix)."""
+        restore_in_place(self.registry, self.journal, name, CheckpointFile.open(path), version, self.faults)
+
+    def torn(self, name: str) -> bool:
+        """Whether an in-place restore of the table was cut short and it waits for the next one."""
+        return bool(self.registry.entry(name).overwrites & 1)
 
     def delete(self, name: str) -> None:
         """Remove a table; its array goes when no other table reads it (``TableAdmin.delete``)."""
@@ -256,12 +263,13 @@ class TableStore:
         table = entry.table
         self.limits.check_request(_count(ids), table.config.embedding_dim)
         if pooling == "none" and offsets is None and per_sample_weights is None:
-            version = entry.version
+            overwrites, version = lookup_starts(entry), entry.version
             if isinstance(ids, np.ndarray):
                 rows, hash_seconds, lookup_seconds = table.lookup_timed(ids)  # checks ids
             else:
                 tensor_rows, hash_seconds, lookup_seconds = table.lookup_timed(ids)
                 rows = tensor_rows.numpy()
+            lookup_ends(entry, overwrites)
             if tracing.TRACER is not None:
                 _trace_lookup(name, _count(ids), version, hash_seconds, lookup_seconds)
             return LookupResult(rows, version, hash_seconds, lookup_seconds)
@@ -269,8 +277,9 @@ class TableStore:
             ids = torch.from_numpy(ids)
         table.validate_ids(ids)
         bag_offsets, weights = _validate_pooling(ids, offsets, pooling, per_sample_weights)
-        version = entry.version
+        overwrites, version = lookup_starts(entry), entry.version
         bag_rows, hash_seconds, lookup_seconds = table.lookup_timed(ids)
+        lookup_ends(entry, overwrites)
         if pooling != "none":
             assert bag_offsets is not None
             start = time.perf_counter()

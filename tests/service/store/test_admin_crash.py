@@ -28,15 +28,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
 import torch
 
 from robez_core.config import OptimizerConfig, TableConfig
-from robez_core.errors import ConflictError, NotFoundError
+from robez_core.errors import BusyError, ConflictError, NotFoundError
 from robez_core.table import Table
 from service.config import Settings, TableSpec
+from service.log.journal import NullJournal
 from service.log.state_digest import digest_of_table
 from service.shm import REPLACED, STATE, SharedDirectory
 from service.store import TableStore
@@ -52,28 +54,31 @@ CONFIG = TableConfig(num_embeddings=1000, embedding_dim=8, memory_size=1024, chu
 OPTIMIZER = OptimizerConfig("adam", lr=0.1)
 CHILD_SECONDS = 120.0
 
-# The dying worker: attach, then load ``argv[4]`` into table t (or delete t when it is "-").
+# The dying worker: attach, then load ``argv[4]`` into table t (or delete t when it is "-"; restore it
+# in place at version 7 from the file after "in-place:"); ``argv[2]`` "-": no data directory.
 _WORKER = """
 import sys
 from pathlib import Path
 from robez_core.table import Table
 from service.config import Settings
 from service.faults import Faults
+from service.log.journal import NullJournal
 from service.shm import SharedDirectory
 from service.store import TableStore
 from service.wal import WalJournal
 
 shm_path, data_dir, fault, checkpoint = sys.argv[1:]
 settings = Settings(
-    _env_file=None, shm_dir=Path(shm_path).parent, data_dir=data_dir,
+    _env_file=None, shm_dir=Path(shm_path).parent, data_dir=None if data_dir == "-" else data_dir,
     default_table=False, threads_per_worker=1,
 )
 faults = Faults(die_file=Path(fault))  # the test hook of service/faults.py
-store = TableStore(
-    SharedDirectory(Path(shm_path)), settings, WalJournal.from_settings(settings, faults), faults
-)
+journal = NullJournal() if data_dir == "-" else WalJournal.from_settings(settings, faults)
+store = TableStore(SharedDirectory(Path(shm_path)), settings, journal, faults)
 if checkpoint == "-":
     store.delete("t")
+elif checkpoint.startswith("in-place:"):
+    store.restore_from_file("t", Path(checkpoint.removeprefix("in-place:")), 7)
 else:
     store.restore("t", Table.load(checkpoint), 0)
 sys.exit(3)  # the fault did not fire
@@ -183,7 +188,8 @@ def _holds_nothing_stale(data_dir: Path) -> None:
 def _kill_worker_at(point: str, worker: Worker, tmp_path: Path, checkpoint: str) -> None:
     fault = tmp_path / "fault"
     fault.write_text(point)
-    command = [sys.executable, "-c", _WORKER, str(worker.directory.path), str(worker.settings.data_dir)]
+    data_dir = str(worker.settings.data_dir or "-")
+    command = [sys.executable, "-c", _WORKER, str(worker.directory.path), data_dir]
     dead = subprocess.run(
         [*command, str(fault), checkpoint], capture_output=True, text=True, timeout=CHILD_SECONDS
     )
@@ -282,6 +288,94 @@ def test_a_worker_killed_in_the_middle_of_a_delete(point: Point, worker: Worker,
     worker.store.delete("t")  # and it can still be deleted, for good
     assert _restarted(worker.journal.data_dir, tmp_path) is None and worker.store.names() == []
     _shared_files_match_the_registry(worker.directory)
+
+
+IN_PLACE_POINTS = [
+    Point("snapshot:committed", served="old", restarted="new"),
+    Point("restore:durable", served="old", restarted="new"),
+    Point("restore:overwriting", served="new", restarted="new"),
+]
+
+
+def _loaded(tmp_path: Path) -> tuple[Table, Path]:
+    loaded = Table(CONFIG, OPTIMIZER)
+    generator = torch.Generator().manual_seed(2)
+    for tensor in loaded.tensors().values():
+        tensor.copy_(torch.rand(tensor.shape, generator=generator) + 10.0)
+    checkpoint = tmp_path / "loaded.safetensors"
+    loaded.save(checkpoint)
+    return loaded, checkpoint
+
+
+@pytest.mark.parametrize("point", IN_PLACE_POINTS, ids=lambda point: point.name)
+def test_a_worker_killed_in_the_middle_of_a_restore_in_place(
+    point: Point, worker: Worker, tmp_path: Path
+) -> None:
+    """``restore_from_file`` (``inplace.py``) killed at each step: before the overwrite the old table
+    is served and written back; half way through it the table is refused (never a torn row served)
+    until the next holder of the lock rebuilds the new one from the data directory; nothing
+    acknowledged is lost and the data directory ends as the workers serve."""
+    old, old_version = _start(worker)
+    loaded, checkpoint = _loaded(tmp_path)
+
+    _kill_worker_at(point.name, worker, tmp_path, f"in-place:{checkpoint}")
+
+    tables = {"old": (old, old_version), "new": (loaded, 7)}
+    restarted = _restarted(worker.journal.data_dir, tmp_path)
+    assert restarted is not None
+    expected, version = tables[point.restarted]
+    assert restarted[1] == version and _same(restarted[0], expected), "a restart now serves another table"
+
+    expected, version = tables[point.served]
+    if point.served == "new":  # torn until the next holder of the lock rebuilds it
+        assert worker.store.torn("t")
+        with pytest.raises(BusyError):
+            worker.store.lookup("t", torch.tensor([1, 2]))
+    else:
+        assert not worker.store.torn("t")
+        assert worker.store.version("t") == version and _same(worker.store.table("t"), expected)
+    expected = _copy(expected)
+    for ids, grads in _updates(3, 2):  # the first one takes the lock and repairs
+        assert worker.store.update("t", ids, grads).version == version + 1
+        expected.apply_gradients(ids, grads)
+        version += 1
+    assert not worker.store.torn("t") and _same(worker.store.table("t"), expected)
+    restarted = _restarted(worker.journal.data_dir, tmp_path)
+    assert restarted is not None and restarted[1] == version, "the data directory lost acknowledged updates"
+    assert _same(restarted[0], expected), "the data directory holds another table than the workers serve"
+    _holds_nothing_stale(worker.journal.data_dir)
+    _shared_files_match_the_registry(worker.directory)
+
+
+def test_a_restore_in_place_killed_half_way_without_a_data_directory_is_refused_until_restored(
+    tmp_path: Path,
+) -> None:
+    """Without a data directory (a replica) nothing can rebuild a torn array: lookups, updates and
+    checksums answer 503 (``BusyError``), never the torn rows, until a restore writes it whole again
+    (the replica's applier restores its snapshot again, ``_bootstrap``)."""
+    settings = make_settings(tmp_path, default_table=False)
+    journal = NullJournal()
+    directory = TableStore.prepare(settings, journal)
+    store = TableStore(directory, settings, journal)
+    try:
+        worker = Worker(settings, cast(WalJournal, journal), directory, store)
+        _start(worker)
+        loaded, checkpoint = _loaded(tmp_path)
+        _kill_worker_at("restore:overwriting", worker, tmp_path, f"in-place:{checkpoint}")
+        assert store.torn("t") and store.version("t") == 7
+        with pytest.raises(BusyError):
+            store.lookup("t", torch.tensor([1, 2]))
+        with pytest.raises(BusyError):
+            store.update("t", torch.tensor([1]), torch.ones(1, 8))
+        with pytest.raises(BusyError):
+            store.checksum("t")
+        store.restore_from_file("t", checkpoint, 7)
+        assert not store.torn("t") and store.version("t") == 7 and _same(store.table("t"), loaded)
+        assert store.update("t", torch.tensor([1]), torch.ones(1, 8)).version == 8
+        _shared_files_match_the_registry(directory)
+    finally:
+        store.close()
+        directory.remove()
 
 
 def _digest(table: Table) -> str:
