@@ -112,12 +112,13 @@ def test_copies_take_only_their_own_marks_and_a_dead_copy_s_bit_is_taken_back() 
     m = 1000
     raw = np.zeros(granules.record_bytes(m), dtype=np.uint8)
     record = granules.GranuleMarks(raw)
+    table = Table(TableConfig(num_embeddings=10, embedding_dim=4, memory_size=m, chunk_size=4))
     assert not record.active()
     first = record.begin()
-    record.mark_chunks(np.array([0, 130]), 4)  # granules 0 and 2
+    record.mark_chunks(np.array([0, 130]), 4, table)  # granules 0 and 2
     second = record.begin()
     assert first is not None and second is not None and first != second
-    record.mark_positions(np.array([64 * 5 + 3]))  # granule 5
+    record.mark_positions(np.array([64 * 5 + 3]), table)  # granule 5
     assert np.flatnonzero(record.take(first)).tolist() == [0, 2, 5]
     assert np.flatnonzero(record.take(first)).tolist() == []  # taken: cleared
     assert np.flatnonzero(record.take(second)).tolist() == [5]  # only what changed since it began
