@@ -151,7 +151,7 @@ class CheckpointStream:
             raise StreamAborted("the download's copy-on-write record was taken back: download it again")
         failure = self._record.failure(self._slot)
         if failure == REPAIRED:
-            raise StreamAborted("the table was rewritten (a repair or a load) during the download: download it again")
+            raise StreamAborted("the table was rewritten (a repair, a load) during the download: try again")
         if failure:
             raise StreamAborted(
                 f"the download's copy-on-write store ({os.path.dirname(self._path)}) could not be written "
