@@ -29,6 +29,7 @@ the granule marks it saved. The header holds, per stream slot::
     int64 end[SLOTS]        the side file's length (records end there)
     int64 failed[SLOTS]     non-zero: no granule is saved any more (an errno, or REPAIRED)
     int64 serial[SLOTS]     changes with every ``begin_stream`` (each process's open side file checked)
+    int64 saves[SLOTS][3]   the updates that saved granules: count, nanoseconds in all, the most in one
     uint8 path[SLOTS][256]  the side file
 
 A record is ``int64 n, int64 granule[n]``, then each (m,) tensor's n granules (the last granule zero
@@ -41,6 +42,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from contextlib import suppress
 from typing import TYPE_CHECKING
 
@@ -58,7 +60,7 @@ logger = logging.getLogger("robez.store")
 GRANULE = 64
 SLOTS = 8
 PATH_BYTES = 256
-_INT64S = 2 + 5 * SLOTS  # active, owner[], streams, cursor[], end[], failed[], serial[]
+_INT64S = 2 + 8 * SLOTS  # active, owner[], streams, cursor[], end[], failed[], serial[], saves[][3]
 HEADER_BYTES = 8 * _INT64S + SLOTS * PATH_BYTES
 # ``failed`` of a stream whose table a repair rewrote (not an errno).
 REPAIRED = -1
@@ -132,6 +134,7 @@ class GranuleMarks:
         self._cursor, self._end, self._failed, self._serial = (
             header[2 + SLOTS * k : 2 + SLOTS * (k + 1)] for k in range(1, 5)
         )
+        self._saves = header[2 + 5 * SLOTS : 2 + 8 * SLOTS].reshape(SLOTS, 3)
         self._paths = raw[8 * _INT64S : HEADER_BYTES].reshape(SLOTS, PATH_BYTES)
         self.marks = raw[HEADER_BYTES:]
         self._side: dict[int, tuple[int, int]] = {}  # slot -> (serial, fd): this process's side files
@@ -179,6 +182,7 @@ class GranuleMarks:
         for slot in _slots(streams):
             if self._failed[slot]:
                 continue
+            started = time.perf_counter_ns()
             bit = np.uint8(1 << slot)
             need = granules[(self.marks[granules] & bit) == 0]
             need = need[(len(tensors) - 1) * count + need >= self._cursor[slot]]  # a tensor's unsent
@@ -195,6 +199,10 @@ class GranuleMarks:
             except OSError as error:
                 self._failed[slot] = error.errno or errno.EIO
                 logger.warning("a download's copy-on-write save failed (the download ends): %s", error)
+            if need.size:
+                took = time.perf_counter_ns() - started
+                self._saves[slot] += (1, took, 0)
+                self._saves[slot, 2] = max(int(self._saves[slot, 2]), took)
 
     def _side_file(self, slot: int) -> int:
         """This process's descriptor of the side file of the stream in ``slot``."""
@@ -245,6 +253,7 @@ class GranuleMarks:
         if slot is None:
             return None
         self._cursor[slot] = self._end[slot] = self._failed[slot] = 0
+        self._saves[slot] = 0
         self._serial[slot] += 1
         self._paths[slot] = 0
         self._paths[slot, : len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
@@ -258,6 +267,12 @@ class GranuleMarks:
     def saved_end(self, slot: int) -> int:
         """Where the records of the stream of ``slot`` end in its side file."""
         return int(self._end[slot])
+
+    def save_times(self, slot: int) -> tuple[int, float, float]:
+        """The updates that saved granules for the stream of ``slot``: (count, seconds in all, the most
+        seconds one took)."""
+        count, total, most = (int(value) for value in self._saves[slot])
+        return count, total / 1e9, most / 1e9
 
     def failure(self, slot: int) -> int:
         """Why the stream of ``slot`` cannot go on: an errno, ``REPAIRED``, or 0 (it can)."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, FastAPI, Query, Request
 from starlette.responses import Response, StreamingResponse
 
@@ -168,7 +169,7 @@ async def checkpoint(
         "Content-Length": str(stream.size),
         "Content-Disposition": f'attachment; filename="{name}-v{stream.version}.safetensors"',
     }
-    return StreamingResponse(_logged(name, stream), media_type=OCTET_STREAM, headers=headers)
+    return StreamingResponse(_body(name, stream), media_type=OCTET_STREAM, headers=headers)
 
 
 def open_stream(store: TableStore, name: str, data_dir: Path | None) -> CheckpointStream:
@@ -184,14 +185,24 @@ def open_stream(store: TableStore, name: str, data_dir: Path | None) -> Checkpoi
     )
 
 
-def _logged(name: str, stream: CheckpointStream) -> Iterator[bytes]:
-    """``stream.chunks()``; a download cut short (the headers went: the client sees a short body) is
-    logged with why."""
+async def _body(name: str, stream: CheckpointStream) -> AsyncIterator[bytes]:
+    """``stream.chunks()``, each made on a thread; a download cut short (the headers went: the client
+    sees a short body) is logged with why. However it ends (a client gone mid-way cancels this), the
+    stream is closed at once: its bit of the array's record freed, its side file removed (a thread's
+    ``next`` is not cancelled: the close waits for it)."""
+    chunks = stream.chunks()
     try:
-        yield from stream.chunks()
+        while True:
+            chunk = await anyio.to_thread.run_sync(next, chunks, None)
+            if chunk is None:
+                return
+            yield chunk
     except StreamAborted as error:
         logger.warning("download of table %r at version %d cut short: %s", name, stream.version, error)
         raise
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(stream.close)
 
 
 def _checkpoint_bytes(table: Table) -> bytes:

@@ -156,6 +156,23 @@ def test_the_download_s_first_byte_goes_before_its_copy_is_made(server: _Server,
     assert not server.store.registry.entry("big").marks.active()  # the stream ended its bit
 
 
+def test_a_client_gone_mid_download_ends_its_stream_at_once(server: _Server) -> None:
+    """The stream's bit (updates save granules while it is set) and side file go when the client does,
+    not when the abandoned iterator is collected."""
+    record = server.store.registry.entry("big").marks
+    server.store.faults.slow_seconds = SLOW_SECONDS
+    try:
+        with httpx.stream("GET", f"{server.url}/v1/tables/big/checkpoint", timeout=60) as response:
+            next(response.iter_raw())
+            assert record.active()
+        deadline = time.monotonic() + 2 * SLOW_SECONDS  # the rest of the stream: 3 pauses
+        while record.active() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not record.active()
+    finally:
+        server.store.faults.slow_seconds = 0.0
+
+
 @pytest.mark.parametrize("spill_dir", [False, True])
 def test_the_download_is_its_version_bitwise_while_several_workers_push(
     server: _Server, tmp_path: Path, spill_dir: bool
