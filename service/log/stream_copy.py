@@ -73,7 +73,10 @@ class CheckpointStream:
         self._started = time.perf_counter()
         self._exclusive = exclusive
         self._faults = faults
-        fd, path = tempfile.mkstemp(prefix=SIDE_FILE_PREFIX, suffix=".saved", dir=spill_dir)
+        try:
+            fd, path = tempfile.mkstemp(prefix=SIDE_FILE_PREFIX, suffix=".saved", dir=spill_dir)
+        except OSError as error:
+            raise BusyError(f"the download's copy-on-write store cannot be created: {error}") from error
         self._fd, self._path = fd, path
         try:
             with exclusive() as (table, version):
@@ -124,7 +127,8 @@ class CheckpointStream:
     def _tensor(self, index: int) -> Iterator[bytes]:
         key, source = self._streamed[index]
         m = source.size
-        buffer = np.empty(BLOCK_GRANULES * GRANULE, dtype=source.dtype)
+        rows = np.empty((BLOCK_GRANULES, GRANULE), dtype=source.dtype)  # the last granule padded
+        buffer = rows.reshape(-1)
         for first in range(0, self._granules, BLOCK_GRANULES):
             last = min(self._granules, first + BLOCK_GRANULES)
             low, high = first * GRANULE, min(m, last * GRANULE)
@@ -138,7 +142,7 @@ class CheckpointStream:
                 end = self._record.saved_end(self._slot)
                 self.lock_holds.append(time.perf_counter() - held)
             self._saved.read(end)
-            self._saved.patch(block, index, first, last)
+            self._saved.patch(rows, index, first, last)
             data = block.tobytes()
             self.checkpoint.update(key, data)
             yield data
@@ -221,25 +225,28 @@ class _SavedGranules:
             self.granules += count
             self._read_to = values + count * GRANULE * sum(self._itemsizes)
 
-    def patch(self, block: np.ndarray, index: int, first: int, last: int) -> None:
-        """Put into ``block`` (granules ``first..last`` of the ``index``-th streamed tensor) the saved
-        contents of those of its granules the side file holds; adjacent ones read in one call."""
+    def patch(self, rows: np.ndarray, index: int, first: int, last: int) -> None:
+        """Put into ``rows`` ((BLOCK_GRANULES, GRANULE): the block's granules ``first..last`` of the
+        ``index``-th streamed tensor, the last one padded) the saved contents of those of its granules the
+        side file holds. A record's granules are sorted, so those of one record inside the block lie
+        side by side in it: one read per record (not per granule: 3-4x slower at 2^26 under a pusher)."""
         picked = np.flatnonzero(self._record_at[first:last] >= 0) + first
         if not picked.size:
             return
         granule_bytes = GRANULE * self._itemsizes[index]
-        before = sum(self._itemsizes[:index]) * GRANULE
-        where = (
-            self._record_at[picked]
-            + self._record_size[picked].astype(np.int64) * before
-            + self._place[picked].astype(np.int64) * granule_bytes
-        )
-        breaks = np.flatnonzero((np.diff(picked) != 1) | (np.diff(where) != granule_bytes)) + 1
-        flat = block.view(np.uint8)
-        for run in np.split(np.arange(picked.size), breaks):
-            low = int(picked[run[0]] - first) * granule_bytes
-            high = min(flat.size, low + run.size * granule_bytes)
-            flat[low:high] = np.frombuffer(_pread(self._fd, high - low, int(where[run[0]])), dtype=np.uint8)
+        before = sum(self._itemsizes[:index]) * GRANULE  # bytes per granule of the tensors ahead of it
+        records = self._record_at[picked]
+        order = np.argsort(records, kind="stable")  # by record; granule order (= place order) kept
+        picked, records = picked[order], records[order]
+        starts = np.flatnonzero(np.diff(records, prepend=-1))
+        flat = rows.reshape(rows.shape[0], -1).view(np.uint8)
+        for begin, end in zip(starts, [*starts[1:], picked.size], strict=True):
+            granules = picked[begin:end]
+            places = self._place[granules].astype(np.int64)
+            low, high = int(places.min()), int(places.max()) + 1  # side by side: see above
+            at = int(records[begin]) + int(self._record_size[granules[0]]) * before + low * granule_bytes
+            data = np.frombuffer(_pread(self._fd, (high - low) * granule_bytes, at), dtype=np.uint8)
+            flat[granules - first] = data.reshape(high - low, granule_bytes)[places - low]
 
 
 def _pread(fd: int, size: int, position: int) -> bytes:
