@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
+from fastapi.testclient import TestClient
 
 from robez_core.errors import BusyError
 from robez_core.table import Table
@@ -27,7 +28,7 @@ from service.log.stream_copy import CheckpointStream, StreamAborted
 from service.routes.durability import open_stream
 from service.store import TableStore
 
-from .conftest import make_settings
+from .conftest import make_settings, store_of
 
 BIG = {"num_embeddings": 100_000, "embedding_dim": 16, "memory_size": 1 << 22, "chunk_size": 16}
 SLOW_SECONDS = 0.5  # per 16 MiB piece: adam's three tensors of 16 MiB take >= 1.5 s to send
@@ -254,3 +255,42 @@ def test_a_download_beyond_the_record_s_slots_is_refused_busy(server: _Server) -
         for stream in streams:
             stream.close()
     assert not server.store.registry.entry("big").marks.active()
+
+
+def test_a_table_of_a_partial_last_granule_streams_exactly(
+    client_factory: Callable[..., TestClient], tmp_path: Path
+) -> None:
+    """m not a multiple of the granule (its last one saved zero padded, sent cut), pushes on every id
+    between the chunks (each block one whole tensor here): the file is the table at its version."""
+    config = {"num_embeddings": 2000, "embedding_dim": 8, "memory_size": (1 << 12) + 40, "chunk_size": 4}
+    client = client_factory(default_table=False)
+    created = {"name": "big", "config": config, "optimizer": {"name": "adam"}}
+    response = client.post("/v1/tables", json=created)
+    assert response.status_code == 201, response.text
+    store = store_of(client)
+    generator = torch.Generator().manual_seed(9)
+    pushed: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    start = {key: tensor.clone() for key, tensor in store.table("big").tensors().items()}
+    start_version = store.version("big")
+    stream = open_stream(store, "big", tmp_path)
+    chunks = []
+    for chunk in stream.chunks():
+        chunks.append(chunk)
+        for size in SIZES:  # every id, in one push or in several: every granule changes
+            ids = torch.randperm(2000, generator=generator)[: size * 10]
+            grads = torch.randn(ids.numel(), 8, generator=generator)
+            pushed.append((store.update("big", ids, grads).version, ids, grads))
+    table = store.table("big")
+    oracle = Table(
+        table.config,
+        table.optimizer,
+        weight=start["weight"].clone(),
+        state={key[len("state.") :]: t.clone() for key, t in start.items() if key != "weight"},
+    )
+    assert stream.version == start_version
+    loaded = _load(b"".join(chunks), tmp_path)
+    assert _equal(loaded, oracle)  # the version it began at, though every granule changed meanwhile
+    assert not _equal(loaded, table)
+    for _version, ids, grads in pushed:
+        oracle.apply_gradients(ids, grads)
+    assert _equal(table, oracle)
