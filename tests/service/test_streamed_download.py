@@ -294,3 +294,26 @@ def test_a_table_of_a_partial_last_granule_streams_exactly(
     for _version, ids, grads in pushed:
         oracle.apply_gradients(ids, grads)
     assert _equal(table, oracle)
+
+
+def test_a_load_during_a_download_ends_it_with_why(
+    client_factory: Callable[..., TestClient], tmp_path: Path
+) -> None:
+    """The table switched to another array mid-way: the download cannot send its version any more and
+    ends with an error at its next block (the headers went: the client sees a short body)."""
+    config = {"num_embeddings": 2000, "embedding_dim": 8, "memory_size": 1 << 16, "chunk_size": 4}
+    client = client_factory(default_table=False)
+    created = {"name": "big", "config": config, "optimizer": {"name": "adam"}}
+    assert client.post("/v1/tables", json=created).status_code == 201
+    saved = client.get("/v1/tables/big/checkpoint")
+    assert saved.status_code == 200
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    stream = open_stream(store_of(client), "big", spill)
+    chunks = stream.chunks()
+    next(chunks)  # the header
+    loaded = client.post("/v1/tables/big/load", content=saved.content)
+    assert loaded.status_code == 200, loaded.text
+    with pytest.raises(StreamAborted, match="a load"):
+        list(chunks)
+    assert list(spill.iterdir()) == []  # its side file went
