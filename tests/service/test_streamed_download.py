@@ -24,9 +24,10 @@ from service.app import create_app
 from service.faults import Faults
 from service.log import granules
 from service.log.journal import NullJournal
-from service.log.stream_copy import CheckpointStream, StreamAborted
+from service.log.stream_copy import SIDE_FILE_PREFIX, CheckpointStream, StreamAborted
 from service.routes.durability import open_stream
 from service.store import TableStore
+from service.wal.files import remove_creation_leftovers
 
 from .conftest import make_settings, store_of
 
@@ -317,3 +318,14 @@ def test_a_load_during_a_download_ends_it_with_why(
     with pytest.raises(StreamAborted, match="a load"):
         list(chunks)
     assert list(spill.iterdir()) == []  # its side file went
+
+
+def test_a_side_file_a_kill_left_in_the_data_dir_goes_at_the_next_start(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    left = data_dir / f"{SIDE_FILE_PREFIX}x1y2.saved"
+    left.write_bytes(b"saved granules")
+    kept = data_dir / "notes.saved"
+    kept.write_bytes(b"not ours")
+    remove_creation_leftovers(data_dir)
+    assert not left.exists() and kept.exists()
