@@ -217,6 +217,12 @@ class GranuleMarks:
         self._side[slot] = (serial, fd)
         return fd
 
+    def __del__(self) -> None:
+        """This process's side files closed with the record (a table dropped, say)."""
+        for _serial, fd in getattr(self, "_side", {}).values():
+            with suppress(OSError):
+                os.close(fd)
+
     def side_path(self, slot: int) -> str:
         """The side file of the stream in ``slot``."""
         return bytes(self._paths[slot]).rstrip(b"\0").decode()
