@@ -5,14 +5,21 @@ string metadata:
 
 =================  ==========================================================================
 ``format``         ``"robez-table"``
-``format_version`` ``"1"``
+``format_version`` ``"1"`` (``Table.save``, snapshots) or ``"2"`` (a streamed download)
 ``config``         JSON of ``TableConfig`` (hash, seed, chunk_size Z, memory_size m, embedding_dim d,
                    val_offset, num_embeddings, init_scale, random_numbers or null)
 ``random_numbers`` JSON list of the 11 hash constants actually used ``[P, r0..r9]``
 ``optimizer``      JSON of ``OptimizerConfig``
-``checksums``      JSON ``{tensor name: blake2b-128 hex of its bytes}``; safetensors has no checksum
-                   of its own, and a flipped bit in an array must not be served
+``checksums``      version 1: JSON ``{tensor name: blake2b-128 hex of its bytes}``; safetensors has no
+                   checksum of its own, and a flipped bit in an array must not be served
+``checksummed``    version 2: JSON list of the tensor names whose digests the ``checksums`` tensor holds,
+                   in its order (the tensors' file order)
 =================  ==========================================================================
+
+Version 2 (``StreamedCheckpoint``) is for a file sent while it is made: its header must go first, and a
+digest is known only once its tensor's bytes went. So the digests are not in the header but in a last
+tensor, ``checksums`` (uint8, 16 bytes of blake2b-128 per tensor of ``checksummed``): still a plain
+safetensors file any reader opens. ``CheckpointFile`` reads both versions.
 
 ``CheckpointWriter`` writes one into an open file, ``PendingCheckpoint`` into a temp file moved into place,
 ``CheckpointFile`` reads one into tensors the caller allocated; ``Table.save`` / ``Table.load`` use them.
@@ -48,12 +55,16 @@ __all__ = [
     "CheckpointFile",
     "CheckpointWriter",
     "PendingCheckpoint",
+    "StreamedCheckpoint",
     "fsync_dir",
     "read_ahead",
 ]
 
 FORMAT_NAME = "robez-table"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what Table.save and snapshots write
+STREAMED_FORMAT_VERSION = 2  # a download written front to back: the digests in a last tensor
+CHECKSUMS_TENSOR = "checksums"  # version 2: that tensor
+DIGEST_BYTES = 16  # blake2b-128
 STATE_PREFIX = "state."  # a state tensor ``name`` is stored as ``state.<name>``
 
 
@@ -69,7 +80,7 @@ def fsync_dir(directory: Path) -> None:
 # ---------------------------------------------------------------------- checkpoint files, streamed
 
 # safetensors' dtype names of the tensors a checkpoint holds.
-_DTYPES: dict[torch.dtype, str] = {torch.float32: "F32", torch.int64: "I64"}
+_DTYPES: dict[torch.dtype, str] = {torch.float32: "F32", torch.int64: "I64", torch.uint8: "U8"}
 _DTYPE_OF_NAME = {name: dtype for dtype, name in _DTYPES.items()}
 _PIECE_BYTES = 4 << 20  # read or written per system call: a few MiB, never a copy of a whole tensor
 # How far ahead of the reader the kernel is asked to fetch (``read_ahead``): enough requests in flight
@@ -246,6 +257,41 @@ class PendingCheckpoint:
             self.tmp.unlink(missing_ok=True)
 
 
+class StreamedCheckpoint:
+    """A version-2 checkpoint sent front to back, never whole in a file (a download): ``header`` first,
+    then each tensor's bytes in ``order`` (file order; each piece passed to ``update`` as it goes), then
+    ``trailer()``: the digests, the bytes of the last tensor (``checksums``). ``size``: the whole file's
+    bytes, known before the first is sent. Only the tensors' names, shapes and dtypes are read here."""
+
+    def __init__(self, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> None:
+        entries = _file_order(tensors)
+        self.order = [name for name, *_ in entries]
+        self.nbytes = {name: nbytes for name, _dtype, _shape, nbytes in entries}
+        trailer = DIGEST_BYTES * len(entries)
+        meta = {
+            **{key: value for key, value in metadata.items() if key != "checksums"},
+            "format_version": str(STREAMED_FORMAT_VERSION),
+            "checksummed": json.dumps(self.order),
+        }
+        self.header = _safetensors_header([*entries, (CHECKSUMS_TENSOR, "U8", [trailer], trailer)], meta)
+        self.size = len(self.header) + sum(self.nbytes.values()) + trailer
+        self._digests = {name: hashlib.blake2b(digest_size=DIGEST_BYTES) for name in self.order}
+        self._left = dict(self.nbytes)
+
+    def update(self, name: str, piece: bytes | memoryview) -> None:
+        """The next bytes of tensor ``name`` as sent."""
+        self._digests[name].update(piece)
+        self._left[name] -= memoryview(piece).nbytes
+
+    def trailer(self) -> bytes:
+        """The ``checksums`` tensor's bytes: each tensor's blake2b-128, in ``order``; every byte of every
+        tensor must have been passed to ``update`` (``ValueError`` otherwise)."""
+        short = {name: left for name, left in self._left.items() if left}
+        if short:
+            raise ValueError(f"tensors not wholly sent (bytes missing): {short}")
+        return b"".join(self._digests[name].digest() for name in self.order)
+
+
 def pwrite_fully(fd: int, view: memoryview, position: int) -> int:
     """Write ``view`` at ``position`` in pieces; returns the position after it."""
     for start in range(0, view.nbytes, _PIECE_BYTES):
@@ -275,6 +321,7 @@ class CheckpointFile:
         spans: dict[str, tuple[int, int]],
         checksums: dict[str, str],
         header: bytes = b"",
+        format_version: int = FORMAT_VERSION,
     ) -> None:
         self.path = path
         self.config = config
@@ -285,6 +332,7 @@ class CheckpointFile:
         )  # name -> (start, end), file order
         self._checksums = checksums
         self.header = header  # the file's first bytes: length and JSON header, up to the tensors
+        self.format_version = format_version  # 2: the digests are the last tensor's bytes (checksums)
 
     @property
     def nbytes(self) -> int:
@@ -342,7 +390,21 @@ class CheckpointFile:
         if not isinstance(metadata, dict):
             raise unreadable("__metadata__ is not an object")
         config, optimizer, layout, checksums = _checkpoint_layout(where, metadata, specs)
-        return cls(path, config, optimizer, layout, spans, checksums, head + text)
+        if isinstance(checksums, dict):
+            return cls(path, config, optimizer, layout, spans, checksums, head + text)
+        start, end = spans[CHECKSUMS_TENSOR]  # version 2: the digests are that tensor's bytes
+        try:
+            with open(path, "rb") as handle:
+                digests = os.pread(handle.fileno(), end - start, start)
+        except OSError as exc:
+            raise unreadable(str(exc)) from exc
+        if len(digests) != end - start:
+            raise unreadable("the checksums tensor is cut short")
+        by_name = {
+            name: digests[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES].hex()
+            for index, name in enumerate(checksums)
+        }
+        return cls(path, config, optimizer, layout, spans, by_name, head + text, STREAMED_FORMAT_VERSION)
 
     def read_into(
         self,
@@ -356,11 +418,16 @@ class CheckpointFile:
         on a mismatch (the tensors then hold whatever was read), ``OSError`` if the file cannot be read.
 
         ``verify=False`` skips the checksums, for a caller that checks the file's bytes its own way:
-        ``each_piece`` sees every piece read, so ``header`` then the pieces are the whole file."""
+        ``each_piece`` sees every piece read, so ``header`` then the pieces are the whole file (a
+        version-2 file's ``checksums`` tensor too, read for it alone)."""
         where = str(self.path)
         with open(self.path, "rb", buffering=0) as handle:
             ahead = read_ahead(handle.fileno(), 0, 0)
             for name, (start, end) in self._spans.items():
+                if name not in self.layout:  # version 2's digests: already read by ``open``
+                    if each_piece is not None:
+                        each_piece(memoryview(os.pread(handle.fileno(), end - start, start)))
+                    continue
                 view = _byte_view(tensors[name])
                 if view.nbytes != end - start:
                     raise ConfigError(
@@ -441,24 +508,29 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _checkpoint_layout(
     where: str, metadata: Mapping[str, str], specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-) -> tuple[TableConfig, OptimizerConfig, dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, str]]:
+) -> tuple[
+    TableConfig, OptimizerConfig, dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, str] | list[str]
+]:
     """Check a checkpoint's metadata and tensors (``specs``: name -> (shape, dtype)) against each other:
-    (config, optimizer, the layout the table needs, the checksums); ``CorruptionError`` if they differ."""
+    (config, optimizer, the layout the table needs, the checksums: version 1's by name, or version 2's
+    order of the digests in its ``checksums`` tensor); ``CorruptionError`` if they differ."""
 
     def bad(reason: str) -> CorruptionError:
         return CorruptionError(f"checkpoint {where!r}: {reason}")
 
     if metadata.get("format") != FORMAT_NAME:
         raise bad(f"not a robez table (format={metadata.get('format')!r})")
-    if metadata.get("format_version") != str(FORMAT_VERSION):
+    version = metadata.get("format_version")
+    if version not in (str(FORMAT_VERSION), str(STREAMED_FORMAT_VERSION)):
         raise bad(
-            f"unsupported format_version {metadata.get('format_version')!r} (expected {FORMAT_VERSION})"
+            f"unsupported format_version {version!r} (expected {FORMAT_VERSION} or {STREAMED_FORMAT_VERSION})"
         )
+    streamed = version == str(STREAMED_FORMAT_VERSION)
     try:
         config = TableConfig.from_dict(json.loads(metadata["config"]))
         optimizer = OptimizerConfig.from_dict(json.loads(metadata["optimizer"]))
         random_numbers = json.loads(metadata["random_numbers"])
-        checksums = json.loads(metadata["checksums"])
+        checksums = json.loads(metadata["checksummed" if streamed else "checksums"])
     except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
         raise bad(f"invalid metadata: {exc}") from exc
     expected_rn = (
@@ -472,10 +544,23 @@ def _checkpoint_layout(
         "weight": ((config.memory_size,), torch.float32)
     }
     layout.update({STATE_PREFIX + k: v for k, v in optim.state_layout(optimizer, config.memory_size).items()})
-    if set(specs) != set(layout) or not isinstance(checksums, dict) or set(checksums) != set(layout):
+    tensors = dict(specs)
+    digests = tensors.pop(CHECKSUMS_TENSOR, None) if streamed else None
+    if set(tensors) != set(layout):
         raise bad(f"expected tensors {sorted(layout)}, found {sorted(specs)}")
+    if streamed:
+        if digests != ((DIGEST_BYTES * len(layout),), torch.uint8):
+            size = DIGEST_BYTES * len(layout)
+            raise bad(f"tensor {CHECKSUMS_TENSOR!r} is {digests}, expected uint8 ({size},)")
+        named = isinstance(checksums, list) and len(checksums) == len(set(map(str, checksums)))
+        if not named or set(checksums) != set(layout):
+            raise bad(f"checksummed names {checksums!r}, expected each of {sorted(layout)} once")
+    elif not isinstance(checksums, dict) or set(checksums) != set(layout):
+        raise bad(f"expected tensors {sorted(layout)} and their checksums, found {checksums!r:.300}")
     for name, (shape, dtype) in layout.items():
-        if specs[name] != (shape, dtype):
-            found_shape, found_dtype = specs[name]
+        if tensors[name] != (shape, dtype):
+            found_shape, found_dtype = tensors[name]
             raise bad(f"tensor {name!r} is {found_dtype} {found_shape}, expected {dtype} {shape}")
+    if streamed:
+        return config, optimizer, layout, [str(name) for name in checksums]
     return config, optimizer, layout, {name: str(value) for name, value in checksums.items()}

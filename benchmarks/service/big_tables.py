@@ -8,7 +8,9 @@ and measures, from a client on the same machine:
 - a snapshot (``POST .../snapshot``) with one client pushing all along: its duration, the pushes' p50 /
   p99 / max meanwhile (goal: p99 < 1 s);
 - ``GET .../checksum`` with the same pusher: its duration and the pushes' max meanwhile;
-- for each of the two, the longest hold of the table's update lock while the state was copied, as the
+- ``GET .../checkpoint`` read to the end with the same pusher: its first byte's time, its duration and
+  the pushes meanwhile (a download is sent while it is made: service/log/stream_copy.py);
+- for each of these, the longest hold of the table's update lock while the state was copied, as the
   server logs it (``service/store/live_copy.py``), and the peak extra memory meanwhile (the memory
   below, sampled ten times a second, minus the memory before);
 - ``--updates`` logged pushes, ``kill -9`` of the server's process group, then a restart with the
@@ -32,8 +34,8 @@ files counted once, and the shared-memory files alone) and the time of the resto
 the switch to a new array filled from the file that it replaces (main's, ``TableAdmin.restore``),
 alternated, ``--rounds`` each.
 
-``--only-copies``: stop after the snapshot and the checksum (``--no-data-dir``: a server without one, the
-checksum and a checkpoint download). ``--tree``: the source tree whose
+``--only-copies``: stop after the snapshot, the checksum and the download (``--no-data-dir``: a server
+without one: the checksum and the download). ``--tree``: the source tree whose
 ``python -m service`` runs (default: the installed ``robez``), to compare a branch with main's tree.
 
 The periodic snapshot by age is turned off (``ROBEZ_SNAPSHOT_EVERY_SECONDS=0``) so the logged updates
@@ -510,12 +512,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--only-copies",
         action="store_true",
-        help="stop after the snapshot and the checksum (no restarts); their peak memory sampled",
+        help="stop after the snapshot, the checksum and the download (no restarts); peak memory sampled",
     )
     parser.add_argument(
         "--no-data-dir",
         action="store_true",
-        help="with --only-copies: a server without a data directory (the checksum and a download)",
+        help="with --only-copies: a server without a data directory (the checksum and the download)",
     )
     parser.add_argument(
         "--only-restore",
@@ -616,15 +618,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             "GET .../checksum",
             lambda: httpx.get(f"{server.url}/v1/tables/big/checksum", timeout=1200),
         )
-        if args.no_data_dir:  # with one, a download is the snapshot above, then the file streamed
+        first_byte: list[float] = []
 
-            def download() -> httpx.Response:
-                with httpx.stream("GET", f"{server.url}/v1/tables/big/checkpoint", timeout=1200) as response:
-                    for _ in response.iter_bytes(1 << 20):
-                        pass  # read and dropped: the client's memory is not the server's
-                return response
+        def download() -> httpx.Response:
+            start = time.perf_counter()
+            with httpx.stream("GET", f"{server.url}/v1/tables/big/checkpoint", timeout=1200) as response:
+                for _ in response.iter_raw(1 << 20):
+                    if not first_byte:
+                        first_byte.append(time.perf_counter() - start)
+                    # read and dropped: the client's memory is not the server's
+            return response
 
-            copy_of_the_state("checkpoint download", "GET .../checkpoint (read to the end)", download)
+        # Sent while it is made (service/log/stream_copy.py): its first byte, then the whole.
+        copy_of_the_state("checkpoint download", "GET .../checkpoint (read to the end)", download)
+        first = f"{first_byte[0] * 1e3:,.0f} ms"
+        row("the checkpoint download's first byte, from the request's start", first)
         if args.only_copies:
             row("graceful stop (SIGTERM to exit)", f"{server.terminate():.1f} s")
             return _report(args, argv, state_bytes, lines)

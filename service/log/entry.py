@@ -19,6 +19,7 @@ import logging
 import math
 import secrets
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -168,7 +169,8 @@ def apply_record(
             a step that ends refused or skipped (docs/api.md).
         marks: the record of the granules changed while copies of the table's array run
             (``granules.py``; the served tables', None for a private one): while a copy runs, the
-            granules the update's positions cover are marked in it (one shared read otherwise).
+            granules the update's positions cover are marked in it, before they change (a streamed
+            download's saved first); one shared read otherwise.
 
     Returns (seconds hashing, seconds coalescing, checking and stepping), or the ``SkippedRecord``.
     """
@@ -176,7 +178,7 @@ def apply_record(
     if step is not None and logged_as is None:
         start = time.perf_counter()
         if copying:
-            _mark(marks, step)
+            _mark(marks, step, table)
         if not check_in_step:
             table.apply_step(step)
             return 0.0, time.perf_counter() - start
@@ -192,16 +194,18 @@ def apply_record(
             check_lr(table, lr)
         if step is None:
             # A small batch is hashed, checked and applied in two compiled calls; None: the general path.
+            if copying:  # hashed inside the compiled call: hashed before it too, only while a copy runs
+                assert marks is not None  # (before: a stream saves what the update is about to change)
+                with suppress(InvalidInputError):  # refused below, as a whole, by the call itself
+                    offsets = table.hash(as_tensor(ids)).numpy().reshape(-1)
+                    marks.mark_chunks(offsets, table.config.chunk_size, table)
             timings = table.try_checked_update(ids, grads, lr)
             if timings is not None:
-                if copying:  # hashed inside the compiled call: hashed again, only while a copy runs
-                    assert marks is not None
-                    marks.mark_chunks(table.hash(as_tensor(ids)).numpy().reshape(-1), table.config.chunk_size)
                 return timings
             start = time.perf_counter()
             step, hash_seconds = prepare(table, as_tensor(ids), as_tensor(grads), lr)
         if copying:  # a refused step leaves its marks: a granule copied again for nothing
-            _mark(marks, step)
+            _mark(marks, step, table)
         if checked_when_logged:
             table.apply_step(step)
         else:
@@ -218,10 +222,10 @@ def apply_record(
     return hash_seconds, time.perf_counter() - start
 
 
-def _mark(marks: GranuleMarks | None, step: PreparedStep) -> None:
-    """The granules of the positions ``step`` changes marked in ``marks`` (a copy runs)."""
+def _mark(marks: GranuleMarks | None, step: PreparedStep, table: Table) -> None:
+    """The granules of the positions ``step`` is about to change marked in ``marks`` (a copy runs)."""
     assert marks is not None
-    marks.mark_positions(step.locations.numpy())
+    marks.mark_positions(step.locations.numpy(), table)
 
 
 def apply_logged_record(

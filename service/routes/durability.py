@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Annotated, Any, BinaryIO
+from pathlib import Path
+from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, FastAPI, Query, Request
 from starlette.responses import Response, StreamingResponse
 
@@ -23,6 +25,7 @@ from robez_core.table import Table
 
 from ..auth import WriteAccess
 from ..codec import OCTET_STREAM, VERSION_HEADER, TableInfoResponse, table_info_json
+from ..log.stream_copy import CheckpointStream, StreamAborted
 from ..store import TableStore
 from ..store.writes import WritePath
 from ..uploads import check_upload, spooled_path
@@ -36,8 +39,6 @@ from .deps import StoreDep, compute
 from .update import IDEMPOTENCY_HEADER
 
 logger = logging.getLogger("robez.durability")
-
-_CHUNK_BYTES = 1 << 20
 
 
 @asynccontextmanager
@@ -139,7 +140,7 @@ async def load(
 @router.get(
     "/{name}/checkpoint",
     responses={200: {"content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}},
-    summary="Download the table as a robez checkpoint (safetensors), snapshotted now",
+    summary="Download the table as a robez checkpoint (safetensors), at the version it begins at",
 )
 async def checkpoint(
     name: str,
@@ -161,15 +162,47 @@ async def checkpoint(
             "Content-Disposition": f'attachment; filename="{name}-v{version}.safetensors"',
         }
         return Response(data, media_type=OCTET_STREAM, headers=headers)
-    handle, version = await compute(request, lambda: _open_checkpoint(store, name))
+    stream = await compute(request, lambda: open_stream(store, name, request.app.state.settings.data_dir))
     request.state.table = name
-    size = os.fstat(handle.fileno()).st_size
     headers = {
-        VERSION_HEADER: str(version),
-        "Content-Length": str(size),
-        "Content-Disposition": f'attachment; filename="{name}-v{version}.safetensors"',
+        VERSION_HEADER: str(stream.version),
+        "Content-Length": str(stream.size),
+        "Content-Disposition": f'attachment; filename="{name}-v{stream.version}.safetensors"',
     }
-    return StreamingResponse(_chunks(handle), media_type=OCTET_STREAM, headers=headers)
+    return StreamingResponse(_body(name, stream), media_type=OCTET_STREAM, headers=headers)
+
+
+def open_stream(store: TableStore, name: str, data_dir: Path | None) -> CheckpointStream:
+    """The table's download, begun: its version fixed, its first byte ready (log/stream_copy.py: sent
+    while updates go on, copy-on-write; the saved granules spill into ``data_dir``, or the system's
+    temporary directory without one)."""
+    return CheckpointStream(
+        name,
+        partial(store.exclusive, name),
+        partial(store.marks_of, name),
+        None if data_dir is None else str(data_dir),
+        store.faults,
+    )
+
+
+async def _body(name: str, stream: CheckpointStream) -> AsyncIterator[bytes]:
+    """``stream.chunks()``, each made on a thread; a download cut short (the headers went: the client
+    sees a short body) is logged with why. However it ends (a client gone mid-way cancels this), the
+    stream is closed at once: its bit of the array's record freed, its side file removed (a thread's
+    ``next`` is not cancelled: the close waits for it)."""
+    chunks = stream.chunks()
+    try:
+        while True:
+            chunk = await anyio.to_thread.run_sync(next, chunks, None)
+            if chunk is None:
+                return
+            yield chunk
+    except StreamAborted as error:
+        logger.warning("download of table %r at version %d cut short: %s", name, stream.version, error)
+        raise
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(stream.close)
 
 
 def _checkpoint_bytes(table: Table) -> bytes:
@@ -179,27 +212,3 @@ def _checkpoint_bytes(table: Table) -> bytes:
         table.save(path)
         with open(path, "rb") as handle:
             return handle.read()
-
-
-def _open_checkpoint(store: TableStore, name: str) -> tuple[BinaryIO, int]:
-    """A fresh snapshot of the table, opened: the journal's (which also compacts the log) or, without a
-    data directory, a temporary file (unlinked once open) the state is copied into while updates go on
-    (``TableStore.copy_to_file``: the lock held for the granules changed during the last round)."""
-    if isinstance(store.journal, WalJournal):
-        store.snapshot(name)
-        return store.journal.open_snapshot(name)
-    descriptor, path = tempfile.mkstemp(prefix="robez-export-", suffix=".safetensors")
-    try:
-        os.unlink(path)  # the open descriptor keeps it until the download ends
-        writer, version = store.copy_to_file(name, descriptor)
-        writer.finish(descriptor, durable=False)
-        return os.fdopen(descriptor, "rb"), version
-    except BaseException:
-        os.close(descriptor)
-        raise
-
-
-def _chunks(handle: BinaryIO) -> Iterator[bytes]:
-    with handle:
-        while chunk := handle.read(_CHUNK_BYTES):
-            yield chunk

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from robez_core.table import Table
 
 
+from ..log.stream_copy import SIDE_FILE_PREFIX
 from .records import crc32
 
 logger = logging.getLogger("robez.wal")
@@ -101,11 +102,14 @@ CREATING_PREFIX = ".creating-"  # a table being created is written here, then re
 
 
 def remove_creation_leftovers(data_dir: Path) -> None:
-    """Remove the staging folders of creates that a crash interrupted (nothing in them was committed).
-    Only while nothing else holds the data directory: the caller holds its exclusive lock."""
+    """Remove the staging folders of creates that a crash interrupted (nothing in them was committed),
+    and the side files of downloads a kill cut off (log/stream_copy.py). Only while nothing else holds
+    the data directory: the caller holds its exclusive lock."""
     for leftover in data_dir.iterdir():
         if leftover.is_dir() and leftover.name.startswith(CREATING_PREFIX):
             shutil.rmtree(leftover, ignore_errors=True)
+        elif leftover.is_file() and leftover.name.startswith(SIDE_FILE_PREFIX):
+            leftover.unlink(missing_ok=True)
 
 
 class ServerLock:

@@ -397,17 +397,16 @@ class _Holds:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("copy", ["checksum", "checkpoint"])
 def test_a_copy_without_a_data_dir_runs_lock_free_while_another_worker_pushes_and_is_exact(
-    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy: str
+    client_factory: Callable[..., TestClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No log says what changed during a lock-free pass: the granules the pushes change meanwhile are
     marked in the array's record in shared memory (service/log/granules.py), here by another worker's
     store (its own mapping of the record), on both apply paths (a small batch hashed inside the compiled
-    step, and a prepared step). The checksum's pass (or the checkpoint download's copy into its file),
-    slowed by the test hook, runs without the lock, and every hold of the lock is short; the digest (the
-    checkpoint) is exactly its version's. (Main hashed, or wrote, the whole state under the lock, in one
-    pass that the hook does not slow: a hold as long as the pass.)"""
+    step, and a prepared step). The checksum's pass, slowed by the test hook, runs without the lock, and
+    every hold of the lock is short; the digest is exactly its version's. (Main hashed the whole state
+    under the lock, in one pass that the hook does not slow: a hold as long as the pass.) The checkpoint
+    download, sent while it is made: tests/service/test_streamed_download.py."""
     client = _big_adam(client_factory, tmp_path)
     store = store_of(client)
     assert store.journal_is_memory_only()
@@ -417,12 +416,6 @@ def test_a_copy_without_a_data_dir_runs_lock_free_while_another_worker_pushes_an
     def checksum() -> None:
         results.append(store.checksum("big"))
 
-    def checkpoint() -> None:
-        response = client.get("/v1/tables/big/checkpoint")
-        assert response.status_code == 200, response.text
-        loaded = _table_from_bytes(response.content, tmp_path)
-        results.append((int(response.headers["X-Robez-Version"]), digest_of_table(loaded)))
-
     try:
         pushes = _Pushes(client, seed=13, store=other, sizes=(64, 200))  # compiled small path; prepared
         state_bytes = sum(t.numel() * t.element_size() for t in store.table("big").tensors().values())
@@ -430,16 +423,14 @@ def test_a_copy_without_a_data_dir_runs_lock_free_while_another_worker_pushes_an
         store.faults.slow_seconds = slow = SLOW_SECONDS / 2  # the suite's time: 1.5 s of pauses, not 3
         tracemalloc.start()
         try:
-            work = checksum if copy == "checksum" else checkpoint
-            latencies, started, ended = _pushes_during(work, pushes.push)
+            latencies, started, ended = _pushes_during(checksum, pushes.push)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
         store.faults.slow_seconds = 0.0
     finally:
         other.close()
-    if copy == "checksum":  # (the download's body is in this process's memory)
-        assert peak <= state_bytes / 4, (peak, state_bytes)  # issue 39 (main before it: a whole copy, 1x)
+    assert peak <= state_bytes / 4, (peak, state_bytes)  # issue 39 (main before it: a whole copy, 1x)
     version, digest = results[0]
     assert ended - started >= 3 * slow  # the pass slowed: 3 pieces of 16 MiB, without the lock
     assert version >= pushes.start_version + 3, (version, pushes.start_version)  # pushed during it
@@ -448,15 +439,6 @@ def test_a_copy_without_a_data_dir_runs_lock_free_while_another_worker_pushes_an
     assert max(latencies) < SLOW_SECONDS, latencies
     assert digest == digest_of_table(pushes.oracle(version))  # bitwise its version's state
     assert not store.registry.entry("big").marks.active()  # the copy ended its bit
-
-
-def _table_from_bytes(data: bytes, tmp_path: Path) -> Table:
-    path = tmp_path / "downloaded.safetensors"
-    path.write_bytes(data)
-    try:
-        return Table.load(path)  # checksums checked
-    finally:
-        path.unlink()
 
 
 def _restarted(tmp_path: Path, store: TableStore) -> Table:

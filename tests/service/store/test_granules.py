@@ -112,12 +112,13 @@ def test_copies_take_only_their_own_marks_and_a_dead_copy_s_bit_is_taken_back() 
     m = 1000
     raw = np.zeros(granules.record_bytes(m), dtype=np.uint8)
     record = granules.GranuleMarks(raw)
+    table = Table(TableConfig(num_embeddings=10, embedding_dim=4, memory_size=m, chunk_size=4))
     assert not record.active()
     first = record.begin()
-    record.mark_chunks(np.array([0, 130]), 4)  # granules 0 and 2
+    record.mark_chunks(np.array([0, 130]), 4, table)  # granules 0 and 2
     second = record.begin()
     assert first is not None and second is not None and first != second
-    record.mark_positions(np.array([64 * 5 + 3]))  # granule 5
+    record.mark_positions(np.array([64 * 5 + 3]), table)  # granule 5
     assert np.flatnonzero(record.take(first)).tolist() == [0, 2, 5]
     assert np.flatnonzero(record.take(first)).tolist() == []  # taken: cleared
     assert np.flatnonzero(record.take(second)).tolist() == [5]  # only what changed since it began
@@ -167,3 +168,39 @@ def test_a_file_target_patched_where_updates_touched_holds_the_table(tmp_path: P
     loaded = Table.load(path)  # checksums checked
     for key, tensor in table.tensors().items():
         assert torch.equal(loaded.tensors()[key].view(torch.uint8), tensor.view(torch.uint8)), key
+
+
+def test_a_stream_saves_each_granule_once_before_it_changes_and_only_if_not_sent(tmp_path: Path) -> None:
+    """A stream's bit (``begin_stream``): an update about to change a granule appends its contents in
+    every (m,) tensor to the side file once, unless the stream sent it in every tensor already (its
+    cursor); a copy beside it is marked as before; a repair ends the stream's saves (``REPAIRED``)."""
+    m = 64 * 10
+    table = Table(
+        TableConfig(num_embeddings=10, embedding_dim=4, memory_size=m, chunk_size=4),
+        OptimizerConfig(name="adam"),
+    )
+    tensors = granules.granule_tensors(table)
+    assert [key for key, _ in tensors] == ["state.exp_avg", "state.exp_avg_sq", "weight"]
+    for index, (_key, source) in enumerate(tensors):
+        source[:] = np.arange(m, dtype=np.float32) + 1000 * index
+    record = granules.GranuleMarks(np.zeros(granules.record_bytes(m), dtype=np.uint8))
+    side = tmp_path / "side"
+    side.touch()
+    stream = record.begin_stream(str(side))
+    copy = record.begin()
+    assert stream is not None and copy is not None
+    record.sent(stream, 2 * 10 + 5)  # granules 0-4 sent in all three tensors (the last is "weight")
+    record.mark_positions(np.array([64 * 2 + 1, 64 * 7 + 3, 64 * 7 + 9]), table)  # granules 2 and 7
+    record.mark_positions(np.array([64 * 7]), table)  # 7 again: saved already
+    data = side.read_bytes()
+    assert record.saved_end(stream) == len(data) == 8 + 8 + 3 * 64 * 4
+    assert np.frombuffer(data[:16], dtype=np.int64).tolist() == [1, 7]
+    rows = np.frombuffer(data[16:], dtype=np.float32).reshape(3, 64)
+    for index, (_key, source) in enumerate(tensors):
+        assert np.array_equal(rows[index], source[64 * 7 : 64 * 8])
+    assert np.flatnonzero(record.take(copy)).tolist() == [2, 7]  # the copy's marks, as before
+    assert record.failure(stream) == 0 and record.save_times(stream)[0] == 1
+    record.mark_all()
+    assert record.failure(stream) == granules.REPAIRED
+    record.end(stream)
+    assert record.holds(copy) and not record.holds(stream)
