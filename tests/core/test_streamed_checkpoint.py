@@ -127,3 +127,21 @@ def test_a_file_read_unverified_is_seen_whole_by_its_reader(tmp_path: Path) -> N
     tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in checkpoint.layout.items()}
     checkpoint.read_into(tensors, verify=False, each_piece=lambda piece: pieces.append(bytes(piece)))
     assert b"".join(pieces) == data
+
+
+def test_a_streamed_checkpoint_is_verified_and_mapped_as_version_1_is(tmp_path: Path) -> None:
+    """What a restore in place asks of a file (``service/store/inplace.py``): ``verify`` checks every
+    tensor against the version-2 digests and ``mapped`` gives the table's tensors, not the digests."""
+    table = _trained()
+    path = tmp_path / "v2.safetensors"
+    data = _streamed(table, path)
+    checkpoint = CheckpointFile.open(path)
+    checkpoint.verify()
+    mapped = checkpoint.mapped()
+    assert mapped.keys() == table.tensors().keys()
+    assert all(torch.equal(mapped[name], tensor) for name, tensor in table.tensors().items())
+    flipped = bytearray(data)
+    flipped[len(checkpoint.header) + 5] ^= 1  # a bit of the first tensor
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptionError, match="checksum mismatch"):
+        CheckpointFile.open(path).verify()
