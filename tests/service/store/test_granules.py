@@ -231,15 +231,16 @@ def test_a_file_targets_rounds_of_few_granules_go_to_memory_and_are_written_unde
         assert np.array_equal(written_values, expected), key
 
 
-def test_a_file_targets_round_of_many_granules_writes_the_file_after_the_rounds_kept_before_it(
+def test_a_file_targets_round_of_too_many_granules_writes_them_and_the_kept_ones_to_the_file(
     tmp_path: Path,
 ) -> None:
-    """More granules than a quarter of the table's: written to the file in the round (the memory a copy
-    keeps stays under 0.25 x the state), the rounds read into memory before it written first."""
-    table = Table(CONFIG, ADAM)
+    """More granules than a quarter of the table's, with those kept: written to the file in the round (the
+    memory a copy keeps stays under 0.25 x the state), the kept granules with them, from the live table."""
+    config = TableConfig(num_embeddings=5000, embedding_dim=8, memory_size=(1 << 16) + 40, chunk_size=4)
+    table = Table(config, ADAM)  # 1,025 granules: several blocks of the file's writes
     path = tmp_path / "copy.safetensors"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    m = CONFIG.memory_size
+    m = config.memory_size
     try:
         writer = CheckpointWriter.begin(fd, table.tensors(), table.metadata())
         target = live_copy.FileTarget(fd, writer, table.tensors())
@@ -247,13 +248,18 @@ def test_a_file_targets_round_of_many_granules_writes_the_file_after_the_rounds_
         filled = path.read_bytes()
         few = np.zeros(granules.granule_count(m), dtype=np.uint8)
         few[3] = 1
-        for tensor in table.tensors().values():
-            tensor.detach().add_(1)
+        three = slice(3 * granules.GRANULE, 4 * granules.GRANULE)
+        for tensor in table.tensors().values():  # granule 3 changes, and is taken alone
+            flat = tensor.detach().reshape(-1)
+            (flat[three] if flat.numel() == m else flat).add_(1)
         target.patch(table, few)
         assert path.read_bytes() == filled
-        for tensor in table.tensors().values():
-            tensor.detach().add_(1)
-        target.patch(table, np.ones_like(few))  # granule 3's again: on top of what the first round read
+        for tensor in table.tensors().values():  # granules 256 on change again (granule 3 does not)
+            flat = tensor.detach().reshape(-1)
+            (flat[256 * granules.GRANULE :] if flat.numel() == m else flat).add_(1)
+        many = np.zeros_like(few)
+        many[256:] = 1  # more than a quarter of the granules, none in granule 3's 64 KiB block
+        target.patch(table, many)
         assert path.read_bytes() != filled
         target.write(live_copy.gather(table, np.zeros_like(few)))
         writer.finish(fd, durable=False)
