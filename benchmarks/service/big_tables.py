@@ -58,7 +58,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,7 @@ def server_memory_bytes(root: int, shm_dir: Path) -> int:
     return total
 
 
-class _Server(RobezProcess):
+class BigServer(RobezProcess):
     log_path: Path  # always given
 
     def __init__(
@@ -114,18 +114,28 @@ class _Server(RobezProcess):
         workers: int,
         log: Path,
         tree: Path | None = None,
+        *,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        """``args`` / ``env``: more arguments and environment (a replica's ``--nats ...`` and login)."""
         self.data_dir, self.shm_dir, self.workers = data_dir, shm_dir, workers
         self.exec_time = 0.0
         self.readings: list[tuple[float, float]] = []  # each ``memory()`` reading: (start, end), monotonic
         super().__init__(
-            [*(["--data-dir", str(data_dir)] if data_dir is not None else []), "--workers", str(workers)],
+            [
+                *(["--data-dir", str(data_dir)] if data_dir is not None else []),
+                "--workers",
+                str(workers),
+                *args,
+            ],
             {
                 "ROBEZ_SHM_DIR": str(shm_dir),
                 "ROBEZ_LOG_LEVEL": "info",
                 "ROBEZ_DEFAULT_TABLE": "false",
                 "ROBEZ_SNAPSHOT_EVERY_SECONDS": "0",
                 **({"PYTHONPATH": str(tree)} if tree is not None else {}),
+                **(env or {}),
             },
             log_path=log,
             program=[sys.executable, "-m", "service"] if tree is not None else None,
@@ -168,13 +178,13 @@ class _Server(RobezProcess):
 
 
 @contextlib.contextmanager
-def _peak_memory(server: _Server) -> Iterator[list[int]]:
+def peak_memory(server: BigServer) -> Iterator[list[int]]:
     """Sample the server's memory (``server_memory_bytes``) ten times a second inside the block; the
     list holds [memory before the block, peak during it] once the block is over. Enter it before the
     pusher (and so leave it after): a reading walks the page tables of every server process (smaps),
     0.1-0.6 s with a 768 MiB table, and a push it overlaps may wait for it (250-420 ms measured); the
     reading before the block, taken while the first push ran, was taken for the call's doing
-    (docs/benchmarks/copies-2026-11-27.md). The pushes that overlapped no reading: ``_apart``."""
+    (docs/benchmarks/copies-2026-11-27.md). The pushes that overlapped no reading: ``apart``."""
     figures = [server.memory()]
     peak = figures[0]
     stop = threading.Event()
@@ -194,13 +204,13 @@ def _peak_memory(server: _Server) -> Iterator[list[int]]:
         figures.append(max(peak, server.memory()))
 
 
-def _extra(figures: list[int], state_bytes: int) -> str:
+def extra_memory(figures: list[int], state_bytes: int) -> str:
     before, peak = figures
     extra = peak - before
     return f"{extra / MiB:,.0f} MiB = state x {extra / state_bytes:.2f} (before: {before / MiB:,.0f} MiB)"
 
 
-def _percentiles(seconds: list[float]) -> str:
+def percentiles(seconds: list[float]) -> str:
     if not seconds:
         return "n/a"
     ordered = sorted(seconds)
@@ -208,28 +218,30 @@ def _percentiles(seconds: list[float]) -> str:
     return f"{statistics.median(ordered) * 1e3:.1f} / {p99 * 1e3:.1f} / {ordered[-1] * 1e3:.1f} ms"
 
 
-def _apart(spans: list[tuple[float, float]], readings: list[tuple[float, float]]) -> list[float]:
+def apart(spans: list[tuple[float, float]], readings: list[tuple[float, float]]) -> list[float]:
     """The latencies of the pushes (``spans``: start, end) that overlapped none of the memory
     ``readings`` (start, end): what the call alone did to them."""
     return [end - start for start, end in spans if not any(a < end and start < b for a, b in readings)]
 
 
-class _Pusher:
+class Pusher:
     """Pushes of ``num_ids`` random ids, one at a time on one connection; latencies in seconds (and,
     for those of the last ``during`` block, their (start, end), monotonic: ``spans``)."""
 
-    def __init__(self, url: str, num_ids: int, seed: int) -> None:
+    def __init__(self, url: str, num_ids: int, seed: int, table: str = "big") -> None:
         self.client = httpx.Client(base_url=url, timeout=300.0)
+        self.table = table
         self.random = np.random.default_rng(seed)
         self.num_ids = num_ids
         self.spans: list[tuple[float, float]] = []
+        self.failures: list[str] = []  # pushes of ``during`` refused or failed, each in a few words
 
     def push(self) -> float:
         ids = self.random.integers(0, 1 << 40, self.num_ids, dtype=np.int64)
         grads = (self.random.standard_normal((self.num_ids, DIM), dtype=np.float32) * 1e-3).astype("<f4")
         start = time.perf_counter()
         response = self.client.post(
-            "/v1/tables/big/update",
+            f"/v1/tables/{self.table}/update",
             content=ids.astype("<i8").tobytes() + grads.tobytes(),
             headers={"Content-Type": "application/octet-stream", "X-Robez-Shape": f"{self.num_ids},{DIM}"},
         )
@@ -239,15 +251,21 @@ class _Pusher:
 
     @contextlib.contextmanager
     def during(self) -> Iterator[list[float]]:
-        """Push continuously on a thread inside the block; the list fills with latencies."""
+        """Push continuously on a thread inside the block; the list fills with latencies (``failures``:
+        those that failed)."""
         latencies: list[float] = []
-        self.spans = []
+        self.spans, self.failures = [], []
         stop = threading.Event()
 
         def loop() -> None:
             while not stop.is_set():
                 start = time.monotonic()
-                latencies.append(self.push())
+                try:
+                    latencies.append(self.push())
+                except httpx.HTTPError as exc:  # counted, not timed; the pusher goes on
+                    self.failures.append(f"{type(exc).__name__}: {str(exc)[:120]}")
+                    stop.wait(0.05)
+                    continue
                 self.spans.append((start, time.monotonic()))
 
         thread = threading.Thread(target=loop)
@@ -259,7 +277,7 @@ class _Pusher:
             thread.join(timeout=600)
 
 
-def _timed(work: Callable[[], Any]) -> tuple[float, Any]:
+def timed(work: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     result = work()
     return time.perf_counter() - start, result
@@ -290,7 +308,7 @@ def _read_seconds(paths: list[Path], *, from_disk: bool) -> float:
     return time.perf_counter() - start
 
 
-def _log_since(log: Path, after: int) -> str:
+def log_since(log: Path, after: int) -> str:
     """The server log's text from byte ``after`` on (what one step of the benchmark made it print)."""
     with open(log, "rb") as handle:
         handle.seek(after)
@@ -301,10 +319,10 @@ def _log_since(log: Path, after: int) -> str:
 _LOADED = re.compile(r"table 'big': (snapshot of .* replayed in [\d.]+ s)")
 
 
-def _copy_log(log: Path, after: int) -> str:
+def copy_log(log: Path, after: int) -> str:
     """What the server logged of the last copy of a table's state since byte ``after`` of its log
     (``service/store/live_copy.py``): the longest update-lock hold, and how it was copied."""
-    text = _log_since(log, after)
+    text = log_since(log, after)
     found = re.findall(
         r"state copied at version \d+ in ([\d.]+) s \((.*?)\); the update lock held at most ([\d.]+) ms", text
     )
@@ -321,7 +339,7 @@ def _copy_log(log: Path, after: int) -> str:
 def _load_log(log: Path, after: int) -> str:
     """What the server logged of its last load of the table since byte ``after`` of its log
     (``WalJournal.load_into``): the snapshot's read and the log's replay, each timed."""
-    text = _log_since(log, after)
+    text = log_since(log, after)
     found = _LOADED.findall(text)
     return found[-1] if found else "not logged (a server before the load was timed)"
 
@@ -330,7 +348,7 @@ def _restart_phases(log: Path, after: int, exec_time: float, ready_seconds: floa
     """Where a restart's time went, from the server log's timestamps since byte ``after``: exec to the
     supervisor's first line (its imports: torch, the service), then to the table loaded (the snapshot
     and the replay, while the workers import beside it), then to ``/readyz`` 200."""
-    text = _log_since(log, after)
+    text = log_since(log, after)
 
     def at(pattern: str) -> float | None:
         found = re.search(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) .*{pattern}", text, re.MULTILINE)
@@ -540,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.no_data_dir, args.workers = True, 1
         return _report(args, argv, state_bytes, rows)
     data_dir = root / "data"
-    server = _Server(
+    server = BigServer(
         None if args.no_data_dir else data_dir, shm_dir, args.workers, root / "server.log", args.tree
     )
     lines: list[str] = []
@@ -557,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         config = {"num_embeddings": 1 << 40, "embedding_dim": DIM, "memory_size": args.memory_size}
         config["chunk_size"] = CHUNK
-        seconds, response = _timed(
+        seconds, response = timed(
             lambda: httpx.post(
                 f"{server.url}/v1/tables",
                 json={"name": "big", "config": config, "optimizer": {"name": "adam", "lr": 1e-3}},
@@ -569,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "`POST /v1/tables` (create + first snapshot)",
             f"{seconds:.1f} s; memory after {server.memory() / MiB:.0f} MiB",
         )
-        pusher = _Pusher(server.url, args.push_ids, 1)
+        pusher = Pusher(server.url, args.push_ids, 1)
         lookups = httpx.Client(base_url=server.url, timeout=300.0)
         rng = np.random.default_rng(2)
         lookup_seconds = []
@@ -581,30 +599,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             ).raise_for_status()
             if index >= 10:
                 lookup_seconds.append(time.perf_counter() - start)
-        row(f"lookup of {LOOKUP_IDS} ids, p50 / p99 / max", _percentiles(lookup_seconds))
+        row(f"lookup of {LOOKUP_IDS} ids, p50 / p99 / max", percentiles(lookup_seconds))
         row(
             f"push of {args.push_ids} ids at rest, p50 / p99 / max",
-            _percentiles([pusher.push() for _ in range(args.requests)]),
+            percentiles([pusher.push() for _ in range(args.requests)]),
         )
 
         def copy_of_the_state(what: str, call: str, request: Callable[[], httpx.Response]) -> None:
             """Time ``request`` (``call``: a snapshot or a checksum) with a pusher running: its duration,
             peak extra memory, the pushes meanwhile and the longest update-lock hold it logged."""
             logged = server.log_path.stat().st_size
-            with _peak_memory(server) as memory, pusher.during() as during:
-                seconds, response = _timed(request)
+            with peak_memory(server) as memory, pusher.during() as during:
+                seconds, response = timed(request)
                 response.raise_for_status()
             row(f"`{call}` duration (one pusher running)", f"{seconds:.1f} s")
             row(
                 f"the {what}'s peak extra memory (PSS of the server's processes, shared memory once)",
-                _extra(memory, state_bytes),
+                extra_memory(memory, state_bytes),
             )
-            row(f"pushes during the {what} ({len(during)}), p50 / p99 / max", _percentiles(during))
-            apart = _apart(pusher.spans, server.readings)
-            row(f"... of them, those overlapping no memory reading ({len(apart)})", _percentiles(apart))
+            row(f"pushes during the {what} ({len(during)}), p50 / p99 / max", percentiles(during))
+            clear = apart(pusher.spans, server.readings)
+            row(f"... of them, those overlapping no memory reading ({len(clear)})", percentiles(clear))
             row(
                 f"the {what}'s copy of the state: longest update-lock hold (server log)",
-                _copy_log(server.log_path, logged),
+                copy_log(server.log_path, logged),
             )
 
         if not args.no_data_dir:  # a server without one has no snapshot to take
@@ -636,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.only_copies:
             row("graceful stop (SIGTERM to exit)", f"{server.terminate():.1f} s")
             return _report(args, argv, state_bytes, lines)
-        seconds, _ = _timed(lambda: [pusher.push() for _ in range(args.updates)])
+        seconds, _ = timed(lambda: [pusher.push() for _ in range(args.updates)])
         row(f"{args.updates} more pushes logged", f"{seconds:.1f} s")
         server.kill()
         files = [*sorted(data_dir.glob("big/snapshot-*.safetensors")), data_dir / "big" / "updates.wal"]
@@ -689,11 +707,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         total = sum(path.stat().st_size for path in data_dir.rglob("*") if path.is_file())
         row("data dir size", f"{total / MiB:,.0f} MiB (state {state_bytes / MiB:,.0f} MiB)")
-        pusher = _Pusher(server.url, args.push_ids, 3)
+        pusher = Pusher(server.url, args.push_ids, 3)
         for _ in range(20):
             pusher.push()
         row("graceful stop (SIGTERM to exit) with 20 pushes since the restart", f"{server.terminate():.1f} s")
-        empty = _Server(root / "empty", shm_dir, args.workers, root / "server.log", args.tree)
+        empty = BigServer(root / "empty", shm_dir, args.workers, root / "server.log", args.tree)
         try:
             empty_start, empty_peak = empty.start()
         finally:

@@ -75,8 +75,12 @@ _FEW_GRANULES = 1 << 13
 # a few bytes per id each, bounded whatever the updates made during the copy).
 _HASH_BATCH_IDS = 1 << 16
 # A lock-free patch of a checkpoint file (``FileTarget``) writes again every block of this many granules
-# holding a marked one (64 KiB of float32).
+# holding a marked one (64 KiB of float32)...
 _BLOCK_GRANULES = 256
+# ... unless the granules of its rounds so far come to at most this many, and a quarter of the table's:
+# then they are read into private memory (at most 0.25 x the state, 48 MiB at 2^26 adam) and written to the
+# file after the lock, before the last round's.
+_STAGED_GRANULES = 1 << 16
 
 
 Gathered = list[tuple[str, np.ndarray | None, np.ndarray, np.ndarray | None]]
@@ -95,7 +99,8 @@ class CopyTarget(Protocol):
         ...
 
     def patch(self, table: Table, marks: np.ndarray) -> None:
-        """Take again, without the lock, the granules ``marks`` (``touched``) names and the small tensors."""
+        """Take again, without the lock, the granules ``marks`` (``touched``) names and the small tensors
+        (a target may keep them in memory until ``write``, which is always called last)."""
         ...
 
     def write(self, gathered: Gathered) -> None:
@@ -129,13 +134,21 @@ class FileTarget:
     this process's memory figures (main wrote it so, under the lock). The fill writes each tensor in
     pieces; a lock-free patch writes again every block of ``_BLOCK_GRANULES`` granules holding a marked
     one (adjacent blocks in one call: a round costs at most a fill, whatever the marks; one call per
-    granule did not converge at 2^26 under a pusher); the last round's granules, gathered under the
-    lock, are written in runs of adjacent ones."""
+    granule did not converge at 2^26 under a pusher). But such a round costs about a whole rewrite of the
+    file (0.2 s at 768 MiB) even for 15k granules, so under a pusher the rounds mostly never shrank and
+    the last read up to 41k granules under the lock (99 ms; docs/benchmarks/replica-copies-2026-11-28.md):
+    rounds whose granules come to at most ``_STAGED_GRANULES`` (and a quarter of the table's) are read
+    into private memory instead, and written after the lock, before the last round's granules (gathered
+    under the lock), each in runs of adjacent ones; a round that would keep more is written in blocks
+    with the kept granules, from the live table (writing back the kept values one run at a time cost
+    1.1-1.4 s for 60k granules)."""
 
     def __init__(self, fd: int, writer: CheckpointWriter, tensors: Mapping[str, torch.Tensor]) -> None:
         self._fd = fd
         self._starts = {key: start for key, (start, _nbytes) in writer.spans().items()}
         self._layout = {key: (tuple(tensor.shape), _dtype(tensor)) for key, tensor in tensors.items()}
+        self._staged: list[Gathered] = []  # rounds read into memory, not yet written (oldest first)
+        self._staged_marks: np.ndarray | None = None  # their granules, a byte each
 
     def layout(self) -> Mapping[str, tuple[tuple[int, ...], np.dtype]]:
         return self._layout
@@ -150,6 +163,16 @@ class FileTarget:
 
     def patch(self, table: Table, marks: np.ndarray) -> None:
         m = table.config.memory_size
+        staged = marks if self._staged_marks is None else self._staged_marks | marks
+        if int(np.count_nonzero(staged)) <= min(_STAGED_GRANULES, granule_count(m) // 4):
+            # Few: read into memory at memory speed, so the round ends at once and the next takes few.
+            self._staged.append(gather(table, marks))
+            self._staged_marks = staged
+            return
+        # Too many to keep: the kept granules are written with this round's, from the live table (their
+        # values there are the same or newer; a newer one is in a later round's marks), in blocks.
+        marks = staged
+        self._staged, self._staged_marks = [], None
         padded = np.zeros(-(-marks.size // _BLOCK_GRANULES) * _BLOCK_GRANULES, dtype=bool)
         padded[: marks.size] = marks.astype(bool)
         dirty = np.flatnonzero(padded.reshape(-1, _BLOCK_GRANULES).any(axis=1))
@@ -164,6 +187,15 @@ class FileTarget:
                 _pwrite(self._fd, source[low:high].view(np.uint8), self._starts[key] + low * source.itemsize)
 
     def write(self, gathered: Gathered) -> None:
+        self._write_staged()  # older: the last round's go on top
+        self._write(gathered)
+
+    def _write_staged(self) -> None:
+        for staged in self._staged:
+            self._write(staged)
+        self._staged, self._staged_marks = [], None
+
+    def _write(self, gathered: Gathered) -> None:
         for key, picked, values, tail in gathered:
             start = self._starts[key]
             if picked is None:
@@ -316,8 +348,11 @@ def _copy_marked(
     copy is then made whole under the lock). The slot is ended under the lock, whatever happens."""
     table, source = started
     ended = False
+    rounds: list[str] = []  # each lock-free round's granules and seconds (the log line's)
     try:
+        began = time.perf_counter()
         targets.fill(table, pause=faults.slow_down)
+        rounds.append(f"fill {time.perf_counter() - began:.2f} s")
         for round_ in range(_ROUNDS + 1):
             with exclusive() as (now, version):
                 if _arrays(now, targets) != source or not record.holds(slot):
@@ -336,11 +371,13 @@ def _copy_marked(
                     gathered = gather(now, marks)
                     result = finish(now, version, None)
                     how = (
-                        f"lock-free, {round_} lock-free patch round(s), then {changed} granules read under "
-                        "the lock (no log: the array's record of changed granules)"
+                        f"lock-free, {round_} lock-free patch round(s) [{'; '.join(rounds)}], then {changed} "
+                        "granules read under the lock (no log: the array's record of changed granules)"
                     )
                     break
+            began = time.perf_counter()
             targets.patch(table, marks)  # lock-free: what changes meanwhile is in the next take
+            rounds.append(f"{changed} granules {time.perf_counter() - began:.2f} s")
         else:  # pragma: no cover
             raise AssertionError("unreachable")
     finally:

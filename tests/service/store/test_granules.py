@@ -160,6 +160,7 @@ def test_a_file_target_patched_where_updates_touched_holds_the_table(tmp_path: P
         assert (np.diff(np.flatnonzero(marks)) == 1).any()  # a run of adjacent granules: one pwrite
         if how == "patch":
             target.patch(table, marks)
+            target.write([])  # what a patch kept in memory, if anything (the copy's last write)
         else:
             target.write(live_copy.gather(table, marks))
         writer.finish(fd, durable=False)
@@ -204,3 +205,103 @@ def test_a_stream_saves_each_granule_once_before_it_changes_and_only_if_not_sent
     assert record.failure(stream) == granules.REPAIRED
     record.end(stream)
     assert record.holds(copy) and not record.holds(stream)
+
+
+def test_a_file_targets_rounds_of_few_granules_go_to_memory_and_are_written_under_the_last_ones(
+    tmp_path: Path,
+) -> None:
+    """A lock-free round that rewrote the 64 KiB blocks around its granules cost about a whole rewrite of
+    the file however few they were, so under a pusher the rounds mostly never shrank and the last read up
+    to 41k granules under the lock at 2^26 (docs/benchmarks/replica-copies-2026-11-28.md). A round of few
+    granules (a quarter of the table's at most) is read into memory and leaves the file alone; the copy's
+    final write puts them in the file, older rounds first, the last round's on top; a round of many
+    writes the file at once, the rounds kept before it first."""
+    table = Table(CONFIG, ADAM)
+    generator = torch.Generator().manual_seed(5)
+    table.apply_gradients(torch.arange(300), torch.randn(300, 8, generator=generator))
+    m = CONFIG.memory_size
+    values: list[dict[str, np.ndarray]] = []
+
+    def change() -> None:  # every value of every tensor changes; only the marked granules are taken
+        values.append({key: t.detach().reshape(-1).numpy().copy() for key, t in table.tensors().items()})
+        for tensor in table.tensors().values():
+            tensor.detach().add_(1)
+
+    def marked(*indexes: int) -> np.ndarray:
+        marks = np.zeros(granules.granule_count(m), dtype=np.uint8)
+        marks[list(indexes)] = 1
+        return marks
+
+    path = tmp_path / "copy.safetensors"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    last = granules.granule_count(m) - 1  # the partial last granule
+    try:
+        writer = CheckpointWriter.begin(fd, table.tensors(), table.metadata())
+        target = live_copy.FileTarget(fd, writer, table.tensors())
+        target.fill(table, pause=lambda: None)
+        filled = path.read_bytes()
+        change()
+        target.patch(table, marked(0, 1, 7, 100, 101, last))
+        assert path.read_bytes() == filled  # read into memory, not written yet
+        change()
+        target.patch(table, marked(7, 200))
+        assert path.read_bytes() == filled
+        change()
+        target.write(live_copy.gather(table, marked(1, 150)))  # the last round's, read under the lock
+        writer.finish(fd, durable=False)
+    finally:
+        os.close(fd)
+    loaded = Table.load(path)
+    now = {key: t.detach().reshape(-1).numpy() for key, t in table.tensors().items()}
+    # Which state each granule must hold: the fill's, else that of the last round that took it.
+    expected_from = {0: 1, 100: 1, 101: 1, last: 1, 7: 2, 200: 2, 1: 3, 150: 3}
+    states = [*values[1:], now]  # after the first change, the second, now
+    for key, written in loaded.tensors().items():
+        written_values = written.reshape(-1).numpy()
+        if now[key].size != m:  # adam's step: whole, as the last round read it
+            assert np.array_equal(written_values, now[key]), key
+            continue
+        expected = values[0][key].copy()
+        for granule, state in expected_from.items():
+            span = slice(granule * granules.GRANULE, min(m, (granule + 1) * granules.GRANULE))
+            expected[span] = states[state - 1][key][span]
+        assert np.array_equal(written_values, expected), key
+
+
+def test_a_file_targets_round_of_too_many_granules_writes_them_and_the_kept_ones_to_the_file(
+    tmp_path: Path,
+) -> None:
+    """More granules than a quarter of the table's, with those kept: written to the file in the round (the
+    memory a copy keeps stays under 0.25 x the state), the kept granules with them, from the live table."""
+    config = TableConfig(num_embeddings=5000, embedding_dim=8, memory_size=(1 << 16) + 40, chunk_size=4)
+    table = Table(config, ADAM)  # 1,025 granules: several blocks of the file's writes
+    path = tmp_path / "copy.safetensors"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    m = config.memory_size
+    try:
+        writer = CheckpointWriter.begin(fd, table.tensors(), table.metadata())
+        target = live_copy.FileTarget(fd, writer, table.tensors())
+        target.fill(table, pause=lambda: None)
+        filled = path.read_bytes()
+        few = np.zeros(granules.granule_count(m), dtype=np.uint8)
+        few[3] = 1
+        three = slice(3 * granules.GRANULE, 4 * granules.GRANULE)
+        for tensor in table.tensors().values():  # granule 3 changes, and is taken alone
+            flat = tensor.detach().reshape(-1)
+            (flat[three] if flat.numel() == m else flat).add_(1)
+        target.patch(table, few)
+        assert path.read_bytes() == filled
+        for tensor in table.tensors().values():  # granules 256 on change again (granule 3 does not)
+            flat = tensor.detach().reshape(-1)
+            (flat[256 * granules.GRANULE :] if flat.numel() == m else flat).add_(1)
+        many = np.zeros_like(few)
+        many[256:] = 1  # more than a quarter of the granules, none in granule 3's 64 KiB block
+        target.patch(table, many)
+        assert path.read_bytes() != filled
+        target.write(live_copy.gather(table, np.zeros_like(few)))
+        writer.finish(fd, durable=False)
+    finally:
+        os.close(fd)
+    loaded = Table.load(path)
+    for key, tensor in table.tensors().items():
+        assert torch.equal(loaded.tensors()[key].view(torch.uint8), tensor.view(torch.uint8)), key
