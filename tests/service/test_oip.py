@@ -4,8 +4,6 @@ and the protocol's edge cases through the in-process app. Answers are compared b
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,6 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
-import uvicorn
 from fastapi.testclient import TestClient
 from tritonclient.utils import InferenceServerException
 
@@ -22,39 +19,17 @@ from service.app import create_app
 from service.oip import HEADER_LENGTH
 
 from .conftest import SMALL_TABLE, assert_unchanged, create_table, error_of, make_settings, table_state
+from .threaded_server import ThreadedServer
 
 OCTET = "application/octet-stream"
 
 
-class _Server:
-    """The app under uvicorn in a thread of this process, on a free loopback port."""
-
-    def __init__(self, tmp_path: Path, **settings: Any) -> None:
-        config = uvicorn.Config(
-            create_app(make_settings(tmp_path, **settings)), host="127.0.0.1", port=0, log_level="warning"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.address = f"127.0.0.1:{port}"
-        self.url = f"http://{self.address}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
 @pytest.fixture
-def server_factory(tmp_path: Path) -> Iterator[Callable[..., _Server]]:
-    servers: list[_Server] = []
+def server_factory(tmp_path: Path) -> Iterator[Callable[..., ThreadedServer]]:
+    servers: list[ThreadedServer] = []
 
-    def start(**settings: Any) -> _Server:
-        server = _Server(tmp_path / str(len(servers)), **settings)
+    def start(**settings: Any) -> ThreadedServer:
+        server = ThreadedServer(create_app(make_settings(tmp_path / str(len(servers)), **settings)))
         servers.append(server)
         return server
 
@@ -81,7 +56,7 @@ def _ids_input(ids: np.ndarray, binary: bool) -> triton.InferInput:
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 def test_tritonclient_infer_gives_the_bytes_of_a_v1_lookup(
-    server_factory: Callable[..., _Server], binary: bool
+    server_factory: Callable[..., ThreadedServer], binary: bool
 ) -> None:
     server = server_factory()
     client = triton.InferenceServerClient(server.address)
@@ -100,7 +75,7 @@ def test_tritonclient_infer_gives_the_bytes_of_a_v1_lookup(
     assert default.astype("<f4").tobytes() == _v1_rows(server.url, ids)
 
 
-def test_tritonclient_pooled_bags_match_v1(server_factory: Callable[..., _Server]) -> None:
+def test_tritonclient_pooled_bags_match_v1(server_factory: Callable[..., ThreadedServer]) -> None:
     server = server_factory()
     client = triton.InferenceServerClient(server.address)
     ids = np.arange(10, dtype=np.int64) * 31
@@ -127,7 +102,7 @@ def test_tritonclient_pooled_bags_match_v1(server_factory: Callable[..., _Server
     assert bags.shape == (4, 64) and bags.astype("<f4").tobytes() == reply.content
 
 
-def test_tritonclient_metadata_and_errors(server_factory: Callable[..., _Server]) -> None:
+def test_tritonclient_metadata_and_errors(server_factory: Callable[..., ThreadedServer]) -> None:
     server = server_factory(read_api_key="r-key")
     client = triton.InferenceServerClient(server.address)
     with pytest.raises(InferenceServerException) as unauthorised:

@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import uvicorn
 from fastapi.testclient import TestClient
 
 from robez_core.errors import BusyError
@@ -30,6 +29,7 @@ from service.store import TableStore
 from service.wal.files import remove_creation_leftovers
 
 from .conftest import make_settings, store_of
+from .threaded_server import ThreadedServer
 
 BIG = {"num_embeddings": 100_000, "embedding_dim": 16, "memory_size": 1 << 22, "chunk_size": 16}
 SLOW_SECONDS = 0.5  # per 16 MiB piece: adam's three tensors of 16 MiB take >= 1.5 s to send
@@ -37,27 +37,15 @@ SLOW_SECONDS = 0.5  # per 16 MiB piece: adam's three tensors of 16 MiB take >= 1
 SIZES = (64, 200)
 
 
-class _Server:
-    """The app under uvicorn in a thread of this process (TestClient hands a body over only once it is
-    whole: a first byte's time needs a real server), on a free loopback port."""
+class _Server(ThreadedServer):
+    """A server without tables, its store at hand."""
 
     def __init__(self, tmp_path: Path, **settings: Any) -> None:
-        app = create_app(make_settings(tmp_path, default_table=False, **settings), faults=Faults())
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.store: TableStore = app.state.store
-        self.settings = app.state.settings
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        super().__init__(
+            create_app(make_settings(tmp_path, default_table=False, **settings), faults=Faults())
+        )
+        self.store: TableStore = self.app.state.store
+        self.settings = self.app.state.settings
 
 
 @pytest.fixture

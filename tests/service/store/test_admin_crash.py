@@ -232,10 +232,7 @@ def test_a_worker_killed_in_the_middle_of_a_load(point: Point, worker: Worker, t
     _kill_worker_at(point.name, worker, tmp_path, str(checkpoint))
 
     tables = {"old": (old, old_version), "new": (loaded, 0)}
-    restarted = _restarted(worker.journal.data_dir, tmp_path)
-    assert restarted is not None
-    expected, version = tables[point.restarted]
-    assert restarted[1] == version and _same(restarted[0], expected), "a restart now serves another table"
+    _assert_a_restart_serves(tables[point.restarted], worker, tmp_path)
 
     expected, version = tables[point.served]
     assert worker.store.version("t") == version and _same(worker.store.table("t"), expected)
@@ -297,6 +294,14 @@ IN_PLACE_POINTS = [
 ]
 
 
+def _assert_a_restart_serves(table: tuple[Table, int], worker: Worker, tmp_path: Path) -> None:
+    """A restart from the data directory alone now serves ``table`` at its version."""
+    expected, version = table
+    restarted = _restarted(worker.journal.data_dir, tmp_path)
+    assert restarted is not None
+    assert restarted[1] == version and _same(restarted[0], expected), "a restart now serves another table"
+
+
 def _loaded(tmp_path: Path) -> tuple[Table, Path]:
     loaded = Table(CONFIG, OPTIMIZER)
     generator = torch.Generator().manual_seed(2)
@@ -321,10 +326,7 @@ def test_a_worker_killed_in_the_middle_of_a_restore_in_place(
     _kill_worker_at(point.name, worker, tmp_path, f"in-place:{checkpoint}")
 
     tables = {"old": (old, old_version), "new": (loaded, 7)}
-    restarted = _restarted(worker.journal.data_dir, tmp_path)
-    assert restarted is not None
-    expected, version = tables[point.restarted]
-    assert restarted[1] == version and _same(restarted[0], expected), "a restart now serves another table"
+    _assert_a_restart_serves(tables[point.restarted], worker, tmp_path)
 
     expected, version = tables[point.served]
     if point.served == "new":  # torn until the next holder of the lock rebuilds it

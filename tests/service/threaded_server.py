@@ -1,0 +1,33 @@
+"""An app under a real uvicorn in a thread of the test process, on a free loopback port: for clients that
+need a socket (tritonclient, a download's first byte: TestClient hands a body over only once it is whole)
+while the test still reaches the app's store in memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class ThreadedServer:
+    """``app`` served on 127.0.0.1 at a free port until ``stop``; ``address`` is host:port, ``url`` its
+    http:// form."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        self.url = f"http://{self.address}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
