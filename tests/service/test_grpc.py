@@ -19,18 +19,19 @@ from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from .subprocess_server import RobezServer, free_port
-from .test_oip import _Server, _v1_rows
+from .test_oip import _v1_rows
+from .threaded_server import ThreadedServer, app_server
 
 _DIM = 64  # the demo table's
 
 
 @pytest.fixture
-def grpc_server(tmp_path: Path) -> Iterator[Callable[..., tuple[_Server, str]]]:
+def grpc_server(tmp_path: Path) -> Iterator[Callable[..., tuple[ThreadedServer, str]]]:
     """Start in-process apps serving gRPC on a port the OS picks: (server, its gRPC address)."""
-    servers: list[_Server] = []
+    servers: list[ThreadedServer] = []
 
-    def start(**settings: Any) -> tuple[_Server, str]:
-        server = _Server(tmp_path / str(len(servers)), grpc_port=0, **settings)
+    def start(**settings: Any) -> tuple[ThreadedServer, str]:
+        server = app_server(tmp_path / str(len(servers)), grpc_port=0, **settings)
         servers.append(server)
         port = server.server.config.loaded_app.app.state.grpc_port  # type: ignore[union-attr]
         return server, f"127.0.0.1:{port}"
@@ -50,7 +51,7 @@ def _code(error: InferenceServerException) -> str | None:
     return error.status()
 
 
-def test_grpc_answers_equal_v1_bit_for_bit(grpc_server: Callable[..., tuple[_Server, str]]) -> None:
+def test_grpc_answers_equal_v1_bit_for_bit(grpc_server: Callable[..., tuple[ThreadedServer, str]]) -> None:
     server, address = grpc_server()
     client = triton.InferenceServerClient(address)
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("demo")
@@ -94,7 +95,7 @@ def test_grpc_answers_equal_v1_bit_for_bit(grpc_server: Callable[..., tuple[_Ser
     assert bags.tobytes() == reply.content
 
 
-def test_grpc_errors_limits_auth_and_metrics(grpc_server: Callable[..., tuple[_Server, str]]) -> None:
+def test_grpc_errors_limits_auth_and_metrics(grpc_server: Callable[..., tuple[ThreadedServer, str]]) -> None:
     server, address = grpc_server(read_api_key="reader", max_body_bytes=4096)
     client = triton.InferenceServerClient(address)
     auth = {"authorization": "Bearer reader"}

@@ -25,7 +25,7 @@ from loadtest.server import tree_rss_bytes
 from service.grpc.wire import decode_int64s, parse_request
 
 from .subprocess_server import RobezServer, free_port
-from .test_oip import _Server
+from .threaded_server import ThreadedServer, app_server
 
 MiB = 1 << 20
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -37,12 +37,12 @@ def _rss_mib(pid: int) -> float:
 
 
 @pytest.fixture
-def grpc_server(tmp_path: Path) -> Iterator[Callable[..., tuple[_Server, str]]]:
+def grpc_server(tmp_path: Path) -> Iterator[Callable[..., tuple[ThreadedServer, str]]]:
     """In-process apps serving gRPC on a port the OS picks: (server, its gRPC address)."""
-    servers: list[_Server] = []
+    servers: list[ThreadedServer] = []
 
-    def start(**settings: object) -> tuple[_Server, str]:
-        server = _Server(tmp_path / str(len(servers)), grpc_port=0, **settings)
+    def start(**settings: object) -> tuple[ThreadedServer, str]:
+        server = app_server(tmp_path / str(len(servers)), grpc_port=0, **settings)
         servers.append(server)
         return server, f"127.0.0.1:{server.server.config.loaded_app.app.state.grpc_port}"  # type: ignore[union-attr]
 
@@ -198,7 +198,9 @@ def test_stalled_partial_messages_are_bounded_and_cut(hostile_target: tuple[Robe
         assert stub.ModelReady(pb.ModelReadyRequest(name="demo"), timeout=30).ready
 
 
-def test_no_message_is_read_before_the_read_key(grpc_server: Callable[..., tuple[_Server, str]]) -> None:
+def test_no_message_is_read_before_the_read_key(
+    grpc_server: Callable[..., tuple[ThreadedServer, str]],
+) -> None:
     """With a read key, a call without it is refused from its metadata, its message never taken in."""
     _, address = grpc_server(read_api_key="k" * 32, body_timeout_s=30)
     started = time.monotonic()
@@ -207,7 +209,7 @@ def test_no_message_is_read_before_the_read_key(grpc_server: Callable[..., tuple
     assert accepted <= 4 * 128 * 1024
 
 
-def test_error_messages_quote_no_megabyte(grpc_server: Callable[..., tuple[_Server, str]]) -> None:
+def test_error_messages_quote_no_megabyte(grpc_server: Callable[..., tuple[ThreadedServer, str]]) -> None:
     """A 1 MiB model name is refused as not found with a message of bounded length (before: the name
     echoed whole into grpc-message, the client's own header limit then failing the call); typed BYTES ids
     are refused by their datatype (before: 'carries its values in None')."""

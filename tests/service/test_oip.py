@@ -15,11 +15,10 @@ import tritonclient.http as triton
 from fastapi.testclient import TestClient
 from tritonclient.utils import InferenceServerException
 
-from service.app import create_app
 from service.oip import HEADER_LENGTH
 
-from .conftest import SMALL_TABLE, assert_unchanged, create_table, error_of, make_settings, table_state
-from .threaded_server import ThreadedServer
+from .conftest import SMALL_TABLE, assert_unchanged, create_table, error_of, table_state
+from .threaded_server import ThreadedServer, app_server
 
 OCTET = "application/octet-stream"
 
@@ -29,7 +28,7 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ThreadedServer]]:
     servers: list[ThreadedServer] = []
 
     def start(**settings: Any) -> ThreadedServer:
-        server = ThreadedServer(create_app(make_settings(tmp_path / str(len(servers)), **settings)))
+        server = app_server(tmp_path / str(len(servers)), **settings)
         servers.append(server)
         return server
 

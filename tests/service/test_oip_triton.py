@@ -18,16 +18,17 @@ import tritonclient.http as triton_http
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
-from .test_oip import _Server, _v1_rows
+from .test_oip import _v1_rows
+from .threaded_server import ThreadedServer, app_server
 
 RECORDED = Path(__file__).parent / "data" / "compat"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
 @pytest.fixture
-def both(tmp_path: Path) -> Iterator[tuple[_Server, str]]:
+def both(tmp_path: Path) -> Iterator[tuple[ThreadedServer, str]]:
     """One in-process app serving HTTP and gRPC: (server, its gRPC address)."""
-    server = _Server(tmp_path, grpc_port=0)
+    server = app_server(tmp_path, grpc_port=0)
     port = server.server.config.loaded_app.app.state.grpc_port  # type: ignore[union-attr]
     yield server, f"127.0.0.1:{port}"
     server.stop()
@@ -53,7 +54,7 @@ def _rows_of_answer(reply: httpx.Response) -> np.ndarray:
 
 
 @pytest.mark.parametrize("recording", ["perf_analyzer-http-infer.http", "kserve-rest-infer.http"])
-def test_recorded_rest_requests_are_answered(both: tuple[_Server, str], recording: str) -> None:
+def test_recorded_rest_requests_are_answered(both: tuple[ThreadedServer, str], recording: str) -> None:
     """perf_analyzer's and kserve's REST inference (``model_name`` and ``id`` in the body, binary data):
     answered, rows equal /v1's."""
     server, _ = both
@@ -64,14 +65,14 @@ def test_recorded_rest_requests_are_answered(both: tuple[_Server, str], recordin
     assert _rows_of_answer(reply).tobytes() == _v1_rows(server.url, ids)
 
 
-def test_recorded_rest_ready_is_answered(both: tuple[_Server, str]) -> None:
+def test_recorded_rest_ready_is_answered(both: tuple[ThreadedServer, str]) -> None:
     server, _ = both
     path, headers, _ = _recorded_http("kserve-rest-ready.http")
     assert httpx.get(f"{server.url}{path}", headers=headers, timeout=30).json()["ready"] is True
 
 
 @pytest.mark.parametrize("recording", ["perf_analyzer-grpc-infer.bin", "kserve-grpc-infer.bin"])
-def test_recorded_grpc_requests_are_answered(both: tuple[_Server, str], recording: str) -> None:
+def test_recorded_grpc_requests_are_answered(both: tuple[ThreadedServer, str], recording: str) -> None:
     """perf_analyzer's ``triton_enable_empty_final_response`` and kserve's ``binary_data_size``: taken,
     rows equal /v1's."""
     server, address = both
@@ -93,7 +94,7 @@ def _grpc_infer(address: str, request: Any) -> grpc.RpcError | Any:
             return error
 
 
-def test_parameters_known_ignored_unknown_refused(both: tuple[_Server, str]) -> None:
+def test_parameters_known_ignored_unknown_refused(both: tuple[ThreadedServer, str]) -> None:
     server, address = both
     base = pb.ModelInferRequest.FromString((RECORDED / "kserve-grpc-infer.bin").read_bytes())
 
@@ -126,7 +127,7 @@ Clients = tuple[triton_http.InferenceServerClient, triton_grpc.InferenceServerCl
 
 
 @pytest.fixture
-def clients(both: tuple[_Server, str]) -> Clients:
+def clients(both: tuple[ThreadedServer, str]) -> Clients:
     server, address = both
     return triton_http.InferenceServerClient(server.address), triton_grpc.InferenceServerClient(address)
 

@@ -215,14 +215,14 @@ def test_grpc_serves_the_same_mutual_tls_as_https(tmp_path: Path) -> None:
     from tritonclient.grpc import service_pb2 as pb
     from tritonclient.grpc import service_pb2_grpc
 
-    from .test_oip import _Server
+    from .threaded_server import app_server
 
     ca = trustme.CA()
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
     cert, key = _write_pair(ca, tmp_path, "server")
     client = ca.issue_cert("trainer")
-    server = _Server(tmp_path / "data", grpc_port=0, tls_cert=cert, tls_key=key, tls_client_ca=ca_file)
+    server = app_server(tmp_path / "data", grpc_port=0, tls_cert=cert, tls_key=key, tls_client_ca=ca_file)
     try:
         port = server.server.config.loaded_app.app.state.grpc_port
         address = f"127.0.0.1:{port}"

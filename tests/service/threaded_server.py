@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+
+from service.app import create_app
+
+from .conftest import make_settings
 
 
 class ThreadedServer:
@@ -31,3 +37,9 @@ class ThreadedServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def app_server(tmp_path: Path, **settings: Any) -> ThreadedServer:
+    """The app of ``make_settings(tmp_path, **settings)`` (the ``demo`` table unless told otherwise),
+    served in a thread."""
+    return ThreadedServer(create_app(make_settings(tmp_path, **settings)))
