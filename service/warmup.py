@@ -7,7 +7,9 @@ paths: the parallel copies (past ``_PARALLEL_MIN_WORK`` values, when the worker 
 threads), the bag lookups (sum, mean, weighted), and the update's small-batch step, sorted and dense
 coalesces, and the one-pass checked step of a push without a data directory. Lookups read the real
 tables; updates run on a private table of each kind (same dimension, chunk size, hash and optimizer), so
-nothing shared changes. A table of more than 2^31 values takes the
+nothing shared changes. ``warm_kind`` runs the private part once per kind of table and process: a table
+created later (``POST /v1/tables``, or a replica's bootstrap from its log) has its kind warmed by that
+create or bootstrap, not by its first push or lookup. A table of more than 2^31 values takes the
 64-bit-offset updates, which compile on its first push (such a table would need its twin in memory).
 
 ``python -m service.warmup`` runs it once for the demo table's kind: the container image's build runs it,
@@ -47,8 +49,26 @@ def _sizes(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return (*sizes, _PARALLEL_SIZE) if torch.get_num_threads() > 1 else sizes
 
 
+# The kinds of table (dimension, chunk size, hash, optimizer) this process has warmed: numba keeps
+# what it compiled or loaded for the process's life.
+_WARMED: set[tuple[int, int, Any, Any]] = set()
+
+
+def warm_kind(table: Table) -> bool:
+    """Every update path and the fused lookups for ``table``'s kind, on a private table (nothing shared
+    changes), unless this process did it already; True if it ran."""
+    config = table.config
+    kind = (config.embedding_dim, config.chunk_size, config.hash, table.optimizer)
+    if kind in _WARMED:
+        return False
+    _warm_private(*kind)
+    _WARMED.add(kind)
+    return True
+
+
 def _warm_private(embedding_dim: int, chunk_size: int, hash_name: Any, optimizer: Any) -> None:
-    """Updates (and lookups) of a private table of this kind, at every batch size of ``_UPDATE_SIZES``."""
+    """Updates (and lookups) of a private table of this kind, at every batch size of ``_UPDATE_SIZES``
+    (and the fused lookup at every size of ``_LOOKUP_SIZES``)."""
     memory_size = 1 << 20  # room for more touched locations than the parallel threshold (4 MiB)
     config = TableConfig(
         1 << 20, embedding_dim, memory_size=memory_size, chunk_size=chunk_size, hash=hash_name
@@ -59,6 +79,7 @@ def _warm_private(embedding_dim: int, chunk_size: int, hash_name: Any, optimizer
         ids = torch.randint(0, 1 << 20, (size,), generator=generator, dtype=torch.int64)
         grads = torch.zeros(size, embedding_dim)
         private.gather(private.hash(ids))
+        private.lookup_timed(ids)
         private.apply_gradients(ids, grads)
         apply_record(private, ids, grads, private.optimizer.lr)
         # and the one-pass checked step of a push without a data directory (``check_in_step``)
@@ -90,8 +111,10 @@ def warm_kernels(store: TableStore, metrics: Metrics | None = None) -> float:
     if not kinds:  # no table yet: the default kind, which the first table created most likely has
         demo = demo_table_spec()
         kinds.add((demo.config.embedding_dim, demo.config.chunk_size, demo.config.hash, demo.optimizer))
-    for embedding_dim, chunk_size, hash_name, optimizer in kinds:
-        _warm_private(embedding_dim, chunk_size, hash_name, optimizer)
+    for kind in kinds:
+        if kind not in _WARMED:
+            _warm_private(*kind)
+            _WARMED.add(kind)
     seconds = time.perf_counter() - start
     logger.info("kernels warm for %d table kind(s) in %.1f s", len(kinds), seconds)
     return seconds

@@ -52,6 +52,7 @@ from ..config import Settings, TableSpec, demo_table_spec, load_tables_file
 from ..log.entry import SkippedRecord, UpdateRecord
 from ..metrics import Metrics
 from ..store import TableStore, UpdateResult
+from ..warmup import warm_kind
 from .localsnap import LocalSnapshots, remove_stale_files
 from .log import CatalogEntry, CatalogEvent, LogEntry, LogTrimmedError, ReplicatedLog
 from .proposed import ProposedSteps
@@ -507,8 +508,10 @@ class Applier(SnapshotUploads):
             await anyio.to_thread.run_sync(self.store.create, name, spec)
             self._sources[name] = "fresh"
         self._incarnations[name] = entry.incarnation
-        # Load the compiled kernels for this kind of table now, not in the first apply.
+        # Load the compiled kernels for this kind of table now, not in the first apply (every path:
+        # a logged push takes the prepared, checked step, which the one-id warm-up does not).
         await anyio.to_thread.run_sync(self.store.warm_up)
+        await anyio.to_thread.run_sync(warm_kind, self.store.table(name))
         self._write_status()
         return self.store.version(name)
 

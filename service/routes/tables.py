@@ -10,7 +10,9 @@ from starlette.responses import Response
 
 from ..auth import ReadAccess, WriteAccess
 from ..codec import TableInfoResponse, TableListResponse, decode_create_json, table_info_json
+from ..store import TableStore
 from ..store.writes import WritePath
+from ..warmup import warm_kind
 from .deps import StoreDep, TableNameParam, body_doc, compute
 
 router = APIRouter(prefix="/v1/tables", tags=["tables"])
@@ -39,6 +41,9 @@ async def create_table(request: Request, _: WriteAccess) -> dict[str, Any]:
     writes: WritePath = request.app.state.writes
     info = await writes.create_table(parsed.name, parsed.spec(), partial(compute, request))
     request.state.table = info.name
+    # A new kind of table: its kernels compiled (or loaded) now, not by its first push or lookup.
+    store: TableStore = request.app.state.store
+    await compute(request, lambda: warm_kind(store.table(info.name)))
     return table_info_json(info)
 
 

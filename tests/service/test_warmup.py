@@ -10,7 +10,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from fastapi.testclient import TestClient
+
+from robez_core.table import Table
+from service.routes import tables as tables_routes
 
 # In a fresh process at two kernel threads: the compiled signatures of every numba dispatcher of
 # robez_core after the start-up warm-up, then after requests of every size class; they must not grow.
@@ -20,7 +24,9 @@ from numba.core.registry import CPUDispatcher
 from service.config import Settings
 from service.store import TableStore
 from service.store.journal import NullJournal
-from service.warmup import warm_kernels
+from service.warmup import warm_kernels, warm_kind
+from service.config import TableSpec
+from robez_core.config import OptimizerConfig, TableConfig
 
 def compiled():
     counts = {}
@@ -40,13 +46,15 @@ settings = Settings(_env_file=None, shm_dir=SHM, threads_per_worker=2)
 store = TableStore(TableStore.prepare(settings, NullJournal()), settings, NullJournal())
 store.warm_up()
 WARM
+TABLE = "demo"
+LATER
 after_start = compiled()
 for size in (1, 10, 64, 65, 300, 4096, 50_000, 262_144):
     ids = torch.randint(0, 10**9, (size,), dtype=torch.int64)
-    store.lookup("demo", ids.numpy())
-    store.lookup("demo", ids, torch.tensor([0]), "mean")
+    store.lookup(TABLE, ids.numpy())
+    store.lookup(TABLE, ids, torch.tensor([0]), "mean")
     if size <= 65_536:
-        store.update("demo", ids, torch.zeros(size, 64))
+        store.update(TABLE, ids, torch.zeros(size, store.table(TABLE).config.embedding_dim))
 grown = {name: (count, after_start.get(name, 0)) for name, count in compiled().items()
          if count > after_start.get(name, 0)}
 print("compiled by requests:", grown)
@@ -54,8 +62,16 @@ store.close()
 """
 
 
-def _compiled_by_requests(tmp_path: Path, warm: str) -> str:
-    code = _CHECK.replace("SHM", repr(str(tmp_path / "shm"))).replace("WARM", warm)
+# A table of another kind (dimension, chunk size, optimizer) created after the start, as through the API.
+_LATER = """
+TABLE = "later"
+spec = TableSpec(TableConfig(10**9, 24, memory_size=1 << 18, chunk_size=8), OptimizerConfig(name="adagrad"))
+store.create(TABLE, spec)
+"""
+
+
+def _compiled_by_requests(tmp_path: Path, warm: str, later: str = "") -> str:
+    code = _CHECK.replace("SHM", repr(str(tmp_path / "shm"))).replace("WARM", warm).replace("LATER", later)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "compiled by requests:" in out.stdout, out.stdout + out.stderr[-3000:]
     return out.stdout
@@ -67,6 +83,32 @@ def test_no_request_compiles_a_kernel_after_start_up(tmp_path: Path) -> None:
     request would pay for it too). ``TableStore.warm_up`` alone leaves the parallel copies to requests."""
     assert "compiled by requests: {}" in _compiled_by_requests(tmp_path, "warm_kernels(store)")
     assert "compiled by requests: {}" not in _compiled_by_requests(tmp_path, "")
+
+
+def test_a_table_of_a_new_kind_is_warmed_by_its_create_not_its_first_requests(tmp_path: Path) -> None:
+    """A table created after the start with a kind the start-up did not warm (``POST /v1/tables``, a
+    replica's bootstrap from its log: both call ``warm_kind``): after ``warm_kind``, its requests of every
+    size compile nothing; without it they did (a replica's first push of a new kind waited 3.2 s for
+    its kernels in a fresh clone)."""
+    warmed = _LATER + "warm_kind(store.table(TABLE))\n"
+    assert "compiled by requests: {}" in _compiled_by_requests(tmp_path, "warm_kernels(store)", warmed)
+    assert "compiled by requests: {}" not in _compiled_by_requests(tmp_path, "warm_kernels(store)", _LATER)
+
+
+def test_the_create_route_warms_the_new_tables_kind(
+    client_factory: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warmed: list[tuple[int, int]] = []
+
+    def record(table: Table) -> bool:
+        warmed.append((table.config.embedding_dim, table.config.chunk_size))
+        return True
+
+    monkeypatch.setattr(tables_routes, "warm_kind", record)
+    client = client_factory()
+    config = {"num_embeddings": 1000, "embedding_dim": 8, "memory_size": 4096, "chunk_size": 4}
+    assert client.post("/v1/tables", json={"name": "fresh", "config": config}).status_code == 201
+    assert warmed == [(8, 4)]
 
 
 def test_start_up_objects_are_frozen_and_a_deleted_table_is_unmapped(
