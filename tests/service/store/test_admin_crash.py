@@ -221,12 +221,7 @@ def _start(worker: Worker) -> tuple[Table, int]:
 @pytest.mark.parametrize("point", LOAD_POINTS, ids=lambda point: point.name)
 def test_a_worker_killed_in_the_middle_of_a_load(point: Point, worker: Worker, tmp_path: Path) -> None:
     old, old_version = _start(worker)
-    loaded = Table(CONFIG, OPTIMIZER)
-    generator = torch.Generator().manual_seed(2)
-    for tensor in loaded.tensors().values():
-        tensor.copy_(torch.rand(tensor.shape, generator=generator) + 10.0)
-    checkpoint = tmp_path / "loaded.safetensors"
-    loaded.save(checkpoint)
+    loaded, checkpoint = _loaded(tmp_path)
     stale = worker.store.registry.entry("t")  # what an update that resolved t before the kill holds
 
     _kill_worker_at(point.name, worker, tmp_path, str(checkpoint))
@@ -303,6 +298,7 @@ def _assert_a_restart_serves(table: tuple[Table, int], worker: Worker, tmp_path:
 
 
 def _loaded(tmp_path: Path) -> tuple[Table, Path]:
+    """A table of t's config whose every value differs from t's, saved as a checkpoint to load."""
     loaded = Table(CONFIG, OPTIMIZER)
     generator = torch.Generator().manual_seed(2)
     for tensor in loaded.tensors().values():
