@@ -58,7 +58,11 @@ def warm_kind(table: Table) -> bool:
     """Every update path and the fused lookups for ``table``'s kind, on a private table (nothing shared
     changes), unless this process did it already; True if it ran."""
     config = table.config
-    kind = (config.embedding_dim, config.chunk_size, config.hash, table.optimizer)
+    return _warm_once((config.embedding_dim, config.chunk_size, config.hash, table.optimizer))
+
+
+def _warm_once(kind: tuple[int, int, Any, Any]) -> bool:
+    """``_warm_private`` of ``kind`` unless this process did it already; True if it ran."""
     if kind in _WARMED:
         return False
     _warm_private(*kind)
@@ -112,9 +116,7 @@ def warm_kernels(store: TableStore, metrics: Metrics | None = None) -> float:
         demo = demo_table_spec()
         kinds.add((demo.config.embedding_dim, demo.config.chunk_size, demo.config.hash, demo.optimizer))
     for kind in kinds:
-        if kind not in _WARMED:
-            _warm_private(*kind)
-            _WARMED.add(kind)
+        _warm_once(kind)
     seconds = time.perf_counter() - start
     logger.info("kernels warm for %d table kind(s) in %.1f s", len(kinds), seconds)
     return seconds
