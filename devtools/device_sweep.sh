@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The recipe for a lent 16-core machine (issue 31, part 1): the load test's CPU-scaling sweep,
 # `python -m loadtest --cpus 1,2,4,8`, server workers pinned to cores 0..k-1 and the clients on the rest,
-# for single-id lookups (JSON and binary), binary 4096-id lookups, the update scenario and the 95/5 mix,
-# each measured at every worker count (--features-every-count). CI never runs it; neither does make test.
+# for /healthz, single-id lookups (JSON and binary), binary 4096-id lookups, the update scenario and the
+# 95/5 mix, each measured at every worker count (--features-every-count). CI never runs it (nor make test).
 #
 # Run from the repository root, with the wheels of what the machine lacks in .whl/ (see
 # docs/loadtest/README.md, "On a lent 16-core machine"):
@@ -15,15 +15,17 @@
 # Settings (environment):
 #     OUT             where the files go (required)
 #     PYTHON          the interpreter (default python3)
-#     WHEELS          folder of wheels to install first (default .whl; "none": use PYTHON's packages as they are)
+#     WHEELS          folder of wheels to install first (default .whl; "none": PYTHON's packages as they are)
 #     SWEEP_CPUS      worker counts (default 1,2,4,8)
-#     SWEEP_DURATION  seconds per run (default 6; ~26 runs: see the estimate below)
+#     SWEEP_DURATION  seconds per run (default 6; 31 runs: see the estimate below)
 #     SWEEP_QUICK=1   a short trial (--quick: 0.6 s runs, 0.3 s kernel baseline), for a dry run elsewhere
 #     SWEEP_NAME      the machine's name in the report's file names (default device-<nproc>c)
+#     SWEEP_SITE      where the wheels are installed (default /tmp/site)
 #     SWEEP_LIMIT_S   the sweep's own time limit (default 420 s; SIGTERM stops its servers)
-# Estimate at the defaults: 4 worker counts x 6 runs (JSON 1, binary 1 and 4096, update 8 and 512 ids,
-# mix of 512) + 2 open-loop steps at 1 worker = 26 runs of 6 s, plus ~2 s of client setup per run and a
-# server start per count: about 4 minutes, after the imports and numba's first compilation (~1 minute).
+# Estimate at the defaults: 4 worker counts x 7 runs (/healthz, JSON 1, binary 1 and 4096, update 8 and
+# 512 ids, mix of 512) + 3 at 1 worker (2 open-loop steps, /healthz with httpx) = 31 runs of 6 s and
+# ~0.5 s between runs, the kernel baseline (~15 s), a server and its clients started per count (~5 s):
+# about 4.5 minutes, after ~40 s of wheels, imports and numba's first compilation (10 s on 2 cores here).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -42,7 +44,7 @@ CPUS="${SWEEP_CPUS:-1,2,4,8}"
 DURATION="${SWEEP_DURATION:-6}"
 LIMIT_S="${SWEEP_LIMIT_S:-420}"
 NAME="${SWEEP_NAME:-device-$(nproc)c}"
-SITE=/tmp/site
+SITE="${SWEEP_SITE:-/tmp/site}"
 started=$(date +%s)
 stamp() { echo "[$(($(date +%s) - started))s] $*"; }
 
@@ -59,8 +61,10 @@ if [ "$WHEELS" != none ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         "${wheels[@]}" || { echo "device_sweep.sh: the wheels do not install for $PY" >&2; exit 3; }
     export PYTHONPATH="$SITE:$ROOT"
+    packages="${#wheels[@]} wheels from $WHEELS installed into $SITE"
 else
     export PYTHONPATH="$ROOT"
+    packages="$PY's own packages"
 fi
 export PYTHONUNBUFFERED=1
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/robez-numba-cache}"
@@ -68,16 +72,28 @@ mkdir -p "$NUMBA_CACHE_DIR"
 
 # --- the machine, and every import the server and the load test make ---------------------------------
 stamp "machine"
-cpu_model=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
-echo "nproc $(nproc); CPU: ${cpu_model:-unknown}; $(free -g | awk '/^Mem:/ {print $2}') GiB; $(uname -r)"
-lscpu | grep -E '^(Thread|Core|Socket|NUMA node|L2|L3)' || true
+cpu_model=$( (lscpu 2>/dev/null || true) | sed -n 's/^Model name: *//p' | head -1)
+memory_gib=$(awk '/^MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)
+echo "nproc $(nproc); CPU: ${cpu_model:-unknown}; ${memory_gib} GiB; kernel $(uname -r)"
+(lscpu 2>/dev/null || true) | grep -E '^(Thread|Core|Socket|NUMA node|L2|L3)' || true
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
 echo "GPU (unused by this sweep): ${gpu:-none}"
 uptime
 "$PY" - <<'PYCHECK' || exit 3
 import importlib
+import importlib.metadata
 import platform
 import sys
+
+distributions = importlib.metadata.packages_distributions()
+
+
+def version(name: str, module: object) -> str:
+    found = getattr(module, "__version__", None)
+    if found is None and distributions.get(name):
+        found = importlib.metadata.version(distributions[name][0])
+    return str(found or "?")
+
 
 print("python", platform.python_version(), sys.executable)
 missing = []
@@ -91,7 +107,7 @@ for name in (
     except Exception as exc:  # an ImportError, or a package broken by another's version
         missing.append(f"{name} ({type(exc).__name__}: {exc})")
         continue
-    print(f"  {name:18} {getattr(module, '__version__', '?'):12} {getattr(module, '__file__', '')}")
+    print(f"  {name:18} {version(name, module):12} {getattr(module, '__file__', '')}")
 for name in ("service.app", "service.cli", "service.warmup", "loadtest.__main__", "loadtest.report"):
     try:
         importlib.import_module(name)
@@ -105,16 +121,18 @@ PYCHECK
 
 # --- numba's cache, once: the kernels compile here, not in the first server's start ------------------
 stamp "warming numba's cache in $NUMBA_CACHE_DIR (python -m service.warmup, core 0)"
-taskset -c 0 "$PY" -m service.warmup
+pin=()
+if command -v taskset >/dev/null; then pin=(taskset -c 0); fi
+"${pin[@]}" "$PY" -m service.warmup
 stamp "warm"
 
 # --- the sweep ---------------------------------------------------------------------------------------
 args=(
-    --cpus "$CPUS" --scenarios json,binary,update,mix --batch-sizes 1,4096 --features-every-count
+    --cpus "$CPUS" --scenarios healthz,json,binary,update,mix --batch-sizes 1,4096 --features-every-count
     --open-loop 0.5,0.9 --max-requests 2000000 --no-profile --no-latest --out "$OUT"
     --machine-name "$NAME"
-    --note "lent machine of the device tool: ${cpu_model:-unknown CPU}, $(nproc) cores; GPU ${gpu:-none} (idle)"
-    --note "devtools/device_sweep.sh: wheels from .whl in $SITE; numba cache warmed before the sweep"
+    --note "run by devtools/device_sweep.sh ($packages; numba's cache warmed before the sweep)"
+    --note "CPU ${cpu_model:-unknown}, $(nproc) cores; GPU: ${gpu:-none} (idle during the sweep)"
 )
 if [ "${SWEEP_QUICK:-0}" = 1 ]; then
     args+=(--quick)
