@@ -23,9 +23,10 @@
 #     SWEEP_SITE      where the wheels are installed (default /tmp/site)
 #     SWEEP_LIMIT_S   the sweep's own time limit (default 420 s; SIGTERM stops its servers)
 # Estimate at the defaults: 4 worker counts x 7 runs (/healthz, JSON 1, binary 1 and 4096, update 8 and
-# 512 ids, mix of 512) + 3 at 1 worker (2 open-loop steps, /healthz with httpx) = 31 runs of 6 s and
-# ~0.5 s between runs, the kernel baseline (~15 s), a server and its clients started per count (~5 s):
-# about 4.5 minutes, after ~40 s of wheels, imports and numba's first compilation (10 s on 2 cores here).
+# 512 ids, mix of 512) + 3 at 1 worker (2 open-loop steps, /healthz with httpx) = 31 runs of 6 s (0.05 s
+# between runs in the 2-core dry run), the kernel baseline (9 s there), a server and its clients started
+# per count (3-7 s there): about 4 minutes, after ~30 s of wheels, imports and numba's first compilation
+# (12 s there); SWEEP_LIMIT_S bounds it.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
