@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import time
@@ -105,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-ids", type=int, default=SweepConfig.num_ids, help="ids are drawn from [0, num_ids)"
     )
     sweep.add_argument(
+        "--features-every-count", action="store_true",
+        help="run pooled / multi / update / mix against every worker count (default: the first only)",
+    )  # fmt: skip
+    sweep.add_argument(
         "--open-loop", type=_float_list, default=SweepConfig.open_loop_fractions, metavar="FRACTIONS",
         help="open-loop steps as fractions of the measured closed-loop capacity (default 0.25,...,1.1)",
     )  # fmt: skip
@@ -126,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     output.add_argument("--out", type=Path, default=Path("docs/loadtest"), help="report directory")
     output.add_argument("--no-latest", action="store_true", help="do not update latest.md")
+    output.add_argument(
+        "--machine-name", help="the machine's name in the report and its file names (default: the host name)"
+    )
     output.add_argument(
         "--note", action="append", default=[], help="a line for the report's machine section (repeatable)"
     )
@@ -162,6 +170,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         raise ValueError("--clients must be >= 1")
     if any(k < 1 for k in args.cpus):
         raise ValueError("--cpus values must be >= 1")
+    if args.machine_name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", args.machine_name):
+        raise ValueError("--machine-name names the report's files: letters, digits, '.', '_' and '-' only")
     if any(not f > 0 for f in args.open_loop):
         raise ValueError("--open-loop fractions must be > 0")
     api_key = args.api_key if args.api_key is not None else os.environ.get("ROBEZ_API_KEY") or None
@@ -190,6 +200,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         quick=args.quick,
         profile=not (args.quick or args.no_profile),
         notes=tuple(args.note),
+        features_every_count=args.features_every_count,
+        machine_name=args.machine_name,
     )
     if args.quick:
         config = replace(config, open_loop_fractions=QUICK_OPEN_LOOP, kernel_seconds=QUICK_KERNEL_SECONDS)

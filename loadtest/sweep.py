@@ -4,10 +4,11 @@ For each core count k the sweep starts ``robez serve --workers k`` pinned to cor
 puts the client processes on the cores left over (or on all cores when none are left, which the
 report flags). Against each server it runs the HTTP floor (/healthz), single-id JSON lookups and
 binary lookups at every batch size; against the first it also runs the remaining scenarios, the
-open-loop steps and the httpx cross-check. The framework floor (``loadtest/floor.py``) runs beside
-each server on the same cores, idle while robez is measured: its trivial route first, and at 1 worker
-its ``/rows`` route right before the binary lookups of ``ROWS_FLOOR_BATCHES`` ids. The in-process
-kernel baseline runs pinned to one core.
+open-loop steps and the httpx cross-check (``--features-every-count``: the pooled, multi, update and mix
+runs against every server too, so their scaling is measured). The framework floor
+(``loadtest/floor.py``) runs beside each server on the same cores, idle while robez is measured: its
+trivial route first, and at 1 worker its ``/rows`` route right before the binary lookups of
+``ROWS_FLOOR_BATCHES`` ids. The in-process kernel baseline runs pinned to one core.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class SweepConfig:
     quick: bool = False
     profile: bool = False
     notes: tuple[str, ...] = ()  # free text for the report's machine section (--note)
+    features_every_count: bool = False  # pooled / multi / update / mix at every core count too
+    machine_name: str | None = None  # the report's host name (--machine-name); None: socket.gethostname()
 
 
 @dataclass
@@ -188,6 +191,8 @@ class Sweep:
         self.config = config
         self.progress = progress
         self.result = SweepResult(config, command, machine_info(), time.time())
+        if config.machine_name:
+            self.result.machine["host"] = config.machine_name
 
     def run(self) -> SweepResult:
         config = self.config
@@ -348,11 +353,33 @@ class Sweep:
                     if batch == _open_loop_batch(config.batch_sizes):
                         reference = run
             floor_running.close()  # idle from here on: stop it before the feature and peer runs
+
+            def small_update() -> None:
+                if "update" in wanted:
+                    label = f"gradient push (binary), {SMALL_UPDATE_BATCH} ids"
+                    measure(replace(base, label=label, scenario="update", batch_size=SMALL_UPDATE_BATCH))
+
+            labels = {
+                "pooled": f"pooled lookup, sum over bags of {config.bag_size}",
+                "multi": f"multi-table lookup over {len(multi_tables)} table(s)",
+                "update": "gradient push (binary)",
+                "mix": "mix: 95% lookups / 5% updates",
+            }
+
+            def feature_runs() -> None:
+                for scenario in FEATURE_SCENARIOS:
+                    if scenario in wanted:
+                        spec = replace(
+                            base, label=labels[scenario], scenario=scenario, batch_size=config.feature_batch
+                        )
+                        measure(spec)
+
             if not first:
+                if config.features_every_count:  # their scaling too (the update lock is shared by workers)
+                    small_update()
+                    feature_runs()
                 return
-            if "update" in wanted:
-                label = f"gradient push (binary), {SMALL_UPDATE_BATCH} ids"
-                measure(replace(base, label=label, scenario="update", batch_size=SMALL_UPDATE_BATCH))
+            small_update()
             if "oip" in wanted:
                 for batch in sorted({1, REFERENCE_BATCH} & set(config.batch_sizes)) or [1]:
                     label = "OIP v2 infer (binary tensors)"
@@ -364,18 +391,7 @@ class Sweep:
                     label = "OIP v2 infer over gRPC (raw tensors)"
                     spec = replace(base, label=label, scenario="grpc", batch_size=batch, transport=GRPC)
                     measure(spec)
-            labels = {
-                "pooled": f"pooled lookup, sum over bags of {config.bag_size}",
-                "multi": f"multi-table lookup over {len(multi_tables)} table(s)",
-                "update": "gradient push (binary)",
-                "mix": "mix: 95% lookups / 5% updates",
-            }
-            for scenario in FEATURE_SCENARIOS:
-                if scenario in wanted:
-                    spec = replace(
-                        base, label=labels[scenario], scenario=scenario, batch_size=config.feature_batch
-                    )
-                    measure(spec)
+            feature_runs()
             if reference is not None and reference.requests_per_s > 0:
                 capacity = reference.requests_per_s
                 for fraction in config.open_loop_fractions:
