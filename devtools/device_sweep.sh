@@ -100,7 +100,7 @@ print("python", platform.python_version(), sys.executable)
 missing = []
 for name in (
     "torch", "numpy", "numba", "llvmlite", "safetensors", "fastapi", "starlette", "pydantic",
-    "pydantic_core", "pydantic_settings", "uvicorn", "httptools", "uvloop", "orjson", "prometheus_client",
+    "pydantic_core", "pydantic_settings", "uvicorn", "httptools", "uvloop", "orjson", "prometheus_client", "cryptography",
     "httpx", "anyio", "matplotlib", "typing_extensions",
 ):
     try:
@@ -109,7 +109,7 @@ for name in (
         missing.append(f"{name} ({type(exc).__name__}: {exc})")
         continue
     print(f"  {name:18} {version(name, module):12} {getattr(module, '__file__', '')}")
-for name in ("service.app", "service.cli", "service.warmup", "loadtest.__main__", "loadtest.report"):
+for name in ("service.app", "service.cli", "service.tls", "service.warmup", "loadtest.__main__", "loadtest.report"):
     try:
         importlib.import_module(name)
     except Exception as exc:
