@@ -324,8 +324,9 @@ def decode_multi_update_binary(
         )
     parts: list[TableArrays] = []
     start = 0
+    view = memoryview(body)  # each table's slice a view: decode_update_binary copies it once, into its arrays
     for (name, _), (n, d), size in zip(tables, shapes, sizes, strict=True):
-        ids, grads = decode_update_binary(body[start : start + size], f"{n},{d}")
+        ids, grads = decode_update_binary(view[start : start + size], f"{n},{d}")
         parts.append((name, ids, grads, None))
         start += size
     return parts
@@ -362,7 +363,7 @@ def parse_shape(header: str | None, header_name: str = SHAPE_HEADER) -> tuple[in
     return int(parts[0]), int(parts[1])
 
 
-def decode_update_binary(body: bytes, shape_header: str | None) -> tuple[np.ndarray, np.ndarray]:
+def decode_update_binary(body: bytes | memoryview, shape_header: str | None) -> tuple[np.ndarray, np.ndarray]:
     """(ids int64 (n,), grads float32 (n, d)) numpy arrays (writable, their own copies) from n int64 ids
     followed by n*d float32 values."""
     n, d = parse_shape(shape_header)

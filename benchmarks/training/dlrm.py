@@ -295,7 +295,7 @@ def torchrec_fused(settings: Settings) -> Embeddings:
     )
 
 
-def _robez_tables(settings: Settings) -> list[Any]:
+def robez_tables(settings: Settings) -> list[Any]:
     from robez_core import EmbeddingBagConfig
 
     return [
@@ -309,7 +309,7 @@ def robez_per_feature(settings: Settings) -> Embeddings:
 
     # the collection only places the 26 tables on one array; the modules do the work, one per feature
     layout = RobezEmbeddingBagCollection(
-        _robez_tables(settings), settings.memory_size, chunk_size=settings.chunk_size,
+        robez_tables(settings), settings.memory_size, chunk_size=settings.chunk_size,
         init_scale=settings.init_scale, seed=1 + settings.seed,
     )  # fmt: skip
     bags = nn.ModuleList(layout.feature_module(f"C{f + 1}", sparse=True) for f in range(26))
@@ -327,7 +327,7 @@ def robez_collection(settings: Settings) -> Embeddings:
     from robez_core import OptimizerConfig, RobezEmbeddingBagCollection
 
     ebc = RobezEmbeddingBagCollection(
-        _robez_tables(settings), settings.memory_size, chunk_size=settings.chunk_size,
+        robez_tables(settings), settings.memory_size, chunk_size=settings.chunk_size,
         init_scale=settings.init_scale, seed=1 + settings.seed,
         optimizer=OptimizerConfig("adagrad", lr=settings.embedding_lr),
     )  # fmt: skip
@@ -384,7 +384,7 @@ def _remote(settings: Settings, *, prefetch: bool, after_push: bool = False) -> 
     # the dense optimizer step).
     ebc = RemoteEmbeddingBagCollection(
         client,
-        _robez_tables(settings),
+        robez_tables(settings),
         max_pending_pushes=1 if prefetch else 0,
         prefetch_after_push=after_push,
     )
@@ -469,7 +469,7 @@ def run_remote(name: str, settings: Settings) -> dict[str, Any]:
             url = server.target.base_url
             with RobezClient(url, timeout=300.0) as client:
                 RemoteEmbeddingBagCollection.create_tables(
-                    client, _robez_tables(settings), memory_size=settings.memory_size,
+                    client, robez_tables(settings), memory_size=settings.memory_size,
                     optimizer=OptimizerConfig("adagrad", lr=settings.embedding_lr),
                     chunk_size=settings.chunk_size, seed=1 + settings.seed, init_scale=settings.init_scale,
                 )  # fmt: skip
