@@ -280,8 +280,9 @@ def _settings_from(args: argparse.Namespace) -> Settings:
 
 
 def _environment_for_workers(settings: Settings, shm_path: Path) -> dict[str, str]:
-    """What the workers' ``Settings()`` must read to equal ours (secrets are already in the env), and the
-    shared directory they attach to."""
+    """What the workers' ``Settings()`` must read to equal ours (secrets are already in the env), the
+    shared directory they attach to, and gRPC core's settings when they serve gRPC (``GRPC_EXPERIMENTS``,
+    unless set: gRPC reads it when imported, after this)."""
     from .app import WORKER_SHM_VARIABLE
 
     env = {
@@ -290,6 +291,10 @@ def _environment_for_workers(settings: Settings, shm_path: Path) -> dict[str, st
         if (value := getattr(settings, name)) is not None
     }
     env[WORKER_SHM_VARIABLE] = str(shm_path)
+    if settings.grpc_port is not None and "GRPC_EXPERIMENTS" not in os.environ:
+        from .grpc import GRPC_EXPERIMENTS  # the package's __init__: no import of grpc itself
+
+        env["GRPC_EXPERIMENTS"] = GRPC_EXPERIMENTS
     if settings.workers > 1:
         # prometheus_client reads this when imported in each (spawned) worker: samples go to shared files.
         metrics_dir = shm_path / "metrics"

@@ -3,7 +3,11 @@
 with a stream-unary handler (how robez reads a message itself, issue 40) and a unary-unary one; beside
 them, ``robez serve --grpc-port`` answering a 1-id ``ModelInfer`` (raw contents, as Triton's client sends).
 
-    python -m benchmarks.service.grpc_servers [--rounds 5] [--calls 1000]
+    python -m benchmarks.service.grpc_servers [--rounds 5] [--calls 1000] [--floor]
+        [--robez] [--before-dir <checkout>] [--robez-env KEY=VALUE ...]
+
+``--floor`` instead measures configurations of the uvloop stream-unary echo (robez's shape, robez's
+server options): each a channel option or a ``GRPC_*`` environment setting of its own (``FLOOR``).
 
 Each variant is a server process of its own on a free loopback port; one synchronous caller sends a
 40-byte message per call (the 1-id request for robez); variants alternate inside every round; CPU of the
@@ -38,10 +42,110 @@ VARIANTS = (
     "robez ModelInfer",
 )
 _OPTIONS = [("grpc.so_reuseport", 1), ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
+# robez's own server options (service/grpc/server.py start_grpc), the base of every ``--floor`` variant.
+_ROBEZ_OPTIONS = [
+    *_OPTIONS,
+    ("grpc.max_receive_message_length", 25 << 20),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_concurrent_streams", 100),
+]
+# ``--floor``: name -> (kind, shape, options over _ROBEZ_OPTIONS, environment, protobuf messages)
+FLOOR: dict[str, tuple[str, str, list[tuple[str, object]], dict[str, str], bool]] = {
+    "base (robez's options)": ("uvloop", "stream-unary", [], {}, False),
+    "unary-unary": ("uvloop", "unary-unary", [], {}, False),
+    "unary-unary, protobuf messages": ("uvloop", "unary-unary", [], {}, True),
+    "asyncio loop": ("aio", "stream-unary", [], {}, False),
+    "grpc.enable_channelz=0": ("uvloop", "stream-unary", [("grpc.enable_channelz", 0)], {}, False),
+    "grpc.minimal_stack=1": ("uvloop", "stream-unary", [("grpc.minimal_stack", 1)], {}, False),
+    "optimization_target=latency": (
+        "uvloop",
+        "stream-unary",
+        [("grpc.optimization_target", "latency")],
+        {},
+        False,
+    ),
+    "optimization_target=throughput": (
+        "uvloop",
+        "stream-unary",
+        [("grpc.optimization_target", "throughput")],
+        {},
+        False,
+    ),
+    "no max_concurrent_streams, lookahead default": (
+        "uvloop",
+        "stream-unary",
+        [("grpc.max_concurrent_streams", -1), ("grpc.http2.lookahead_bytes", 0)],
+        {},
+        False,
+    ),
+    "keepalive 10 s, pings without data 0": (
+        "uvloop",
+        "stream-unary",
+        [("grpc.keepalive_time_ms", 10000), ("grpc.http2.max_pings_without_data", 0)],
+        {},
+        False,
+    ),
+    "write_buffer_size=1 MiB": (
+        "uvloop",
+        "stream-unary",
+        [("grpc.http2.write_buffer_size", 1 << 20)],
+        {},
+        False,
+    ),
+    "compression off (identity)": (
+        "uvloop",
+        "stream-unary",
+        [("grpc.default_compression_algorithm", 0)],
+        {},
+        False,
+    ),
+    "GRPC_POLL_STRATEGY=poll": ("uvloop", "stream-unary", [], {"GRPC_POLL_STRATEGY": "poll"}, False),
+    "GRPC_EXPERIMENTS=event_engine_callback_cq": (
+        "uvloop",
+        "stream-unary",
+        [],
+        {"GRPC_EXPERIMENTS": "event_engine_callback_cq"},
+        False,
+    ),
+    "GRPC_EXPERIMENTS=pollset_alternative": (
+        "uvloop",
+        "stream-unary",
+        [],
+        {"GRPC_EXPERIMENTS": "pollset_alternative"},
+        False,
+    ),
+    "GRPC_EXPERIMENTS=-event_engine_listener,-event_engine_for_all_other_endpoints": (
+        "uvloop",
+        "stream-unary",
+        [],
+        {"GRPC_EXPERIMENTS": "-event_engine_listener,-event_engine_for_all_other_endpoints"},
+        False,
+    ),
+    "GRPC_EXPERIMENTS=tcp_rcv_lowat,tcp_frame_size_tuning": (
+        "uvloop",
+        "stream-unary",
+        [],
+        {"GRPC_EXPERIMENTS": "tcp_rcv_lowat,tcp_frame_size_tuning"},
+        False,
+    ),
+    "GRPC_EXPERIMENTS=ph2_server": ("uvloop", "stream-unary", [], {"GRPC_EXPERIMENTS": "ph2_server"}, False),
+    "GRPC_ENABLE_FORK_SUPPORT=0": ("uvloop", "stream-unary", [], {"GRPC_ENABLE_FORK_SUPPORT": "0"}, False),
+}
 _MESSAGE = b"x" * 40
 
 
-def _handler(kind: str, shape: str) -> grpc.RpcMethodHandler:
+def _handler(kind: str, shape: str, protobuf: bool = False) -> grpc.RpcMethodHandler:
+    if protobuf:
+        from tritonclient.grpc import service_pb2
+
+        async def infer(request: object, _: grpc.aio.ServicerContext) -> object:
+            return service_pb2.ModelInferResponse(model_name="demo")
+
+        return grpc.unary_unary_rpc_method_handler(
+            infer,
+            request_deserializer=service_pb2.ModelInferRequest.FromString,
+            response_serializer=service_pb2.ModelInferResponse.SerializeToString,
+        )
     if kind in ("aio", "uvloop"):
 
         async def read_one(_: object, context: grpc.aio.ServicerContext) -> bytes:
@@ -67,12 +171,19 @@ def _handler(kind: str, shape: str) -> grpc.RpcMethodHandler:
 
 
 def serve(variant: str, port: int) -> None:
-    kind, shape = variant.split(" ")
-    handlers = (grpc.method_handlers_generic_handler("bench", {"Echo": _handler(kind, shape)}),)
+    options = _OPTIONS
+    protobuf = False
+    if variant in FLOOR:
+        kind, shape, extra, _, protobuf = FLOOR[variant]
+        replaced = {key for key, _ in extra}
+        options = [*(o for o in _ROBEZ_OPTIONS if o[0] not in replaced), *extra]  # type: ignore[list-item]
+    else:
+        kind, shape = variant.split(" ")
+    handlers = (grpc.method_handlers_generic_handler("bench", {"Echo": _handler(kind, shape, protobuf)}),)
     if kind in ("aio", "uvloop"):
 
         async def run() -> None:
-            server = grpc.aio.server(options=_OPTIONS)
+            server = grpc.aio.server(options=options)
             server.add_generic_rpc_handlers(handlers)
             server.add_insecure_port(f"127.0.0.1:{port}")
             await server.start()
@@ -85,7 +196,7 @@ def serve(variant: str, port: int) -> None:
         else:
             asyncio.run(run())
         return
-    sync = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_OPTIONS)
+    sync = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
     sync.add_generic_rpc_handlers(handlers)
     sync.add_insecure_port(f"127.0.0.1:{port}")
     sync.start()
@@ -110,13 +221,21 @@ def _cpu_s(pid: int) -> tuple[float, float]:
 _SHM_DIRS: list[str] = []  # the robez servers' shared-memory folders, removed at the end
 
 
-def _robez(port: int) -> subprocess.Popen[bytes]:
-    """``robez serve`` (1 worker, 1 kernel thread, the demo table) with its gRPC port on ``port``."""
+def _robez(
+    port: int, cwd: Path | None = None, extra: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``robez serve`` (1 worker, 1 kernel thread, the demo table) with its gRPC port on ``port``: this
+    checkout's, or ``cwd``'s (``python -m service`` imports the code of its working directory first)."""
     shm = tempfile.mkdtemp(prefix="robez-grpc-floor-")
     _SHM_DIRS.append(shm)
-    env = {**os.environ, "ROBEZ_SHM_DIR": shm, "ROBEZ_THREADS_PER_WORKER": "1"}
+    env = {**os.environ, "ROBEZ_SHM_DIR": shm, "ROBEZ_THREADS_PER_WORKER": "1", **(extra or {})}
     command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(_free_port())]
-    return subprocess.Popen([*command, "--grpc-port", str(port)], env=env, stdout=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [*command, "--grpc-port", str(port), "--data-dir", f"{shm}/data"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        cwd=cwd,
+    )
 
 
 def _infer_message() -> bytes:
@@ -138,19 +257,49 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--floor", action="store_true", help="configurations of the echo (FLOOR)")
+    parser.add_argument(
+        "--robez",
+        action="store_true",
+        help="only the uvloop echo and robez's ModelInfer (with --before-dir and --robez-env variants)",
+    )
+    parser.add_argument("--before-dir", type=Path, help="also robez's ModelInfer from this checkout")
+    parser.add_argument(
+        "--robez-env", action="append", default=[], help="also robez's ModelInfer with KEY=VALUE set"
+    )
     parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve[0], int(args.serve[1]))
         return
+    variants = tuple(FLOOR) if args.floor else VARIANTS
+    if args.robez:
+        variants = ("uvloop stream-unary", "robez ModelInfer")
+    if args.before_dir is not None:
+        variants += ("robez ModelInfer (before)",)
+    variants += tuple(f"robez ModelInfer ({setting})" for setting in args.robez_env)
     servers = {}
-    for variant in VARIANTS:
+    for variant in variants:
         port = _free_port()
         command = [sys.executable, "-m", "benchmarks.service.grpc_servers", "--serve", variant, str(port)]
-        servers[variant] = (_robez(port) if variant.startswith("robez") else subprocess.Popen(command), port)
+        env = {**os.environ, **FLOOR[variant][3]} if variant in FLOOR else None
+        if variant == "robez ModelInfer (before)":
+            server = _robez(port, cwd=args.before_dir)
+        elif variant.startswith("robez ModelInfer ("):
+            key, _, value = variant[len("robez ModelInfer (") : -1].partition("=")
+            server = _robez(port, extra={key: value})
+        elif variant.startswith("robez"):
+            server = _robez(port)
+        else:
+            server = subprocess.Popen(command, env=env)
+        servers[variant] = (server, port)
     messages = {
-        variant: _infer_message() if variant.startswith("robez") else _MESSAGE for variant in VARIANTS
+        variant: _infer_message()
+        if variant.startswith("robez") or (variant in FLOOR and FLOOR[variant][4])
+        else _MESSAGE
+        for variant in variants
     }
+    failed: dict[str, str] = {}
     try:
         calls = {}
         for variant, (_, port) in servers.items():
@@ -160,19 +309,24 @@ def main() -> None:
             )
             call = channel.unary_unary(method)
             message = messages[variant]
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + (30 if args.floor else 120)
             while True:
                 try:
                     call(message, timeout=5)
                     break
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise
+                except grpc.RpcError as exc:
+                    if time.monotonic() > deadline or servers[variant][0].poll() is not None:
+                        if not args.floor:
+                            raise
+                        failed[variant] = str(exc.code())  # a setting this build does not serve with
+                        break
                     time.sleep(0.1)
+            if variant in failed:
+                continue
             for _ in range(200):
                 call(message, timeout=10)
             calls[variant] = call
-        results: dict[str, list[tuple[float, float, float]]] = {variant: [] for variant in VARIANTS}
+        results: dict[str, list[tuple[float, float, float]]] = {variant: [] for variant in variants}
         for _ in range(args.rounds):
             for variant, call in calls.items():
                 pid, message = servers[variant][0].pid, messages[variant]
@@ -201,6 +355,9 @@ def main() -> None:
         "|---|---:|---:|---:|---:|"
     )
     for variant, runs in results.items():
+        if variant in failed:
+            print(f"| {variant} | did not answer ({failed[variant]}) | | | |")
+            continue
         main_cpu = statistics.median(m for m, _, _ in runs)
         other_cpu = statistics.median(o for _, o, _ in runs)
         total = statistics.median(m + o for m, o, _ in runs)

@@ -53,6 +53,17 @@ def test_workers_inherit_the_parents_settings(monkeypatch: pytest.MonkeyPatch, t
     # The shared directory is handed over beside the settings, not as one.
     assert env[WORKER_SHM_VARIABLE] == str(tmp_path / "shm")
     assert env["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path / "shm" / "metrics")
+    assert "GRPC_EXPERIMENTS" not in env  # no gRPC served: gRPC's own settings untouched
+
+
+def test_grpc_workers_get_grpc_settings_unless_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from service.grpc import GRPC_EXPERIMENTS
+
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
+    settings = _settings_from(_parser().parse_args(["serve", "--grpc-port", "0"]))
+    assert _environment_for_workers(settings, tmp_path)["GRPC_EXPERIMENTS"] == GRPC_EXPERIMENTS
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "")  # the operator's, even empty (gRPC's defaults), is kept
+    assert "GRPC_EXPERIMENTS" not in _environment_for_workers(settings, tmp_path)
 
 
 def test_threads_per_worker_default_shares_the_cpus() -> None:

@@ -272,3 +272,45 @@ def test_malformed_messages_are_refused(message: bytes) -> None:
         request = parse_request(message)
         for tensor in request.inputs:
             decode_int64s(tensor.contents.get(3, memoryview(b"")), 10, "ids")
+
+
+def test_a_read_is_cut_at_its_timeout_and_only_then() -> None:
+    """``InferenceServicer._read``: a message that never comes ends in TimeoutError (the 408 /
+    DEADLINE_EXCEEDED), one that comes is returned and leaves no cancellation pending, and a cancellation
+    from outside (the server's stop) stays a cancellation, not a timeout."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from service.config import Settings
+    from service.grpc.server import InferenceServicer
+
+    servicer = InferenceServicer(SimpleNamespace(state=SimpleNamespace(settings=Settings())))  # type: ignore[arg-type]
+
+    class Context:
+        def __init__(self, message: bytes | None) -> None:
+            self.message = message
+
+        async def read(self) -> bytes:
+            if self.message is None:
+                await asyncio.Event().wait()  # never arrives
+            assert self.message is not None
+            return self.message
+
+    async def main() -> None:
+        started = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            await servicer._read(Context(None), 0.05)
+        assert 0.04 <= time.perf_counter() - started < 1.0
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
+        assert await servicer._read(Context(b"abc"), 0.05) == b"abc"
+        await asyncio.sleep(0.1)  # past the timeout: its timer was cancelled, nothing fires
+        assert task.cancelling() == 0
+
+        reader = asyncio.ensure_future(servicer._read(Context(None), 30))
+        await asyncio.sleep(0.01)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+
+    asyncio.run(main())
