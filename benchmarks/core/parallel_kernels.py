@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9, help="rounds; the median is reported")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--round-ms", type=float, default=20.0, help="about how long a round calls")
+    parser.add_argument("--only", default="", help="comma-separated substrings: the cases naming one")
     args = parser.parse_args(argv)
     import torch
 
@@ -93,7 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     kernels.set_kernel_threads()
     medians, minima = {}, {}
+    only = [part for part in args.only.split(",") if part]
     for name, call in cases():
+        if only and not any(part in name for part in only):
+            continue
         call()  # compiled or loaded
         start = time.perf_counter()
         call()

@@ -40,9 +40,11 @@ Why the kernels are fast (the figures: docs/benchmarks/kernel-constants.md#why-t
   size (1, 2, 4, ..., 64), so every chunk is a fixed run of vector moves instead of three run-time
   length loops (see ``_SPECIALISED_CHUNK_SIZES``), and a strided id column (``pairs[:, 0]``) is hashed
   where it lies instead of being copied first;
-- one thread runs a serial compilation of each kernel; more threads split ids with ``prange``, the dense
-  backward uses private per-thread arrays (or range partitions when m is large), and every kernel
-  releases the GIL (``nogil=True``).
+- one thread runs a serial compilation of each kernel; more threads split ids with ``prange`` (the
+  lookups, the hash, the gather and some optimizer steps by running that serial compilation on one
+  contiguous part per thread, so numba compiles their loops once: ``_split_kernel``), the dense backward
+  uses private per-thread arrays (or range partitions when m is large), and every kernel releases the
+  GIL (``nogil=True``).
 
 Wrap-around: numba gives signed int64 arithmetic LLVM's "no signed wrap" flag (overflow is undefined
 behaviour to the optimiser), so the hash's wrapping multiply-adds are done in uint64, which wraps by
@@ -1224,8 +1226,11 @@ def _adam_new(w, m, v, g, one_minus_beta1, one_minus_beta2, eps, step_size):
     return w - step_size * (m / (np.sqrt(v) + eps)), m, v
 
 
-# The parallel copies of the steps, their dry runs and checked steps below (_split_kernel): each thread
-# steps its run of the (unique) locations; runs of whole eighths keep the serial prefetch pattern.
+# The parallel copies of the sgd and adagrad steps and of the checked adam step (_split_kernel): each
+# thread steps its run of the (unique) locations; runs of whole eighths keep the serial prefetch pattern.
+# The adam step, the dry runs, the sgd and adagrad checked steps and the restore keep ``prange`` copies
+# of their own: the adam step and its dry run measured 5-10% slower split at 2 threads, the others were
+# not measured (docs/benchmarks/kernel-compile-2026-11-28.md).
 _STEP_PART_UNIT = 8
 
 
@@ -1239,14 +1244,6 @@ def _adagrad_parts(weight, state_sum, locations, values, lr, eps, parts):
     for part in prange(parts):
         lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
         _serial_part(weight, state_sum, locations[lo:hi], values[lo:hi], lr, eps)
-
-
-def _adam_parts(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, eps, step_size, parts):
-    for part in prange(parts):
-        lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
-        _serial_part(
-            weight, exp_avg, exp_avg_sq, locations[lo:hi], values[lo:hi], beta1, beta2, eps, step_size
-        )
 
 
 @_split_kernel(_sgd_parts)
@@ -1270,7 +1267,7 @@ def _adagrad_kernel(weight, state_sum, locations, values, lr, eps):
         weight[i], state_sum[i] = _adagrad_new(weight[i], state_sum[i], values[k], lr, eps)
 
 
-@_split_kernel(_adam_parts)
+@_parallel_kernel
 def _adam_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, eps, step_size):
     one_minus_beta1 = np.float32(1.0) - beta1
     one_minus_beta2 = np.float32(1.0) - beta2
@@ -1290,35 +1287,7 @@ def _adam_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, e
 # locations whose gradient, new weight or new optimizer state would not be finite.
 
 
-def _sgd_nonfinite_parts(weight, locations, values, lr, parts):
-    bad = 0
-    for part in prange(parts):
-        lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
-        bad += _serial_part(weight, locations[lo:hi], values[lo:hi], lr)
-    return bad
-
-
-def _adagrad_nonfinite_parts(weight, state_sum, locations, values, lr, eps, parts):
-    bad = 0
-    for part in prange(parts):
-        lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
-        bad += _serial_part(weight, state_sum, locations[lo:hi], values[lo:hi], lr, eps)
-    return bad
-
-
-def _adam_nonfinite_parts(
-    weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, eps, step_size, parts
-):
-    bad = 0
-    for part in prange(parts):
-        lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
-        bad += _serial_part(
-            weight, exp_avg, exp_avg_sq, locations[lo:hi], values[lo:hi], beta1, beta2, eps, step_size
-        )
-    return bad
-
-
-@_split_kernel(_sgd_nonfinite_parts)
+@_parallel_kernel
 def _sgd_nonfinite_kernel(weight, locations, values, lr):
     bad = 0
     for k in prange(locations.shape[0]):
@@ -1332,7 +1301,7 @@ def _sgd_nonfinite_kernel(weight, locations, values, lr):
     return bad
 
 
-@_split_kernel(_adagrad_nonfinite_parts)
+@_parallel_kernel
 def _adagrad_nonfinite_kernel(weight, state_sum, locations, values, lr, eps):
     bad = 0
     for k in prange(locations.shape[0]):
@@ -1348,7 +1317,7 @@ def _adagrad_nonfinite_kernel(weight, state_sum, locations, values, lr, eps):
     return bad
 
 
-@_split_kernel(_adam_nonfinite_parts)
+@_parallel_kernel
 def _adam_nonfinite_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1, beta2, eps, step_size):
     one_minus_beta1 = np.float32(1.0) - beta1
     one_minus_beta2 = np.float32(1.0) - beta2
@@ -1374,24 +1343,6 @@ def _adam_nonfinite_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1
 # finite; the caller puts the kept values back (``_restore_kernel``) when any location counted bad. The
 # arithmetic is the step's above, so an accepted step leaves the same bits. Half the random reads of a
 # dry run then a step: on a large array those reads miss the TLB (docs/benchmarks/dlrm-server-*.md).
-
-
-def _sgd_checked_parts(weight, locations, values, lr, undo_weight, parts):
-    bad = 0
-    for part in prange(parts):
-        lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
-        bad += _serial_part(weight, locations[lo:hi], values[lo:hi], lr, undo_weight[lo:hi])
-    return bad
-
-
-def _adagrad_checked_parts(weight, state_sum, locations, values, lr, eps, undo_weight, undo_sum, parts):
-    bad = 0
-    for part in prange(parts):
-        lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
-        bad += _serial_part(
-            weight, state_sum, locations[lo:hi], values[lo:hi], lr, eps, undo_weight[lo:hi], undo_sum[lo:hi]
-        )
-    return bad
 
 
 def _adam_checked_parts(
@@ -1429,7 +1380,7 @@ def _adam_checked_parts(
     return bad
 
 
-@_split_kernel(_sgd_checked_parts)
+@_parallel_kernel
 def _sgd_checked_kernel(weight, locations, values, lr, undo_weight):
     bad = 0
     for k in prange(locations.shape[0]):
@@ -1448,7 +1399,7 @@ def _sgd_checked_kernel(weight, locations, values, lr, undo_weight):
     return bad
 
 
-@_split_kernel(_adagrad_checked_parts)
+@_parallel_kernel
 def _adagrad_checked_kernel(weight, state_sum, locations, values, lr, eps, undo_weight, undo_sum):
     bad = 0
     for k in prange(locations.shape[0]):
@@ -1513,13 +1464,7 @@ def _adam_checked_kernel(
     return bad
 
 
-def _restore_parts(array, locations, kept, parts):
-    for part in prange(parts):
-        lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
-        _serial_part(array, locations[lo:hi], kept[lo:hi])
-
-
-@_split_kernel(_restore_parts)
+@_parallel_kernel
 def _restore_kernel(array, locations, kept):
     for k in prange(locations.shape[0]):
         array[locations[k]] = kept[k]
