@@ -40,9 +40,11 @@ Why the kernels are fast (the figures: docs/benchmarks/kernel-constants.md#why-t
   size (1, 2, 4, ..., 64), so every chunk is a fixed run of vector moves instead of three run-time
   length loops (see ``_SPECIALISED_CHUNK_SIZES``), and a strided id column (``pairs[:, 0]``) is hashed
   where it lies instead of being copied first;
-- one thread runs a serial compilation of each kernel; more threads split ids with ``prange``, the dense
-  backward uses private per-thread arrays (or range partitions when m is large), and every kernel
-  releases the GIL (``nogil=True``).
+- one thread runs a serial compilation of each kernel; more threads split ids with ``prange`` (the
+  lookups, the hash, the gather and some optimizer steps by running that serial compilation on one
+  contiguous part per thread, so numba compiles their loops once: ``_split_kernel``), the dense backward
+  uses private per-thread arrays (or range partitions when m is large), and every kernel releases the
+  GIL (``nogil=True``).
 
 Wrap-around: numba gives signed int64 arithmetic LLVM's "no signed wrap" flag (overflow is undefined
 behaviour to the optimiser), so the hash's wrapping multiply-adds are done in uint64, which wraps by
@@ -154,13 +156,32 @@ class _KernelPair:
     A kernel that reads the global ``_CHUNK`` (its row loops, see ``_gather_kernel``) is also compiled per
     chunk size in ``_SPECIALISED_CHUNK_SIZES``: ``for_chunk(Z)`` gives the pair whose copies see
     ``_CHUNK = Z``, compiled (or loaded from the cache) on first use.
+
+    With ``parts`` (a kernel whose rows, bags or locations are independent: see ``_split_kernel``) the
+    parallel copy is ``parts`` compiled with ``parallel=True``: a ``prange`` over one contiguous part per
+    thread that calls the serial compilation on the part's slices. numba's passes then run once over the
+    kernel's loops instead of twice (the parallel copy of a lookup compiled in a quarter of the time:
+    docs/benchmarks/kernel-compile-2026-11-28.md), the serial machine code is untouched, and the results
+    are the serial ones bit for bit. Such a parallel copy takes one more argument, the number of parts
+    (``__call__`` passes ``numba.get_num_threads()``, which compiled code must not call: numba cannot
+    cache a function that does, nor one that holds the serial dispatcher in a closure, "uses dynamic
+    globals"); it reaches the serial dispatcher as the global ``_serial_part`` of its copy (``_renamed``).
     """
 
-    def __init__(self, py_func: Callable[..., Any], chunk_size: int = 0) -> None:
+    def __init__(
+        self,
+        py_func: Callable[..., Any],
+        chunk_size: int = 0,
+        parts: Callable[..., Any] | None = None,
+    ) -> None:
         self._py_func = py_func
+        self._parts = parts
         self.chunk_size = chunk_size
-        source = _renamed(py_func, f"_z{chunk_size}", {"_CHUNK": chunk_size}) if chunk_size else py_func
+        suffix = f"_z{chunk_size}" if chunk_size else ""
+        source = _renamed(py_func, suffix, {"_CHUNK": chunk_size}) if chunk_size else py_func
         self.serial = njit(cache=True, nogil=True, error_model="numpy")(_renamed(source, "_serial"))
+        if parts is not None:
+            source = _renamed(parts, suffix, {"_serial_part": self.serial})
         self.parallel = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(source)
         self.__doc__ = py_func.__doc__
         self._specialised: dict[int, _KernelPair] = {}
@@ -168,8 +189,12 @@ class _KernelPair:
     def __call__(self, *args: Any, work: int | None = None) -> Any:
         """Run serially at one thread or when ``work`` (values touched) is below
         ``_PARALLEL_MIN_WORK``: waking the other threads costs more than a small batch's whole kernel."""
-        serial = numba.get_num_threads() == 1 or (work is not None and work < _PARALLEL_MIN_WORK)
-        return (self.serial if serial else self.parallel)(*args)
+        threads = numba.get_num_threads()
+        if threads == 1 or (work is not None and work < _PARALLEL_MIN_WORK):
+            return self.serial(*args)
+        if self._parts is None:
+            return self.parallel(*args)
+        return self.parallel(*args, threads)
 
     def for_chunk(self, chunk_size: int) -> _KernelPair:
         """The pair compiled for ``chunk_size`` when it is one of ``_SPECIALISED_CHUNK_SIZES``, else this
@@ -178,12 +203,26 @@ class _KernelPair:
             return self
         pair = self._specialised.get(chunk_size)
         if pair is None:
-            pair = self._specialised[chunk_size] = _KernelPair(self._py_func, chunk_size)
+            pair = self._specialised[chunk_size] = _KernelPair(self._py_func, chunk_size, self._parts)
         return pair
 
 
 def _parallel_kernel(py_func: Callable[..., Any]) -> _KernelPair:
     return _KernelPair(py_func)
+
+
+def _split_kernel(parts: Callable[..., Any]) -> Callable[[Callable[..., Any]], _KernelPair]:
+    """A ``_KernelPair`` whose parallel copy is ``parts``: a function of the kernel's arguments and a
+    number of parts that runs ``_serial_part`` (the kernel's serial compilation) on each part's
+    ``_part_bounds`` slices in a ``prange``.
+    Valid only where the parts' outputs are disjoint and each row's result does not depend on the others
+    (then the parallel copy gives the serial bits)."""
+    return lambda py_func: _KernelPair(py_func, parts=parts)
+
+
+# The global a ``parts`` function calls: each ``_KernelPair`` compiles a copy of it that sees its own
+# serial dispatcher here (``_renamed``).
+_serial_part: Any = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,6 +454,16 @@ def _step_ahead(locations, k, distance):
     if distance == 0 or (k & 7) != 0 or ahead >= locations.shape[0]:
         return _NO_LOCATION
     return np.uint64(locations[ahead])
+
+
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _part_bounds(count, unit, parts, part):
+    """``(lo, hi)``: part ``part`` of ``parts`` contiguous runs of ``count`` rows, each made of whole runs
+    of ``unit`` rows (the last row's run may be short), as even as whole runs allow; empty parts when
+    there are more parts than runs. The ``parts`` functions' split (see ``_split_kernel``)."""
+    units = (count + unit - 1) // unit
+    p = np.int64(part)
+    return min(count, units * p // parts * unit), min(count, units * (p + 1) // parts * unit)
 
 
 @njit(inline="always", cache=True, nogil=True, error_model="numpy")
@@ -651,7 +700,15 @@ def _hash_block(
 # forward
 
 
-@_parallel_kernel
+def _chunk_offsets_parts(ids, val_offset, num_chunks, mode, random_numbers, range_size, out, parts):
+    # The parallel copy of the kernel below (_split_kernel): each thread hashes whole blocks of its ids.
+    num_ids = ids.shape[0]
+    for part in prange(parts):
+        lo, hi = _part_bounds(num_ids, _HASH_BLOCK, parts, part)
+        _serial_part(ids[lo:hi], val_offset, num_chunks, mode, random_numbers, range_size, out[lo:hi])
+
+
+@_split_kernel(_chunk_offsets_parts)
 def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, range_size, out):
     num_ids = ids.shape[0]
     flat = out.reshape(-1)
@@ -677,7 +734,14 @@ def _chunk_offsets_kernel(ids, val_offset, num_chunks, mode, random_numbers, ran
             )
 
 
-@_parallel_kernel
+def _gather_parts(weight, offsets, embedding_dim, chunk_size, streaming, prefetch, out, parts):
+    # The parallel copy of the kernel below (_split_kernel): each thread copies its rows.
+    for part in prange(parts):
+        lo, hi = _part_bounds(offsets.shape[0], _HASH_BLOCK, parts, part)
+        _serial_part(weight, offsets[lo:hi], embedding_dim, chunk_size, streaming, prefetch, out[lo:hi])
+
+
+@_split_kernel(_gather_parts)
 def _gather_kernel(weight, offsets, embedding_dim, chunk_size, streaming, prefetch, out):
     # A row is d // Z whole chunks, then a shorter last one: constant lengths in a compilation for one
     # chunk size (``_CHUNK``). The row loops are written out in each kernel: a helper taking the arrays
@@ -703,7 +767,29 @@ def _gather_kernel(weight, offsets, embedding_dim, chunk_size, streaming, prefet
             _store_fence()
 
 
-@_parallel_kernel
+def _lookup_parts(
+    weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, streaming, prefetch, out, parts
+):
+    # The parallel copy of the kernel below (_split_kernel): each thread hashes and copies whole blocks
+    # of its ids' rows.
+    num_ids = ids.shape[0]
+    for part in prange(parts):
+        lo, hi = _part_bounds(num_ids, _HASH_BLOCK, parts, part)
+        _serial_part(
+            weight,
+            ids[lo:hi],
+            val_offset,
+            embedding_dim,
+            chunk_size,
+            mode,
+            random_numbers,
+            streaming,
+            prefetch,
+            out[lo:hi],
+        )
+
+
+@_split_kernel(_lookup_parts)
 def _lookup_kernel(
     weight, ids, val_offset, embedding_dim, chunk_size, mode, random_numbers, streaming, prefetch, out
 ):
@@ -750,7 +836,47 @@ def _lookup_kernel(
             _store_fence()
 
 
-@_parallel_kernel
+def _lookup_bag_parts(
+    weight,
+    ids,
+    bag_offsets,
+    per_sample_weights,
+    has_weights,
+    mean,
+    val_offset,
+    embedding_dim,
+    chunk_size,
+    mode,
+    random_numbers,
+    prefetch,
+    out,
+    parts,
+):
+    # The parallel copy of the kernel below (_split_kernel): each thread pools its bags. Their ids are
+    # found through the offsets, so a part keeps ``ids`` from 0 (and ``per_sample_weights`` whole) and
+    # ends it where the next part's first bag starts: its last bag runs to the end of its ids.
+    num_bags = bag_offsets.shape[0]
+    for part in prange(parts):
+        lo, hi = _part_bounds(num_bags, 1, parts, part)
+        end = bag_offsets[hi] if hi < num_bags else ids.shape[0]
+        _serial_part(
+            weight,
+            ids[:end],
+            bag_offsets[lo:hi],
+            per_sample_weights,
+            has_weights,
+            mean,
+            val_offset,
+            embedding_dim,
+            chunk_size,
+            mode,
+            random_numbers,
+            prefetch,
+            out[lo:hi],
+        )
+
+
+@_split_kernel(_lookup_bag_parts)
 def _lookup_bag_kernel(
     weight,
     ids,
@@ -1100,7 +1226,27 @@ def _adam_new(w, m, v, g, one_minus_beta1, one_minus_beta2, eps, step_size):
     return w - step_size * (m / (np.sqrt(v) + eps)), m, v
 
 
-@_parallel_kernel
+# The parallel copies of the sgd and adagrad steps and of the checked adam step (_split_kernel): each
+# thread steps its run of the (unique) locations; runs of whole eighths keep the serial prefetch pattern.
+# The adam step, the dry runs, the sgd and adagrad checked steps and the restore keep ``prange`` copies
+# of their own: the adam step and its dry run measured 5-10% slower split at 2 threads, the others were
+# not measured (docs/benchmarks/kernel-compile-2026-11-28.md).
+_STEP_PART_UNIT = 8
+
+
+def _sgd_parts(weight, locations, values, lr, parts):
+    for part in prange(parts):
+        lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
+        _serial_part(weight, locations[lo:hi], values[lo:hi], lr)
+
+
+def _adagrad_parts(weight, state_sum, locations, values, lr, eps, parts):
+    for part in prange(parts):
+        lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
+        _serial_part(weight, state_sum, locations[lo:hi], values[lo:hi], lr, eps)
+
+
+@_split_kernel(_sgd_parts)
 def _sgd_kernel(weight, locations, values, lr):
     for k in prange(locations.shape[0]):
         ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
@@ -1110,7 +1256,7 @@ def _sgd_kernel(weight, locations, values, lr):
         weight[i] = _sgd_new(weight[i], values[k], lr)
 
 
-@_parallel_kernel
+@_split_kernel(_adagrad_parts)
 def _adagrad_kernel(weight, state_sum, locations, values, lr, eps):
     for k in prange(locations.shape[0]):
         ahead = _step_ahead(locations, k, _STEP_PREFETCH_AHEAD)
@@ -1199,6 +1345,41 @@ def _adam_nonfinite_kernel(weight, exp_avg, exp_avg_sq, locations, values, beta1
 # dry run then a step: on a large array those reads miss the TLB (docs/benchmarks/dlrm-server-*.md).
 
 
+def _adam_checked_parts(
+    weight,
+    exp_avg,
+    exp_avg_sq,
+    locations,
+    values,
+    beta1,
+    beta2,
+    eps,
+    step_size,
+    undo_weight,
+    undo_avg,
+    undo_sq,
+    parts,
+):
+    bad = 0
+    for part in prange(parts):
+        lo, hi = _part_bounds(locations.shape[0], _STEP_PART_UNIT, parts, part)
+        bad += _serial_part(
+            weight,
+            exp_avg,
+            exp_avg_sq,
+            locations[lo:hi],
+            values[lo:hi],
+            beta1,
+            beta2,
+            eps,
+            step_size,
+            undo_weight[lo:hi],
+            undo_avg[lo:hi],
+            undo_sq[lo:hi],
+        )
+    return bad
+
+
 @_parallel_kernel
 def _sgd_checked_kernel(weight, locations, values, lr, undo_weight):
     bad = 0
@@ -1241,7 +1422,7 @@ def _adagrad_checked_kernel(weight, state_sum, locations, values, lr, eps, undo_
     return bad
 
 
-@_parallel_kernel
+@_split_kernel(_adam_checked_parts)
 def _adam_checked_kernel(
     weight,
     exp_avg,

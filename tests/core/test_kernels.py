@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numba
@@ -763,9 +763,11 @@ def test_concurrent_calls_from_python_threads_agree():
 
 
 _CACHE_PROBE = """
-import json, torch
+import json, torch, warnings
+from numba.core.errors import NumbaWarning
 from robez_core import kernels, paper_random_numbers
 from robez_core.kernels import _jit
+warnings.simplefilter("error", NumbaWarning)  # "Cannot cache compiled function ..." fails the probe
 weight, ids, constants = torch.randn(100), torch.arange(10), paper_random_numbers()
 _jit._PARALLEL_MIN_WORK = 0  # reach the parallel compilation with this tiny batch
 counts = {}
@@ -774,8 +776,12 @@ for threads, flavour in ((1, "serial"), (2, "parallel")):
     if kernels.set_kernel_threads() != threads:
         continue  # a one-core machine never runs the parallel copy
     kernels.lookup(weight, ids, 8, 4, constants)
-    stats = getattr(_jit._lookup_kernel.for_chunk(4), flavour).stats  # Z = 4: its own compilation
-    counts[flavour] = {"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}
+    kernels.sgd_step(weight, ids, torch.ones(10), 0.5)
+    # Z = 4: its own compilation; both parallel copies run the serial one on parts (_jit._split_kernel)
+    for name, pair in (("lookup", _jit._lookup_kernel.for_chunk(4)), ("sgd", _jit._sgd_kernel)):
+        stats = getattr(pair, flavour).stats
+        hits, misses = sum(stats.cache_hits.values()), sum(stats.cache_misses.values())
+        counts[f"{name} {flavour}"] = {"hits": hits, "misses": misses}
 print(json.dumps(counts))
 """
 
@@ -797,10 +803,12 @@ def test_compiled_kernels_are_cached_on_disk(tmp_path: Path):
         )
         assert completed.returncode == 0, completed.stderr
         runs.append(json.loads(completed.stdout.strip().splitlines()[-1]))
-    assert runs[0]["serial"] == {"hits": 0, "misses": 1}
-    assert runs[1]["serial"] == {"hits": 1, "misses": 0}
-    if "parallel" in runs[0]:
-        assert runs[1]["parallel"] == {"hits": 1, "misses": 0}
+    for name in ("lookup", "sgd"):
+        assert runs[0][f"{name} serial"] == {"hits": 0, "misses": 1}
+        assert runs[1][f"{name} serial"] == {"hits": 1, "misses": 0}
+        if f"{name} parallel" in runs[0]:
+            assert runs[0][f"{name} parallel"] == {"hits": 0, "misses": 1}
+            assert runs[1][f"{name} parallel"] == {"hits": 1, "misses": 0}
     assert any(tmp_path.rglob("*.nbi"))
 
 
@@ -933,3 +941,139 @@ def test_small_batches_run_serially_at_several_threads():
         _jit._PARALLEL_MIN_WORK = previous_cutoff
     assert calls == ["serial"]
     assert torch.equal(rows, expected)
+
+
+def _split_cases(n: int) -> dict[str, tuple[_jit._KernelPair, Callable[[], tuple[object, ...]], list[int]]]:
+    """Every kernel whose parallel copy runs its serial compilation on parts (``_jit._split_kernel``): the
+    pair, a function making fresh arguments for ``n`` ids (bags, locations) and which arguments it writes.
+    Arrays as ``robez_core.kernels`` passes them, so the serial signatures are the ones the other tests
+    compile."""
+    rng = np.random.default_rng(n)
+    memory_size, dim, chunk = 5_000, 8, 4
+    mode, constants, range_size = runtime.hash_setup("paper", RANDOM_NUMBERS, memory_size, chunk, dim)
+    weight = rng.standard_normal(memory_size).astype(np.float32)
+    ids = rng.integers(INT64_MIN, INT64_MAX, n, dtype=np.int64, endpoint=True)
+    offsets = rng.integers(0, range_size, (n, dim // chunk), dtype=np.int64)
+    bags = np.sort(rng.integers(0, n + 1, max(1, n // 3)))  # empty bags and bags of several ids
+    bags[0] = 0
+    locations = np.sort(rng.choice(memory_size, min(n, memory_size), replace=False)).astype(np.int64)
+    values = rng.standard_normal(locations.shape[0]).astype(np.float32)
+    values[::97] = np.nan  # the checked step counts them and refuses
+    k = locations.shape[0]
+
+    states = [rng.random(memory_size, dtype=np.float32) for _ in range(2)]
+    sample_weights = rng.random(n, dtype=np.float32)
+
+    def arrays(count: int) -> list[np.ndarray]:
+        return [weight.copy(), *(state.copy() for state in states[: count - 1])]
+
+    def f32(*xs: float) -> tuple[np.float32, ...]:
+        return tuple(np.float32(x) for x in xs)
+
+    def undo(count: int) -> list[np.ndarray]:
+        return [np.zeros(k, np.float32) for _ in range(count)]
+
+    adam = f32(0.9, 0.999, 1e-8, 1e-3)
+    return {
+        "chunk_offsets": (
+            _jit._chunk_offsets_kernel,
+            lambda: (ids, np.int64(7), 2, mode, constants, range_size, np.zeros((n, 2), np.int64)),
+            [6],
+        ),
+        "gather": (
+            _jit._gather_kernel.for_chunk(chunk),
+            lambda: (weight, offsets, dim, chunk, True, True, np.zeros((n, dim), np.float32)),
+            [6],
+        ),
+        "lookup": (
+            _jit._lookup_kernel.for_chunk(chunk),
+            lambda: (
+                weight,
+                ids,
+                np.int64(-3),
+                dim,
+                chunk,
+                mode,
+                constants,
+                True,
+                True,
+                np.zeros((n, dim), np.float32),
+            ),
+            [9],
+        ),
+        "lookup_bag": (
+            _jit._lookup_bag_kernel,
+            lambda: (
+                weight,
+                ids,
+                bags,
+                sample_weights,
+                True,
+                False,
+                np.int64(0),
+                dim,
+                chunk,
+                mode,
+                constants,
+                True,
+                np.zeros((bags.shape[0], dim), np.float32),
+            ),
+            [12],
+        ),
+        "lookup_bag mean": (
+            _jit._lookup_bag_kernel,
+            lambda: (
+                weight,
+                ids,
+                bags,
+                np.empty(0, np.float32),
+                False,
+                True,
+                np.int64(0),
+                dim,
+                chunk,
+                mode,
+                constants,
+                False,
+                np.zeros((bags.shape[0], dim), np.float32),
+            ),
+            [12],
+        ),
+        "sgd": (_jit._sgd_kernel, lambda: (*arrays(1), locations, values, *f32(0.1)), [0]),
+        "adagrad": (_jit._adagrad_kernel, lambda: (*arrays(2), locations, values, *f32(0.1, 1e-8)), [0, 1]),
+        "adam_checked": (
+            _jit._adam_checked_kernel,
+            lambda: (*arrays(3), locations, values, *adam, *undo(3)),
+            [0, 1, 2, 9, 10, 11],
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_split_cases(1)))
+def test_split_parallel_copies_give_the_serial_bits(name: str) -> None:
+    """The parallel copy that runs the serial compilation on parts writes (and returns) the serial bits,
+    whatever the parts: uneven, a short last block, more parts than hash blocks (empty parts)."""
+    for n in (1, 300, 1000, 2053):
+        pair, make_args, written = _split_cases(n)[name]
+        expected_args = make_args()
+        expected = pair.serial(*expected_args)
+        for parts in (2, 3, 5):
+            args = make_args()
+            assert pair.parallel(*args, parts) == expected, (name, n, parts)
+            for position in written:
+                want, got = np.asarray(expected_args[position]), np.asarray(args[position])
+                assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (name, n, parts, position)
+
+
+def test_split_parallel_copies_reach_the_serial_dispatcher_through_their_globals() -> None:
+    """numba caches a compiled function that calls a dispatcher it finds in its globals, not one held in a
+    closure ("uses dynamic globals"): each split pair's parallel copy sees its own serial compilation."""
+    pairs = [pair for pair, _, _ in _split_cases(1).values()]
+    assert {pair.serial.py_func.__name__ for pair in pairs} >= {
+        "_lookup_kernel_z4_serial",
+        "_sgd_kernel_serial",
+    }
+    for pair in pairs:
+        source = pair.parallel.py_func
+        assert source.__closure__ is None and source.__globals__["_serial_part"] is pair.serial
+        assert source.__name__.endswith("_parts" + (f"_z{pair.chunk_size}" if pair.chunk_size else ""))
