@@ -23,9 +23,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two test processes (pytest-xdist): most tests wait on a server or NATS, so two keep both cores busy.
-# TEST_WORKERS=0 runs them in this process (one at a time).
-TEST_WORKERS ?= 2
+# Three test processes (pytest-xdist) on the 2-core machines: most tests wait on a server or NATS, and two
+# processes left ~15% of the cores idle (pytest 7:38 with three, 8:39 with two, fresh clones of the same
+# commit: docs/benchmarks/suite-2026-11-27.md). TEST_WORKERS=0 runs them in this process (one at a time).
+TEST_WORKERS ?= 3
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
