@@ -304,6 +304,18 @@ def robez_tables(settings: Settings) -> list[Any]:
     ]
 
 
+def create_remote_tables(client: Any, settings: Settings) -> None:
+    """The benchmark's tables on a robez server (one array, robez's Adagrad), as every remote run makes."""
+    from robez_core import OptimizerConfig
+    from service.client import RemoteEmbeddingBagCollection
+
+    RemoteEmbeddingBagCollection.create_tables(
+        client, robez_tables(settings), memory_size=settings.memory_size,
+        optimizer=OptimizerConfig("adagrad", lr=settings.embedding_lr),
+        chunk_size=settings.chunk_size, seed=1 + settings.seed, init_scale=settings.init_scale,
+    )  # fmt: skip
+
+
 def robez_per_feature(settings: Settings) -> Embeddings:
     from robez_core import RobezEmbeddingBagCollection
 
@@ -458,8 +470,7 @@ def run_remote(name: str, settings: Settings) -> dict[str, Any]:
     import tempfile
 
     from loadtest.server import start_server, stop_server, tree_pids, tree_rss_bytes
-    from robez_core import OptimizerConfig
-    from service.client import RemoteEmbeddingBagCollection, RobezClient
+    from service.client import RobezClient
 
     workers, trainers = REMOTE_WORKERS[name], REMOTE_TRAINERS[name]
     env = {"ROBEZ_THREADS_PER_WORKER": "1", "ROBEZ_MAX_BODY_BYTES": str(256 << 20)}
@@ -468,11 +479,7 @@ def run_remote(name: str, settings: Settings) -> dict[str, Any]:
         try:
             url = server.target.base_url
             with RobezClient(url, timeout=300.0) as client:
-                RemoteEmbeddingBagCollection.create_tables(
-                    client, robez_tables(settings), memory_size=settings.memory_size,
-                    optimizer=OptimizerConfig("adagrad", lr=settings.embedding_lr),
-                    chunk_size=settings.chunk_size, seed=1 + settings.seed, init_scale=settings.init_scale,
-                )  # fmt: skip
+                create_remote_tables(client, settings)
             pids = _server_workers(url, trainers) if trainers > 1 else []
             children = []
             for index in range(trainers):

@@ -30,9 +30,8 @@ def measure(steps: int, warmup: int) -> dict[str, Any]:
     """One server, ``steps`` steps of pull + push; the medians (ms) of the steps after ``warmup``."""
     import torch
 
-    from benchmarks.training.dlrm import Settings, SyntheticCriteo, robez_tables
+    from benchmarks.training.dlrm import Settings, SyntheticCriteo, create_remote_tables, robez_tables
     from loadtest.server import start_server, stop_server
-    from robez_core import OptimizerConfig
     from service.client import RemoteEmbeddingBagCollection, RobezClient
 
     torch.set_num_threads(1)
@@ -51,11 +50,7 @@ def measure(steps: int, warmup: int) -> dict[str, Any]:
         try:
             url = server.target.base_url
             with RobezClient(url, timeout=300.0) as client:
-                RemoteEmbeddingBagCollection.create_tables(
-                    client, robez_tables(settings), memory_size=settings.memory_size,
-                    optimizer=OptimizerConfig("adagrad", lr=settings.embedding_lr),
-                    chunk_size=settings.chunk_size, seed=1 + settings.seed, init_scale=settings.init_scale,
-                )  # fmt: skip
+                create_remote_tables(client, settings)
                 collection = RemoteEmbeddingBagCollection(client, robez_tables(settings))
                 timings: list[dict[str, float]] = []
                 count = collection._count  # the collection's own bookkeeping, kept; each timing noted too
