@@ -120,7 +120,7 @@ def test_quick_remote_run_trains_the_local_bits_through_a_server(tmp_path: Path)
     code = dlrm.main(
         [
             "--quick", "--variants", "robez_collection,remote_collection", "--steps", "6",
-            "--output-dir", str(tmp_path),
+            "--repeats", "1", "--output-dir", str(tmp_path),
         ]
     )  # fmt: skip
     assert code == 0
