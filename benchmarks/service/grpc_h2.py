@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import ssl
 import statistics
 import struct
 import subprocess
@@ -61,7 +62,13 @@ from h2.events import (
 from h2.exceptions import ProtocolError
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 
-from benchmarks.service.grpc_servers import FLOOR, cpu_s, free_port, infer_message
+from benchmarks.service.grpc_servers import (
+    FLOOR,
+    TLS_DIR_VARIABLE,
+    cpu_s,
+    free_port,
+    infer_message,
+)
 from loadtest.server import tree_pids
 
 INFER = b"/inference.GRPCInferenceService/ModelInfer"
@@ -624,10 +631,18 @@ def serve(variant: str, port: int, infer_app: bool) -> None:
     robez's ModelInfer over an app whose lifespan (tables, warm kernels) runs in this process."""
     import uvloop
 
+    tls: ssl.SSLContext | None = None
+    folder = os.environ.get(TLS_DIR_VARIABLE)
+    if folder:  # TLS 1.2+ with ALPN h2, as gRPC clients require
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(Path(folder) / "server.pem", Path(folder) / "server.key")
+        tls.set_alpn_protocols(["h2"])
+
     async def run() -> None:
         loop = asyncio.get_running_loop()
         if not infer_app:
-            server = await loop.create_server(protocol_factory(variant, echo, None), "127.0.0.1", port)
+            factory = protocol_factory(variant, echo, None)
+            server = await loop.create_server(factory, "127.0.0.1", port, ssl=tls)
             await server.serve_forever()
             return
         from service.app import create_app
@@ -675,7 +690,10 @@ def main() -> None:
     mode.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--stacks", default="frames,h2 tuned", help="--infer: the prototype's stacks")
     parser.add_argument("--ids", type=int, default=1, help="--infer: ids per request")
+    parser.add_argument("--tls", action="store_true", help="--floor: every server over TLS (ALPN h2)")
     args = parser.parse_args()
+    if args.tls and not args.floor:
+        parser.error("--tls goes with --floor")
     if args.serve:
         serve(args.serve[0], int(args.serve[1]), bool(os.environ.get("BENCH_DATA_DIR")))
         return
@@ -687,6 +705,12 @@ def main() -> None:
     robez: Any = None
     try:
         if args.floor:
+            env, ca = dict(os.environ), None
+            if args.tls:
+                folder = tempfile.mkdtemp(prefix="robez-h2-tls-")
+                temporary.append(folder)
+                ca = _certificates(Path(folder))
+                env[TLS_DIR_VARIABLE] = folder
             for label, floor in _GRPC_FLOOR.items():
                 port = free_port()
                 command = [
@@ -697,13 +721,13 @@ def main() -> None:
                     floor,
                     str(port),
                 ]
-                processes.append(subprocess.Popen(command, env={**os.environ, **FLOOR[floor][3]}))
-                senders[label] = (processes[-1].pid, _grpc_sender(port, ECHO, message))
+                processes.append(subprocess.Popen(command, env={**env, **FLOOR[floor][3]}))
+                senders[label] = (processes[-1].pid, _grpc_sender(port, ECHO, message, ca=ca))
             for variant in H2_VARIANTS:
                 port = free_port()
                 command = [sys.executable, "-m", "benchmarks.service.grpc_h2", "--serve", variant, str(port)]
-                processes.append(subprocess.Popen(command))
-                senders[variant] = (processes[-1].pid, _grpc_sender(port, ECHO, message))
+                processes.append(subprocess.Popen(command, env=env))
+                senders[variant] = (processes[-1].pid, _grpc_sender(port, ECHO, message, ca=ca))
             warm_s = 30.0
         else:
             from benchmarks.service.oip_transports import Server, oip_senders
@@ -780,6 +804,18 @@ def main() -> None:
     print(f"\nload average: {load_start} at the start, {load_end} at the end; grpc {grpc.__version__}")
 
 
+def _certificates(folder: Path) -> bytes:
+    """A CA and a server certificate for ``localhost`` in ``folder`` (``server.pem``, ``server.key``);
+    returns the CA's certificate (PEM)."""
+    import trustme
+
+    ca = trustme.CA()
+    certificate = ca.issue_cert("localhost")
+    certificate.private_key_pem.write_to_path(str(folder / "server.key"))
+    (folder / "server.pem").write_bytes(b"".join(blob.bytes() for blob in certificate.cert_chain_pems))
+    return ca.cert_pem.bytes()
+
+
 def _ids_message(count: int) -> bytes:
     """A ``ModelInferRequest`` of ``count`` ids as raw contents (as ``oip_transports`` sends them)."""
     import numpy as np
@@ -794,10 +830,17 @@ def _ids_message(count: int) -> bytes:
 
 
 def _grpc_sender(
-    port: int, method: bytes, message: bytes, expected: bytes | None = None
+    port: int, method: bytes, message: bytes, expected: bytes | None = None, ca: bytes | None = None
 ) -> Callable[[], None]:
-    """One call of ``method`` with ``message``; its answer must be ``expected`` (or the message back)."""
-    call = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary(method.decode())
+    """One call of ``method`` with ``message``; its answer must be ``expected`` (or the message back).
+    ``ca``: over TLS, trusting this CA (the servers' certificate names ``localhost``)."""
+    target = f"127.0.0.1:{port}"
+    if ca is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        override = [("grpc.ssl_target_name_override", "localhost")]
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(ca), options=override)
+    call = channel.unary_unary(method.decode())
     expected = message if expected is None else expected
 
     def send() -> None:

@@ -194,7 +194,7 @@ def serve(variant: str, port: int) -> None:
         async def run() -> None:
             server = grpc.aio.server(options=options)
             server.add_generic_rpc_handlers(handlers)
-            server.add_insecure_port(f"127.0.0.1:{port}")
+            add_port(server, port)
             await server.start()
             await server.wait_for_termination()
 
@@ -207,9 +207,24 @@ def serve(variant: str, port: int) -> None:
         return
     sync = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
     sync.add_generic_rpc_handlers(handlers)
-    sync.add_insecure_port(f"127.0.0.1:{port}")
+    add_port(sync, port)
     sync.start()
     sync.wait_for_termination()
+
+
+# A folder with ``server.pem`` (certificate chain) and ``server.key``: the server listens with TLS
+# (``grpc_h2 --floor --tls``), else in plaintext.
+TLS_DIR_VARIABLE = "BENCH_TLS_DIR"
+
+
+def add_port(server: grpc.Server | grpc.aio.Server, port: int) -> None:
+    """Listen on 127.0.0.1:``port``, with TLS when ``TLS_DIR_VARIABLE`` names a folder."""
+    address, folder = f"127.0.0.1:{port}", os.environ.get(TLS_DIR_VARIABLE)
+    if not folder:
+        server.add_insecure_port(address)
+        return
+    key, chain = (Path(folder) / "server.key").read_bytes(), (Path(folder) / "server.pem").read_bytes()
+    server.add_secure_port(address, grpc.ssl_server_credentials([(key, chain)]))
 
 
 def cpu_s(pid: int) -> tuple[float, float]:
