@@ -559,8 +559,20 @@ class InferAnswer:
     request counted and timed (``Metrics.observe_request``), errors as gRPC codes from the one table."""
 
     def __init__(self, app: Any) -> None:
-        from service.grpc.server import receive_limit
+        # imported here: the echo servers of this module do without robez's modules
+        from robez_core.errors import RobezError
+        from service.errors import grpc_code_for, status_for
+        from service.grpc.server import decode_request, encode_response, receive_limit
+        from service.grpc.wire import parse_request
+        from service.oip import infer
 
+        self.robez_error, self.status_for, self.grpc_code_for = RobezError, status_for, grpc_code_for
+        self.parse, self.decode, self.infer, self.encode = (
+            parse_request,
+            decode_request,
+            infer,
+            encode_response,
+        )
         state = app.state
         self.store, self.metrics, self.admission = state.store, state.metrics, state.admission
         settings = state.settings
@@ -569,12 +581,6 @@ class InferAnswer:
         self.path = INFER.decode()
 
     def __call__(self, path: bytes, message: bytes) -> tuple[bytes, int, str]:
-        from robez_core.errors import RobezError
-        from service.errors import grpc_code_for, status_for
-        from service.grpc.server import decode_request, encode_response
-        from service.grpc.wire import parse_request
-        from service.oip import infer
-
         start = time.perf_counter()
         if path != INFER:
             return b"", _UNIMPLEMENTED, "method not found"
@@ -589,16 +595,14 @@ class InferAnswer:
             if refused is not None:
                 raise refused
             slot, held = admission.admit(name, size), size
-            request = parse_request(message)
+            request = self.parse(message)
             table = request.model_name
-            max_ids = self.max_ids
-            inference, result = infer(
-                self.store, self.metrics, table, lambda: decode_request(request, max_ids)
-            )
-            return encode_response(table, inference.request_id, inference, result), 0, ""
-        except RobezError as exc:
-            status = status_for(exc)
-            return b"", grpc.StatusCode[grpc_code_for(status)].value[0], str(exc)
+            max_ids, decode = self.max_ids, self.decode
+            inference, result = self.infer(self.store, self.metrics, table, lambda: decode(request, max_ids))
+            return self.encode(table, inference.request_id, inference, result), 0, ""
+        except self.robez_error as exc:
+            status = self.status_for(exc)
+            return b"", grpc.StatusCode[self.grpc_code_for(status)].value[0], str(exc)
         finally:
             admission.release(slot, held)
             self.metrics.observe_request(name, "GRPC", table, status, time.perf_counter() - start)
@@ -703,6 +707,7 @@ def main() -> None:
     processes: list[subprocess.Popen[bytes]] = []
     temporary: list[str] = []
     robez: Any = None
+    prototype_ports: list[int] = []
     try:
         if args.floor:
             env, ca = dict(os.environ), None
@@ -748,6 +753,7 @@ def main() -> None:
                 env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
                 env.update({"BENCH_DATA_DIR": f"{data}/data", "ROBEZ_THREADS_PER_WORKER": "1"})
                 processes.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL))
+                prototype_ports.append(port)
                 senders[f"OIP gRPC prototype on {stack}"] = (
                     processes[-1].pid,
                     _grpc_sender(port, INFER, message, robez_answer),
@@ -757,6 +763,10 @@ def main() -> None:
             process = next((p for p in processes if p.pid == pid), None)
             if process is not None:
                 _wait_for(send, process, warm_s)
+        if robez is not None:  # a refusal too: the same code and message as robez's servicer
+            unknown = _ids_message(1, "no-such-table")
+            for port in prototype_ports:
+                assert _refusal(port, unknown) == _refusal(robez.grpc_port, unknown), _refusal(port, unknown)
             for _ in range(300):
                 send()
         results: dict[str, list[tuple[float, float, float]]] = {label: [] for label in senders}
@@ -816,17 +826,26 @@ def _certificates(folder: Path) -> bytes:
     return ca.cert_pem.bytes()
 
 
-def _ids_message(count: int) -> bytes:
+def _ids_message(count: int, model: str = "demo") -> bytes:
     """A ``ModelInferRequest`` of ``count`` ids as raw contents (as ``oip_transports`` sends them)."""
     import numpy as np
     from tritonclient.grpc import service_pb2
 
     ids = np.random.default_rng(count).integers(0, 2**40, count, dtype=np.int64)
-    request = service_pb2.ModelInferRequest(model_name="demo")
+    request = service_pb2.ModelInferRequest(model_name=model)
     request.inputs.add(name="ids", datatype="INT64", shape=[count])
     request.raw_input_contents.append(ids.astype("<i8").tobytes())
     message: bytes = request.SerializeToString()
     return message
+
+
+def _refusal(port: int, message: bytes) -> tuple[grpc.StatusCode, str]:
+    """The code and details a server refuses ``message`` with."""
+    try:
+        grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary(INFER.decode())(message, timeout=30)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details()
+    raise AssertionError("the call was answered")
 
 
 def _grpc_sender(
