@@ -18,7 +18,7 @@ echoing its message, or robez's ``ModelInfer``):
 - ``frames``: HTTP/2 frames read and written by hand (``FrameProtocol``; HPACK decoding by ``hpack``
   with the same cache), the least Python per call this design can do.
 
-The caller is one synchronous ``grpcio`` channel sending robez's 1-id ``ModelInferRequest`` (52 bytes)
+The caller is one synchronous ``grpcio`` channel sending robez's 1-id ``ModelInferRequest`` (33 bytes)
 with a 10 s deadline (the header ``grpc-timeout``), as ``grpc_servers`` does. Server CPU per call from
 /proc schedstat of every thread of the server's processes, split into the main threads (the event loop)
 and the others (gRPC's pollers, a thread pool, numba/torch threads); variants alternate in every round;
