@@ -26,8 +26,10 @@ medians over rounds.
 
 The HTTP/2 servers here are benchmark code: enough HTTP/2 for grpcio's client (preface, SETTINGS and
 their ACK, PING ACK, WINDOW_UPDATE both ways, CONTINUATION, padding, RST_STREAM, GOAWAY, answers held
-back by the peer's flow-control windows), one message per call, no TLS, keepalive, grpc-timeout or
-server-side limits beyond a message cap (the report says what a product endpoint would need).
+back by the peer's flow-control windows), one message per call; ``--floor --tls`` serves over TLS with
+ALPN h2. The frames server also checks what a gRPC server must per call (content type, message encoding,
+``grpc-timeout`` as a deadline, at most 100 concurrent streams). None of them has keepalive or the
+hardening against hostile peers a product endpoint needs (docs/benchmarks/grpc-floor-2026-11-28.md).
 """
 
 from __future__ import annotations
@@ -283,14 +285,27 @@ _WINDOW_UPDATE_AT = 32768  # bytes taken before the window is opened again (conn
 _PROTOCOL_ERROR, _FRAME_SIZE_ERROR = 1, 6
 
 
+_MAX_STREAMS = 100  # concurrent streams per connection (robez's grpc.max_concurrent_streams)
+_TIMEOUT_UNITS = {72: 3600.0, 77: 60.0, 83: 1.0, 109: 1e-3, 117: 1e-6, 110: 1e-9}  # H M S m u n
+
+
+def grpc_timeout_s(value: bytes) -> float | None:
+    """A ``grpc-timeout`` value (at most 8 digits and a unit) in seconds; None when malformed."""
+    unit = _TIMEOUT_UNITS.get(value[-1]) if value else None
+    digits = value[:-1]
+    if unit is None or not digits.isdigit() or len(digits) > 8:
+        return None
+    return int(digits) * unit
+
+
 def frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
     n = len(payload)
     return _HEAD.pack(n >> 16, n & 0xFFFF, kind, flags, sid) + payload
 
 
 _SETTINGS_ACK = frame(_SETTINGS, _ACK, 0)
-# max concurrent streams 100, max header list 16 KiB (the window and frame size stay the defaults)
-_SERVER_SETTINGS = frame(_SETTINGS, 0, 0, struct.pack(">HIHI", 3, 100, 6, 16384))
+# max concurrent streams, max header list 16 KiB (the window and frame size stay the defaults)
+_SERVER_SETTINGS = frame(_SETTINGS, 0, 0, struct.pack(">HIHI", 3, _MAX_STREAMS, 6, 16384))
 
 
 class _Stream:
@@ -438,6 +453,9 @@ class FrameProtocol(asyncio.Protocol):
             self._goaway(_PROTOCOL_ERROR)
             return
         self.last_sid = sid
+        if len(self.streams) >= _MAX_STREAMS:  # our SETTINGS_MAX_CONCURRENT_STREAMS
+            self.out.append(frame(_RST, 0, sid, b"\0\0\0\x07"))  # REFUSED_STREAM
+            return
         start, stop = 0, len(payload)
         if flags & _PADDED:
             start, stop = 1, stop - payload[0]
@@ -454,10 +472,38 @@ class FrameProtocol(asyncio.Protocol):
             stream.block += payload[start:stop]
 
     def _headers_done(self, sid: int, stream: _Stream) -> None:
+        """The call's headers: its method, and what a gRPC server must check before its message (the
+        content type, the message encoding) or keep (its deadline: the read timer shortened to it)."""
+        content_type = encoding = timeout = b""
         for name, value in self.decoder.decode(bytes(stream.block), raw=True):
             if name == b":path":
                 stream.path = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"grpc-encoding":
+                encoding = value
+            elif name == b"grpc-timeout":
+                timeout = value
         stream.block = bytearray()
+        refusal = None
+        if not content_type.startswith(b"application/grpc"):
+            refusal = _error_trailers(_INTERNAL, "content-type must be application/grpc")
+        elif encoding and encoding != b"identity":
+            refusal = _error_trailers(_UNIMPLEMENTED, "grpc-encoding identity only")
+        elif timeout:
+            seconds = grpc_timeout_s(timeout)
+            if seconds is None:
+                refusal = _error_trailers(_INTERNAL, "malformed grpc-timeout")
+            elif self.read_timeout_s is None or seconds < self.read_timeout_s:
+                if stream.timer is not None:
+                    stream.timer.cancel()
+                stream.timer = self.loop.call_later(seconds, self._expired, sid)  # type: ignore[union-attr]
+        if refusal is not None:
+            ended = stream.ended
+            self._answer(sid, stream, b"", refusal)
+            if not ended:
+                self.out.append(frame(_RST, 0, sid, b"\0\0\0\0"))  # NO_ERROR: its message is not needed
+            return
         if stream.ended:
             self._end(sid)
 
@@ -538,7 +584,8 @@ class FrameProtocol(asyncio.Protocol):
         self.pending.pop(sid, None)
 
     def _expired(self, sid: int) -> None:
-        """A call whose message did not arrive in time: DEADLINE_EXCEEDED, the stream reset."""
+        """A call whose message did not arrive in time (the read bound, or its deadline if sooner):
+        DEADLINE_EXCEEDED, the stream reset."""
         stream = self.streams.get(sid)
         if stream is None:
             return
