@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import ssl
 import statistics
 import struct
@@ -699,12 +700,15 @@ def serve(variant: str, port: int, infer_app: bool) -> None:
         from service.app import create_app
         from service.config import Settings
 
+        stop = asyncio.Event()  # SIGTERM ends the lifespan, which removes the tables' shared memory
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
         app = create_app(Settings(data_dir=Path(os.environ["BENCH_DATA_DIR"])))
         async with app.router.lifespan_context(app):
             answer = InferAnswer(app)
             timeout_s = app.state.settings.body_timeout_s
             server = await loop.create_server(protocol_factory(variant, answer, timeout_s), "127.0.0.1", port)
-            await server.serve_forever()
+            async with server:
+                await stop.wait()
 
     uvloop.run(run())
 
@@ -798,7 +802,13 @@ def main() -> None:
                 port = free_port()
                 command = [sys.executable, "-m", "benchmarks.service.grpc_h2", "--serve", stack, str(port)]
                 env = {k: v for k, v in os.environ.items() if not k.startswith("ROBEZ_")}
-                env.update({"BENCH_DATA_DIR": f"{data}/data", "ROBEZ_THREADS_PER_WORKER": "1"})
+                env.update(
+                    {
+                        "BENCH_DATA_DIR": f"{data}/data",
+                        "ROBEZ_SHM_DIR": f"{data}/shm",  # removed with the folder, whatever happens
+                        "ROBEZ_THREADS_PER_WORKER": "1",
+                    }
+                )
                 processes.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL))
                 prototype_ports.append(port)
                 senders[f"OIP gRPC prototype on {stack}"] = (
