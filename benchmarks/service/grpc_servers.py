@@ -130,6 +130,15 @@ FLOOR: dict[str, tuple[str, str, list[tuple[str, object]], dict[str, str], bool]
     ),
     "GRPC_EXPERIMENTS=ph2_server": ("uvloop", "stream-unary", [], {"GRPC_EXPERIMENTS": "ph2_server"}, False),
     "GRPC_ENABLE_FORK_SUPPORT=0": ("uvloop", "stream-unary", [], {"GRPC_ENABLE_FORK_SUPPORT": "0"}, False),
+    # grpcio's synchronous server (thread pool) with robez's options (benchmarks/service/grpc_h2.py)
+    "sync server (robez's options)": ("sync", "stream-unary", [], {}, False),
+    "sync server, iomgr": (
+        "sync",
+        "stream-unary",
+        [],
+        {"GRPC_EXPERIMENTS": "-event_engine_listener,-event_engine_for_all_other_endpoints"},
+        False,
+    ),
 }
 _MESSAGE = b"x" * 40
 
@@ -185,7 +194,7 @@ def serve(variant: str, port: int) -> None:
         async def run() -> None:
             server = grpc.aio.server(options=options)
             server.add_generic_rpc_handlers(handlers)
-            server.add_insecure_port(f"127.0.0.1:{port}")
+            add_port(server, port)
             await server.start()
             await server.wait_for_termination()
 
@@ -198,12 +207,27 @@ def serve(variant: str, port: int) -> None:
         return
     sync = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
     sync.add_generic_rpc_handlers(handlers)
-    sync.add_insecure_port(f"127.0.0.1:{port}")
+    add_port(sync, port)
     sync.start()
     sync.wait_for_termination()
 
 
-def _cpu_s(pid: int) -> tuple[float, float]:
+# A folder with ``server.pem`` (certificate chain) and ``server.key``: the server listens with TLS
+# (``grpc_h2 --floor --tls``), else in plaintext.
+TLS_DIR_VARIABLE = "BENCH_TLS_DIR"
+
+
+def add_port(server: grpc.Server | grpc.aio.Server, port: int) -> None:
+    """Listen on 127.0.0.1:``port``, with TLS when ``TLS_DIR_VARIABLE`` names a folder."""
+    address, folder = f"127.0.0.1:{port}", os.environ.get(TLS_DIR_VARIABLE)
+    if not folder:
+        server.add_insecure_port(address)
+        return
+    key, chain = (Path(folder) / "server.key").read_bytes(), (Path(folder) / "server.pem").read_bytes()
+    server.add_secure_port(address, grpc.ssl_server_credentials([(key, chain)]))
+
+
+def cpu_s(pid: int) -> tuple[float, float]:
     """CPU seconds of process ``pid``: (its main thread, its other threads)."""
     main = others = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -229,7 +253,7 @@ def _robez(
     shm = tempfile.mkdtemp(prefix="robez-grpc-floor-")
     _SHM_DIRS.append(shm)
     env = {**os.environ, "ROBEZ_SHM_DIR": shm, "ROBEZ_THREADS_PER_WORKER": "1", **(extra or {})}
-    command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(_free_port())]
+    command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(free_port())]
     return subprocess.Popen(
         [*command, "--grpc-port", str(port), "--data-dir", f"{shm}/data"],
         env=env,
@@ -238,7 +262,7 @@ def _robez(
     )
 
 
-def _infer_message() -> bytes:
+def infer_message() -> bytes:
     from tritonclient.grpc import service_pb2
 
     request = service_pb2.ModelInferRequest(model_name="demo")
@@ -247,7 +271,7 @@ def _infer_message() -> bytes:
     return request.SerializeToString()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -280,7 +304,7 @@ def main() -> None:
     variants += tuple(f"robez ModelInfer ({setting})" for setting in args.robez_env)
     servers = {}
     for variant in variants:
-        port = _free_port()
+        port = free_port()
         command = [sys.executable, "-m", "benchmarks.service.grpc_servers", "--serve", variant, str(port)]
         env = {**os.environ, **FLOOR[variant][3]} if variant in FLOOR else None
         if variant == "robez ModelInfer (before)":
@@ -294,7 +318,7 @@ def main() -> None:
             server = subprocess.Popen(command, env=env)
         servers[variant] = (server, port)
     messages = {
-        variant: _infer_message()
+        variant: infer_message()
         if variant.startswith("robez") or (variant in FLOOR and FLOOR[variant][4])
         else _MESSAGE
         for variant in variants
@@ -330,10 +354,10 @@ def main() -> None:
         for _ in range(args.rounds):
             for variant, call in calls.items():
                 pid, message = servers[variant][0].pid, messages[variant]
-                (main_cpu, other_cpu), wall = _cpu_s(pid), time.perf_counter()
+                (main_cpu, other_cpu), wall = cpu_s(pid), time.perf_counter()
                 for _ in range(args.calls):
                     call(message, timeout=10)
-                main_after, other_after = _cpu_s(pid)
+                main_after, other_after = cpu_s(pid)
                 wall = time.perf_counter() - wall
                 per_call = 1e6 / args.calls
                 results[variant].append(

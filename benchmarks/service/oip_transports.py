@@ -105,7 +105,7 @@ class Server:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _senders(server: Server, size: int) -> dict[str, Callable[[], None]]:
+def oip_senders(server: Server, size: int) -> dict[str, Callable[[], None]]:
     ids = np.random.default_rng(size).integers(0, 2**40, size, dtype=np.int64)
     http = httpx.Client(base_url=server.url, timeout=30)
     v1_body = ids.astype("<i8").tobytes()
@@ -153,7 +153,9 @@ def cpu_per_request(
     """(server label, scenario, ids) -> per round (server CPU µs per request, requests per second); the
     servers and scenarios alternate inside every round."""
     results: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
-    senders = {(label, size): _senders(server, size) for label, server in servers.items() for size in SIZES}
+    senders = {
+        (label, size): oip_senders(server, size) for label, server in servers.items() for size in SIZES
+    }
     for scenario in senders.values():  # warm every path
         for send in scenario.values():
             for _ in range(50):
@@ -173,7 +175,7 @@ def cpu_per_request(
 def tail_latency(servers: dict[str, Server], seconds: float, slices: int = 3) -> dict[str, dict[str, float]]:
     """Client-side latency of single-id /v1 binary lookups, back to back: ``seconds`` per server, in
     ``slices`` alternating slices; per server its percentiles, max and the count over 20 ms."""
-    sends = {label: _senders(server, 1)["v1 binary"] for label, server in servers.items()}
+    sends = {label: oip_senders(server, 1)["v1 binary"] for label, server in servers.items()}
     latencies: dict[str, list[float]] = {label: [] for label in servers}
     for _ in range(slices):
         for label, send in sends.items():
