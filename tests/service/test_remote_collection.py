@@ -207,9 +207,12 @@ def test_one_request_a_step_trains_the_same_bits_as_no_prefetch(
     local_sgd = torch.optim.SGD(local_mlp.parameters(), lr=0.1)
     batches = [make_batch(step) for step in range(4)]
     hold = mode == "push_with_next_pull"
-    options = {"push_with_next_pull": True} if hold else {"prefetch_after_push": True}
     with RemoteEmbeddingBagCollection(
-        client, TABLES, max_pending_pushes=1 if "pending" in mode else 0, **options
+        client,
+        TABLES,
+        max_pending_pushes=1 if "pending" in mode else 0,
+        prefetch_after_push=not hold,
+        push_with_next_pull=hold,
     ) as remote:
         for step, batch in enumerate(batches):
             pooled = remote(keys=batch.keys, values=batch.values, lengths=batch.lengths)

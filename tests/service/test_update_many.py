@@ -489,7 +489,7 @@ def test_the_clients_push_and_pull_in_one_request(client: TestClient) -> None:
     client.event_hooks["request"].append(seen.append)
     parts = step_parts(5)
     updates = {name: (torch.from_numpy(i), torch.from_numpy(g)) for name, (i, g) in parts.items()}
-    lookups = {"b": torch.tensor([4, 4, 0]), "c": [7]}
+    lookups: dict[str, IdsLike] = {"b": torch.tensor([4, 4, 0]), "c": [7]}
     versions, rows = robez.update_and_lookup(updates, lookups, lr=0.5)
     assert versions == {"a": 1, "b": 1, "c": 1}
     (request,) = seen
