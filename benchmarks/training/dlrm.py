@@ -712,7 +712,7 @@ def remote_goals(results: dict[str, dict[str, Any]]) -> list[str]:
         (one, "remote collection", 1.3),
         (held, "remote collection, push held for the next pull", 1.3),
         (pre, "remote collection + prefetch", 1.15),
-        (fresh, "remote collection + prefetch with the push", 1.15),
+        (fresh, "remote collection + prefetch after the push", 1.15),
     ):
         if result and local:
             ratio = result["median_seconds"]["wall"]["step"] / local["median_seconds"]["wall"]["step"]

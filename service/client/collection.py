@@ -95,8 +95,10 @@ class RemoteEmbeddingBagCollection(nn.Module):
     """Many pooled features whose tables live on a robez server: the ``RobezEmbeddingBagCollection``
     interface (same configs, input and output) for online training. Each step costs two requests: one
     pull of every feature's distinct rows (``lookup_many``) and, in ``backward``, one push of every
-    feature's per-id gradients (``update_many``, applied all-or-nothing). The server runs the tables'
-    optimizer; there are no local parameters (a local ``torch.optim`` trains the rest of the model).
+    feature's per-id gradients (``update_many``, applied all-or-nothing); one request with
+    ``prefetch_after_push`` (and ``prefetch``) or ``push_with_next_pull``: the push carries the next
+    pull. The server runs the tables' optimizer; there are no local parameters (a local ``torch.optim``
+    trains the rest of the model).
 
     Trained without ``prefetch`` and with blocking pushes, the server's array ends bit for bit where the
     local collection's would (same batches, same robez optimizer step, tables made by ``create_tables``).
@@ -477,7 +479,11 @@ class RemoteEmbeddingBagCollection(nn.Module):
         if self._prefetched is not None and self._prefetched[3]:
             future = self._prefetched[2]
             assert future is not None
-            self._wait(future, "push_wait_ms")
+            try:
+                self._wait(future, "push_wait_ms")
+            except BaseException:
+                self._prefetched = None  # raised here, not again by the next forward
+                raise
         while self._pending:
             self._wait_quietly(self._pending.popleft())
         self._raise_failed()

@@ -266,6 +266,29 @@ def test_a_push_that_carries_a_pull_raises_its_error_and_applies_nothing(
         )
 
 
+def test_a_held_push_is_sent_by_flush_and_its_error_raised_once(
+    client_factory: Callable[..., TestClient],
+) -> None:
+    """``push_with_next_pull``: ``backward`` holds the push; ``flush`` sends it alone (and raises its
+    error once); without a flush the server has not got it."""
+    app = client_factory()
+    client = served(app, OPTIMIZERS[0])
+    mlp = head()
+    batch = make_batch(0)
+    ebc = RemoteEmbeddingBagCollection(client, TABLES, push_with_next_pull=True)
+    mlp(ebc(keys=batch.keys, values=batch.values, lengths=batch.lengths).values()).sum().backward()
+    assert store_of(app).version("t0") == 0  # held
+    ebc.flush()
+    assert store_of(app).version("t0") == 1 and ebc.versions == {"t0": 1, "t1": 1, "t2": 1}
+    mlp(ebc(keys=batch.keys, values=batch.values, lengths=batch.lengths).values()).sum().backward()
+    client.delete_table("t2")  # the held push will be refused: 404, nothing applied
+    with pytest.raises(RobezClientError) as caught:
+        ebc.flush()
+    assert caught.value.status == 404
+    ebc.close()  # raised once, not again
+    assert store_of(app).version("t0") == 1
+
+
 def test_a_failed_non_blocking_push_is_raised_by_the_next_call(
     client_factory: Callable[..., TestClient],
 ) -> None:
