@@ -409,6 +409,9 @@ def test_a_push_with_a_lookup_part_answers_the_rows_after_it(
     assert response.headers["x-robez-version"] == "1,1,1"
     timing = response.headers["server-timing"]
     assert "apply;dur=" in timing and "lookup;dur=" in timing and "lookup_hash;dur=" in timing
+    metrics = client.get("/metrics").text  # both parts counted per table: the push's and the lookup's
+    assert 'robez_update_apply_seconds_count{table="c"} 1.0' in metrics
+    assert 'robez_lookup_seconds_count{table="c"} 1.0' in metrics
     after = lookup_rows(client, lookups)
     if encoding == "binary":
         assert response.headers["content-type"] == OCTET
