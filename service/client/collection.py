@@ -423,8 +423,9 @@ class RemoteEmbeddingBagCollection(nn.Module):
             self.versions.update(self.client.update_many(updates, lr=self.lr))
             self._count(self.client.last_timing)
 
+        # (A prefetch waiting for a push is never sent from here: ``_push`` sends it with its push; a
+        # held push sent first must not take it, or its rows would miss the push it waits for.)
         future = self._submit(send)
-        self._send_deferred()  # a prefetch made since the forward: its pull now sees this push
         if self.max_pending_pushes == 0:
             self._wait(future, "push_wait_ms")
             return

@@ -289,6 +289,34 @@ def test_a_held_push_is_sent_by_flush_and_its_error_raised_once(
     assert store_of(app).version("t0") == 1
 
 
+def test_a_held_push_sent_first_does_not_take_the_pull_of_the_next_push(
+    client_factory: Callable[..., TestClient],
+) -> None:
+    """Two forwards, then two backwards (gradient accumulation) with both options: the first push is
+    held; a prefetch made before the second backward rides on the second push, so its rows include
+    both pushes (the held one is sent alone, first)."""
+    app = client_factory()
+    client = served(app, OPTIMIZERS[0])
+    seen: list[httpx.Request] = []
+    batches = [make_batch(step) for step in range(3)]
+    inputs = [{"keys": b.keys, "values": b.values, "lengths": b.lengths} for b in batches]
+    with RemoteEmbeddingBagCollection(
+        client, TABLES, prefetch_after_push=True, push_with_next_pull=True
+    ) as ebc:
+        first, second = ebc(**inputs[0]).values(), ebc(**inputs[1]).values()
+        first.sum().backward()  # held
+        ebc.prefetch(**inputs[2])  # waits for the next push
+        app.event_hooks["request"].append(seen.append)
+        second.sum().backward()  # the held push alone, then this push with the prefetch's pull
+        with torch.no_grad():
+            prefetched = ebc(**inputs[2]).values()
+            fresh = ebc(**inputs[2]).values()
+    assert torch.equal(prefetched, fresh)  # nothing stale
+    assert [r.url.path for r in seen] == ["/v1/update", "/v1/update", "/v1/lookup"]
+    assert "x-robez-lookup" in seen[1].headers and "x-robez-lookup" not in seen[0].headers
+    assert store_of(app).version("t0") == 2
+
+
 def test_a_failed_non_blocking_push_is_raised_by_the_next_call(
     client_factory: Callable[..., TestClient],
 ) -> None:
