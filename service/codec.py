@@ -8,6 +8,10 @@ Binary format (little-endian, no framing beyond one header):
   that order; response body = the rows of each table in that order, ``X-Robez-Shapes: n,d;n,d;...``.
 - multi-table update request: ``X-Robez-Tables: name=n,...`` and ``X-Robez-Shapes: n,d;...`` in the same
   order, body = each table's update body (n int64 ids then n*d float32 gradients) in that order.
+  Optionally ``X-Robez-Lookup: name=n,...``: a lookup part, its ids (int64) appended after the push's
+  parts, read once the push is applied; the response body is then its rows as a multi-table lookup's
+  (``X-Robez-Shapes``), with ``X-Robez-Version`` the push's versions and ``X-Robez-Lookup-Version`` the
+  versions the rows were read at.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ OCTET_STREAM = "application/octet-stream"
 SHAPE_HEADER = "X-Robez-Shape"
 SHAPES_HEADER = "X-Robez-Shapes"
 TABLES_HEADER = "X-Robez-Tables"
+LOOKUP_HEADER = "X-Robez-Lookup"  # a push's lookup part: "name=n,..."; its ids follow the push's parts
+LOOKUP_VERSION_HEADER = "X-Robez-Lookup-Version"  # the versions a push's lookup part was read at
 VERSION_HEADER = "X-Robez-Version"
 _IDS_DTYPE = np.dtype("<i8")
 _ROWS_DTYPE = np.dtype("<f4")
@@ -98,9 +104,11 @@ class TableUpdate(UpdateRequest):
 
 
 class MultiUpdateRequest(_Model):
-    """One training step's pushes: each table at most once; applied all-or-nothing."""
+    """One training step's pushes: each table at most once; applied all-or-nothing. ``lookups``: read
+    once the push is applied (read-your-writes), answered in ``lookups`` of the response."""
 
     updates: list[TableUpdate]
+    lookups: list[TableLookup] | None = None
 
 
 class OptimizerModel(_Model):
@@ -178,6 +186,7 @@ class UpdateResponse(_Model):
 class MultiUpdateResponse(_Model):
     results: list[UpdateResponse]
     timing: UpdateTiming
+    lookups: list[LookupResponse] | None = None  # the request's lookup part, if it had one
 
 
 class TableInfoResponse(_Model):
@@ -283,9 +292,11 @@ TableArrays = tuple[str, np.ndarray, np.ndarray, float | None]
 """(table, ids int64 (n,), grads float32 (n, d), lr or None) of one table's part of a multi-table push."""
 
 
-def decode_multi_update_json(body: bytes, embedding_dim: Callable[[str], int]) -> list[TableArrays]:
-    """The parts of a JSON multi-table push; ``embedding_dim(table)`` resolves each table (NotFoundError
-    for an unknown one)."""
+def decode_multi_update_json(
+    body: bytes, embedding_dim: Callable[[str], int]
+) -> tuple[list[TableArrays], list[TableLookup]]:
+    """The parts of a JSON multi-table push and its lookup part (empty without one); ``embedding_dim
+    (table)`` resolves each table (NotFoundError for an unknown one)."""
     request: MultiUpdateRequest = _validated(MultiUpdateRequest, body)
     parts = []
     for item in request.updates:
@@ -295,11 +306,32 @@ def decode_multi_update_json(body: bytes, embedding_dim: Callable[[str], int]) -
             raise InvalidInputError(f"table {item.table!r}: {error}") from error
         parts.append((item.table, ids, grads, item.lr))
     _check_distinct([part[0] for part in parts])
-    return parts
+    return parts, request.lookups or []
+
+
+def split_lookup_part(
+    body: bytes, lookup_header: str | None
+) -> tuple[bytes | memoryview, list[tuple[str, np.ndarray]]]:
+    """A binary push's body without its lookup part, and that part: (table, ids int64 (n,)) per
+    ``X-Robez-Lookup: name=n,...`` entry, the ids being the body's last 8 * sum(n) bytes. No header: the
+    body as it is and no lookups."""
+    if lookup_header is None:
+        return body, []
+    tables = parse_tables_header(lookup_header, LOOKUP_HEADER)
+    size = sum(count for _, count in tables) * _IDS_DTYPE.itemsize
+    if size > len(body):
+        raise InvalidInputError(
+            f"{LOOKUP_HEADER}: {lookup_header} needs {size} bytes of ids after the push; "
+            f"the body has {len(body)}"
+        )
+    view = memoryview(body)
+    split = len(body) - size
+    ids = split_ids(view[split:], [count for _, count in tables])
+    return view[:split], [(name, part) for (name, _), part in zip(tables, ids, strict=True)]
 
 
 def decode_multi_update_binary(
-    body: bytes, tables_header: str | None, shapes_header: str | None
+    body: bytes | memoryview, tables_header: str | None, shapes_header: str | None
 ) -> list[TableArrays]:
     """The parts of a binary multi-table push: ``X-Robez-Tables: name=n,...`` and ``X-Robez-Shapes:
     n,d;...`` in body order, each table's body n int64 ids then n*d float32 (as one-table updates)."""
@@ -340,7 +372,7 @@ def _check_distinct(names: list[str]) -> None:
         seen.add(name)
 
 
-def decode_ids(body: bytes) -> np.ndarray:
+def decode_ids(body: bytes | memoryview) -> np.ndarray:
     """int64 (n,) numpy array (writable, its own copy) from a little-endian int64 body."""
     if len(body) % _IDS_DTYPE.itemsize:
         raise InvalidInputError(f"a binary ids body must be a multiple of 8 bytes, got {len(body)}")
@@ -378,20 +410,21 @@ def decode_update_binary(body: bytes | memoryview, shape_header: str | None) -> 
     return ids, grads
 
 
-def parse_tables_header(header: str | None) -> list[tuple[str, int]]:
-    """``"name=n,name=n"`` -> [(name, n), ...] for a binary multi-table lookup."""
+def parse_tables_header(header: str | None, header_name: str = TABLES_HEADER) -> list[tuple[str, int]]:
+    """``"name=n,name=n"`` -> [(name, n), ...] for a binary multi-table request; ``header_name`` for the
+    message."""
     if not header:
-        raise InvalidInputError(f"a binary multi-table request needs the header {TABLES_HEADER}: name=n,...")
+        raise InvalidInputError(f"a binary multi-table request needs the header {header_name}: name=n,...")
     items = []
     for part in header.split(","):
         name, sep, count = part.strip().partition("=")
         if not sep or not is_count(count) or not TABLE_NAME_PATTERN.fullmatch(name):
-            raise InvalidInputError(f"{TABLES_HEADER} must be 'name=n,name=n,...', got {header!r}")
+            raise InvalidInputError(f"{header_name} must be 'name=n,name=n,...', got {header!r}")
         items.append((name, int(count)))
     return items
 
 
-def split_ids(body: bytes, counts: list[int]) -> list[np.ndarray]:
+def split_ids(body: bytes | memoryview, counts: list[int]) -> list[np.ndarray]:
     """Cut one binary ids body into one int64 array per table."""
     ids = decode_ids(body)
     if int(ids.shape[0]) != sum(counts):

@@ -368,10 +368,12 @@ NEEDS_TORCHREC = {"torchrec_ebc", "torchrec_fused"}
 REMOTE_URL_ENV = "ROBEZ_BENCH_URL"
 REMOTE_WORKER_ENV = "ROBEZ_BENCH_WORKER"  # the server worker (pid) this trainer's connection should reach
 REMOTE_WORKERS = {
-    "remote_collection": 1, "remote_prefetch": 1, "remote_prefetch_after_push": 1, "remote_2_trainers": 2,
+    "remote_collection": 1, "remote_prefetch": 1, "remote_prefetch_after_push": 1,
+    "remote_push_with_next_pull": 1, "remote_2_trainers": 2,
 }  # fmt: skip
 REMOTE_TRAINERS = {
-    "remote_collection": 1, "remote_prefetch": 1, "remote_prefetch_after_push": 1, "remote_2_trainers": 2,
+    "remote_collection": 1, "remote_prefetch": 1, "remote_prefetch_after_push": 1,
+    "remote_push_with_next_pull": 1, "remote_2_trainers": 2,
 }  # fmt: skip
 REMOTE_MEANS = {
     "requests_per_step", "server_ms_per_step", "pull_wait_ms_per_step", "push_wait_ms_per_step",
@@ -380,7 +382,9 @@ REMOTE_MEANS = {
 _RECONNECTS = 50  # tries to reach the assigned worker (each a new connection: the kernel picks the worker)
 
 
-def _remote(settings: Settings, *, prefetch: bool, after_push: bool = False) -> Embeddings:
+def _remote(
+    settings: Settings, *, prefetch: bool, after_push: bool = False, hold_push: bool = False
+) -> Embeddings:
     from service.client import RemoteEmbeddingBagCollection, RobezClient
 
     client = RobezClient(os.environ[REMOTE_URL_ENV], timeout=300.0)
@@ -392,13 +396,15 @@ def _remote(settings: Settings, *, prefetch: bool, after_push: bool = False) -> 
     worker = client.worker()
     # With prefetch the push does not block either (one in flight): the server applies step t's push
     # and pulls step t+2's rows while the trainer computes step t+1 (rows one step stale, as documented).
-    # after_push: step t+1's pull is sent right after step t's push (nothing stale; it overlaps only
-    # the dense optimizer step).
+    # after_push: step t+1's pull goes with step t's push, one request (nothing stale; it overlaps only
+    # the dense optimizer step). hold_push: no prefetch; step t's push is held until step t+1's forward
+    # and sent with its pull (one request a step, nothing stale, nothing overlapped).
     ebc = RemoteEmbeddingBagCollection(
         client,
         robez_tables(settings),
         max_pending_pushes=1 if prefetch else 0,
         prefetch_after_push=after_push,
+        push_with_next_pull=hold_push,
     )
     ebc.reset_stats()
 
@@ -417,7 +423,8 @@ def _remote(settings: Settings, *, prefetch: bool, after_push: bool = False) -> 
     return Embeddings(
         "RemoteEmbeddingBagCollection, 1 server worker"
         + (", prefetch + 1 push in flight" if prefetch else "")
-        + (", pull after the push" if after_push else "")
+        + (", pull with the push" if after_push else "")
+        + (", push held for the next pull" if hold_push else "")
         if os.environ.get(REMOTE_WORKER_ENV) is None
         else "RemoteEmbeddingBagCollection, trainer of 2 on 2 server workers",
         lambda batch: ebc(keys=batch.keys, values=batch.values, lengths=batch.lengths).values(),
@@ -435,6 +442,7 @@ def _remote(settings: Settings, *, prefetch: bool, after_push: bool = False) -> 
 VARIANTS["remote_collection"] = lambda settings: _remote(settings, prefetch=False)
 VARIANTS["remote_prefetch"] = lambda settings: _remote(settings, prefetch=True)
 VARIANTS["remote_prefetch_after_push"] = lambda settings: _remote(settings, prefetch=True, after_push=True)
+VARIANTS["remote_push_with_next_pull"] = lambda settings: _remote(settings, prefetch=False, hold_push=True)
 VARIANTS["remote_2_trainers"] = lambda settings: _remote(settings, prefetch=False)
 
 
@@ -699,8 +707,10 @@ def remote_goals(results: dict[str, dict[str, Any]]) -> list[str]:
     local = results.get("robez_collection")
     one, pre, two = (results.get(k) for k in ("remote_collection", "remote_prefetch", "remote_2_trainers"))
     fresh = results.get("remote_prefetch_after_push")
+    held = results.get("remote_push_with_next_pull")
     for result, label, goal in (
         (one, "remote collection", 1.3),
+        (held, "remote collection, push held for the next pull", 1.3),
         (pre, "remote collection + prefetch", 1.15),
         (fresh, "remote collection + prefetch after the push", 1.15),
     ):
@@ -723,6 +733,11 @@ def remote_goals(results: dict[str, dict[str, Any]]) -> list[str]:
     if one and local:
         same = "bit for bit the same" if one["eval_loss"] == local["eval_loss"] else "different"
         lines.append(f"eval loss, remote (no prefetch) vs local: {same} ({one['eval_loss']:.6f})")
+    if held and local:
+        same = "bit for bit the same" if held["eval_loss"] == local["eval_loss"] else "different"
+        lines.append(
+            f"eval loss, remote, push held for the next pull vs local: {same} ({held['eval_loss']:.6f})"
+        )
     if two and one:
         ratio = two["aggregate_samples_per_second"] / one["samples_per_second"]
         verdict = "met" if ratio >= 1.4 else "missed"
@@ -731,7 +746,7 @@ def remote_goals(results: dict[str, dict[str, Any]]) -> list[str]:
             f"2 trainers on 2 workers (pids {workers}) / 1 trainer samples/s = {ratio:.2f} "
             f"(goal >= 1.4): {verdict}"
         )
-    for result in (one, pre, fresh):
+    for result in (one, held, pre, fresh):
         if result:
             lines.append(f"{result['name']}: {result['requests_per_step']:.2f} requests per step (goal <= 2)")
     return lines

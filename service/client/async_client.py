@@ -157,4 +157,14 @@ class AsyncRobezClient(ClientCore):
     async def update_many(
         self, updates: Mapping[str, tuple[IdsLike, Tensor | np.ndarray]], lr: float | None = None
     ) -> dict[str, int]:
-        return await self._run(self._update_many_plan(updates, lr))
+        versions, _ = await self._run(self._update_many_plan(updates, lr))
+        return versions
+
+    async def update_and_lookup(
+        self,
+        updates: Mapping[str, tuple[IdsLike, Tensor | np.ndarray]],
+        lookups: Mapping[str, IdsLike],
+        lr: float | None = None,
+    ) -> tuple[dict[str, int], dict[str, Tensor]]:
+        """``RobezClient.update_and_lookup``: a push and then a read of ``lookups`` in one request."""
+        return await self._run(self._update_many_plan(updates, lr, lookups))

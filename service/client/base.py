@@ -20,7 +20,7 @@ import numpy as np
 from torch import Tensor
 
 from ..servertiming import parse_server_timing
-from .calls import Call, update_calls, update_many_calls
+from .calls import Call, PushAnswer, update_calls, update_many_calls
 from .wire import (
     REPLICA_HEADER,
     VERSION_HEADER,
@@ -92,12 +92,19 @@ class ClientCore:
         return version
 
     def _update_many_plan(
-        self, updates: Mapping[str, tuple[IdsLike, Tensor | np.ndarray]], lr: float | None
-    ) -> Plan[dict[str, int]]:
+        self,
+        updates: Mapping[str, tuple[IdsLike, Tensor | np.ndarray]],
+        lr: float | None,
+        lookups: Mapping[str, IdsLike] | None = None,
+    ) -> Plan[PushAnswer]:
         """One multi-table push (``update_many``): one request, or (over a 413's limit) groups of tables
-        in order, each its own request; the versions of every table, the last group's where split."""
-        answers = yield from self._split_pushes(lambda key, limit: update_many_calls(updates, lr, key, limit))
-        return {name: version for versions in answers for name, version in versions.items()}
+        in order, each its own request; the versions of every table, the last group's where split, and
+        the rows of ``lookups`` (sent with the last request: read after every part is applied)."""
+        answers = yield from self._split_pushes(
+            lambda key, limit: update_many_calls(updates, lr, key, limit, lookups)
+        )
+        versions = {name: version for each, _ in answers for name, version in each.items()}
+        return versions, answers[-1][1] if answers else {}
 
     def _split_pushes(self, calls: Callable[[str, int | None], Iterable[Call[Any]]]) -> Plan[list[Any]]:
         """The requests ``calls(key, limit)`` makes of a push (one Idempotency-Key for all of them), sent

@@ -16,12 +16,14 @@ from torch import Tensor
 from .wire import (
     IDEMPOTENCY_HEADER,
     IDS_DTYPE,
+    LOOKUP_HEADER,
     MIN_VERSION_HEADER,
     OCTET_STREAM,
     ROWS_DTYPE,
     SHAPE_HEADER,
     SHAPES_HEADER,
     TABLES_HEADER,
+    VERSION_HEADER,
     IdsLike,
     RobezClientError,
     decode_rows,
@@ -120,27 +122,32 @@ def lookup_many_call(
     tables_header = ",".join(f"{name}={count}" for name, (_, count) in zip(names, encoded, strict=True))
 
     def parse(response: httpx.Response) -> dict[str, Tensor]:
-        try:
-            shapes = [parse_shape(shape) for shape in response.headers.get(SHAPES_HEADER, "").split(";")]
-            if len(shapes) != len(names):
-                raise ValueError(f"{SHAPES_HEADER} has {len(shapes)} shapes for {len(names)} tables")
-            rows: dict[str, Tensor] = {}
-            start = 0
-            body = memoryview(response.content)  # slices of it are views: each table's rows copied once
-            for name, shape in zip(names, shapes, strict=True):
-                size = shape[0] * shape[1] * ROWS_DTYPE.itemsize
-                rows[name] = decode_rows(body[start : start + size], shape)
-                start += size
-            if start != len(response.content):
-                raise ValueError(f"body has {len(response.content)} bytes; the shapes need {start}")
-        except ValueError as exc:
-            raise RobezClientError(response.status_code, str(exc), "ClientDecodeError") from exc
-        return rows
+        return _rows_of(response, names)
 
     headers = {"Content-Type": OCTET_STREAM, "Accept": OCTET_STREAM, TABLES_HEADER: tables_header}
     if min_versions:
         headers[MIN_VERSION_HEADER] = ",".join(f"{name}={int(v)}" for name, v in min_versions.items())
     return Call("POST", "/v1/lookup", parse, content=b"".join(body for body, _ in encoded), headers=headers)
+
+
+def _rows_of(response: httpx.Response, names: Sequence[str]) -> dict[str, Tensor]:
+    """{table: rows} of a binary multi-table lookup answer (``X-Robez-Shapes``, the rows in order)."""
+    try:
+        shapes = [parse_shape(shape) for shape in response.headers.get(SHAPES_HEADER, "").split(";")]
+        if len(shapes) != len(names):
+            raise ValueError(f"{SHAPES_HEADER} has {len(shapes)} shapes for {len(names)} tables")
+        rows: dict[str, Tensor] = {}
+        start = 0
+        body = memoryview(response.content)  # slices of it are views: each table's rows copied once
+        for name, shape in zip(names, shapes, strict=True):
+            size = shape[0] * shape[1] * ROWS_DTYPE.itemsize
+            rows[name] = decode_rows(body[start : start + size], shape)
+            start += size
+        if start != len(response.content):
+            raise ValueError(f"body has {len(response.content)} bytes; the shapes need {start}")
+    except ValueError as exc:
+        raise RobezClientError(response.status_code, str(exc), "ClientDecodeError") from exc
+    return rows
 
 
 def update_calls(
@@ -214,16 +221,23 @@ class _Piece:
         return self.ids[self.start : self.stop].tobytes(), self.grads[self.start : self.stop].tobytes()
 
 
+PushAnswer = tuple[dict[str, int], dict[str, Tensor]]
+"""A multi-table push's answer: {table: its new version}, and its lookup part's {table: rows} ({}
+without one)."""
+
+
 def update_many_calls(
     updates: Mapping[str, tuple[IdsLike, Tensor | np.ndarray]],
     lr: float | None,
     key: str,
     max_update_bytes: int | None,
-) -> list[Call[dict[str, int]]]:
+    lookups: Mapping[str, IdsLike] | None = None,
+) -> list[Call[PushAnswer]]:
     """The requests of one multi-table push (``POST /v1/update``): one; or, when the body is over
     ``max_update_bytes`` (a replica's 413 named it), consecutive groups of tables in order, a table
     that alone is over the limit cut into consecutive parts of its ids as ``update_calls`` does. Each
-    request gets its own key derived from ``key`` (``f"{key}.{i}"``) and is all-or-nothing on its own."""
+    request gets its own key derived from ``key`` (``f"{key}.{i}"``) and is all-or-nothing on its own.
+    ``lookups`` ({table: ids}): the lookup part, sent with the last request (read after every part)."""
     pieces: list[_Piece] = []
     for table, (ids, grads) in updates.items():
         ids_values, grads_values = ids_array(ids), rows_array(grads)
@@ -252,37 +266,52 @@ def update_many_calls(
             last.append(piece)
         else:
             groups.append([piece])
+    lookup = None if not lookups else {name: encode_ids(ids) for name, ids in lookups.items()}
     if len(groups) == 1:
-        return [_update_many_call(groups[0], lr, key)]
-    return [_update_many_call(group, lr, f"{key}.{index}") for index, group in enumerate(groups)]
+        return [_update_many_call(groups[0], lr, key, lookup)]
+    return [
+        _update_many_call(group, lr, f"{key}.{index}", lookup if index == len(groups) - 1 else None)
+        for index, group in enumerate(groups)
+    ]
 
 
-def _update_many_call(pieces: list[_Piece], lr: float | None, key: str) -> Call[dict[str, int]]:
+def _update_many_call(
+    pieces: list[_Piece], lr: float | None, key: str, lookup: Mapping[str, tuple[bytes, int]] | None
+) -> Call[PushAnswer]:
     names = [piece.table for piece in pieces]
 
-    def parse(response: httpx.Response) -> dict[str, int]:
+    def parse(response: httpx.Response) -> PushAnswer:
+        if lookup is not None:  # binary: the rows, the push's versions in X-Robez-Version
+            header = response.headers.get(VERSION_HEADER, "").split(",")
+            if len(header) != len(names) or not all(part.isdigit() for part in header):
+                raise RobezClientError(
+                    response.status_code,
+                    f"{VERSION_HEADER} {header} does not name a version for each of {names}",
+                    "ClientDecodeError",
+                )
+            return dict(zip(names, map(int, header), strict=True)), _rows_of(response, list(lookup))
         results = response.json()["results"]
         versions = {str(result["table"]): int(result["version"]) for result in results}
         if list(versions) != names:
             raise RobezClientError(
                 response.status_code, f"answer names {list(versions)}, sent {names}", "ClientDecodeError"
             )
-        return versions
+        return versions, {}
 
+    headers = {
+        "Content-Type": OCTET_STREAM,
+        TABLES_HEADER: ",".join(f"{p.table}={p.stop - p.start}" for p in pieces),
+        SHAPES_HEADER: ";".join(f"{p.stop - p.start},{p.dim}" for p in pieces),
+        IDEMPOTENCY_HEADER: key,
+    }
+    # The parts as they are: a 2048-row, 26-table push is 3.8 MB, which joining would copy again.
+    content = tuple(chunk for piece in pieces for chunk in piece.chunks() if chunk)
+    if lookup is not None:
+        headers[LOOKUP_HEADER] = ",".join(f"{name}={count}" for name, (_, count) in lookup.items())
+        headers["Accept"] = OCTET_STREAM
+        content += tuple(body for body, _ in lookup.values() if body)
     return Call(
-        "POST",
-        "/v1/update",
-        parse,
-        # The parts as they are: a 2048-row, 26-table push is 3.8 MB, which joining would copy again.
-        content=tuple(chunk for piece in pieces for chunk in piece.chunks() if chunk),
-        headers={
-            "Content-Type": OCTET_STREAM,
-            TABLES_HEADER: ",".join(f"{p.table}={p.stop - p.start}" for p in pieces),
-            SHAPES_HEADER: ";".join(f"{p.stop - p.start},{p.dim}" for p in pieces),
-            IDEMPOTENCY_HEADER: key,
-        },
-        params=_lr_params(lr),
-        resend_safe=True,
+        "POST", "/v1/update", parse, content=content, headers=headers, params=_lr_params(lr), resend_safe=True
     )
 
 

@@ -1,6 +1,7 @@
 """``RemoteEmbeddingBagCollection``: ``robez_core.RobezEmbeddingBagCollection``'s interface over tables on a
 robez server, for online training: one multi-table pull (``POST /v1/lookup``) and one multi-table push
-(``POST /v1/update``) per step, whatever the number of features."""
+(``POST /v1/update``) per step, whatever the number of features; or one request a step, the push carrying
+the next batch's pull (``prefetch_after_push``, ``push_with_next_pull``)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from .base import TLSVerify
 from .sync_client import RobezClient
 
 T = TypeVar("T")
+_Updates = dict[str, tuple[Tensor, Tensor]]  # one push: {table: (ids (n,), grads (n, d))}
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,10 @@ class RemoteEmbeddingBagCollection(nn.Module):
     """Many pooled features whose tables live on a robez server: the ``RobezEmbeddingBagCollection``
     interface (same configs, input and output) for online training. Each step costs two requests: one
     pull of every feature's distinct rows (``lookup_many``) and, in ``backward``, one push of every
-    feature's per-id gradients (``update_many``, applied all-or-nothing). The server runs the tables'
-    optimizer; there are no local parameters (a local ``torch.optim`` trains the rest of the model).
+    feature's per-id gradients (``update_many``, applied all-or-nothing); one request with
+    ``prefetch_after_push`` (and ``prefetch``) or ``push_with_next_pull``: the push carries the next
+    pull. The server runs the tables' optimizer; there are no local parameters (a local ``torch.optim``
+    trains the rest of the model).
 
     Trained without ``prefetch`` and with blocking pushes, the server's array ends bit for bit where the
     local collection's would (same batches, same robez optimizer step, tables made by ``create_tables``).
@@ -112,20 +116,27 @@ class RemoteEmbeddingBagCollection(nn.Module):
             ``flush``); none is lost silently. Pulls are sent after every push already made (one
             connection, in order), so without prefetch the rows read still include every earlier push.
         validate_ids: refuse ids outside ``[0, num_embeddings)`` before sending (as the local one).
-        prefetch_after_push: a ``prefetch`` made between a ``forward`` and its ``backward`` sends its pull
-            right after that backward's push (False: at once). The prefetched rows then include the
-            push, so nothing is stale (the same bits as without prefetch), and the pull overlaps what the
-            trainer does between its backward and its next forward (the dense optimizer step) instead
-            of the whole dense forward and backward.
+        prefetch_after_push: a ``prefetch`` made between a ``forward`` and its ``backward`` is pulled by
+            that backward's push (False: at once): one request (``update_and_lookup``) applies the push
+            and answers the next batch's rows, which include it, so nothing is stale (the same bits as
+            without prefetch) and a step costs one request. ``backward`` then returns once the request
+            is sent; the next ``forward`` waits for its answer (and raises its error), so the request
+            overlaps what the trainer does in between (the dense optimizer step).
+        push_with_next_pull: ``backward`` holds its push (unless a ``prefetch`` is waiting for it, as
+            above) until the next ``forward`` or ``prefetch``, whose pull it then carries: one request a
+            step without calling ``prefetch``, the same bits as without it. ``flush()`` (and ``close``,
+            the context manager's exit) sends a held push; so does a second ``backward`` before a
+            ``forward``. Nothing else reads the server's tables meanwhile through this module, but
+            another client reading them sees the held step only once it is sent.
 
     Prefetch (opt-in): ``prefetch(next_batch)`` right after this step's ``forward`` pulls the next
     batch's rows while this batch computes; the next ``forward`` given that batch uses them. They were
     read before this step's push, so a prefetched step trains on rows one step stale (a pipeline, as
     in asynchronous SGD); with N pending pushes, up to N + 1 steps stale. With ``prefetch_after_push``
-    the pull waits for this step's push to be sent and nothing is stale.
+    the pull goes with this step's push (one request) and nothing is stale.
 
-    Finish with ``flush()`` (or use the module as a context manager): it waits for pending pushes and
-    raises any that failed.
+    Finish with ``flush()`` (or use the module as a context manager): it sends a held push, waits for
+    pending pushes and raises any that failed.
 
     Shapes: as ``RobezEmbeddingBagCollection.forward``: a ``KeyedJaggedTensor`` (or ``keys``, ``values``
     int64 (N,), ``lengths`` (F * B,) or ``offsets`` (F * B + 1,)) -> ``PooledEmbeddings`` (B, sum of
@@ -152,6 +163,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
         max_pending_pushes: int = 0,
         validate_ids: bool = True,
         prefetch_after_push: bool = False,
+        push_with_next_pull: bool = False,
         api_key: str | None = None,
         verify: TLSVerify = True,
     ) -> None:
@@ -190,7 +202,10 @@ class RemoteEmbeddingBagCollection(nn.Module):
         self._failed: list[BaseException] = []
         self._failed_lock = threading.Lock()
         self.prefetch_after_push = prefetch_after_push
-        self._prefetched: tuple[tuple[Any, ...], _Batch, Future[dict[str, Tensor]] | None] | None = None
+        self.push_with_next_pull = push_with_next_pull
+        # (inputs, batch, its pull: None while it waits for a push, whether that pull carries a push)
+        self._prefetched: tuple[tuple[Any, ...], _Batch, Future[dict[str, Tensor]] | None, bool] | None = None
+        self._held: _Updates | None = None  # a push waiting for the next pull (push_with_next_pull)
         self._forwards_to_push = 0  # forwards with autograd whose backward has not pushed yet
 
     # ------------------------------------------------------------------ server tables
@@ -250,7 +265,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
             batch, future = prefetched
         else:
             batch = self._batch(*inputs)
-            future = self._submit(lambda: self._pull(batch))
+            future = self._pull_soon(batch)
         rows = self._wait(future, "pull_wait_ms")
         pooled = (
             torch.cat([self._pool(batch, rows, feature) for feature in self._features.values()], dim=1)
@@ -278,16 +293,39 @@ class RemoteEmbeddingBagCollection(nn.Module):
         self._raise_failed()
         inputs = (features, keys, values, lengths, offsets)
         batch = self._batch(*inputs)
+        self._drop_prefetched()
         if self.prefetch_after_push and self._forwards_to_push > 0:
-            self._prefetched = (inputs, batch, None)  # sent by the next push (``_send_deferred``)
+            self._prefetched = (inputs, batch, None, False)  # sent by the next push (``_send_deferred``)
         else:
-            self._prefetched = (inputs, batch, self._submit(lambda: self._pull(batch)))
+            carries = self._held is not None
+            self._prefetched = (inputs, batch, self._pull_soon(batch), carries)
+
+    def _pull_soon(self, batch: _Batch) -> Future[dict[str, Tensor]]:
+        """The pull of ``batch``, queued; with a held push, one request of both (the rows include it)."""
+        if self._held is None:
+            return self._submit(lambda: self._pull(batch))
+        held, self._held = self._held, None
+        return self._submit(lambda: self._push_and_pull(held, batch))
 
     def _send_deferred(self) -> None:
         """Send the pull of a prefetch that waited for a push (now queued behind it)."""
         if self._prefetched is not None and self._prefetched[2] is None:
-            inputs, batch, _ = self._prefetched
-            self._prefetched = (inputs, batch, self._submit(lambda: self._pull(batch)))
+            inputs, batch, _, _ = self._prefetched
+            self._prefetched = (inputs, batch, self._submit(lambda: self._pull(batch)), False)
+
+    def _drop_prefetched(self) -> None:
+        """Forget a prefetch that will not be used: one whose request carries a push is waited for (its
+        error raised), one still waiting for a push is never sent, a pull already sent just ends."""
+        if self._prefetched is None:
+            return
+        _, _, future, carries = self._prefetched
+        self._prefetched = None
+        if future is None:
+            return
+        if carries:
+            self._wait(future, "push_wait_ms")
+        else:
+            future.cancel()
 
     def _take_prefetched(self, inputs: tuple[Any, ...]) -> tuple[_Batch, Future[dict[str, Tensor]]] | None:
         """The prefetched batch and its pull when ``inputs`` are the very objects given to ``prefetch``
@@ -296,16 +334,16 @@ class RemoteEmbeddingBagCollection(nn.Module):
         if self._prefetched is None:
             return None
         self._send_deferred()
-        prefetched_inputs, batch, future = self._prefetched
-        self._prefetched = None
+        prefetched_inputs, batch, future, _ = self._prefetched
         same = all(
             (a == b) if index == 1 else (a is b)
             for index, (a, b) in enumerate(zip(inputs, prefetched_inputs, strict=True))
         )
         assert future is not None  # sent by _send_deferred above
         if not same:
-            future.cancel()
+            self._drop_prefetched()
             return None
+        self._prefetched = None
         return batch, future
 
     def _pool(self, batch: _Batch, rows: dict[str, Tensor], feature: _Feature) -> Tensor:
@@ -331,9 +369,18 @@ class RemoteEmbeddingBagCollection(nn.Module):
         self._count(self.client.last_timing)
         return rows
 
+    def _push_and_pull(self, updates: _Updates, batch: _Batch) -> dict[str, Tensor]:
+        """One request: the push, then the rows of ``batch`` (read after it: ``update_and_lookup``)."""
+        lookups = {table: unique for table, (unique, _) in batch.unique.items()}
+        versions, rows = self.client.update_and_lookup(updates, lookups, lr=self.lr)
+        self.versions.update(versions)
+        self._count(self.client.last_timing)
+        return rows
+
     def _push(self, batch: _Batch, grad_output: Tensor) -> None:
         """Every feature's per-id gradients (its bag's gradient, over its length for a mean bag), in the
-        collection's feature order, the features of one table concatenated: one ``update_many``."""
+        collection's feature order, the features of one table concatenated: one ``update_many`` (with
+        the next batch's pull where one waits for it, or is to come: ``push_with_next_pull``)."""
         grad_output = grad_output.contiguous()
         parts: dict[str, tuple[list[Tensor], list[Tensor]]] = {}
         column = 0
@@ -352,14 +399,33 @@ class RemoteEmbeddingBagCollection(nn.Module):
             table: (torch.cat(ids) if len(ids) > 1 else ids[0], torch.cat(g) if len(g) > 1 else g[0])
             for table, (ids, g) in parts.items()
         }
+        self._forwards_to_push = max(0, self._forwards_to_push - 1)
+        self._send_held()  # a push still held (two backwards in a row): sent first, in order
+        if self._prefetched is not None and self._prefetched[2] is None:
+            # A prefetch waits for this push: one request of both; the next forward waits for it.
+            inputs, next_batch, _, _ = self._prefetched
+            future = self._submit(lambda: self._push_and_pull(updates, next_batch))
+            self._prefetched = (inputs, next_batch, future, True)
+            return
+        if self.push_with_next_pull:
+            self._held = updates  # sent by the next forward or prefetch, with its pull
+            return
+        self._send_push(updates)
 
+    def _send_held(self) -> None:
+        """Send a held push on its own (``flush``, or another push before a pull came)."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._send_push(held)
+
+    def _send_push(self, updates: _Updates) -> None:
         def send() -> None:
             self.versions.update(self.client.update_many(updates, lr=self.lr))
             self._count(self.client.last_timing)
 
+        # (A prefetch waiting for a push is never sent from here: ``_push`` sends it with its push; a
+        # held push sent first must not take it, or its rows would miss the push it waits for.)
         future = self._submit(send)
-        self._forwards_to_push = max(0, self._forwards_to_push - 1)
-        self._send_deferred()  # a prefetch made since the forward: its pull now sees this push
         if self.max_pending_pushes == 0:
             self._wait(future, "push_wait_ms")
             return
@@ -408,7 +474,17 @@ class RemoteEmbeddingBagCollection(nn.Module):
     # ------------------------------------------------------------------ end of training
 
     def flush(self) -> None:
-        """Wait until every push made so far is applied; raise the first that failed."""
+        """Send a held push, wait until every push made so far is applied; raise the first that failed.
+        A prefetch stays usable (a push it carries is waited for here)."""
+        self._send_held()
+        if self._prefetched is not None and self._prefetched[3]:
+            future = self._prefetched[2]
+            assert future is not None
+            try:
+                self._wait(future, "push_wait_ms")
+            except BaseException:
+                self._prefetched = None  # raised here, not again by the next forward
+                raise
         while self._pending:
             self._wait_quietly(self._pending.popleft())
         self._raise_failed()
@@ -491,7 +567,8 @@ class RemoteEmbeddingBagCollection(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"features={len(self.feature_names)}, tables={len(self.tables)}, lr={self.lr}, "
-            f"max_pending_pushes={self.max_pending_pushes}"
+            f"max_pending_pushes={self.max_pending_pushes}, prefetch_after_push={self.prefetch_after_push}, "
+            f"push_with_next_pull={self.push_with_next_pull}"
         )
 
 

@@ -228,4 +228,28 @@ class RobezClient(ClientCore):
         ``max_update_bytes``) is sent as consecutive groups of tables (a table over the limit alone as
         consecutive parts of its ids), each group all-or-nothing on its own.
         """
-        return self._run(self._update_many_plan(updates, lr))
+        versions, _ = self._run(self._update_many_plan(updates, lr))
+        return versions
+
+    def update_and_lookup(
+        self,
+        updates: Mapping[str, tuple[IdsLike, Tensor | np.ndarray]],
+        lookups: Mapping[str, IdsLike],
+        lr: float | None = None,
+    ) -> tuple[dict[str, int], dict[str, Tensor]]:
+        """``update_many`` and then ``lookup_many`` in one request (``POST /v1/update`` with a lookup
+        part): the server checks both, applies the push (all-or-nothing), then reads the rows of
+        ``lookups``, which therefore include the push (read-your-writes). A training step's push and
+        the next batch's pull in one round trip.
+
+        Args:
+            updates: {table: (ids (n_t,), grads (n_t, d_t))}; each table at most once.
+            lookups: {table: ids (m_t,)} to read after the push (any tables, pushed or not).
+            lr: overrides every table's learning rate for this push only.
+
+        Returns:
+            ({table: the version this push produced}, {table: rows (m_t, d_t)}). A bad lookup part is
+            refused (``RobezClientError``, 4xx) before the push is applied. A push split after a 413 (see
+            ``update_many``) sends the lookup part with its last request.
+        """
+        return self._run(self._update_many_plan(updates, lr, lookups))

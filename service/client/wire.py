@@ -20,6 +20,8 @@ SHAPE_HEADER = "X-Robez-Shape"
 SHAPES_HEADER = "X-Robez-Shapes"  # several tables: "n,d;n,d;..." in request order
 TABLES_HEADER = "X-Robez-Tables"  # several tables: "name=n,name=n,..." in body order
 VERSION_HEADER = "X-Robez-Version"  # several tables: "v,v,..." in request order
+LOOKUP_HEADER = "X-Robez-Lookup"  # a push's lookup part: "name=n,..."; its ids follow the push's parts
+LOOKUP_VERSION_HEADER = "X-Robez-Lookup-Version"  # the versions a push's lookup part was read at
 MIN_VERSION_HEADER = "X-Robez-Min-Version"  # read-your-writes: wait until the server has this version
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 REPLICA_HEADER = "X-Robez-Replica"  # set by replicas, which apply a resent Idempotency-Key once

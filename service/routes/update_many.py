@@ -1,5 +1,7 @@
 """Multi-table gradient pushes: every table's ids and gradients of one training step in one request
-(JSON or binary), applied all-or-nothing, the answer carrying each table's version."""
+(JSON or binary), applied all-or-nothing, the answer carrying each table's version; optionally with a
+lookup part (the next batch's ids), checked before the push and read after it, answered as
+``POST /v1/lookup`` answers: a training step in one request."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from starlette.responses import Response
 
 from ..auth import WriteAccess, require_write_key
 from ..codec import (
+    LOOKUP_HEADER,
+    LOOKUP_VERSION_HEADER,
+    OCTET_STREAM,
     SHAPES_HEADER,
     TABLES_HEADER,
     VERSION_HEADER,
@@ -20,33 +25,45 @@ from ..codec import (
     decode_multi_update_binary,
     decode_multi_update_json,
     json_bytes,
+    lookup_json,
     milliseconds,
+    rows_bytes,
+    split_lookup_part,
     update_json,
 )
 from ..http.fastpath import FastRoute
 from ..metrics import Metrics, server_timing
-from ..store import TableStore, UpdatePart
+from ..store import LookupRequestItem, LookupResult, TableStore, UpdatePart
 from ..store.writes import WritePath
-from .deps import body_doc, compute, is_binary, raw_headers, read_body
+from .deps import body_doc, compute, is_binary, raw_headers, read_body, wants_binary
 from .update import IDEMPOTENCY_HEADER, REPLICA_HEADER
 
 router = APIRouter(prefix="/v1", tags=["update"])
 
 _BINARY_MULTI_UPDATE = (
     f"{TABLES_HEADER}: name=n,... and {SHAPES_HEADER}: n,d;... in body order; body = each table's n "
-    "little-endian int64 ids then n*d little-endian float32 gradients, in that order"
+    "little-endian int64 ids then n*d little-endian float32 gradients, in that order. Optional lookup "
+    f"part: {LOOKUP_HEADER}: name=n,... and the ids of those tables (little-endian int64, in that order) "
+    "after the push's parts; they are read once the push is applied and the response is then their "
+    f"rows in that order (float32), {SHAPES_HEADER}: n,d;... of the rows, {VERSION_HEADER}: the push's "
+    f"versions, {LOOKUP_VERSION_HEADER}: the versions the rows were read at"
 )
+_BINARY_RESPONSE = {"content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}
 _IDEMPOTENCY = IDEMPOTENCY_HEADER.lower().encode()
 _REPLICA = REPLICA_HEADER.lower().encode()
 _TABLES = TABLES_HEADER.lower().encode()
 _SHAPES = SHAPES_HEADER.lower().encode()
 _VERSION = VERSION_HEADER.lower().encode()
+_LOOKUP = LOOKUP_HEADER.lower().encode()
+_LOOKUP_VERSION = LOOKUP_VERSION_HEADER.lower().encode()
 _JSON = b"application/json"
+_OCTET_STREAM = OCTET_STREAM.encode()
 
 
 @router.post(
     "/update",
     response_model=MultiUpdateResponse,
+    responses={200: _BINARY_RESPONSE},
     openapi_extra=body_doc("MultiUpdateRequest", _BINARY_MULTI_UPDATE),
     summary="Apply the optimizers of several tables to one step's gradients, all or nothing",
 )
@@ -71,18 +88,29 @@ async def apply_update_many(request: Request, lr: float | None = None) -> Respon
 
     names: list[str] = []  # the parts' tables, in order, once decoded
     decoded: list[float] = []  # the seconds decoding took (in the worker thread)
+    lookups: list[LookupRequestItem] = []  # the lookup part, once decoded and checked
 
     def decode() -> list[UpdatePart]:
         decode_start = time.perf_counter()
         if binary:
-            tables, shapes = headers.get(_TABLES), headers.get(_SHAPES)
+            tables, shapes, lookup = headers.get(_TABLES), headers.get(_SHAPES), headers.get(_LOOKUP)
+            push_body, lookup_ids = split_lookup_part(
+                body, lookup.decode("latin-1") if lookup is not None else None
+            )
             parts = decode_multi_update_binary(
-                body,
+                push_body,
                 tables.decode("latin-1") if tables is not None else None,
                 shapes.decode("latin-1") if shapes is not None else None,
             )
+            items = [LookupRequestItem(name, ids) for name, ids in lookup_ids]
         else:
-            parts = decode_multi_update_json(body, lambda name: store.table(name).config.embedding_dim)
+            parts, json_lookups = decode_multi_update_json(
+                body, lambda name: store.table(name).config.embedding_dim
+            )
+            items = [LookupRequestItem(item.table, *item.inputs()) for item in json_lookups]
+        if items:  # a bad lookup part is refused before the push is applied (limits as /v1/lookup's)
+            store.lookup_many(items, check_only=True)
+        lookups[:] = items
         names[:] = [name for name, _, _, _ in parts]
         decoded.append(time.perf_counter() - decode_start)
         return [
@@ -96,28 +124,54 @@ async def apply_update_many(request: Request, lr: float | None = None) -> Respon
     # Never inline: a multi-table push is a training step's worth of rows.
     written = await writes.update(decode, key, partial(compute, request), small=False)
     results = written.results
+    # Read-your-writes: the push is applied here (a replica: by this replica) before its lookup part.
+    read_back: list[LookupResult] = (
+        await compute(request, lambda: store.lookup_many(lookups)) if lookups else []
+    )
     hash_seconds = sum(result.hash_seconds for result in results)
     apply_seconds = sum(result.apply_seconds for result in results)
     total = time.perf_counter() - start
+    lookup_stages = {}
+    if read_back:
+        lookup_stages = {
+            "lookup_hash": sum(result.hash_seconds for result in read_back),
+            "lookup": sum(result.lookup_seconds for result in read_back),
+        }
+        for item, part in zip(lookups, read_back, strict=True):
+            stages = metrics.stages(item.table)
+            stages.hash_seconds.observe(part.hash_seconds)
+            stages.lookup_seconds.observe(part.lookup_seconds)
     if written.stages is None:
         for name, result in zip(names, results, strict=True):
             stages = metrics.stages(name)
             stages.hash_seconds.observe(result.hash_seconds)
             stages.update_apply_seconds.observe(result.apply_seconds)
         # read: the body's bytes arriving; decode: parsing them; hash + apply: the store's step (what the
-        # rest of total is: the hops to and from the worker thread, the lock, the answer)
+        # rest of total is: the hops to and from the worker thread, the lock, the answer); lookup_hash +
+        # lookup: the lookup part's
         timing = server_timing(
-            read=read, decode=sum(decoded), hash=hash_seconds, apply=apply_seconds, total=total
+            read=read,
+            decode=sum(decoded),
+            hash=hash_seconds,
+            apply=apply_seconds,
+            **lookup_stages,
+            total=total,
         ).encode("latin-1")
     else:
-        timing = server_timing(**written.stages, total=total).encode("latin-1")
+        timing = server_timing(**written.stages, **lookup_stages, total=total).encode("latin-1")
     response_headers = [
         (b"server-timing", timing),
         (_VERSION, ",".join(str(result.version) for result in results).encode("latin-1")),
     ]
     if written.replica is not None:  # tells clients that a resent Idempotency-Key is applied once here
         response_headers.append((_REPLICA, written.replica.encode("latin-1")))
-    payload = {
+    if read_back and wants_binary(request, headers):  # the rows as POST /v1/lookup answers them
+        shapes = ";".join(f"{int(r.rows.shape[0])},{int(r.rows.shape[1])}" for r in read_back)
+        response_headers.append((_SHAPES, shapes.encode("latin-1")))
+        versions = ",".join(str(result.version) for result in read_back)
+        response_headers.append((_LOOKUP_VERSION, versions.encode("latin-1")))
+        return RawResponse(b"".join(rows_bytes(r.rows) for r in read_back), _OCTET_STREAM, response_headers)
+    payload: dict[str, object] = {
         "results": [
             update_json(name, result, result.hash_seconds + result.apply_seconds)
             for name, result in zip(names, results, strict=True)
@@ -128,6 +182,11 @@ async def apply_update_many(request: Request, lr: float | None = None) -> Respon
             "total_ms": milliseconds(total),
         },
     }
+    if read_back:
+        payload["lookups"] = [
+            lookup_json(item.table, result, result.hash_seconds + result.lookup_seconds)
+            for item, result in zip(lookups, read_back, strict=True)
+        ]
     return RawResponse(json_bytes(payload), _JSON, response_headers)
 
 

@@ -292,9 +292,10 @@ class TableStore:
             _trace_lookup(name, _count(ids), version, hash_seconds, lookup_seconds)
         return LookupResult(bag_rows.numpy(), version, hash_seconds, lookup_seconds)
 
-    def lookup_many(self, items: list[LookupRequestItem]) -> list[LookupResult]:
+    def lookup_many(self, items: list[LookupRequestItem], *, check_only: bool = False) -> list[LookupResult]:
         """Several lookups in one request; the request limits apply to their sum. All tables are
-        resolved and the limits checked before any lookup runs."""
+        resolved and the limits checked before any lookup runs. ``check_only``: those checks and each
+        item's bags, no lookup (a push's lookup part, checked before the push is applied)."""
         total_ids = total_values = 0
         for item in items:
             num_ids = max(1, _count(item.ids))  # an empty lookup still costs a table resolution
@@ -306,6 +307,10 @@ class TableStore:
                 f"{total_values} values in one request; the limit is "
                 f"max_values_per_request={self.limits.max_values_per_request}"
             )
+        if check_only:
+            for item in items:
+                _validate_pooling(as_tensor(item.ids), item.offsets, item.pooling, item.per_sample_weights)
+            return []
         return [
             self.lookup(item.table, item.ids, item.offsets, item.pooling, item.per_sample_weights)
             for item in items

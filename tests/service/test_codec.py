@@ -23,6 +23,7 @@ from service.codec import (
     rows_bytes,
     rows_view,
     split_ids,
+    split_lookup_part,
 )
 
 int64s = st.integers(-(2**63), 2**63 - 1)
@@ -121,3 +122,19 @@ def test_a_multi_table_push_is_decoded_from_views_of_its_body() -> None:
         assert ids.flags.writeable and grads.flags.writeable
     # the arrays hold len(body) bytes; a copied slice of one table's part on top was 1.5x
     assert peak < 1.2 * len(body), f"decoding allocated {peak} bytes for a {len(body)}-byte body"
+
+
+def test_a_push_s_lookup_part_is_cut_from_the_end_of_its_body() -> None:
+    """``X-Robez-Lookup: name=n,...``: the last 8 * sum(n) bytes are the lookup's ids; the push's parts
+    before them decode as without one (a view, no copy); a bad header is an InvalidInputError."""
+    push = np.array([5], dtype="<i8").tobytes() + np.ones((1, 2), dtype="<f4").tobytes()
+    ids = np.array([7, 8, 9], dtype="<i8")
+    rest, lookups = split_lookup_part(push + ids.tobytes(), "a=2,b=1")
+    assert bytes(rest) == push and isinstance(rest, memoryview)
+    assert [(name, part.tolist()) for name, part in lookups] == [("a", [7, 8]), ("b", [9])]
+    assert split_lookup_part(push, None) == (push, [])
+    (part,) = decode_multi_update_binary(rest, "a=1", "1,2")
+    assert part[0] == "a" and part[1].tolist() == [5]
+    for header in ["", "a", "a=-1", "a=1,", "a=4"]:  # a=4: 32 bytes of ids, the body has 24
+        with pytest.raises(InvalidInputError, match="X-Robez-Lookup"):
+            split_lookup_part(ids.tobytes(), header)

@@ -184,13 +184,19 @@ def test_prefetch_pulls_the_next_batch_before_this_push(client_factory: Callable
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("pending", [0, 1])
-def test_prefetch_after_push_trains_the_same_bits_as_no_prefetch(
-    client_factory: Callable[..., TestClient], pending: int
+@pytest.mark.parametrize(
+    ("optimizer", "mode"),
+    [(optimizer, "prefetch_after_push") for optimizer in OPTIMIZERS]
+    + [(OPTIMIZERS[1], "prefetch_after_push, 1 pending"), (OPTIMIZERS[2], "push_with_next_pull")],
+    ids=lambda value: value.name if isinstance(value, OptimizerConfig) else value,
+)
+def test_one_request_a_step_trains_the_same_bits_as_no_prefetch(
+    client_factory: Callable[..., TestClient], optimizer: OptimizerConfig, mode: str
 ) -> None:
-    """``prefetch_after_push``: the next batch's pull is sent right after this step's push, so the
-    prefetched rows include it: the bits of training without prefetch (the local collection's)."""
-    optimizer = OPTIMIZERS[1]
+    """``prefetch_after_push``: the next batch's pull goes with this step's push (``update_and_lookup``,
+    one request), so the prefetched rows include it: the bits of training without prefetch (the local
+    collection's). ``push_with_next_pull``: the push is held until the next forward, which sends it
+    with its pull: the same bits, one request a step, without calling ``prefetch``."""
     app = client_factory()
     client = served(app, optimizer)
     seen: list[httpx.Request] = []
@@ -200,12 +206,17 @@ def test_prefetch_after_push_trains_the_same_bits_as_no_prefetch(
     remote_sgd = torch.optim.SGD(remote_mlp.parameters(), lr=0.1)
     local_sgd = torch.optim.SGD(local_mlp.parameters(), lr=0.1)
     batches = [make_batch(step) for step in range(4)]
+    hold = mode == "push_with_next_pull"
     with RemoteEmbeddingBagCollection(
-        client, TABLES, prefetch_after_push=True, max_pending_pushes=pending
+        client,
+        TABLES,
+        max_pending_pushes=1 if "pending" in mode else 0,
+        prefetch_after_push=not hold,
+        push_with_next_pull=hold,
     ) as remote:
         for step, batch in enumerate(batches):
             pooled = remote(keys=batch.keys, values=batch.values, lengths=batch.lengths)
-            if step + 1 < len(batches):
+            if step + 1 < len(batches) and not hold:
                 after = batches[step + 1]
                 remote.prefetch(keys=after.keys, values=after.values, lengths=after.lengths)
             loss = nn.functional.binary_cross_entropy_with_logits(
@@ -215,10 +226,95 @@ def test_prefetch_after_push_trains_the_same_bits_as_no_prefetch(
             loss.backward()
             remote_sgd.step()
             assert torch.equal(pooled.values().detach(), train_step(local, local_mlp, local_sgd, batch))
+        if hold:  # the last push is held until flush (here: the context manager's exit)
+            assert store_of(app).version("t0") == len(batches) - 1
     assert torch.equal(server_state(app)["weight"], local.weight.detach())
-    # each prefetched pull went after the push of the step before it: lookup, update, lookup, update...
-    assert [r.url.path for r in seen] == ["/v1/lookup", "/v1/update"] * len(batches)
-    assert remote.stats.requests == 2 * len(batches)
+    # One request a step: the first pull, then each push carrying the next batch's pull, the last alone.
+    assert [r.url.path for r in seen] == ["/v1/lookup"] + ["/v1/update"] * len(batches)
+    assert remote.stats.requests == len(batches) + 1
+    assert remote.versions == {"t0": 4, "t1": 4, "t2": 4}
+
+
+def test_a_push_that_carries_a_pull_raises_its_error_and_applies_nothing(
+    client_factory: Callable[..., TestClient],
+) -> None:
+    """A refused push carrying the next pull (NaN gradients): the next forward raises the 422, nothing
+    is applied, and the module goes on (a new pull) afterwards."""
+    app = client_factory()
+    client = served(app, OPTIMIZERS[1])
+    before = server_state(app)
+    first, second = make_batch(0), make_batch(1)
+    with RemoteEmbeddingBagCollection(client, TABLES, prefetch_after_push=True) as ebc:
+        pooled = ebc(keys=first.keys, values=first.values, lengths=first.lengths).values()
+        ebc.prefetch(keys=second.keys, values=second.values, lengths=second.lengths)
+        gradient = torch.ones_like(pooled)
+        gradient[:, -1] = float("nan")
+        pooled.backward(gradient)  # sent, not waited for
+        with pytest.raises(RobezClientError) as caught:
+            ebc(keys=second.keys, values=second.values, lengths=second.lengths)
+        assert caught.value.status == 422 and "t2" in caught.value.error
+        with torch.no_grad():
+            again = ebc(keys=second.keys, values=second.values, lengths=second.lengths).values()
+    after = server_state(app)
+    assert all(torch.equal(after[key], before[key]) for key in before)
+    with torch.no_grad():
+        assert torch.equal(
+            again,
+            local_twin(OPTIMIZERS[1])(
+                keys=second.keys, values=second.values, lengths=second.lengths
+            ).values(),
+        )
+
+
+def test_a_held_push_is_sent_by_flush_and_its_error_raised_once(
+    client_factory: Callable[..., TestClient],
+) -> None:
+    """``push_with_next_pull``: ``backward`` holds the push; ``flush`` sends it alone (and raises its
+    error once); without a flush the server has not got it."""
+    app = client_factory()
+    client = served(app, OPTIMIZERS[0])
+    mlp = head()
+    batch = make_batch(0)
+    ebc = RemoteEmbeddingBagCollection(client, TABLES, push_with_next_pull=True)
+    mlp(ebc(keys=batch.keys, values=batch.values, lengths=batch.lengths).values()).sum().backward()
+    assert store_of(app).version("t0") == 0  # held
+    ebc.flush()
+    assert store_of(app).version("t0") == 1 and ebc.versions == {"t0": 1, "t1": 1, "t2": 1}
+    mlp(ebc(keys=batch.keys, values=batch.values, lengths=batch.lengths).values()).sum().backward()
+    client.delete_table("t2")  # the held push will be refused: 404, nothing applied
+    with pytest.raises(RobezClientError) as caught:
+        ebc.flush()
+    assert caught.value.status == 404
+    ebc.close()  # raised once, not again
+    assert store_of(app).version("t0") == 1
+
+
+def test_a_held_push_sent_first_does_not_take_the_pull_of_the_next_push(
+    client_factory: Callable[..., TestClient],
+) -> None:
+    """Two forwards, then two backwards (gradient accumulation) with both options: the first push is
+    held; a prefetch made before the second backward rides on the second push, so its rows include
+    both pushes (the held one is sent alone, first)."""
+    app = client_factory()
+    client = served(app, OPTIMIZERS[0])
+    seen: list[httpx.Request] = []
+    batches = [make_batch(step) for step in range(3)]
+    inputs = [{"keys": b.keys, "values": b.values, "lengths": b.lengths} for b in batches]
+    with RemoteEmbeddingBagCollection(
+        client, TABLES, prefetch_after_push=True, push_with_next_pull=True
+    ) as ebc:
+        first, second = ebc(**inputs[0]).values(), ebc(**inputs[1]).values()
+        first.sum().backward()  # held
+        ebc.prefetch(**inputs[2])  # waits for the next push
+        app.event_hooks["request"].append(seen.append)
+        second.sum().backward()  # the held push alone, then this push with the prefetch's pull
+        with torch.no_grad():
+            prefetched = ebc(**inputs[2]).values()
+            fresh = ebc(**inputs[2]).values()
+    assert torch.equal(prefetched, fresh)  # nothing stale
+    assert [r.url.path for r in seen] == ["/v1/update", "/v1/update", "/v1/lookup"]
+    assert "x-robez-lookup" in seen[1].headers and "x-robez-lookup" not in seen[0].headers
+    assert store_of(app).version("t0") == 2
 
 
 def test_a_failed_non_blocking_push_is_raised_by_the_next_call(

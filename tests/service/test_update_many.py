@@ -360,3 +360,172 @@ def test_a_step_that_would_overflow_is_refused_whole_and_leaves_no_mark(
     assert response.status_code == 200, response.text
     assert [result["version"] for result in response.json()["results"]] == [1, 1]
     assert not [r for r in caplog.records if "died" in r.getMessage()]
+
+
+def with_lookup(case: dict[str, Any], lookups: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A binary push (``binary_many``) with a lookup part: ``X-Robez-Lookup`` and the ids after it."""
+    body = case["content"] + b"".join(np.asarray(ids, dtype="<i8").tobytes() for ids in lookups.values())
+    header = ",".join(f"{name}={len(ids)}" for name, ids in lookups.items())
+    return {"content": body, "headers": {**case["headers"], "x-robez-lookup": header}}
+
+
+def lookup_rows(client: TestClient, lookups: dict[str, np.ndarray]) -> bytes:
+    response = client.post(
+        "/v1/lookup",
+        content=b"".join(np.asarray(ids, dtype="<i8").tobytes() for ids in lookups.values()),
+        headers={
+            "content-type": OCTET,
+            "x-robez-tables": ",".join(f"{name}={len(ids)}" for name, ids in lookups.items()),
+        },
+    )
+    assert response.status_code == 200, response.text
+    return response.content
+
+
+@pytest.mark.parametrize("encoding", ["binary", "json"])
+def test_a_push_with_a_lookup_part_answers_the_rows_after_it(
+    client_factory: Callable[..., TestClient], encoding: str
+) -> None:
+    """The lookup part is read once the push is applied (read-your-writes): its rows are those a
+    ``/v1/lookup`` sent after the push answers, tables pushed or not, with the push's versions."""
+    client = client_factory()
+    three_tables(client)
+    lookups = {"c": np.array([3, 1, 3]), "a": np.arange(5), "b": np.array([], dtype=np.int64)}
+    parts = step_parts(4)
+    if encoding == "binary":
+        response = client.post("/v1/update", **with_lookup(binary_many(parts), lookups))
+    else:
+        response = client.post(
+            "/v1/update",
+            json={
+                "updates": [
+                    {"table": name, "ids": ids.tolist(), "grads": grads.tolist()}
+                    for name, (ids, grads) in parts.items()
+                ],
+                "lookups": [{"table": name, "ids": ids.tolist()} for name, ids in lookups.items()],
+            },
+        )
+    assert response.status_code == 200, response.text
+    assert response.headers["x-robez-version"] == "1,1,1"
+    timing = response.headers["server-timing"]
+    assert "apply;dur=" in timing and "lookup;dur=" in timing and "lookup_hash;dur=" in timing
+    metrics = client.get("/metrics").text  # both parts counted per table: the push's and the lookup's
+    assert 'robez_update_apply_seconds_count{table="c"} 1.0' in metrics
+    assert 'robez_lookup_seconds_count{table="c"} 1.0' in metrics
+    after = lookup_rows(client, lookups)
+    if encoding == "binary":
+        assert response.headers["content-type"] == OCTET
+        assert response.headers["x-robez-shapes"] == "3,4;5,8;0,8"
+        assert response.headers["x-robez-lookup-version"] == "1,1,1"
+        assert response.content == after
+    else:
+        body = response.json()
+        assert [result["version"] for result in body["results"]] == [1, 1, 1]
+        rows = [
+            np.asarray(item["embeddings"], dtype="<f4").reshape(item["shape"]) for item in body["lookups"]
+        ]
+        assert b"".join(row.tobytes() for row in rows) == after
+        assert [item["table"] for item in body["lookups"]] == ["c", "a", "b"]
+    local = twins()
+    step_twins(local, parts, None)
+    expected = [local[name].lookup(torch.from_numpy(ids)) for name, ids in lookups.items()]
+    assert after == b"".join(rows.numpy().astype("<f4").tobytes() for rows in expected)  # with the push
+
+
+def test_a_bad_lookup_part_is_refused_before_the_push_is_applied(
+    client_factory: Callable[..., TestClient],
+) -> None:
+    client = client_factory(max_ids_per_request=40)
+    three_tables(client)
+    before = {name: table_state(client, name) for name in ("a", "b", "c")}
+
+    def refused(case: dict[str, Any], status: int = 422) -> str:
+        response = client.post("/v1/update", **case)
+        error_of(response, status)
+        for name, state in before.items():
+            assert_unchanged(client, name, state)
+        return str(response.json()["error"])
+
+    assert "nope" in refused(with_lookup(binary_many(step_parts(1)), {"nope": np.arange(2)}), 404)
+    assert "max_ids_per_request=40" in refused(with_lookup(binary_many(step_parts(1)), {"a": np.arange(41)}))
+    for header in ("a=x", "a=2,,b=1", "", "a=1000"):  # not name=n; or more ids than the body holds
+        case = with_lookup(binary_many(step_parts(1)), {"a": np.arange(2)})
+        case["headers"]["x-robez-lookup"] = header
+        assert "X-Robez-Lookup" in refused(case)
+    short = with_lookup(binary_many(step_parts(1)), {"a": np.arange(2)})
+    short["content"] = short["content"][:-8]  # the push's bytes then come out short
+    refused(short)
+    row = [0.1] * 8
+    updates = [{"table": "a", "ids": [1], "grads": [row]}]
+    assert "zzz" in refused({"json": {"updates": updates, "lookups": [{"table": "zzz", "ids": [1]}]}}, 404)
+    for lookup in [
+        {"table": "a", "ids": [2**63]},  # outside int64
+        {"table": "a", "ids": [1, 2], "offsets": [1]},  # bags must start at 0
+        {"table": "a", "ids": [1], "pooling": "max"},
+    ]:
+        refused({"json": {"updates": updates, "lookups": [lookup]}})
+    # The limits count the lookup part as a /v1/lookup of its own: each part within them is accepted.
+    response = client.post("/v1/update", **with_lookup(binary_many(step_parts(1)), {"a": np.arange(40)}))
+    assert response.status_code == 200, response.text
+
+
+def test_the_body_limit_counts_the_lookup_part(client_factory: Callable[..., TestClient]) -> None:
+    plain = binary_many(step_parts(0))
+    small = client_factory(max_body_bytes=len(plain["content"]) + 8)
+    three_tables(small)
+    before = {name: table_state(small, name) for name in ("a", "b", "c")}
+    fits = small.post("/v1/update", **with_lookup(binary_many(step_parts(0)), {"a": np.arange(1)}))
+    assert fits.status_code == 200, fits.text
+    for name in before:  # applied: the state to compare what follows with
+        before[name] = table_state(small, name)
+    response = small.post("/v1/update", **with_lookup(binary_many(step_parts(0)), {"a": np.arange(2)}))
+    error_of(response, 413)
+    assert "max_body_bytes" in response.json()["error"]
+    for name, state in before.items():
+        assert_unchanged(small, name, state)
+
+
+def test_the_clients_push_and_pull_in_one_request(client: TestClient) -> None:
+    three_tables(client)
+    seen: list[httpx.Request] = []
+    robez = RobezClient(http_client=client, busy_retries=0)
+    client.event_hooks["request"].append(seen.append)
+    parts = step_parts(5)
+    updates = {name: (torch.from_numpy(i), torch.from_numpy(g)) for name, (i, g) in parts.items()}
+    lookups: dict[str, IdsLike] = {"b": torch.tensor([4, 4, 0]), "c": [7]}
+    versions, rows = robez.update_and_lookup(updates, lookups, lr=0.5)
+    assert versions == {"a": 1, "b": 1, "c": 1}
+    (request,) = seen
+    assert request.url.path == "/v1/update" and request.headers["idempotency-key"]
+    assert request.headers["x-robez-lookup"] == "b=3,c=1"
+    assert list(rows) == ["b", "c"] and rows["b"].shape == (3, 8) and rows["c"].shape == (1, 4)
+    assert torch.equal(rows["b"], robez.lookup("b", [4, 4, 0])) and torch.equal(
+        rows["c"], robez.lookup("c", [7])
+    )
+    local = twins()
+    step_twins(local, parts, 0.5)
+    assert torch.equal(rows["c"], local["c"].lookup(torch.tensor([7])))
+    with pytest.raises(RobezClientError) as caught:
+        robez.update_and_lookup(updates, {"zzz": [1]})
+    assert caught.value.status == 404
+    assert table_state(client, "a")[1] == 1  # nothing applied
+
+    async def pushed() -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+        transport = httpx.ASGITransport(app=client.app)
+        async with AsyncRobezClient("http://robez", transport=transport) as async_client:
+            return await async_client.update_and_lookup(updates, lookups)
+
+    versions, again = asyncio.run(pushed())
+    assert versions == {"a": 2, "b": 2, "c": 2}
+    assert torch.equal(again["b"], robez.lookup("b", [4, 4, 0])) and torch.equal(
+        again["c"], robez.lookup("c", [7])
+    )
+
+
+def test_a_split_push_sends_its_lookup_part_with_the_last_request() -> None:
+    rows = {name: (np.arange(n), np.ones((n, 4), dtype=np.float32)) for name, n in [("a", 3), ("c", 9)]}
+    calls = update_many_calls(rows, None, "k", 5 * (8 + 4 * 4), {"a": [1, 2]})
+    assert ["X-Robez-Lookup" in c.headers for c in calls] == [False, False, True]
+    assert calls[-1].headers["X-Robez-Lookup"] == "a=2" and calls[-1].body().endswith(
+        np.array([1, 2], dtype="<i8").tobytes()
+    )

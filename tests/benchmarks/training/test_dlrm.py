@@ -91,6 +91,7 @@ def test_remote_goals_are_read_from_the_wall_clock_ratios():
             "remote_collection": _remote(0.120, 0.4000, 17_000.0),
             "remote_prefetch": _remote(0.120, 0.4030, 17_000.0),
             "remote_prefetch_after_push": _remote(0.110, 0.4000, 18_000.0),
+            "remote_push_with_next_pull": _remote(0.140, 0.4010, 15_000.0),
             "remote_2_trainers": _remote(
                 0.150,
                 0.4,
@@ -113,6 +114,11 @@ def test_remote_goals_are_read_from_the_wall_clock_ratios():
         "(goal <= 1.15): met" in lines
     )
     assert "eval loss, remote + prefetch after the push vs local: bit for bit the same (0.400000)" in lines
+    assert (
+        "wall: remote collection, push held for the next pull step / local collection step = 1.40 "
+        "(goal <= 1.3): missed" in lines
+    )
+    assert "eval loss, remote, push held for the next pull vs local: different (0.401000)" in lines
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from devtools.natscluster import NatsCluster
-from service.client import OCTET_STREAM, SHAPE_HEADER, RobezClient, encode_update
+from service.client import OCTET_STREAM, SHAPE_HEADER, RobezClient, encode_ids, encode_update
 
 from .conftest import ReplicaServer, create_table, push_grads, replay_checksum, stream_bounds, stream_leader
 
@@ -105,18 +105,21 @@ def test_retry_with_the_same_key_is_applied_once(replicas: list[ReplicaServer]) 
 
 def test_a_multi_table_push_is_applied_once_per_table_across_retries(replicas: list[ReplicaServer]) -> None:
     """The parts of one push (one entry per table's stream, published together) are each applied once,
-    on both replicas, when the push is resent with its key to either replica."""
+    on both replicas, when the push is resent with its key to either replica; its lookup part is read
+    after the push is applied on the replica that answers, and answered again for each resend."""
     tables = ("multi_a", "multi_b")
     for table in tables:
         create_table(replicas[0], table)
     bodies = [encode_update(*push_grads(seed)) for seed in (11, 12)]
+    pushed_ids = push_grads(11)[0]
     headers = {
         "Content-Type": OCTET_STREAM,
         "X-Robez-Tables": ",".join(f"{table}=16" for table in tables),
         "X-Robez-Shapes": ";".join(shape for _, shape in bodies),
+        "X-Robez-Lookup": f"multi_a={len(pushed_ids)}",
         "Idempotency-Key": uuid.uuid4().hex,
     }
-    body = b"".join(part for part, _ in bodies)
+    body = b"".join(part for part, _ in bodies) + encode_ids(pushed_ids)[0]
     answers = [
         httpx.post(f"{server.url}/v1/update", content=body, headers=headers, timeout=30)
         for server in (replicas[0], replicas[1], replicas[0])
@@ -124,6 +127,11 @@ def test_a_multi_table_push_is_applied_once_per_table_across_retries(replicas: l
     for answer in answers:
         assert answer.status_code == 200, answer.text
         assert answer.headers["X-Robez-Version"] == "1,1"
+        assert answer.headers["X-Robez-Lookup-Version"] == "1"
+        assert answer.content == answers[0].content
+    client = RobezClient(replicas[1].url)
+    assert answers[0].content == client.lookup("multi_a", pushed_ids, min_version=1).numpy().tobytes()
+    client.close()
     for table, seed in zip(tables, (11, 12), strict=True):
         assert_converged(replicas, table, 1, replay_checksum([seed]))
 
