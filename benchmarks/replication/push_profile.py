@@ -5,7 +5,7 @@
 Starts a 3-node NATS cluster (TLS and logins as shipped, ``sync_interval: always``) and replicas A and B
 (1 worker, 1 kernel thread each), pushes 256 ids x 64 to A with 8 writers (``--pushes``) and then with 1
 (``--single``), and reads, for each run: each replica's CPU per push and context switches per push, per
-thread, from /proc; and, when py-spy is installed (``pip install py-spy``; not a dependency of robez),
+thread, from /proc; and, when py-spy is there (the dev extra installs it; ``--py-spy`` picks another),
 its samples of the thread holding the GIL in each replica (``record --gil --nonblocking``, 250 Hz),
 sorted into the stages of a push. py-spy samples the GIL holder whether or not the CPU runs it, so the
 shares are of Python's time holding the GIL (a thread preempted while holding it counts), and kernel
