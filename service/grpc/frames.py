@@ -1,0 +1,581 @@
+"""HTTP/2 (RFC 9113) server connections on robez's own frames, for the ``frames`` gRPC engine.
+
+``FrameConnection`` is an ``asyncio.Protocol`` that reads and writes HTTP/2 frames itself: one loop over the
+frames of each read, one ``write`` with everything a read answered. It is the connection layer only; the gRPC
+layer (``engine.py``) subclasses it and gets a stream's decoded header list (``stream_opened``), its data
+(``stream_data``, ``stream_ended``) and its reset (``stream_reset``); it answers with ``send_headers``,
+``send_data`` and ``reset``, and opens a stream's receive window with ``open_window``: until then the peer
+may send at most ``INITIAL_WINDOW`` bytes on the stream (our SETTINGS), so a call is checked from its
+headers before its message is taken from the connection.
+
+What a hostile peer meets (each a connection error, GOAWAY with the code, unless said otherwise):
+
+- the preface, then a SETTINGS frame first; every setting in its range (ENABLE_PUSH 0/1, INITIAL_WINDOW_SIZE
+  at most 2^31-1: FLOW_CONTROL_ERROR, MAX_FRAME_SIZE 2^14..2^24-1); our SETTINGS acknowledged within
+  ``SETTINGS_ACK_S`` (SETTINGS_TIMEOUT); frames of the wrong length (FRAME_SIZE_ERROR) or stream;
+- streams: client ids odd and increasing; a frame on an idle stream (PROTOCOL_ERROR), HEADERS or DATA on a
+  closed stream (STREAM_CLOSED) or on a half-closed one (stream error STREAM_CLOSED); past
+  ``MAX_CONCURRENT_STREAMS`` a stream is refused (stream error REFUSED_STREAM), its header block still
+  decoded so that HPACK stays in step;
+- flow control both ways: DATA past the connection's window (FLOW_CONTROL_ERROR) or a stream's (stream
+  error FLOW_CONTROL_ERROR); a WINDOW_UPDATE of 0 (PROTOCOL_ERROR) or past 2^31-1 (FLOW_CONTROL_ERROR);
+- header blocks: at most ``MAX_HEADER_BLOCK`` bytes across CONTINUATION frames, nothing between them but
+  their CONTINUATION (the CONTINUATION flood: ENHANCE_YOUR_CALM); HPACK's table bounded by our
+  HEADER_TABLE_SIZE and the decoded list by MAX_HEADER_LIST_SIZE, a bad block COMPRESSION_ERROR;
+- floods: RST_STREAM (rapid reset, CVE-2023-44487), PING and SETTINGS frames from the peer, each at most
+  ``FLOOD_LIMITS`` per ``FLOOD_WINDOW_S`` (ENHANCE_YOUR_CALM);
+- write back-pressure: while the transport's buffer is over its high mark, the connection stops reading
+  (a peer that reads nothing holds at most the buffer and the answers under way);
+- ``drain``: GOAWAY NO_ERROR with the last stream id taken, new streams refused, the connection closed once
+  its streams are done or at the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from typing import Any
+
+from hpack import Decoder, HPACKError, NeverIndexedHeaderTuple
+from hpack import Encoder as _Encoder
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HEAD = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
+
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
+    range(10)
+)
+END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, SETTINGS_TIMEOUT = 0x0, 0x1, 0x2, 0x3, 0x4
+STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
+ENHANCE_YOUR_CALM = 0xB
+
+MAX_WINDOW = (1 << 31) - 1
+DEFAULT_WINDOW = 65535  # RFC 9113's initial windows, the connection's and (our SETTINGS) each stream's
+INITIAL_WINDOW = DEFAULT_WINDOW
+MAX_FRAME = 16384  # what we take (our SETTINGS_MAX_FRAME_SIZE stays the default)
+MAX_CONCURRENT_STREAMS = 100  # as grpc.aio's setting today, Envoy's and nginx's defaults
+MAX_HEADER_LIST = 16384  # decoded (RFC 7541's sizes: name + value + 32 a field)
+MAX_HEADER_BLOCK = 16384  # compressed, across HEADERS and its CONTINUATION frames
+HEADER_TABLE_SIZE = 4096  # our SETTINGS_HEADER_TABLE_SIZE (the default): the peer's encoder stays within
+SETTINGS_ACK_S = 10.0
+FLOOD_WINDOW_S = 1.0
+# frames from the peer per FLOOD_WINDOW_S: resets of streams (rapid reset), PINGs, SETTINGS
+FLOOD_LIMITS = {RST_STREAM: 200, PING: 50, SETTINGS: 50}
+WRITE_HIGH_BYTES = 256 * 1024  # the transport's buffer past which the connection stops reading
+
+_SERVER_SETTINGS = struct.pack(
+    ">HIHIHIHI", 0x1, HEADER_TABLE_SIZE, 0x2, 0, 0x3, MAX_CONCURRENT_STREAMS, 0x6, MAX_HEADER_LIST
+)
+
+
+def frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    n = len(payload)
+    return HEAD.pack(n >> 16, n & 0xFFFF, kind, flags, sid) + payload
+
+
+def never_indexed(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A header block that leaves both HPACK tables as they were (never-indexed literals), so its bytes can
+    be kept and sent again on any connection, whatever table size the peer allows."""
+    encoder = _Encoder()
+    return encoder.encode([NeverIndexedHeaderTuple(name, value) for name, value in headers], huffman=False)
+
+
+_SETTINGS_ACK = frame(SETTINGS, ACK, 0)
+
+
+def only_indexed(block: bytes) -> bool:
+    """Whether a header block is only indexed fields of one byte each (0x81-0xfe): decoding it changes
+    neither HPACK table, so its decoded headers stay valid until a block that may change the table."""
+    return all(0x81 <= byte <= 0xFE for byte in block)
+
+
+class CachingDecoder(Decoder):
+    """``hpack.Decoder`` bounded by our SETTINGS, that keeps the decoded headers of blocks made only of
+    indexed fields: a client sending the same call again sends the same bytes. Any other block may change
+    the dynamic table (its indices shift), so it empties the cache."""
+
+    def __init__(self) -> None:
+        super().__init__(max_header_list_size=MAX_HEADER_LIST)
+        self.max_allowed_table_size = HEADER_TABLE_SIZE
+        self.cache: dict[bytes, Any] = {}
+
+    def decode(self, data: bytes, raw: bool = False) -> Any:
+        key = bytes(data)
+        headers = self.cache.get(key)
+        if headers is not None:
+            return headers
+        headers = super().decode(data, raw)
+        if only_indexed(key):
+            if len(self.cache) >= 64:
+                self.cache.clear()
+            self.cache[key] = headers
+        else:
+            self.cache.clear()
+        return headers
+
+
+class ConnectionError_(Exception):
+    """A connection error: GOAWAY with ``code``, then the connection closed."""
+
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(why)
+        self.code = code
+
+
+class Stream:
+    """One stream's state on the connection (client-initiated; open or half-closed remote)."""
+
+    __slots__ = ("app", "ended", "opened", "recv_window", "sid", "taken", "window")
+
+    def __init__(self, sid: int, window: int) -> None:
+        self.sid = sid
+        self.window = window  # the peer's window for what we send on the stream
+        self.recv_window = INITIAL_WINDOW  # what the peer may still send on it
+        self.taken = 0  # bytes received since the last WINDOW_UPDATE for it (once opened)
+        self.opened = False  # its receive window is credited as data arrives (``open_window``)
+        self.ended = False  # END_STREAM received (half-closed remote)
+        self.app: Any = None  # the layer above's state of the stream
+
+
+class FrameConnection(asyncio.Protocol):
+    """An HTTP/2 server connection (module docstring). Subclasses implement the ``stream_*`` hooks."""
+
+    def __init__(self) -> None:
+        self.decoder = CachingDecoder()
+        self.buffer = b""
+        self.preface = False
+        self.settings_seen = False
+        self.streams: dict[int, Stream] = {}
+        self.last_sid = 0  # the highest stream id the peer opened
+        self.block = bytearray()  # a header block arriving in CONTINUATION frames
+        self.block_sid = 0  # its stream (0: none arriving)
+        self.block_flags = 0
+        self.recv_window = DEFAULT_WINDOW  # what the peer may still send on the connection
+        self.recv_taken = 0
+        self.send_window = DEFAULT_WINDOW  # the peer's connection window
+        self.initial_window = DEFAULT_WINDOW  # the peer's SETTINGS_INITIAL_WINDOW_SIZE
+        self.max_frame = MAX_FRAME  # the peer's SETTINGS_MAX_FRAME_SIZE
+        self.out: list[bytes] = []
+        self.pending: dict[int, tuple[Stream, memoryview, bytes | None]] = {}  # answers under flow control
+        self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.settings_timer: asyncio.TimerHandle | None = None
+        self.floods = {kind: [0.0, 0] for kind in FLOOD_LIMITS}  # kind -> [window start, count]
+        self.paused = False  # the transport's buffer is over its high mark: reading stopped
+        self.draining = False  # GOAWAY sent: no new streams
+        self.closed = False
+        self.done: asyncio.Future[None] | None = None  # set once the connection is lost
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
+        self.done = self.loop.create_future()
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)  # type: ignore[union-attr]
+        self.transport.write(frame(SETTINGS, 0, 0, _SERVER_SETTINGS))  # type: ignore[union-attr]
+        self.settings_timer = self.loop.call_later(SETTINGS_ACK_S, self._settings_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.settings_timer is not None:
+            self.settings_timer.cancel()
+        for sid in list(self.streams):
+            self._close_stream(sid, reset=True)
+        self.pending.clear()
+        self.buffer = b""
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            self._frames(data)
+        except ConnectionError_ as exc:
+            self.goaway(exc.code, close=True)
+            return
+        self.flush()
+
+    # -- hooks for the layer above ------------------------------------------------------------------------
+
+    def stream_opened(self, stream: Stream, headers: list[tuple[bytes, bytes]]) -> None:
+        """A new stream's decoded header list (``stream.ended``: it came with END_STREAM)."""
+
+    def stream_data(self, stream: Stream, data: bytes) -> None:
+        """Data received on an open stream (not yet credited back unless ``open_window`` was called)."""
+
+    def stream_ended(self, stream: Stream) -> None:
+        """END_STREAM received on a stream (after its data)."""
+
+    def stream_reset(self, stream: Stream) -> None:
+        """The stream is gone before its answer ended (the peer reset it, or the connection closed)."""
+
+    # -- what the layer above sends -----------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Write what the frames handled so far answered, in one write."""
+        if self.out and not self.closed:
+            self.transport.write(b"".join(self.out))  # type: ignore[union-attr]
+            self.out.clear()
+
+    def send_headers(self, sid: int, block: bytes, end_stream: bool = False) -> None:
+        """A header block (at most the peer's frame size: ours are small constant blocks)."""
+        self.out.append(frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), sid, block))
+        if end_stream:
+            self._close_stream(sid, reset=False)
+
+    def send_data(self, sid: int, data: bytes | memoryview, trailers: bytes | None) -> None:
+        """``data`` on stream ``sid`` under the peer's windows (held back until they open), then the trailers
+        block (END_STREAM), which closes the stream."""
+        stream = self.streams.get(sid)
+        if stream is None:
+            return
+        size = len(data)
+        if not self.pending and size <= self.send_window and size <= stream.window and size <= self.max_frame:
+            self.send_window -= size
+            stream.window -= size
+            if size:
+                self.out.append(frame(DATA, 0, sid, bytes(data)))
+            if trailers is not None:
+                self.send_headers(sid, trailers, end_stream=True)
+            return
+        self.pending[sid] = (stream, memoryview(data), trailers)
+        self._send_pending()
+
+    def reset(self, sid: int, code: int) -> None:
+        """RST_STREAM ``code``: the stream is closed."""
+        self.out.append(frame(RST_STREAM, 0, sid, code.to_bytes(4, "big")))
+        self._close_stream(sid, reset=False)
+
+    def open_window(self, stream: Stream) -> None:
+        """From now on the stream's receive window is credited back as its data arrives."""
+        if stream.opened:
+            return
+        stream.opened = True
+        taken = INITIAL_WINDOW - stream.recv_window
+        if taken and not stream.ended:
+            stream.recv_window += taken
+            self.out.append(frame(WINDOW_UPDATE, 0, stream.sid, taken.to_bytes(4, "big")))
+
+    def goaway(self, code: int, close: bool) -> None:
+        """GOAWAY with the last stream id taken; ``close``: then the connection closes."""
+        if self.closed:
+            return
+        self.draining = True
+        self.out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code)))
+        self.flush()
+        if close:
+            self.closed = True
+            self.transport.close()  # type: ignore[union-attr]
+
+    async def drain(self, deadline: float) -> None:
+        """GOAWAY NO_ERROR, then wait until the streams under way are done (or ``deadline``, a
+        ``loop.time()``), then close."""
+        if self.closed or self.loop is None:
+            return
+        self.goaway(NO_ERROR, close=False)
+        while self.streams and self.loop.time() < deadline and not self.closed:
+            await asyncio.sleep(min(0.01, max(deadline - self.loop.time(), 0)))
+        if not self.closed:
+            self.closed = True
+            self.transport.close()  # type: ignore[union-attr]
+        if self.done is not None:
+            await asyncio.wait_for(asyncio.shield(self.done), timeout=1.0)
+
+    # -- frames in ----------------------------------------------------------------------------------------
+
+    def _frames(self, data: bytes) -> None:
+        buf = self.buffer + data if self.buffer else data
+        pos = 0
+        if not self.preface:
+            if len(buf) < 24:
+                if not PREFACE.startswith(buf):
+                    raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                self.buffer = buf
+                return
+            if buf[:24] != PREFACE:
+                raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+            self.preface, pos = True, 24
+        end = len(buf)
+        unpack = HEAD.unpack_from
+        while end - pos >= 9 and not self.closed:
+            high, low, kind, flags, sid = unpack(buf, pos)
+            length = high << 16 | low
+            if length > MAX_FRAME:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "frame over SETTINGS_MAX_FRAME_SIZE")
+            stop = pos + 9 + length
+            if stop > end:
+                break
+            payload = buf[pos + 9 : stop]
+            pos = stop
+            sid &= 0x7FFFFFFF
+            if not self.settings_seen:
+                if kind != SETTINGS or flags & ACK:
+                    raise ConnectionError_(PROTOCOL_ERROR, "the preface's first frame must be SETTINGS")
+                self.settings_seen = True
+            if self.block_sid and (kind != CONTINUATION or sid != self.block_sid):
+                raise ConnectionError_(PROTOCOL_ERROR, "a header block interrupted")
+            if kind == DATA:
+                self._data(sid, flags, payload)
+            elif kind == HEADERS:
+                self._headers(sid, flags, payload)
+            elif kind == CONTINUATION:
+                if not self.block_sid:
+                    raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without a header block")
+                self._block_part(payload, flags)
+            elif kind == SETTINGS:
+                self._settings(sid, flags, payload)
+            elif kind == PING:
+                self._ping(sid, flags, payload)
+            elif kind == WINDOW_UPDATE:
+                self._window_update(sid, payload)
+            elif kind == RST_STREAM:
+                self._rst(sid, payload)
+            elif kind == PRIORITY:
+                if sid == 0:
+                    raise ConnectionError_(PROTOCOL_ERROR, "PRIORITY on stream 0")
+                if length != 5:
+                    self.reset(sid, FRAME_SIZE_ERROR)
+            elif kind == GOAWAY:
+                if sid != 0:
+                    raise ConnectionError_(PROTOCOL_ERROR, "GOAWAY on a stream")
+                self.draining = True  # the peer opens no more streams; ours finish
+            elif kind == PUSH_PROMISE:
+                raise ConnectionError_(PROTOCOL_ERROR, "a client cannot push")
+            # unknown frame types are ignored (RFC 9113 5.5)
+        self.buffer = buf[pos:] if pos < end else b""
+
+    def _flood(self, kind: int) -> None:
+        counter = self.floods[kind]
+        now = time.monotonic()
+        if now - counter[0] > FLOOD_WINDOW_S:
+            counter[0], counter[1] = now, 0
+        counter[1] += 1
+        if counter[1] > FLOOD_LIMITS[kind]:
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "too many control frames")
+
+    def _settings(self, sid: int, flags: int, payload: bytes) -> None:
+        if sid != 0:
+            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            if self.settings_timer is not None:
+                self.settings_timer.cancel()
+                self.settings_timer = None
+            return
+        if len(payload) % 6:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS not a multiple of 6 bytes")
+        self._flood(SETTINGS)
+        for offset in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, offset)
+            if key == 0x2 and value > 1:
+                raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH not 0 or 1")
+            if key == 0x4:
+                if value > MAX_WINDOW:
+                    raise ConnectionError_(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE over 2^31-1")
+                delta, self.initial_window = value - self.initial_window, value
+                for stream in self.streams.values():
+                    stream.window += delta
+                    if stream.window > MAX_WINDOW:
+                        raise ConnectionError_(FLOW_CONTROL_ERROR, "a stream window over 2^31-1")
+            elif key == 0x5:
+                if not MAX_FRAME <= value <= (1 << 24) - 1:
+                    raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
+                self.max_frame = value
+            # HEADER_TABLE_SIZE: our blocks are never-indexed literals, whatever the peer's table
+        self.out.append(_SETTINGS_ACK)
+        if self.pending:
+            self._send_pending()
+
+    def _settings_timeout(self) -> None:
+        self.settings_timer = None
+        self.goaway(SETTINGS_TIMEOUT, close=True)
+
+    def _ping(self, sid: int, flags: int, payload: bytes) -> None:
+        if sid != 0:
+            raise ConnectionError_(PROTOCOL_ERROR, "PING on a stream")
+        if len(payload) != 8:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "PING not 8 bytes")
+        if not flags & ACK:
+            self._flood(PING)
+            self.out.append(frame(PING, ACK, 0, payload))
+
+    def _window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE not 4 bytes")
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if sid == 0:
+            if increment == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self.send_window += increment
+            if self.send_window > MAX_WINDOW:
+                raise ConnectionError_(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+        else:
+            if sid > self.last_sid:
+                raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
+            stream = self.streams.get(sid)
+            if stream is None:
+                return  # closed: may cross our RST_STREAM or END_STREAM
+            if increment == 0:
+                self.reset(sid, PROTOCOL_ERROR)
+                return
+            stream.window += increment
+            if stream.window > MAX_WINDOW:
+                self.reset(sid, FLOW_CONTROL_ERROR)
+                return
+        if self.pending:
+            self._send_pending()
+
+    def _rst(self, sid: int, payload: bytes) -> None:
+        if sid == 0:
+            raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on stream 0")
+        if len(payload) != 4:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "RST_STREAM not 4 bytes")
+        if sid > self.last_sid:
+            raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on an idle stream")
+        self._flood(RST_STREAM)
+        self._close_stream(sid, reset=True)
+
+    def _strip_padding(self, flags: int, payload: bytes) -> tuple[int, int]:
+        start, stop = 0, len(payload)
+        if flags & PADDED:
+            if not payload or payload[0] >= len(payload):
+                raise ConnectionError_(PROTOCOL_ERROR, "padding as long as the frame")
+            start, stop = 1, stop - payload[0]
+        return start, stop
+
+    def _headers(self, sid: int, flags: int, payload: bytes) -> None:
+        if sid == 0:
+            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on stream 0")
+        start, stop = self._strip_padding(flags, payload)
+        if flags & PRIORITY_FLAG:
+            start += 5
+            if start > stop:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "HEADERS shorter than its priority")
+        if sid <= self.last_sid:
+            stream = self.streams.get(sid)
+            if stream is None:
+                raise ConnectionError_(STREAM_CLOSED, "HEADERS on a closed stream")
+            # trailers (gRPC's unary clients send none): decoded to keep HPACK in step, then checked
+            self.block_flags = flags | 0x100  # marks trailers
+        elif not sid & 1:
+            raise ConnectionError_(PROTOCOL_ERROR, "a client stream id must be odd")
+        else:
+            self.last_sid = sid
+            self.block_flags = flags
+        self.block_sid = sid
+        self.block = bytearray()
+        self._block_part(payload[start:stop], flags)
+
+    def _block_part(self, part: bytes, flags: int) -> None:
+        self.block += part
+        if len(self.block) > MAX_HEADER_BLOCK:
+            raise ConnectionError_(ENHANCE_YOUR_CALM, f"a header block over {MAX_HEADER_BLOCK} bytes")
+        if flags & END_HEADERS:
+            sid, block, first = self.block_sid, bytes(self.block), self.block_flags
+            self.block_sid, self.block = 0, bytearray()
+            try:
+                headers = self.decoder.decode(block, raw=True)
+            except HPACKError as exc:
+                raise ConnectionError_(COMPRESSION_ERROR, f"a bad header block: {exc}") from exc
+            self._header_list(sid, first, headers)
+
+    def _header_list(self, sid: int, flags: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if flags & 0x100:  # on a stream already open
+            stream = self.streams[sid]
+            if stream.ended:
+                self.reset(sid, STREAM_CLOSED)
+            elif not flags & END_STREAM:
+                self.reset(sid, PROTOCOL_ERROR)  # a second header block must end the stream
+            else:
+                stream.ended = True
+                self.stream_ended(stream)
+            return
+        if self.draining or len(self.streams) >= MAX_CONCURRENT_STREAMS:
+            self.out.append(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
+            return
+        stream = self.streams[sid] = Stream(sid, self.initial_window)
+        stream.ended = bool(flags & END_STREAM)
+        self.stream_opened(stream, headers)
+        if stream.ended and sid in self.streams:
+            self.stream_ended(stream)
+
+    def _data(self, sid: int, flags: int, payload: bytes) -> None:
+        if sid == 0:
+            raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
+        length = len(payload)
+        self.recv_window -= length
+        if self.recv_window < 0:
+            raise ConnectionError_(FLOW_CONTROL_ERROR, "DATA past the connection window")
+        # the connection's window is credited as data arrives: each stream's bounds what it holds
+        self.recv_taken += length
+        if self.recv_taken >= DEFAULT_WINDOW // 2:
+            self.out.append(frame(WINDOW_UPDATE, 0, 0, self.recv_taken.to_bytes(4, "big")))
+            self.recv_window += self.recv_taken
+            self.recv_taken = 0
+        if sid > self.last_sid:
+            raise ConnectionError_(PROTOCOL_ERROR, "DATA on an idle stream")
+        stream = self.streams.get(sid)
+        if stream is None:
+            return  # closed by us (a reset crossing the peer's data) or done: dropped
+        if stream.ended:
+            self.reset(sid, STREAM_CLOSED)
+            return
+        start, stop = self._strip_padding(flags, payload)
+        stream.recv_window -= length
+        if stream.recv_window < 0:
+            self.reset(sid, FLOW_CONTROL_ERROR)
+            return
+        if stop > start:
+            self.stream_data(stream, payload[start:stop])
+        if sid not in self.streams:
+            return
+        if flags & END_STREAM:
+            stream.ended = True
+            self.stream_ended(stream)
+        elif stream.opened:
+            stream.taken += length
+            if stream.taken >= INITIAL_WINDOW // 2:
+                stream.recv_window += stream.taken
+                self.out.append(frame(WINDOW_UPDATE, 0, sid, stream.taken.to_bytes(4, "big")))
+                stream.taken = 0
+
+    # -- frames out under flow control --------------------------------------------------------------------
+
+    def _send_pending(self) -> None:
+        for sid, (stream, data, trailers) in list(self.pending.items()):
+            while data:
+                room = min(self.send_window, stream.window, self.max_frame, len(data))
+                if room <= 0:
+                    break
+                self.out.append(frame(DATA, 0, sid, bytes(data[:room])))
+                data = data[room:]
+                self.send_window -= room
+                stream.window -= room
+            if data:
+                self.pending[sid] = (stream, data, trailers)
+                continue
+            del self.pending[sid]
+            if trailers is not None:
+                self.send_headers(sid, trailers, end_stream=True)
+
+    def _close_stream(self, sid: int, reset: bool) -> None:
+        stream = self.streams.pop(sid, None)
+        self.pending.pop(sid, None)
+        if stream is not None and reset:
+            self.stream_reset(stream)
