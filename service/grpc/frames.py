@@ -19,7 +19,7 @@ What a hostile peer meets (each a connection error, GOAWAY with the code, unless
   decoded so that HPACK stays in step;
 - flow control both ways: DATA past the connection's window (FLOW_CONTROL_ERROR) or a stream's (stream
   error FLOW_CONTROL_ERROR); a WINDOW_UPDATE of 0 (PROTOCOL_ERROR) or past 2^31-1 (FLOW_CONTROL_ERROR);
-- header blocks: at most ``MAX_HEADER_BLOCK`` bytes across CONTINUATION frames, nothing between them but
+- header blocks: at most ``MAX_HEADER_BLOCK`` bytes in ``MAX_BLOCK_FRAMES`` frames, nothing between them but
   their CONTINUATION (the CONTINUATION flood: ENHANCE_YOUR_CALM); HPACK's table bounded by our
   HEADER_TABLE_SIZE and the decoded list by MAX_HEADER_LIST_SIZE, a bad block COMPRESSION_ERROR;
 - floods: RST_STREAM (rapid reset, CVE-2023-44487), PING and SETTINGS frames from the peer, each at most
@@ -59,6 +59,7 @@ MAX_FRAME = 16384  # what we take (our SETTINGS_MAX_FRAME_SIZE stays the default
 MAX_CONCURRENT_STREAMS = 100  # as grpc.aio's setting today, Envoy's and nginx's defaults
 MAX_HEADER_LIST = 16384  # decoded (RFC 7541's sizes: name + value + 32 a field)
 MAX_HEADER_BLOCK = 16384  # compressed, across HEADERS and its CONTINUATION frames
+MAX_BLOCK_FRAMES = 32  # HEADERS and CONTINUATION frames of one header block (empty ones are a flood too)
 HEADER_TABLE_SIZE = 4096  # our SETTINGS_HEADER_TABLE_SIZE (the default): the peer's encoder stays within
 SETTINGS_ACK_S = 10.0
 FLOOD_WINDOW_S = 1.0
@@ -153,6 +154,7 @@ class FrameConnection(asyncio.Protocol):
         self.block = bytearray()  # a header block arriving in CONTINUATION frames
         self.block_sid = 0  # its stream (0: none arriving)
         self.block_flags = 0
+        self.block_frames = 0
         self.recv_window = DEFAULT_WINDOW  # what the peer may still send on the connection
         self.recv_taken = 0
         self.send_window = DEFAULT_WINDOW  # the peer's connection window
@@ -480,12 +482,14 @@ class FrameConnection(asyncio.Protocol):
             self.block_flags = flags
         self.block_sid = sid
         self.block = bytearray()
+        self.block_frames = 0
         self._block_part(payload[start:stop], flags)
 
     def _block_part(self, part: bytes, flags: int) -> None:
         self.block += part
-        if len(self.block) > MAX_HEADER_BLOCK:
-            raise ConnectionError_(ENHANCE_YOUR_CALM, f"a header block over {MAX_HEADER_BLOCK} bytes")
+        self.block_frames += 1
+        if len(self.block) > MAX_HEADER_BLOCK or self.block_frames > MAX_BLOCK_FRAMES:
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "a header block over its bounds (CONTINUATION flood)")
         if flags & END_HEADERS:
             sid, block, first = self.block_sid, bytes(self.block), self.block_flags
             self.block_sid, self.block = 0, bytearray()
