@@ -365,9 +365,7 @@ def ssl_context(settings: Settings) -> ssl.SSLContext | None:
     return context
 
 
-async def start_frames(
-    app: FastAPI, settings: Settings, servicer: InferenceServicer
-) -> tuple[FramesServer, int]:
+async def start_frames(app: FastAPI, settings: Settings) -> tuple[FramesServer, int]:
     """Listen on ``settings.host:settings.grpc_port`` (SO_REUSEPORT, as every worker does) with the frames
     engine; returns it and the port bound."""
     assert settings.grpc_port is not None

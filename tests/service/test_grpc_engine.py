@@ -1,0 +1,280 @@
+"""The frames engine's gRPC layer (``service/grpc/engine.py``) on a real in-process app: grpcio's client for
+what a client sees, a raw HTTP/2 client (``h2``) for what only the frames show (Trailers-Only, windows not
+opened, resets). The whole gRPC suite runs on this engine with ``GRPC_ENGINE_UNDER_TEST=frames``."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2 as pb
+
+from service.grpc.engine import grpc_timeout_s, percent_encoded
+
+from .threaded_server import ThreadedServer, app_server
+
+SERVICE = "/inference.GRPCInferenceService/"
+INFER = SERVICE + "ModelInfer"
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[..., tuple[ThreadedServer, str]]]:
+    """In-process apps serving gRPC (the frames engine unless told) on a port the OS picks."""
+    servers: list[ThreadedServer] = []
+
+    def start(**settings: object) -> tuple[ThreadedServer, str]:
+        settings.setdefault("grpc_engine", "frames")
+        server = app_server(tmp_path / str(len(servers)), grpc_port=0, **settings)
+        servers.append(server)
+        return server, f"127.0.0.1:{server.server.config.loaded_app.app.state.grpc_port}"  # type: ignore[union-attr]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+class Raw:
+    """One HTTP/2 connection with h2's client: a call's headers and data out, what came back recorded."""
+
+    def __init__(self, address: str) -> None:
+        host, port = address.split(":")
+        self.address = address
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.settimeout(0.05)
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.h2.initiate_connection()
+        self.events: list[h2.events.Event] = []
+        self.flush()
+
+    def flush(self) -> None:
+        if data := self.h2.data_to_send():
+            self.sock.sendall(data)
+
+    def open(self, path: str = INFER, extra: list[tuple[str, str]] | None = None, end: bool = False) -> int:
+        sid: int = self.h2.get_next_available_stream_id()
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", self.address),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+            *(extra or []),
+        ]
+        self.h2.send_headers(sid, headers, end_stream=end)
+        self.flush()
+        return sid
+
+    def send(self, sid: int, data: bytes, end: bool = False) -> None:
+        self.h2.send_data(sid, data, end_stream=end)
+        self.flush()
+
+    def until(self, done: Callable[[list[h2.events.Event]], bool], seconds: float = 10.0) -> None:
+        deadline = time.monotonic() + seconds
+        while not done(self.events) and time.monotonic() < deadline:
+            try:
+                incoming = self.sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            if not incoming:
+                break
+            self.events += self.h2.receive_data(incoming)
+            self.flush()
+
+    def ended(self, sid: int) -> Callable[[list[h2.events.Event]], bool]:
+        return lambda events: any(
+            isinstance(e, h2.events.StreamEnded | h2.events.StreamReset) and e.stream_id == sid
+            for e in events
+        )
+
+    def headers(self, sid: int) -> list[dict[bytes, bytes]]:
+        return [
+            dict(e.headers)
+            for e in self.events
+            if isinstance(e, h2.events.ResponseReceived | h2.events.TrailersReceived) and e.stream_id == sid
+        ]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _message(request: pb.ModelInferRequest) -> bytes:
+    body = request.SerializeToString()
+    return b"\0" + struct.pack(">I", len(body)) + body
+
+
+def _ids_request(ids: list[int]) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="demo")
+    request.inputs.add(name="ids", datatype="INT64", shape=[len(ids)])
+    request.raw_input_contents.append(np.array(ids, dtype="<i8").tobytes())
+    return request
+
+
+def test_the_nine_methods_answer_as_on_grpcio(serve: Callable[..., tuple[ThreadedServer, str]]) -> None:
+    """Every served method, the same request on both engines: the same response bytes (statistics: the
+    same models, their counts differ with the calls each server took)."""
+    _, frames = serve()
+    _, grpcio = serve(grpc_engine="grpcio")
+    calls = [
+        ("ServerLive", pb.ServerLiveRequest(), pb.ServerLiveResponse),
+        ("ServerReady", pb.ServerReadyRequest(), pb.ServerReadyResponse),
+        ("ServerMetadata", pb.ServerMetadataRequest(), pb.ServerMetadataResponse),
+        ("ModelReady", pb.ModelReadyRequest(name="demo"), pb.ModelReadyResponse),
+        ("ModelMetadata", pb.ModelMetadataRequest(name="demo"), pb.ModelMetadataResponse),
+        ("ModelConfig", pb.ModelConfigRequest(name="demo"), pb.ModelConfigResponse),
+        ("RepositoryIndex", pb.RepositoryIndexRequest(), pb.RepositoryIndexResponse),
+        ("ModelInfer", _ids_request([3, 1, 4, 2**40]), pb.ModelInferResponse),
+    ]
+    answers: dict[str, list[bytes]] = {}
+    for address in (frames, grpcio):
+        with grpc.insecure_channel(address) as channel:
+            for name, request, _ in calls:
+                method = channel.unary_unary(SERVICE + name)
+                answers.setdefault(name, []).append(method(request.SerializeToString(), timeout=30))
+            stats = channel.unary_unary(SERVICE + "ModelStatistics")(
+                pb.ModelStatisticsRequest(name="demo").SerializeToString(), timeout=30
+            )
+            parsed = pb.ModelStatisticsResponse.FromString(stats)
+            assert [m.name for m in parsed.model_stats] == ["demo"]
+            assert parsed.model_stats[0].inference_stats.success.count == 1
+    for name, (on_frames, on_grpcio) in answers.items():
+        assert on_frames == on_grpcio, name
+
+
+def test_unknown_methods_and_compressed_messages_are_unimplemented(
+    serve: Callable[..., tuple[ThreadedServer, str]],
+) -> None:
+    _, address = serve()
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as unknown:
+            channel.unary_unary(SERVICE + "ModelStreamInfer")(b"", timeout=30)
+        assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        infer = channel.unary_unary(INFER)
+        with pytest.raises(grpc.RpcError) as compressed:  # zeros: gzip makes it smaller, so it is sent so
+            infer(_ids_request([0] * 1000).SerializeToString(), timeout=30, compression=grpc.Compression.Gzip)
+        assert compressed.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "identity" in compressed.value.details()
+        answer = pb.ModelInferResponse.FromString(infer(_ids_request([1]).SerializeToString(), timeout=30))
+        assert answer.model_name == "demo"  # the connection still serves
+
+
+def test_errors_are_trailers_only_with_a_bounded_percent_encoded_message(
+    serve: Callable[..., tuple[ThreadedServer, str]],
+) -> None:
+    _, address = serve()
+    raw = Raw(address)
+    try:
+        request = _ids_request([1])
+        request.model_name = "é%" + "m" * 5000
+        sid = raw.open()
+        raw.send(sid, _message(request), end=True)
+        raw.until(raw.ended(sid))
+        (only,) = raw.headers(sid)  # one header block: Trailers-Only
+        assert only[b":status"] == b"200" and only[b"grpc-status"] == b"5"  # NOT_FOUND
+        message = only[b"grpc-message"]
+        assert message.startswith(b"no table named '%C3%A9%25mmm") and len(message) < 1200
+    finally:
+        raw.close()
+    assert percent_encoded("a é%\n") == b"a %C3%A9%25%0A"
+    assert len(percent_encoded("x" * 5000)) == 1024
+
+
+def test_a_call_is_checked_from_its_headers(serve: Callable[..., tuple[ThreadedServer, str]]) -> None:
+    """Without the read key: refused from the headers, the stream's window never opened (no WINDOW_UPDATE
+    for it). A wrong content type: HTTP 415. With the key, in the ``authorization`` metadata: answered."""
+    _, address = serve(read_api_key="k" * 32)
+    raw = Raw(address)
+    try:
+        sid = raw.open()
+        raw.send(sid, b"\0" + struct.pack(">I", 1 << 20))
+        for _ in range(4):
+            raw.send(sid, bytes(15000))  # under the stream's first window
+        raw.until(raw.ended(sid))
+        (only,) = raw.headers(sid)
+        assert only[b"grpc-status"] == str(grpc.StatusCode.UNAUTHENTICATED.value[0]).encode()
+        assert not [e for e in raw.events if isinstance(e, h2.events.WindowUpdated) and e.stream_id == sid]
+        sid = raw.h2.get_next_available_stream_id()
+        raw.h2.send_headers(
+            sid,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", INFER),
+                (":authority", address),
+                ("content-type", "text/plain"),
+            ],
+            end_stream=True,
+        )
+        raw.flush()
+        raw.until(raw.ended(sid))
+        assert raw.headers(sid)[0][b":status"] == b"415"
+    finally:
+        raw.close()
+    with grpc.insecure_channel(address) as channel:
+        answer = channel.unary_unary(INFER)(
+            _ids_request([1]).SerializeToString(),
+            timeout=30,
+            metadata=[("authorization", "Bearer " + "k" * 32)],
+        )
+        assert pb.ModelInferResponse.FromString(answer).model_name == "demo"
+
+
+def test_the_declared_length_is_refused_before_the_message(
+    serve: Callable[..., tuple[ThreadedServer, str]],
+) -> None:
+    _, address = serve(max_body_bytes=4096)
+    raw = Raw(address)
+    try:
+        sid = raw.open()
+        raw.send(sid, b"\0" + struct.pack(">I", 5000))  # its prefix only: nothing more comes
+        raw.until(raw.ended(sid), seconds=5)
+        (only,) = raw.headers(sid)
+        assert only[b"grpc-status"] == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]).encode()
+        assert b"max_body_bytes=4096" in only[b"grpc-message"]
+    finally:
+        raw.close()
+
+
+def test_deadlines_and_stalled_messages_are_cut(serve: Callable[..., tuple[ThreadedServer, str]]) -> None:
+    """A partial message: cut at the client's grpc-timeout (DEADLINE_EXCEEDED, the stream reset) or, with
+    none, at body_timeout_s; the worker serves on and holds nothing for them."""
+    server, address = serve(body_timeout_s=0.5)
+    raw = Raw(address)
+    try:
+        started = time.monotonic()
+        timed = raw.open(extra=[("grpc-timeout", "100m")])
+        stalled = raw.open()
+        for sid in (timed, stalled):
+            raw.send(sid, b"\0" + struct.pack(">I", 1000) + bytes(10))
+        raw.until(raw.ended(timed), seconds=5)
+        assert time.monotonic() - started < 0.45
+        assert (
+            raw.headers(timed)[0][b"grpc-status"] == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0]).encode()
+        )
+        raw.until(raw.ended(stalled), seconds=5)
+        (only,) = raw.headers(stalled)
+        assert only[b"grpc-status"] == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0]).encode()
+        assert b"body_timeout_s=0.5" in only[b"grpc-message"]
+    finally:
+        raw.close()
+    admission = server.server.config.loaded_app.app.state.admission  # type: ignore[union-attr]
+    assert admission.held_bytes == 0 and admission.in_flight == 0
+    with grpc.insecure_channel(address) as channel:
+        answer = channel.unary_unary(INFER)(_ids_request([1]).SerializeToString(), timeout=30)
+        assert pb.ModelInferResponse.FromString(answer).model_name == "demo"
+
+
+def test_grpc_timeout_values() -> None:
+    assert grpc_timeout_s(b"100m") == pytest.approx(0.1)
+    assert grpc_timeout_s(b"2S") == 2.0 and grpc_timeout_s(b"1H") == 3600.0
+    for bad in (b"", b"m", b"123456789m", b"10x", b"-1S", b"1.5S"):
+        assert grpc_timeout_s(bad) is None
