@@ -101,7 +101,7 @@ class GrpcConnection(FrameConnection):
     """One client connection of the frames engine (module docstring)."""
 
     def __init__(self, engine: FramesServer) -> None:
-        super().__init__()
+        super().__init__(engine.preface_timeout_s, engine.idle_timeout_s)
         self.engine = engine
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -327,6 +327,8 @@ class FramesServer:
     def __init__(self, servicer: InferenceServicer, settings: Settings) -> None:
         self.servicer = servicer
         self.max_body_bytes = settings.max_body_bytes
+        self.preface_timeout_s = settings.header_timeout_s  # as HTTP's first request headers
+        self.idle_timeout_s = settings.grpc_idle_timeout_s
         self.methods = {
             _PREFIX + name.encode(): (name, handler, read_key)
             for name, (handler, read_key) in servicer.methods().items()

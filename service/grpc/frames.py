@@ -24,6 +24,8 @@ What a hostile peer meets (each a connection error, GOAWAY with the code, unless
   HEADER_TABLE_SIZE and the decoded list by MAX_HEADER_LIST_SIZE, a bad block COMPRESSION_ERROR;
 - floods: RST_STREAM (rapid reset, CVE-2023-44487), PING and SETTINGS frames from the peer, each at most
   ``FLOOD_LIMITS`` per ``FLOOD_WINDOW_S`` (ENHANCE_YOUR_CALM);
+- time: the preface and SETTINGS within ``preface_timeout_s`` of opening (else closed), and a connection
+  with no stream open for ``idle_timeout_s`` is sent GOAWAY NO_ERROR and closed;
 - write back-pressure: while the transport's buffer is over its high mark, the connection stops reading
   (a peer that reads nothing holds at most the buffer and the answers under way);
 - ``drain``: GOAWAY NO_ERROR with the last stream id taken, new streams refused, the connection closed once
@@ -144,7 +146,12 @@ class Stream:
 class FrameConnection(asyncio.Protocol):
     """An HTTP/2 server connection (module docstring). Subclasses implement the ``stream_*`` hooks."""
 
-    def __init__(self) -> None:
+    def __init__(self, preface_timeout_s: float | None = None, idle_timeout_s: float | None = None) -> None:
+        self.preface_timeout_s = preface_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.preface_timer: asyncio.TimerHandle | None = None
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0  # loop.time() when the last stream closed (or the connection opened)
         self.decoder = CachingDecoder()
         self.buffer = b""
         self.preface = False
@@ -180,11 +187,17 @@ class FrameConnection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)  # type: ignore[union-attr]
         self.transport.write(frame(SETTINGS, 0, 0, _SERVER_SETTINGS))  # type: ignore[union-attr]
         self.settings_timer = self.loop.call_later(SETTINGS_ACK_S, self._settings_timeout)
+        self.idle_since = self.loop.time()
+        if self.preface_timeout_s is not None:
+            self.preface_timer = self.loop.call_later(self.preface_timeout_s, self._preface_expired)
+        if self.idle_timeout_s is not None:
+            self.idle_timer = self.loop.call_later(self.idle_timeout_s, self._idle_check)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.settings_timer is not None:
-            self.settings_timer.cancel()
+        for timer in (self.settings_timer, self.preface_timer, self.idle_timer):
+            if timer is not None:
+                timer.cancel()
         for sid in list(self.streams):
             self._close_stream(sid, reset=True)
         self.pending.clear()
@@ -329,6 +342,9 @@ class FrameConnection(asyncio.Protocol):
                 if kind != SETTINGS or flags & ACK:
                     raise ConnectionError_(PROTOCOL_ERROR, "the preface's first frame must be SETTINGS")
                 self.settings_seen = True
+                if self.preface_timer is not None:
+                    self.preface_timer.cancel()
+                    self.preface_timer = None
             if self.block_sid and (kind != CONTINUATION or sid != self.block_sid):
                 raise ConnectionError_(PROTOCOL_ERROR, "a header block interrupted")
             if kind == DATA:
@@ -403,6 +419,26 @@ class FrameConnection(asyncio.Protocol):
         self.out.append(_SETTINGS_ACK)
         if self.pending:
             self._send_pending()
+
+    def _preface_expired(self) -> None:
+        """No preface and SETTINGS within ``preface_timeout_s`` of opening (a slow or idle opener)."""
+        self.preface_timer = None
+        if not self.settings_seen and not self.closed:
+            self.closed = True
+            self.transport.close()  # type: ignore[union-attr]
+
+    def _idle_check(self) -> None:
+        """GOAWAY NO_ERROR and close once no stream was open for ``idle_timeout_s``."""
+        assert self.idle_timeout_s is not None and self.loop is not None
+        self.idle_timer = None
+        if self.closed:
+            return
+        idle = self.loop.time() - self.idle_since
+        if not self.streams and idle >= self.idle_timeout_s:
+            self.goaway(NO_ERROR, close=True)
+            return
+        wait = self.idle_timeout_s if self.streams else self.idle_timeout_s - idle
+        self.idle_timer = self.loop.call_later(wait, self._idle_check)
 
     def _settings_timeout(self) -> None:
         self.settings_timer = None
@@ -581,5 +617,7 @@ class FrameConnection(asyncio.Protocol):
     def _close_stream(self, sid: int, reset: bool) -> None:
         stream = self.streams.pop(sid, None)
         self.pending.pop(sid, None)
+        if not self.streams and self.loop is not None:
+            self.idle_since = self.loop.time()
         if stream is not None and reset:
             self.stream_reset(stream)

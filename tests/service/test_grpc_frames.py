@@ -83,8 +83,8 @@ class Transport(asyncio.Transport):
 class Recorder(FrameConnection):
     """Streams stay open until the test answers them; every hook recorded."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, preface_timeout_s: float | None = None, idle_timeout_s: float | None = None) -> None:
+        super().__init__(preface_timeout_s, idle_timeout_s)
         self.opened: dict[int, list[tuple[bytes, bytes]]] = {}
         self.data: dict[int, bytes] = {}
         self.ended: list[int] = []
@@ -106,10 +106,10 @@ class Recorder(FrameConnection):
 class Peer:
     """The client side: an HPACK encoder, the connection under test, and its frames read back."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, **timeouts: float) -> None:
         self.loop = loop
         self.encoder = Encoder()
-        self.connection = Recorder()
+        self.connection = Recorder(**timeouts)
         self.transport = Transport()
 
         async def made() -> None:
@@ -472,3 +472,21 @@ def test_drain_closes_at_its_deadline(peer: Peer, loop: asyncio.AbstractEventLoo
 
     loop.run_until_complete(drain())
     assert peer.connection.resets == [1]  # the stream left open is reset for the layer above
+
+
+def test_a_connection_must_open_in_time_and_is_closed_once_idle(loop: asyncio.AbstractEventLoop) -> None:
+    silent = Peer(loop, preface_timeout_s=0.03)
+    slow = Peer(loop, preface_timeout_s=0.03)
+    slow.send(PREFACE[:10])
+    prompt = Peer(loop, preface_timeout_s=0.03, idle_timeout_s=0.1)
+    prompt.start()
+    prompt.send(prompt.headers(1))
+    loop.run_until_complete(asyncio.sleep(0.06))
+    assert silent.transport.closed and slow.transport.closed and not prompt.transport.closed
+    loop.run_until_complete(asyncio.sleep(0.1))
+    assert not prompt.transport.closed  # a stream is open: not idle
+    prompt.connection.send_headers(1, b"\x88", end_stream=True)
+    loop.run_until_complete(asyncio.sleep(0.05))
+    assert not prompt.transport.closed
+    loop.run_until_complete(asyncio.sleep(0.15))
+    assert prompt.goaway() == NO_ERROR
