@@ -43,6 +43,7 @@ OK_TRAILERS_BLOCK = never_indexed([(b"grpc-status", b"0")])
 _STATUS_415 = never_indexed([(b":status", b"415"), (b"content-type", b"text/plain")])
 _STATUS_405 = never_indexed([(b":status", b"405")])
 _MAX_MESSAGE_CHARS = 1024
+_TLS_CLOSE_S = 2.0  # a TLS close waits this long for the peer's close_notify, as the HTTP port's
 _PREFIX = f"/{SERVICE}/".encode()
 
 
@@ -229,7 +230,8 @@ class GrpcConnection(FrameConnection):
             return  # reset meanwhile
         if code is grpc.StatusCode.OK:
             self.send_headers(stream.sid, RESPONSE_BLOCK)
-            self.send_data(stream.sid, b"\0" + len(response).to_bytes(4, "big") + response, OK_TRAILERS_BLOCK)
+            prefix = b"\0" + len(response).to_bytes(4, "big")
+            self.send_data(stream.sid, response, OK_TRAILERS_BLOCK, prefix)
         else:
             self._refuse(stream, trailers_only(code, message))
         self.flush()
@@ -381,6 +383,7 @@ async def start_frames(app: FastAPI, settings: Settings) -> tuple[FramesServer, 
         reuse_port=True,
         ssl=context,
         ssl_handshake_timeout=settings.header_timeout_s if context is not None else None,
+        ssl_shutdown_timeout=_TLS_CLOSE_S if context is not None else None,
     )
     port = engine.server.sockets[0].getsockname()[1]
     logger.info(

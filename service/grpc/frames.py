@@ -67,6 +67,7 @@ SETTINGS_ACK_S = 10.0
 FLOOD_WINDOW_S = 1.0
 # frames from the peer per FLOOD_WINDOW_S: resets of streams (rapid reset), PINGs, SETTINGS
 FLOOD_LIMITS = {RST_STREAM: 200, PING: 50, SETTINGS: 50}
+_JOINED_BYTES = 4096  # answers' data up to this is joined into the one write; larger, written as is
 WRITE_HIGH_BYTES = 256 * 1024  # the transport's buffer past which the connection stops reading
 
 _SERVER_SETTINGS = struct.pack(
@@ -167,8 +168,10 @@ class FrameConnection(asyncio.Protocol):
         self.send_window = DEFAULT_WINDOW  # the peer's connection window
         self.initial_window = DEFAULT_WINDOW  # the peer's SETTINGS_INITIAL_WINDOW_SIZE
         self.max_frame = MAX_FRAME  # the peer's SETTINGS_MAX_FRAME_SIZE
-        self.out: list[bytes] = []
-        self.pending: dict[int, tuple[Stream, memoryview, bytes | None]] = {}  # answers under flow control
+        self.out: list[bytes | memoryview] = []
+        # answers under flow control: stream, what is left of its prefix and its data, its trailers block
+        self.pending: dict[int, tuple[Stream, bytes, memoryview, bytes | None]] = {}
+        self.out_bytes = 0  # of the big pieces in ``out`` (answers' data, written without a copy)
         self.transport: asyncio.Transport | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.settings_timer: asyncio.TimerHandle | None = None
@@ -242,9 +245,14 @@ class FrameConnection(asyncio.Protocol):
     # -- what the layer above sends -----------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Write what the frames handled so far answered, in one write."""
+        """Write what the frames handled so far answered, in one write (small pieces joined; large answers'
+        data as views of their bytes, gathered by ``writelines``)."""
         if self.out and not self.closed:
-            self.transport.write(b"".join(self.out))  # type: ignore[union-attr]
+            if self.out_bytes:
+                self.transport.writelines(self.out)  # type: ignore[union-attr]
+                self.out_bytes = 0
+            else:
+                self.transport.write(b"".join(self.out))  # type: ignore[union-attr]
             self.out.clear()
 
     def send_headers(self, sid: int, block: bytes, end_stream: bool = False) -> None:
@@ -253,22 +261,25 @@ class FrameConnection(asyncio.Protocol):
         if end_stream:
             self._close_stream(sid, reset=False)
 
-    def send_data(self, sid: int, data: bytes | memoryview, trailers: bytes | None) -> None:
-        """``data`` on stream ``sid`` under the peer's windows (held back until they open), then the trailers
-        block (END_STREAM), which closes the stream."""
+    def send_data(self, sid: int, data: bytes, trailers: bytes | None, prefix: bytes = b"") -> None:
+        """``prefix`` then ``data`` on stream ``sid`` under the peer's windows (held back until they open), in
+        frames of at most the peer's frame size, ``data`` never copied; then the trailers block
+        (END_STREAM), which closes the stream."""
         stream = self.streams.get(sid)
         if stream is None:
             return
-        size = len(data)
+        size = len(prefix) + len(data)
         if not self.pending and size <= self.send_window and size <= stream.window and size <= self.max_frame:
             self.send_window -= size
             stream.window -= size
             if size:
-                self.out.append(frame(DATA, 0, sid, bytes(data)))
+                self.out.append(HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, sid) + prefix)
+                self.out.append(data)
+                self.out_bytes += len(data) if len(data) > _JOINED_BYTES else 0
             if trailers is not None:
                 self.send_headers(sid, trailers, end_stream=True)
             return
-        self.pending[sid] = (stream, memoryview(data), trailers)
+        self.pending[sid] = (stream, prefix, memoryview(data), trailers)
         self._send_pending()
 
     def reset(self, sid: int, code: int) -> None:
@@ -598,17 +609,22 @@ class FrameConnection(asyncio.Protocol):
     # -- frames out under flow control --------------------------------------------------------------------
 
     def _send_pending(self) -> None:
-        for sid, (stream, data, trailers) in list(self.pending.items()):
-            while data:
-                room = min(self.send_window, stream.window, self.max_frame, len(data))
+        for sid, (stream, prefix, data, trailers) in list(self.pending.items()):
+            while prefix or data:
+                room = min(self.send_window, stream.window, self.max_frame, len(prefix) + len(data))
                 if room <= 0:
                     break
-                self.out.append(frame(DATA, 0, sid, bytes(data[:room])))
-                data = data[room:]
+                head, prefix = prefix[:room], prefix[room:]
+                rest = room - len(head)
+                self.out.append(HEAD.pack(room >> 16, room & 0xFFFF, DATA, 0, sid) + head)
+                if rest:
+                    self.out.append(data[:rest])
+                    self.out_bytes += rest
+                    data = data[rest:]
                 self.send_window -= room
                 stream.window -= room
-            if data:
-                self.pending[sid] = (stream, data, trailers)
+            if prefix or data:
+                self.pending[sid] = (stream, prefix, data, trailers)
                 continue
             del self.pending[sid]
             if trailers is not None:

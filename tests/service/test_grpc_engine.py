@@ -4,6 +4,7 @@ opened, resets). The whole gRPC suite runs on this engine with ``GRPC_ENGINE_UND
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import time
@@ -133,19 +134,22 @@ def test_the_nine_methods_answer_as_on_grpcio(serve: Callable[..., tuple[Threade
         ("ModelConfig", pb.ModelConfigRequest(name="demo"), pb.ModelConfigResponse),
         ("RepositoryIndex", pb.RepositoryIndexRequest(), pb.RepositoryIndexResponse),
         ("ModelInfer", _ids_request([3, 1, 4, 2**40]), pb.ModelInferResponse),
+        ("ModelInfer", _ids_request(list(range(4096))), pb.ModelInferResponse),  # 1 MiB: many frames
     ]
     answers: dict[str, list[bytes]] = {}
     for address in (frames, grpcio):
         with grpc.insecure_channel(address) as channel:
-            for name, request, _ in calls:
+            for index, (name, request, _) in enumerate(calls):
                 method = channel.unary_unary(SERVICE + name)
-                answers.setdefault(name, []).append(method(request.SerializeToString(), timeout=30))
+                answers.setdefault(f"{index} {name}", []).append(
+                    method(request.SerializeToString(), timeout=30)
+                )
             stats = channel.unary_unary(SERVICE + "ModelStatistics")(
                 pb.ModelStatisticsRequest(name="demo").SerializeToString(), timeout=30
             )
             parsed = pb.ModelStatisticsResponse.FromString(stats)
             assert [m.name for m in parsed.model_stats] == ["demo"]
-            assert parsed.model_stats[0].inference_stats.success.count == 1
+            assert parsed.model_stats[0].inference_stats.success.count == 2
     for name, (on_frames, on_grpcio) in answers.items():
         assert on_frames == on_grpcio, name
 
@@ -278,3 +282,35 @@ def test_grpc_timeout_values() -> None:
     assert grpc_timeout_s(b"2S") == 2.0 and grpc_timeout_s(b"1H") == 3600.0
     for bad in (b"", b"m", b"123456789m", b"10x", b"-1S", b"1.5S"):
         assert grpc_timeout_s(bad) is None
+
+
+def test_tls_requires_alpn_h2(serve: Callable[..., tuple[ThreadedServer, str]], tmp_path: Path) -> None:
+    """Over TLS (the HTTP port's certificate): grpcio's client (ALPN h2) is served; a client that does not
+    offer h2 is closed before a frame."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    _, address = serve(tls_cert=cert, tls_key=key)
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
+    with grpc.secure_channel(address, credentials) as channel:
+        answer = channel.unary_unary(INFER)(_ids_request([1]).SerializeToString(), timeout=30)
+        assert pb.ModelInferResponse.FromString(answer).model_name == "demo"
+    context = ssl.create_default_context(cadata=ca.cert_pem.bytes().decode())
+    context.set_alpn_protocols(["http/1.1"])
+    host, port = address.split(":")
+    with (
+        socket.create_connection((host, int(port))) as sock,
+        context.wrap_socket(sock, server_hostname=host) as tls,
+    ):
+        tls.settimeout(5)
+        tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        received = b""
+        with contextlib.suppress(ConnectionResetError, ssl.SSLError):
+            received = tls.recv(100)
+        assert received == b""  # closed: no SETTINGS

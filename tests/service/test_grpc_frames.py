@@ -327,7 +327,7 @@ def test_answers_wait_for_the_peers_windows(peer: Peer) -> None:
     peer.send(peer.headers(1, end_stream=True))
     peer.frames()
     answer = bytes(range(256)) * 400  # 102,400 bytes, over the 65,535 of both windows
-    peer.connection.send_data(1, answer, trailers=b"\x88")
+    peer.connection.send_data(1, answer, trailers=b"\x88", prefix=b"\0\0\1\x90\0")
     peer.connection.flush()
     sent = [p for kind, _, _, p in peer.frames() if kind == DATA]
     assert sum(map(len, sent)) == 65535 and all(len(p) <= 16384 for p in sent)
@@ -335,7 +335,7 @@ def test_answers_wait_for_the_peers_windows(peer: Peer) -> None:
     assert [kind for kind, *_ in peer.frames() if kind != DATA] == []  # the stream's window is still shut
     peer.send(frame(SETTINGS, 0, 0, struct.pack(">HI", 4, 1 << 20)))  # every stream's window moves
     rest = peer.frames()
-    assert b"".join(sent + [p for kind, _, _, p in rest if kind == DATA]) == answer
+    assert b"".join(sent + [p for kind, _, _, p in rest if kind == DATA]) == b"\0\0\1\x90\0" + answer
     assert (HEADERS, END_HEADERS | END_STREAM, 1) in [(k, f, s) for k, f, s, _ in rest]
     assert 1 not in peer.connection.streams
 
