@@ -263,8 +263,12 @@ class GrpcConnection(FrameConnection):
         elif call.size == 0:
             reader.set_result(None)
         else:
-            message = b"".join(call.parts)[5:]
-            call.parts = []
+            parts, call.parts = call.parts, []
+            if len(parts[0]) >= 5:  # the prefix off the first part (a frame's worth), then one join
+                parts[0] = parts[0][5:]
+                message = b"".join(parts) if len(parts) > 1 else parts[0]
+            else:  # the prefix itself came in pieces
+                message = b"".join(parts)[5:]
             reader.set_result(message)
 
     def _fail(self, call: _Call, error: Exception) -> None:

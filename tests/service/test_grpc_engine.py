@@ -5,6 +5,7 @@ opened, resets). The whole gRPC suite runs on this engine with ``GRPC_ENGINE_UND
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import struct
 import time
@@ -15,6 +16,7 @@ import grpc
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
@@ -88,7 +90,12 @@ class Raw:
                 continue
             if not incoming:
                 break
-            self.events += self.h2.receive_data(incoming)
+            events = self.h2.receive_data(incoming)
+            for event in events:  # the data taken: our windows open again (h2 leaves that to us)
+                if isinstance(event, h2.events.DataReceived) and event.flow_controlled_length:
+                    with contextlib.suppress(h2.exceptions.StreamClosedError):
+                        self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            self.events += events
             self.flush()
 
     def ended(self, sid: int) -> Callable[[list[h2.events.Event]], bool]:
@@ -314,3 +321,26 @@ def test_tls_requires_alpn_h2(serve: Callable[..., tuple[ThreadedServer, str]], 
         with contextlib.suppress(ConnectionResetError, ssl.SSLError):
             received = tls.recv(100)
         assert received == b""  # closed: no SETTINGS
+
+
+def test_a_message_in_any_pieces_is_one_message(serve: Callable[..., tuple[ThreadedServer, str]]) -> None:
+    """The prefix split over DATA frames, the message over several: the same answer as in one frame."""
+    _, address = serve()
+    message = _message(_ids_request(list(range(3000))))  # 24 kB: past the first frame
+    raw = Raw(address)
+    try:
+        answers = []
+        for cuts in ([16000], [2, 3, 7000, 16000], [5, 16384 + 5]):  # h2 sends frames of 16 kB at most
+            sid = raw.open()
+            edges = [0, *cuts, len(message)]
+            for start, stop in itertools.pairwise(edges):
+                raw.send(sid, message[start:stop], end=stop == len(message))
+            raw.until(raw.ended(sid))
+            data = b"".join(
+                e.data for e in raw.events if isinstance(e, h2.events.DataReceived) and e.stream_id == sid
+            )
+            assert raw.headers(sid)[-1][b"grpc-status"] == b"0"
+            answers.append(data)
+        assert answers[0] == answers[1] == answers[2] and len(answers[0]) > 3000 * 64 * 4
+    finally:
+        raw.close()
