@@ -118,6 +118,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
                     from .grpc.engine import start_frames  # grpc is imported only when it is served
 
                     grpc_server, app.state.grpc_port = await start_frames(app, settings)
+                    app.state.grpc_frames = grpc_server  # its connections, for tests and diagnostics
                 else:
                     from .grpc.server import start_grpc
 

@@ -223,6 +223,11 @@ class GrpcConnection(FrameConnection):
         async def read(timeout_s: float) -> bytes | None:
             return await self._read(stream, call, timeout_s)
 
+        if self.blocked:  # the peer is not taking our answers: no new work for it until it does
+            try:
+                await self.writable(self.engine.body_timeout_s)
+            except TimeoutError:
+                return  # the connection is cut: its streams are reset
         response, code, message = await self.engine.servicer.run(name, handler, read_key, metadata, read)
         self._cancel_timers(call)
         call.parts = []
@@ -333,6 +338,7 @@ class FramesServer:
     def __init__(self, servicer: InferenceServicer, settings: Settings) -> None:
         self.servicer = servicer
         self.max_body_bytes = settings.max_body_bytes
+        self.body_timeout_s = settings.body_timeout_s  # also how long a peer may read none of our answers
         self.preface_timeout_s = settings.header_timeout_s  # as HTTP's first request headers
         self.idle_timeout_s = settings.grpc_idle_timeout_s
         self.methods = {

@@ -27,7 +27,8 @@ What a hostile peer meets (each a connection error, GOAWAY with the code, unless
 - time: the preface and SETTINGS within ``preface_timeout_s`` of opening (else closed), and a connection
   with no stream open for ``idle_timeout_s`` is sent GOAWAY NO_ERROR and closed;
 - write back-pressure: while the transport's buffer is over its high mark, the connection stops reading
-  (a peer that reads nothing holds at most the buffer and the answers under way);
+  and the layer above starts no call (``writable``): a peer that reads nothing holds at most the buffer
+  and the answers of the calls already under way, and is cut off after a bound;
 - ``drain``: GOAWAY NO_ERROR with the last stream id taken, new streams refused, the connection closed once
   its streams are done or at the deadline.
 """
@@ -78,6 +79,14 @@ _SERVER_SETTINGS = struct.pack(
 def frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
     n = len(payload)
     return HEAD.pack(n >> 16, n & 0xFFFF, kind, flags, sid) + payload
+
+
+# The connection's window: room for every stream's (each stream's window is what bounds what it holds).
+CONNECTION_WINDOW = MAX_CONCURRENT_STREAMS * INITIAL_WINDOW
+# what a connection opens with: our SETTINGS, and the connection's window widened to CONNECTION_WINDOW
+_OPENING = frame(SETTINGS, 0, 0, _SERVER_SETTINGS) + frame(
+    WINDOW_UPDATE, 0, 0, (CONNECTION_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big")
+)
 
 
 def never_indexed(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -163,7 +172,7 @@ class FrameConnection(asyncio.Protocol):
         self.block_sid = 0  # its stream (0: none arriving)
         self.block_flags = 0
         self.block_frames = 0
-        self.recv_window = DEFAULT_WINDOW  # what the peer may still send on the connection
+        self.recv_window = CONNECTION_WINDOW  # what the peer may still send on the connection
         self.recv_taken = 0
         self.send_window = DEFAULT_WINDOW  # the peer's connection window
         self.initial_window = DEFAULT_WINDOW  # the peer's SETTINGS_INITIAL_WINDOW_SIZE
@@ -177,6 +186,8 @@ class FrameConnection(asyncio.Protocol):
         self.settings_timer: asyncio.TimerHandle | None = None
         self.floods = {kind: [0.0, 0] for kind in FLOOD_LIMITS}  # kind -> [window start, count]
         self.paused = False  # the transport's buffer is over its high mark: reading stopped
+        self.resumed: asyncio.Event | None = None  # set when no longer ``blocked``, once a call waited
+        self.held = 0  # bytes of answers held back by the peer's windows (``pending``)
         self.draining = False  # GOAWAY sent: no new streams
         self.closed = False
         self.done: asyncio.Future[None] | None = None  # set once the connection is lost
@@ -188,7 +199,7 @@ class FrameConnection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.done = self.loop.create_future()
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)  # type: ignore[union-attr]
-        self.transport.write(frame(SETTINGS, 0, 0, _SERVER_SETTINGS))  # type: ignore[union-attr]
+        self.transport.write(_OPENING)  # type: ignore[union-attr]
         self.settings_timer = self.loop.call_later(SETTINGS_ACK_S, self._settings_timeout)
         self.idle_since = self.loop.time()
         if self.preface_timeout_s is not None:
@@ -210,13 +221,49 @@ class FrameConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.paused = True
+        self._blocked_changed()
         if self.transport is not None and not self.closed:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.paused = False
+        self._blocked_changed()
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the peer is behind with our answers: the transport's buffer over its high mark, or more
+        than ``WRITE_HIGH_BYTES`` of answers held back by its windows."""
+        return self.paused or self.held > WRITE_HIGH_BYTES
+
+    def _blocked_changed(self) -> None:
+        if self.resumed is not None:
+            if self.blocked:
+                self.resumed.clear()
+            else:
+                self.resumed.set()
+
+    async def writable(self, timeout_s: float) -> None:
+        """Return once the peer takes our answers again (at once unless ``blocked``); a peer that takes none
+        for ``timeout_s`` is cut off (the connection aborted: what it holds freed, its streams reset)."""
+        if not self.blocked:
+            return
+        if self.resumed is None:
+            self.resumed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            while self.blocked and not self.closed:
+                self.resumed.clear()
+                await asyncio.wait_for(self.resumed.wait(), max(deadline - loop.time(), 0.0))
+        except TimeoutError:
+            if not self.closed:
+                self.closed = True
+                self.transport.abort()  # type: ignore[union-attr]
+            raise
+        if self.closed:
+            raise TimeoutError
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -575,7 +622,7 @@ class FrameConnection(asyncio.Protocol):
             raise ConnectionError_(FLOW_CONTROL_ERROR, "DATA past the connection window")
         # the connection's window is credited as data arrives: each stream's bounds what it holds
         self.recv_taken += length
-        if self.recv_taken >= DEFAULT_WINDOW // 2:
+        if self.recv_taken >= CONNECTION_WINDOW // 4:
             self.out.append(frame(WINDOW_UPDATE, 0, 0, self.recv_taken.to_bytes(4, "big")))
             self.recv_window += self.recv_taken
             self.recv_taken = 0
@@ -629,10 +676,18 @@ class FrameConnection(asyncio.Protocol):
             del self.pending[sid]
             if trailers is not None:
                 self.send_headers(sid, trailers, end_stream=True)
+        self._count_held()
+
+    def _count_held(self) -> None:
+        was = self.blocked
+        self.held = sum(len(prefix) + len(data) for _, prefix, data, _ in self.pending.values())
+        if self.blocked != was:
+            self._blocked_changed()
 
     def _close_stream(self, sid: int, reset: bool) -> None:
         stream = self.streams.pop(sid, None)
-        self.pending.pop(sid, None)
+        if self.pending.pop(sid, None) is not None:
+            self._count_held()
         if not self.streams and self.loop is not None:
             self.idle_since = self.loop.time()
         if stream is not None and reset:

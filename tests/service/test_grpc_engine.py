@@ -17,6 +17,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
+import h2.settings
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
@@ -56,6 +57,7 @@ class Raw:
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.h2.initiate_connection()
         self.events: list[h2.events.Event] = []
+        self.closed: set[int] = set()  # streams ended or reset
         self.flush()
 
     def flush(self) -> None:
@@ -95,14 +97,13 @@ class Raw:
                 if isinstance(event, h2.events.DataReceived) and event.flow_controlled_length:
                     with contextlib.suppress(h2.exceptions.StreamClosedError):
                         self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    self.closed.add(event.stream_id)
             self.events += events
             self.flush()
 
     def ended(self, sid: int) -> Callable[[list[h2.events.Event]], bool]:
-        return lambda events: any(
-            isinstance(e, h2.events.StreamEnded | h2.events.StreamReset) and e.stream_id == sid
-            for e in events
-        )
+        return lambda events: sid in self.closed
 
     def headers(self, sid: int) -> list[dict[bytes, bytes]]:
         return [
@@ -342,5 +343,85 @@ def test_a_message_in_any_pieces_is_one_message(serve: Callable[..., tuple[Threa
             assert raw.headers(sid)[-1][b"grpc-status"] == b"0"
             answers.append(data)
         assert answers[0] == answers[1] == answers[2] and len(answers[0]) > 3000 * 64 * 4
+    finally:
+        raw.close()
+
+
+def _flood_unread(address: str, calls: int, ids: int, wide: bool) -> Raw:
+    """``calls`` ModelInfer calls of ``ids`` ids each (answers of ids * 256 bytes) from a peer that reads
+    nothing; ``wide``: it opens its windows wide (the answers fill the server's write buffer), else they
+    stay at 64 KiB (the answers are held back by flow control)."""
+    raw = Raw.__new__(Raw)
+    host, port = address.split(":")
+    raw.address = address
+    raw.sock = socket.socket()
+    raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    raw.sock.connect((host, int(port)))
+    raw.sock.settimeout(0.05)
+    raw.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    raw.h2.initiate_connection()
+    if wide:
+        raw.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: (1 << 31) - 1})
+    raw.h2.increment_flow_control_window((1 << 31) - 1 - 65535)
+    raw.events = []
+    raw.closed = set()
+    raw.flush()
+    # the server's opening only (its SETTINGS and connection window), so as to send every call at once
+    raw.until(lambda events: any(isinstance(e, h2.events.WindowUpdated) and not e.stream_id for e in events))
+    message = _message(_ids_request(list(range(ids))))
+    for _ in range(calls):
+        sid = raw.open()
+        for start in range(0, len(message), 16384):
+            raw.send(sid, message[start : start + 16384], end=start + 16384 >= len(message))
+    return raw
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.mark.parametrize("wide", [True, False], ids=["wide windows", "shut windows"])
+def test_a_peer_that_reads_nothing_holds_a_bounded_amount(
+    serve: Callable[..., tuple[ThreadedServer, str]], wide: bool
+) -> None:
+    """100 calls of 512 KiB answers (50 MiB) from a peer that reads nothing: the server starts no more of
+    its calls once its answers are not taken (its write buffer full, or its windows shut), holding a few
+    answers, not 50 MiB; once the peer reads, every call is answered."""
+    server, address = serve()
+    engine = server.server.config.loaded_app.app.state.grpc_frames  # type: ignore[union-attr]
+    raw = _flood_unread(address, calls=100, ids=2048, wide=wide)
+    try:
+        assert _wait_for(lambda: any(c.blocked for c in engine.connections))
+        time.sleep(0.3)  # what a missing bound would let through meanwhile: the rest of the calls
+        (connection,) = engine.connections
+        assert connection.transport.get_write_buffer_size() + connection.held < 4 << 20
+        # answers made: the calls taken in and ended (the rest wait, or are still unread in the socket)
+        answered = (connection.last_sid + 1) // 2 - len(connection.streams)
+        assert answered < 40, f"{answered} answers of 512 KiB made for a peer that reads none"
+        sids = list(range(1, 200, 2))
+        if not wide:  # the peer reads, and opens its windows as it does
+            raw.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: (1 << 31) - 1})
+            raw.flush()
+        raw.until(lambda events: len(raw.closed) == len(sids), seconds=60)
+        assert [raw.headers(sid)[-1][b"grpc-status"] for sid in sids] == [b"0"] * 100
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("wide", [True, False], ids=["wide windows", "shut windows"])
+def test_a_peer_that_never_reads_is_cut_off(
+    serve: Callable[..., tuple[ThreadedServer, str]], wide: bool
+) -> None:
+    server, address = serve(body_timeout_s=0.3)
+    engine = server.server.config.loaded_app.app.state.grpc_frames  # type: ignore[union-attr]
+    raw = _flood_unread(address, calls=50, ids=2048, wide=wide)
+    try:
+        assert _wait_for(lambda: any(c.blocked for c in engine.connections))
+        assert _wait_for(lambda: not engine.connections, seconds=5)
+        admission = server.server.config.loaded_app.app.state.admission  # type: ignore[union-attr]
+        assert _wait_for(lambda: admission.held_bytes == 0 and admission.in_flight == 0)
     finally:
         raw.close()

@@ -285,7 +285,7 @@ def test_a_stream_holds_at_most_its_window_until_it_is_opened(peer: Peer) -> Non
     chunk = bytes(16384)
     peer.send(*(frame(DATA, 0, 1, chunk) for _ in range(3)), frame(DATA, 0, 1, bytes(16383)))
     written = peer.frames()
-    assert {sid for kind, _, sid, _ in written if kind == WINDOW_UPDATE} == {0}
+    assert {sid for kind, _, sid, _ in written if kind == WINDOW_UPDATE} <= {0}
     assert peer.resets() == {}
     peer.send(frame(DATA, 0, 1, b"x"))  # one byte over the stream's window
     assert peer.resets() == {1: FLOW_CONTROL_ERROR}
