@@ -20,8 +20,10 @@ import h2.exceptions
 import h2.settings
 import numpy as np
 import pytest
+from hpack import Decoder
 from tritonclient.grpc import service_pb2 as pb
 
+from service.grpc import frames
 from service.grpc.engine import grpc_timeout_s, percent_encoded
 
 from .threaded_server import ThreadedServer, app_server
@@ -423,5 +425,53 @@ def test_a_peer_that_never_reads_is_cut_off(
         assert _wait_for(lambda: not engine.connections, seconds=5)
         admission = server.server.config.loaded_app.app.state.admission  # type: ignore[union-attr]
         assert _wait_for(lambda: admission.held_bytes == 0 and admission.in_flight == 0)
+    finally:
+        raw.close()
+
+
+def test_stop_sends_goaway_and_lets_the_call_under_way_finish(
+    serve: Callable[..., tuple[ThreadedServer, str]],
+) -> None:
+    """At the worker's stop: GOAWAY NO_ERROR naming the last call taken, the call under way still answered
+    (its message completed after the GOAWAY), then the connection closed."""
+    import threading
+
+    server, address = serve(shutdown_grace_s=10)
+    raw = Raw(address)
+    try:
+        message = _message(_ids_request([1, 2]))
+        sid = raw.open()
+        raw.send(sid, message[:7])  # the call under way: its message not all in yet
+        engine = server.server.config.loaded_app.app.state.grpc_frames  # type: ignore[union-attr]
+        assert _wait_for(lambda: any(c.streams for c in engine.connections))
+        stopping = threading.Thread(target=server.stop)
+        stopping.start()
+        raw.until(lambda events: any(isinstance(e, h2.events.ConnectionTerminated) for e in events))
+        (goaway,) = [e for e in raw.events if isinstance(e, h2.events.ConnectionTerminated)]
+        assert goaway.error_code == 0 and goaway.last_stream_id == sid
+        # h2's client sends nothing after a GOAWAY: the rest of the message as raw frames, the answer read so
+        raw.sock.sendall(frames.frame(frames.DATA, frames.END_STREAM, sid, message[7:]))
+        received = bytearray()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                chunk = raw.sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break  # closed by the server once the call is done
+            received += chunk
+        blocks, pos = [], 0
+        while pos + 9 <= len(received):
+            high, low, kind, _, stream = frames.HEAD.unpack_from(received, pos)
+            length = high << 16 | low
+            if kind == frames.HEADERS and stream == sid:
+                blocks.append(dict(Decoder().decode(bytes(received[pos + 9 : pos + 9 + length]), raw=True)))
+            pos += 9 + length
+        assert (
+            blocks[-1][b"grpc-status"] == b"0"
+        )  # the answer's trailers (never-indexed: any decoder reads them)
+        stopping.join(timeout=30)
+        assert not stopping.is_alive()
     finally:
         raw.close()
