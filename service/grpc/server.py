@@ -50,7 +50,7 @@ from ..auth import check_read_access
 from ..codec import rows_view
 from ..config import Settings
 from ..errors import grpc_code_for, status_for
-from ..http.admission import Admission
+from ..http.admission import CLIENT_CLOSED_REQUEST, Admission
 from ..oip import (
     EMBEDDINGS,
     PLATFORM,
@@ -336,6 +336,9 @@ class InferenceServicer:
                 return response, grpc.StatusCode.OK, ""
             serialized: bytes = response.SerializeToString()
             return serialized, grpc.StatusCode.OK, ""
+        except asyncio.CancelledError:  # the client cancelled, reset or ran out of its deadline
+            status = CLIENT_CLOSED_REQUEST  # as HTTP counts a request whose client left
+            raise
         except Exception as exc:
             if isinstance(exc, _TableError):  # a failed call on a table: counted under it
                 store = getattr(state, "store", None)

@@ -475,3 +475,35 @@ def test_stop_sends_goaway_and_lets_the_call_under_way_finish(
         assert not stopping.is_alive()
     finally:
         raw.close()
+
+
+def test_a_call_the_client_resets_is_counted_as_client_closed(
+    serve: Callable[..., tuple[ThreadedServer, str]],
+) -> None:
+    """A call reset by its client mid-message: its work cancelled, its room freed, counted under 499 as
+    HTTP counts a request whose client left (before: counted as a 200)."""
+    import httpx
+
+    server, address = serve()
+    raw = Raw(address)
+    try:
+        sid = raw.open()
+        raw.send(sid, _message(_ids_request([1]))[:7])
+        engine = server.server.config.loaded_app.app.state.grpc_frames  # type: ignore[union-attr]
+        assert _wait_for(lambda: any(c.streams for c in engine.connections))
+        raw.h2.reset_stream(sid, 8)
+        raw.flush()
+        assert _wait_for(lambda: not any(c.streams for c in engine.connections))
+    finally:
+        raw.close()
+    admission = server.server.config.loaded_app.app.state.admission  # type: ignore[union-attr]
+    assert _wait_for(lambda: admission.held_bytes == 0 and admission.in_flight == 0)
+    series = (
+        'robez_requests_total{endpoint="/inference.GRPCInferenceService/ModelInfer",method="GRPC",status="'
+    )
+
+    def counted(status: str) -> bool:
+        return series + status in httpx.get(f"{server.url}/metrics").text
+
+    assert _wait_for(lambda: counted("499"))
+    assert not counted("200")
