@@ -25,7 +25,8 @@ What a hostile peer meets (each a connection error, GOAWAY with the code, unless
 - floods: RST_STREAM (rapid reset, CVE-2023-44487), PING and SETTINGS frames from the peer, each at most
   ``FLOOD_LIMITS`` per ``FLOOD_WINDOW_S`` (ENHANCE_YOUR_CALM);
 - time: the preface and SETTINGS within ``preface_timeout_s`` of opening (else closed), and a connection
-  with no stream open for ``idle_timeout_s`` is sent GOAWAY NO_ERROR and closed;
+  with no stream open for ``idle_timeout_s``, or with answers held back for a peer that sent nothing for
+  that long (dead, or never opening its windows), is sent GOAWAY NO_ERROR and closed;
 - write back-pressure: while the transport's buffer is over its high mark, the connection stops reading
   and the layer above starts no call (``writable``): a peer that reads nothing holds at most the buffer
   and the answers of the calls already under way, and is cut off after a bound;
@@ -162,6 +163,7 @@ class FrameConnection(asyncio.Protocol):
         self.preface_timer: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0  # loop.time() when the last stream closed (or the connection opened)
+        self.last_read = 0.0  # loop.time() of the last bytes from the peer
         self.decoder = CachingDecoder()
         self.buffer = b""
         self.preface = False
@@ -201,7 +203,7 @@ class FrameConnection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)  # type: ignore[union-attr]
         self.transport.write(_OPENING)  # type: ignore[union-attr]
         self.settings_timer = self.loop.call_later(SETTINGS_ACK_S, self._settings_timeout)
-        self.idle_since = self.loop.time()
+        self.idle_since = self.last_read = self.loop.time()
         if self.preface_timeout_s is not None:
             self.preface_timer = self.loop.call_later(self.preface_timeout_s, self._preface_expired)
         if self.idle_timeout_s is not None:
@@ -268,6 +270,7 @@ class FrameConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        self.last_read = self.loop.time()  # type: ignore[union-attr]
         try:
             self._frames(data)
         except ConnectionError_ as exc:
@@ -491,12 +494,22 @@ class FrameConnection(asyncio.Protocol):
         self.idle_timer = None
         if self.closed:
             return
-        idle = self.loop.time() - self.idle_since
+        now = self.loop.time()
+        idle, quiet = now - self.idle_since, now - self.last_read
         if not self.streams and idle >= self.idle_timeout_s:
             self.goaway(NO_ERROR, close=True)
             return
-        wait = self.idle_timeout_s if self.streams else self.idle_timeout_s - idle
-        self.idle_timer = self.loop.call_later(wait, self._idle_check)
+        if self.pending and quiet >= self.idle_timeout_s:
+            # answers held for a peer that has sent nothing, not even a WINDOW_UPDATE, for that long
+            self.goaway(NO_ERROR, close=True)
+            return
+        if not self.streams:
+            wait = self.idle_timeout_s - idle
+        elif self.pending:
+            wait = self.idle_timeout_s - quiet
+        else:  # calls under way, none held back: each is bounded by its own timers
+            wait = self.idle_timeout_s
+        self.idle_timer = self.loop.call_later(max(wait, 0.01), self._idle_check)
 
     def _settings_timeout(self) -> None:
         self.settings_timer = None

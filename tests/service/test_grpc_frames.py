@@ -490,3 +490,20 @@ def test_a_connection_must_open_in_time_and_is_closed_once_idle(loop: asyncio.Ab
     assert not prompt.transport.closed
     loop.run_until_complete(asyncio.sleep(0.15))
     assert prompt.goaway() == NO_ERROR
+
+
+def test_answers_held_for_a_silent_peer_are_dropped_in_time(loop: asyncio.AbstractEventLoop) -> None:
+    """A peer whose windows stay shut and that sends nothing more: its held answer goes with the connection
+    after ``idle_timeout_s``; a peer that keeps sending (here PINGs) keeps it."""
+    silent, talking = Peer(loop, idle_timeout_s=0.1), Peer(loop, idle_timeout_s=0.1)
+    for peer in (silent, talking):
+        peer.start()
+        peer.send(peer.headers(1, end_stream=True))
+        peer.connection.send_data(1, bytes(100_000), trailers=b"\x88")  # over the peer's 65,535
+        peer.connection.flush()
+        peer.frames()
+    for n in range(6):
+        loop.run_until_complete(asyncio.sleep(0.04))
+        talking.send(frame(PING, 0, 0, n.to_bytes(8, "big")))
+    assert silent.goaway() == NO_ERROR
+    assert not talking.transport.closed and talking.connection.pending
