@@ -111,8 +111,9 @@ class Settings(BaseSettings):
         default=300.0,
         gt=0,
         json_schema_extra=_LISTEN,
-        description="frames engine: a gRPC connection with no call open for this long is sent GOAWAY and "
-        "closed (clients reconnect); its HTTP/2 preface must come within header_timeout_s",
+        description="frames engine: a gRPC connection with no call open for this long, or holding answers "
+        "for a peer that sent nothing for this long, is sent GOAWAY and closed (clients reconnect); its "
+        "HTTP/2 preface must come within header_timeout_s",
     )
     # HTTPS on the port (uvicorn's TLS); a client CA makes client certificates required.
     tls_cert: Path | None = Field(
