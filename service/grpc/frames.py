@@ -22,8 +22,9 @@ What a hostile peer meets (each a connection error, GOAWAY with the code, unless
 - header blocks: at most ``MAX_HEADER_BLOCK`` bytes in ``MAX_BLOCK_FRAMES`` frames, nothing between them but
   their CONTINUATION (the CONTINUATION flood: ENHANCE_YOUR_CALM); HPACK's table bounded by our
   HEADER_TABLE_SIZE and the decoded list by MAX_HEADER_LIST_SIZE, a bad block COMPRESSION_ERROR;
-- floods: RST_STREAM (rapid reset, CVE-2023-44487), PING and SETTINGS frames from the peer, each at most
-  ``FLOOD_LIMITS`` per ``FLOOD_WINDOW_S`` (ENHANCE_YOUR_CALM);
+- floods: RST_STREAM (rapid reset, CVE-2023-44487), PING and SETTINGS frames from the peer, and frames
+  that change nothing (empty DATA, PRIORITY, unknown types), each at most ``FLOOD_LIMITS`` per
+  ``FLOOD_WINDOW_S`` (ENHANCE_YOUR_CALM);
 - time: the preface and SETTINGS within ``preface_timeout_s`` of opening (else closed), and a connection
   with no stream open for ``idle_timeout_s``, or with answers held back for a peer that sent nothing for
   that long (dead, or never opening its windows), is sent GOAWAY NO_ERROR and closed;
@@ -68,7 +69,8 @@ HEADER_TABLE_SIZE = 4096  # our SETTINGS_HEADER_TABLE_SIZE (the default): the pe
 SETTINGS_ACK_S = 10.0
 FLOOD_WINDOW_S = 1.0
 # frames from the peer per FLOOD_WINDOW_S: resets of streams (rapid reset), PINGs, SETTINGS
-FLOOD_LIMITS = {RST_STREAM: 200, PING: 50, SETTINGS: 50}
+NO_OP = -1  # frames that change nothing: empty DATA without END_STREAM, PRIORITY, unknown types
+FLOOD_LIMITS = {RST_STREAM: 200, PING: 50, SETTINGS: 50, NO_OP: 200}
 _JOINED_BYTES = 4096  # answers' data up to this is joined into the one write; larger, written as is
 WRITE_HIGH_BYTES = 256 * 1024  # the transport's buffer past which the connection stops reading
 
@@ -429,13 +431,15 @@ class FrameConnection(asyncio.Protocol):
                     raise ConnectionError_(PROTOCOL_ERROR, "PRIORITY on stream 0")
                 if length != 5:
                     self.reset(sid, FRAME_SIZE_ERROR)
+                self._flood(NO_OP)
             elif kind == GOAWAY:
                 if sid != 0:
                     raise ConnectionError_(PROTOCOL_ERROR, "GOAWAY on a stream")
                 self.draining = True  # the peer opens no more streams; ours finish
             elif kind == PUSH_PROMISE:
                 raise ConnectionError_(PROTOCOL_ERROR, "a client cannot push")
-            # unknown frame types are ignored (RFC 9113 5.5)
+            else:  # unknown frame types are ignored (RFC 9113 5.5), within the no-op frames' bound
+                self._flood(NO_OP)
         self.buffer = buf[pos:] if pos < end else b""
 
     def _flood(self, kind: int) -> None:
@@ -648,6 +652,8 @@ class FrameConnection(asyncio.Protocol):
             self.reset(sid, STREAM_CLOSED)
             return
         start, stop = self._strip_padding(flags, payload)
+        if stop == start and not flags & END_STREAM:
+            self._flood(NO_OP)  # empty DATA frames cost us and carry nothing (CVE-2019-9518)
         stream.recv_window -= length
         if stream.recv_window < 0:
             self.reset(sid, FLOW_CONTROL_ERROR)

@@ -231,6 +231,15 @@ def test_a_call_is_checked_from_its_headers(serve: Callable[..., tuple[ThreadedS
         raw.flush()
         raw.until(raw.ended(sid))
         assert raw.headers(sid)[0][b":status"] == b"415"
+        sid = raw.h2.get_next_available_stream_id()
+        raw.h2.send_headers(
+            sid,
+            [(":method", "GET"), (":scheme", "http"), (":path", INFER), (":authority", address)],
+            end_stream=True,
+        )
+        raw.flush()
+        raw.until(raw.ended(sid))
+        assert raw.headers(sid)[0][b":status"] == b"405"
     finally:
         raw.close()
     with grpc.insecure_channel(address) as channel:

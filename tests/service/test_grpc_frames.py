@@ -414,6 +414,25 @@ def test_control_frame_floods_are_cut(peer: Peer, make: Any, limit: int) -> None
     assert peer.goaway() == ENHANCE_YOUR_CALM
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: frame(DATA, 0, 1, b""),  # empty DATA on an open stream
+        lambda n: frame(DATA, 0x8, 1, b"\0"),  # padded to nothing
+        lambda n: frame(0x2, 0, 1, bytes(5)),  # PRIORITY
+        lambda n: frame(0xFA, 0, 0, b"x"),  # an unknown type
+    ],
+)
+def test_frames_that_change_nothing_are_bounded(peer: Peer, make: Any) -> None:
+    peer.start()
+    peer.send(peer.headers(1))
+    limit = h2f.FLOOD_LIMITS[h2f.NO_OP]
+    peer.send(*(make(n) for n in range(limit)))
+    assert peer.goaway() is None
+    peer.send(make(limit))
+    assert peer.goaway() == ENHANCE_YOUR_CALM
+
+
 def test_rapid_reset_is_cut(peer: Peer) -> None:
     """CVE-2023-44487: streams opened and reset at once, as fast as the peer can."""
     peer.start()
