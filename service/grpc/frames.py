@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-from typing import Any
+from typing import Any, cast
 
 from hpack import Decoder, HPACKError, NeverIndexedHeaderTuple
 from hpack import Encoder as _Encoder
@@ -116,21 +116,59 @@ class CachingDecoder(Decoder):
     def __init__(self) -> None:
         super().__init__(max_header_list_size=MAX_HEADER_LIST)
         self.max_allowed_table_size = HEADER_TABLE_SIZE
-        self.cache: dict[bytes, Any] = {}
+        self.cache: dict[bytes, tuple[list[tuple[bytes, bytes]], str | None]] = {}
 
-    def decode(self, data: bytes, raw: bool = False) -> Any:
+    def decode_raw(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        """A header block's list, names and values as bytes (what ``decode(raw=True)`` gives)."""
+        return cast(list[tuple[bytes, bytes]], self.decode(data, raw=True))
+
+    def decode_request(self, data: bytes) -> tuple[list[tuple[bytes, bytes]], str | None]:
+        """A request's header list (names and values as bytes) and what is malformed in it (None: nothing),
+        both kept for a block of indexed fields only."""
         key = bytes(data)
-        headers = self.cache.get(key)
-        if headers is not None:
-            return headers
-        headers = super().decode(data, raw)
+        known = self.cache.get(key)
+        if known is not None:
+            return known
+        headers = self.decode_raw(key)
+        result = (headers, malformed(headers, trailers=False))
         if only_indexed(key):
             if len(self.cache) >= 64:
                 self.cache.clear()
-            self.cache[key] = headers
+            self.cache[key] = result
         else:
             self.cache.clear()
-        return headers
+        return result
+
+
+_CONNECTION_SPECIFIC = frozenset(
+    (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade")
+)
+_REQUEST_PSEUDO = frozenset((b":method", b":scheme", b":path", b":authority"))
+_REQUIRED_PSEUDO = frozenset((b":method", b":scheme", b":path"))
+
+
+def malformed(headers: list[tuple[bytes, bytes]], trailers: bool) -> str | None:
+    """What makes a request's (or its trailers') header list malformed (RFC 9113 8.2, 8.3), None if nothing:
+    pseudo-headers first, known, once each, the required ones present (none in trailers); names in lower
+    case; no connection-specific header (``te`` only as ``trailers``)."""
+    seen: set[bytes] = set()
+    regular = False
+    for name, value in headers:
+        if name[:1] == b":":
+            if trailers or regular:
+                return "a pseudo-header in trailers or after a regular header"
+            if name not in _REQUEST_PSEUDO or name in seen:
+                return "an unknown or repeated pseudo-header"
+            seen.add(name)
+            continue
+        regular = True
+        if name != name.lower():
+            return "a header name in upper case"
+        if name in _CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
+            return "a connection-specific header"
+    if not trailers and not seen >= _REQUIRED_PSEUDO:
+        return "a request without :method, :scheme and :path"
+    return None
 
 
 class ConnectionError_(Exception):
@@ -334,10 +372,11 @@ class FrameConnection(asyncio.Protocol):
         self.pending[sid] = (stream, prefix, memoryview(data), trailers)
         self._send_pending()
 
-    def reset(self, sid: int, code: int) -> None:
-        """RST_STREAM ``code``: the stream is closed."""
+    def reset(self, sid: int, code: int, notify: bool = False) -> None:
+        """RST_STREAM ``code``: the stream is closed (``notify``: the layer above is told, ``stream_reset``,
+        as for the connection's own stream errors)."""
         self.out.append(frame(RST_STREAM, 0, sid, code.to_bytes(4, "big")))
-        self._close_stream(sid, reset=False)
+        self._close_stream(sid, reset=notify)
 
     def open_window(self, stream: Stream) -> None:
         """From now on the stream's receive window is credited back as its data arrives."""
@@ -430,7 +469,7 @@ class FrameConnection(asyncio.Protocol):
                 if sid == 0:
                     raise ConnectionError_(PROTOCOL_ERROR, "PRIORITY on stream 0")
                 if length != 5:
-                    self.reset(sid, FRAME_SIZE_ERROR)
+                    self.reset(sid, FRAME_SIZE_ERROR, notify=True)
                 self._flood(NO_OP)
             elif kind == GOAWAY:
                 if sid != 0:
@@ -545,11 +584,11 @@ class FrameConnection(asyncio.Protocol):
             if stream is None:
                 return  # closed: may cross our RST_STREAM or END_STREAM
             if increment == 0:
-                self.reset(sid, PROTOCOL_ERROR)
+                self.reset(sid, PROTOCOL_ERROR, notify=True)
                 return
             stream.window += increment
             if stream.window > MAX_WINDOW:
-                self.reset(sid, FLOW_CONTROL_ERROR)
+                self.reset(sid, FLOW_CONTROL_ERROR, notify=True)
                 return
         if self.pending:
             self._send_pending()
@@ -605,24 +644,35 @@ class FrameConnection(asyncio.Protocol):
             sid, block, first = self.block_sid, bytes(self.block), self.block_flags
             self.block_sid, self.block = 0, bytearray()
             try:
-                headers = self.decoder.decode(block, raw=True)
+                if first & 0x100:  # trailers: rare, not cached
+                    headers = self.decoder.decode_raw(block)
+                    problem = malformed(headers, trailers=True)
+                else:
+                    headers, problem = self.decoder.decode_request(block)
             except HPACKError as exc:
                 raise ConnectionError_(COMPRESSION_ERROR, f"a bad header block: {exc}") from exc
-            self._header_list(sid, first, headers)
+            self._header_list(sid, first, headers, problem)
 
-    def _header_list(self, sid: int, flags: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def _header_list(
+        self, sid: int, flags: int, headers: list[tuple[bytes, bytes]], problem: str | None
+    ) -> None:
+        """A decoded header block: a new stream's request, or trailers (flag 0x100); ``problem``: what is
+        malformed in it (a stream error PROTOCOL_ERROR, RFC 9113 8.1.1, after the state's own checks)."""
         if flags & 0x100:  # on a stream already open
             stream = self.streams[sid]
             if stream.ended:
-                self.reset(sid, STREAM_CLOSED)
-            elif not flags & END_STREAM:
-                self.reset(sid, PROTOCOL_ERROR)  # a second header block must end the stream
+                self.reset(sid, STREAM_CLOSED, notify=True)
+            elif not flags & END_STREAM or problem is not None:
+                self.reset(sid, PROTOCOL_ERROR, notify=True)  # trailers: must end the stream, well formed
             else:
                 stream.ended = True
                 self.stream_ended(stream)
             return
         if self.draining or len(self.streams) >= MAX_CONCURRENT_STREAMS:
             self.out.append(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
+            return
+        if problem is not None:
+            self.out.append(frame(RST_STREAM, 0, sid, PROTOCOL_ERROR.to_bytes(4, "big")))
             return
         stream = self.streams[sid] = Stream(sid, self.initial_window)
         stream.ended = bool(flags & END_STREAM)
@@ -649,14 +699,14 @@ class FrameConnection(asyncio.Protocol):
         if stream is None:
             return  # closed by us (a reset crossing the peer's data) or done: dropped
         if stream.ended:
-            self.reset(sid, STREAM_CLOSED)
+            self.reset(sid, STREAM_CLOSED, notify=True)
             return
         start, stop = self._strip_padding(flags, payload)
         if stop == start and not flags & END_STREAM:
             self._flood(NO_OP)  # empty DATA frames cost us and carry nothing (CVE-2019-9518)
         stream.recv_window -= length
         if stream.recv_window < 0:
-            self.reset(sid, FLOW_CONTROL_ERROR)
+            self.reset(sid, FLOW_CONTROL_ERROR, notify=True)
             return
         if stop > start:
             self.stream_data(stream, payload[start:stop])

@@ -289,7 +289,7 @@ def test_a_stream_holds_at_most_its_window_until_it_is_opened(peer: Peer) -> Non
     assert peer.resets() == {}
     peer.send(frame(DATA, 0, 1, b"x"))  # one byte over the stream's window
     assert peer.resets() == {1: FLOW_CONTROL_ERROR}
-    assert peer.connection.resets == []  # our own reset: not the peer's
+    assert peer.connection.resets == [1]  # the layer above is told of the connection's own resets
 
     connection = peer.connection
     connection.open_window(connection.streams[3])
@@ -526,3 +526,37 @@ def test_answers_held_for_a_silent_peer_are_dropped_in_time(loop: asyncio.Abstra
         talking.send(frame(PING, 0, 0, n.to_bytes(8, "big")))
     assert silent.goaway() == NO_ERROR
     assert not talking.transport.closed and talking.connection.pending
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [(":method", "POST"), (":scheme", "http"), (":path", "/s/m"), (":path", "/s/n")],  # repeated
+        [(":method", "POST"), (":scheme", "http"), (":path", "/s/m"), (":status", "200")],  # a response's
+        [(":method", "POST"), (":scheme", "http")],  # no :path
+        [(":method", "POST"), ("x", "1"), (":scheme", "http"), (":path", "/s/m")],  # pseudo after regular
+        [*REQUEST, ("X-Upper", "1")],
+        [*REQUEST, ("connection", "keep-alive")],
+        [*REQUEST[:-1], ("te", "gzip")],
+    ],
+)
+def test_malformed_requests_are_stream_errors(peer: Peer, headers: list[tuple[str, str]]) -> None:
+    """RFC 9113 8.1.1: a malformed request is reset (PROTOCOL_ERROR), never seen by the layer above; the
+    connection goes on, and the same bytes again (a cached block) are refused again."""
+    peer.start()
+    peer.frames()
+    for sid in (1, 3):
+        block = peer.encoder.encode(headers)
+        peer.send(frame(HEADERS, END_HEADERS | END_STREAM, sid, block))
+    assert peer.resets() == {1: PROTOCOL_ERROR, 3: PROTOCOL_ERROR}
+    assert peer.connection.opened == {}
+    peer.send(peer.headers(5, end_stream=True))
+    assert 5 in peer.connection.opened and peer.goaway() is None
+
+
+def test_malformed_trailers_reset_the_stream(peer: Peer) -> None:
+    peer.start()
+    peer.send(peer.headers(1))
+    peer.frames()
+    peer.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, peer.encoder.encode([(":path", "/x")])))
+    assert peer.resets() == {1: PROTOCOL_ERROR} and peer.connection.resets == [1]
