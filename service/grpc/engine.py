@@ -30,7 +30,8 @@ from robez_core.errors import InvalidInputError
 
 from ..config import Settings
 from ..errors import PayloadTooLargeError
-from .frames import CANCEL, NO_ERROR, RST_STREAM, FrameConnection, Stream, frame, never_indexed
+from .frames import CANCEL, NO_ERROR, RST_STREAM, FrameConnection, Stream, frame
+from .headers import never_indexed
 from .server import SERVICE, CallRefused, InferenceServicer
 
 logger = logging.getLogger("robez.grpc")
