@@ -13,6 +13,10 @@ engines share (read key, room for the message, admission, handler, metrics, trac
   cut (DEADLINE_EXCEEDED, the stream reset, its parts freed);
 - the answer: HEADERS, one DATA (held back by the peer's windows), trailers ``grpc-status: 0``; errors as
   Trailers-Only with ``grpc-status`` and a percent-encoded ``grpc-message`` (at most 1024 characters).
+
+Left before it can be the default (issue 38): an h2spec conformance run; server keepalive PINGs (dead peers
+are found by ``grpc_idle_timeout_s`` only); a header list over 16 KiB ends the connection (COMPRESSION_ERROR)
+where a 431 on the stream would spare its other calls; perf_analyzer and kserve's clients run against it.
 """
 
 from __future__ import annotations
