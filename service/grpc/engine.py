@@ -116,6 +116,10 @@ class GrpcConnection(FrameConnection):
             transport.close()  # gRPC over TLS is HTTP/2 by ALPN only
             self.closed = True
             return
+        if len(self.engine.connections) >= self.engine.max_connections:
+            transport.close()  # as the HTTP port does past max_connections: closed as soon as accepted
+            self.closed = True
+            return
         super().connection_made(transport)
         self.engine.connections.add(self)
 
@@ -343,6 +347,7 @@ class FramesServer:
     def __init__(self, servicer: InferenceServicer, settings: Settings) -> None:
         self.servicer = servicer
         self.max_body_bytes = settings.max_body_bytes
+        self.max_connections = settings.max_connections  # this worker's gRPC connections, as HTTP's
         self.body_timeout_s = settings.body_timeout_s  # also how long a peer may read none of our answers
         self.preface_timeout_s = settings.header_timeout_s  # as HTTP's first request headers
         self.idle_timeout_s = settings.grpc_idle_timeout_s

@@ -516,3 +516,27 @@ def test_a_call_the_client_resets_is_counted_as_client_closed(
 
     assert _wait_for(lambda: counted("499"))
     assert not counted("200")
+
+
+def test_connections_past_max_connections_are_closed(
+    serve: Callable[..., tuple[ThreadedServer, str]],
+) -> None:
+    server, address = serve(max_connections=2)
+    engine = server.server.config.loaded_app.app.state.grpc_frames  # type: ignore[union-attr]
+    kept = [Raw(address), Raw(address)]
+    try:
+        assert _wait_for(lambda: len(engine.connections) == 2)
+        extra = socket.create_connection(("127.0.0.1", int(address.split(":")[1])))
+        extra.settimeout(5)
+        with extra, contextlib.suppress(ConnectionResetError):
+            extra.sendall(frames.PREFACE)
+            assert extra.recv(100) == b""  # closed: no SETTINGS
+        for raw in kept:  # the others still served
+            answer = raw.open(end=False)
+            raw.send(answer, _message(_ids_request([1])), end=True)
+            raw.until(raw.ended(answer))
+            assert raw.headers(answer)[-1][b"grpc-status"] == b"0"
+        assert len(engine.connections) == 2
+    finally:
+        for raw in kept:
+            raw.close()
