@@ -110,13 +110,19 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
             app.state.replica = Replica(store, settings, app.state.metrics)
             app.state.writes = ReplicatedWrites(store, app.state.replica)
             await app.state.replica.start()
-        grpc_server: Any = None  # a grpc.aio.Server when --grpc-port is set
+        grpc_server: Any = None  # a grpc.aio.Server or a FramesServer when --grpc-port is set
         logger.info("serving tables %s with %d kernel threads", store.names(), settings.kernel_threads())
         try:
             if settings.grpc_port is not None:
-                from .grpc.server import start_grpc  # grpc is imported only when it is served
+                if settings.grpc_engine == "frames":
+                    from .grpc.engine import start_frames  # grpc is imported only when it is served
 
-                grpc_server, app.state.grpc_port = await start_grpc(app, settings)
+                    grpc_server, app.state.grpc_port = await start_frames(app, settings)
+                    app.state.grpc_frames = grpc_server  # its connections, for tests and diagnostics
+                else:
+                    from .grpc.server import start_grpc
+
+                    grpc_server, app.state.grpc_port = await start_grpc(app, settings)
             # uvicorn hands the lifespan state to each connection (service/http/protocol.py counts there and
             # answers hot routes directly).
             state: dict[str, Any] = {LIFESPAN_METRICS_KEY: app.state.metrics}

@@ -32,6 +32,7 @@ _SERVE_OPTIONS = (
     "host",
     "port",
     "grpc_port",
+    "grpc_engine",
     "workers",
     "config",
     "data_dir",
@@ -73,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="also serve the inference protocol v2 over gRPC on this port, from every worker "
         "(default: off; ROBEZ_GRPC_PORT); see docs/api.md",
+    )
+    serve.add_argument(
+        "--grpc-engine",
+        dest="grpc_engine",
+        choices=("grpcio", "frames"),
+        help="what serves --grpc-port: grpcio (default) or frames, robez's own HTTP/2 (ROBEZ_GRPC_ENGINE)",
     )
     serve.add_argument(
         "--workers",

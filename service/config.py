@@ -101,6 +101,20 @@ class Settings(BaseSettings):
         description="also serve the inference protocol over gRPC on this port, from every worker "
         "([api.md](api.md#the-same-protocol-over-grpc---grpc-port)); none: off",
     )
+    grpc_engine: Literal["grpcio", "frames"] = Field(
+        default="grpcio",
+        json_schema_extra=_LISTEN,
+        description="what serves the gRPC port: grpcio (grpc.aio), or frames (robez's own HTTP/2 frames, "
+        "service/grpc/frames.py; not yet the default: docs/benchmarks/grpc-floor-2026-11-28.md)",
+    )
+    grpc_idle_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        json_schema_extra=_LISTEN,
+        description="frames engine: a gRPC connection with no call open for this long, or holding answers "
+        "for a peer that sent nothing for this long, is sent GOAWAY and closed (clients reconnect); its "
+        "HTTP/2 preface must come within header_timeout_s",
+    )
     # HTTPS on the port (uvicorn's TLS); a client CA makes client certificates required.
     tls_cert: Path | None = Field(
         default=None, json_schema_extra=_LISTEN, description="server certificate (PEM); set: HTTPS"

@@ -122,6 +122,7 @@ GRPC_CODE_BY_STATUS: Mapping[int, str] = {
     409: "ALREADY_EXISTS",
     413: "RESOURCE_EXHAUSTED",
     422: "INVALID_ARGUMENT",
+    499: "CANCELLED",  # the client left (cancelled, reset, or its deadline passed): nothing was answered
     503: "UNAVAILABLE",
     507: "RESOURCE_EXHAUSTED",
     500: "INTERNAL",

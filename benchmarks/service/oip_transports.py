@@ -326,17 +326,27 @@ def main() -> None:
         default=None,
         help="a checkout of the code before (e.g. main): its server runs beside, rounds alternating",
     )
+    parser.add_argument(
+        "--grpc-engines",
+        default=None,
+        help="comma-separated ROBEZ_GRPC_ENGINE values (e.g. grpcio,frames): one server of this checkout "
+        "per engine, rounds alternating, instead of after/before",
+    )
     args = parser.parse_args()
     before = args.before_dir
     command = (
         f"python -m benchmarks.service.oip_transports --rounds {args.rounds} --requests {args.requests} "
         f"--tail-seconds {args.tail_seconds:g} --fresh-starts {args.fresh_starts}"
         + (f" --before-dir <checkout of {_head(before)}>" if before is not None else "")
+        + (f" --grpc-engines {args.grpc_engines}" if args.grpc_engines else "")
     )
     lines = [f"# OIP transports: server CPU per request ({dt.date.today()})", ""]
     lines += [f"Machine: {_machine()}.", "", f"Command: `{command}` (under the bench lock)", ""]
     lines += [f"Load average at the start: {_load()}", ""]
-    servers = {"after": Server()}
+    if args.grpc_engines:
+        servers = {engine: Server({"ROBEZ_GRPC_ENGINE": engine}) for engine in args.grpc_engines.split(",")}
+    else:
+        servers = {"after": Server()}
     if before is not None:
         servers["before"] = Server(cwd=before)
     try:
@@ -348,8 +358,10 @@ def main() -> None:
     lines += [
         "| ids | scenario | "
         + " | ".join(f"{label}: CPU µs/request | {label}: x /v1 binary" for label in labels)
-        + " | after: requests/s |",
-        "|---:|---|" + "---:|---:|" * len(labels) + "---:|",
+        + " | "
+        + " | ".join(f"{label}: requests/s" for label in labels)
+        + " |",
+        "|---:|---|" + "---:|---:|" * len(labels) + "---:|" * len(labels),
     ]
     for size in SIZES:
         for name in ("v1 binary", "OIP HTTP", "OIP gRPC"):
@@ -359,8 +371,10 @@ def main() -> None:
                 base = [cpu for cpu, _ in results[(label, "v1 binary", size)]]
                 ratio = statistics.median(cpu / b for (cpu, _), b in zip(runs, base, strict=True))
                 cells.append(f"{statistics.median(c for c, _ in runs):.0f} | {ratio:.2f}")
-            rate = statistics.median(r for _, r in results[("after", name, size)])
-            lines.append(f"| {size} | {name} | " + " | ".join(cells) + f" | {rate:.0f} |")
+            rates = [
+                f"{statistics.median(r for _, r in results[(label, name, size)]):.0f}" for label in labels
+            ]
+            lines.append(f"| {size} | {name} | " + " | ".join(cells) + " | " + " | ".join(rates) + " |")
     lines += ["", "Medians over rounds; the ratio is taken per round (same server), then medianed.", ""]
     if args.tail_seconds > 0:
         objects, full_ms, frozen_ms = full_collection()

@@ -31,7 +31,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio.to_thread
@@ -50,7 +50,7 @@ from ..auth import check_read_access
 from ..codec import rows_view
 from ..config import Settings
 from ..errors import grpc_code_for, status_for
-from ..http.admission import Admission
+from ..http.admission import CLIENT_CLOSED_REQUEST, Admission
 from ..oip import (
     EMBEDDINGS,
     PLATFORM,
@@ -93,7 +93,7 @@ _TRIM_AFTER_BYTES = 8 << 20
 _MAX_MESSAGE_CHARS = 1024  # of any error message (grpc-message is a header)
 
 # A method's handler: the request message's bytes -> (the response message, the table label).
-_Handler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[tuple[Any, str]]]
+_Handler = Callable[[bytes], Awaitable[tuple[Any, str]]]
 
 
 def _check_input_parameters(name: str, parameters: dict[str, Any], raw: memoryview | None) -> None:
@@ -243,12 +243,10 @@ class InferenceServicer:
         self.reading_bytes = min(self.max_message_bytes, self.settings.max_body_bytes_held)
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        """The generic handler of every served method. Each is served as a call with a request *stream*
-        (of the one message unary clients send): the servicer reads the message itself, once the read key
-        and the worker's room for it are checked, and within ``body_timeout_s``; until then gRPC holds at
-        most its first ``_LOOKAHEAD_BYTES`` (the server's flow-control window, ``start_grpc``)."""
-        methods: dict[str, tuple[_Handler, bool]] = {
+    def methods(self) -> dict[str, tuple[_Handler, bool]]:
+        """Every served method by name: its handler (the request message's bytes -> the response and the
+        table label) and whether it needs the read key. Both engines serve these through ``run``."""
+        return {
             "ServerLive": (self._server_live, False),
             "ServerReady": (self._server_ready, False),
             "ServerMetadata": (self._server_metadata, False),
@@ -259,78 +257,108 @@ class InferenceServicer:
             "ModelStatistics": (self._model_statistics, True),
             "RepositoryIndex": (self._repository_index, True),
         }
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The generic handler of every served method for ``grpc.aio``. Each is served as a call with a
+        request *stream* (of the one message unary clients send): the servicer reads the message itself, once
+        the read key and the worker's room for it are checked, and within ``body_timeout_s``; until then gRPC
+        holds at most its first ``_LOOKAHEAD_BYTES`` (the server's flow-control window, ``start_grpc``)."""
         return grpc.method_handlers_generic_handler(
             SERVICE,
             {
                 name: grpc.stream_unary_rpc_method_handler(self._unary(name, handler, read_key))
-                for name, (handler, read_key) in methods.items()
+                for name, (handler, read_key) in self.methods().items()
             },
         )
 
     def _unary(
         self, name: str, handler: _Handler, read_key: bool
     ) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
-        path = f"/{SERVICE}/{name}"
-        timeout_s = self.settings.body_timeout_s
-
         async def call(_: Any, context: grpc.aio.ServicerContext) -> bytes:
-            start = time.perf_counter()
-            state = self.app.state
-            admission = state.admission
-            slot, held, reading, table, status = False, 0, 0, "", 200
-            body = b""
-            trace = None
-            if tracing.TRACER is not None:
-                trace = tracing.start_request(
-                    path[1:],
-                    _trace_carrier(context),
-                    {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": name},
-                )
-            try:
-                if read_key:  # before a byte of the message is taken from the connection
-                    self._check_read(context)
-                if admission.hold(self.reading_bytes):  # room now (else wait for it, same deadline)
-                    reading = self.reading_bytes
-                else:
-                    reading = await self._room_to_read(admission, start + timeout_s)
-                body = await self._read(context, start + timeout_s - time.perf_counter())
-                admission.release(False, reading)
-                reading = 0
-                if not isinstance(body, bytes):  # grpc.aio.EOF: the client sent no message
-                    raise InvalidInputError("the call carries no request message")
-                size = len(body)
-                refused = admission.refusal(path, size)
-                if refused is not None:
-                    raise refused
-                slot, held = admission.admit(path, size), size
-                response, table = await handler(body, context)
-                if isinstance(response, bytes):  # serialized already (ModelInfer)
-                    return response
-                serialized: bytes = response.SerializeToString()
-                return serialized
-            except Exception as exc:
-                if isinstance(exc, _TableError):  # a failed call on a table: counted under it
-                    store = getattr(state, "store", None)
-                    table = exc.table if store is not None and exc.table in store.names() else ""
-                    exc = exc.error
-                code, status, message = _status(exc, path, timeout_s)
-                if status == 408:
-                    admission.metrics.rejected_total.labels("body_timeout").inc()
+            async def read(timeout_s: float) -> bytes | None:
+                body = await self._read(context, timeout_s)
+                return body if isinstance(body, bytes) else None  # grpc.aio.EOF: no message
+
+            response, code, message = await self.run(
+                name, handler, read_key, context.invocation_metadata() or (), read
+            )
+            if code is not grpc.StatusCode.OK:
                 await context.abort(code, message)
-                raise  # abort raises; never reached
-            finally:
-                admission.release(slot, held + reading)
-                state.metrics.observe_request(path, "GRPC", table, status, time.perf_counter() - start)
-                if status >= 400 and (status == 408 or held >= _TRIM_AFTER_BYTES):
-                    # The message's buffers, freed by gRPC and us, back to the system (glibc keeps them).
-                    body = b""
-                    await anyio.to_thread.run_sync(trim_free_memory)
-                if trace is not None:
-                    code = grpc.StatusCode[grpc_code_for(status)] if status >= 400 else grpc.StatusCode.OK
-                    attributes = {"rpc.grpc.status_code": code.value[0], tracing.TABLE: table}
-                    tracing.end_request(trace, None, attributes, status >= 500)
+            return response
 
         return call
+
+    async def run(
+        self,
+        name: str,
+        handler: _Handler,
+        read_key: bool,
+        metadata: Iterable[tuple[str, str | bytes]],
+        read: Callable[[float], Awaitable[bytes | None]],
+    ) -> tuple[bytes, grpc.StatusCode, str]:
+        """One call of method ``name``, whatever the engine: the read key from ``metadata``, room for the
+        message held, the message read (``read(timeout_s)``: its bytes, None without one, TimeoutError past
+        ``timeout_s``), the admission, the handler, metrics and trace. Returns the serialized response, or
+        the gRPC code and message of the error (the code OK with the response)."""
+        path = f"/{SERVICE}/{name}"
+        timeout_s = self.settings.body_timeout_s
+        start = time.perf_counter()
+        state = self.app.state
+        admission = state.admission
+        slot, held, reading, table, status = False, 0, 0, "", 200
+        body: bytes | None = b""
+        trace = None
+        if tracing.TRACER is not None:
+            trace = tracing.start_request(
+                path[1:],
+                _trace_carrier(metadata),
+                {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": name},
+            )
+        try:
+            if read_key:  # before a byte of the message is taken from the connection
+                self._check_read(metadata)
+            if admission.hold(self.reading_bytes):  # room now (else wait for it, same deadline)
+                reading = self.reading_bytes
+            else:
+                reading = await self._room_to_read(admission, start + timeout_s)
+            body = await read(start + timeout_s - time.perf_counter())
+            admission.release(False, reading)
+            reading = 0
+            if body is None:  # the client sent no message
+                raise InvalidInputError("the call carries no request message")
+            size = len(body)
+            refused = admission.refusal(path, size)
+            if refused is not None:
+                raise refused
+            slot, held = admission.admit(path, size), size
+            response, table = await handler(body)
+            if isinstance(response, bytes):  # serialized already (ModelInfer)
+                return response, grpc.StatusCode.OK, ""
+            serialized: bytes = response.SerializeToString()
+            return serialized, grpc.StatusCode.OK, ""
+        except asyncio.CancelledError:  # the client cancelled, reset or ran out of its deadline
+            status = CLIENT_CLOSED_REQUEST  # as HTTP counts a request whose client left
+            raise
+        except Exception as exc:
+            if isinstance(exc, _TableError):  # a failed call on a table: counted under it
+                store = getattr(state, "store", None)
+                table = exc.table if store is not None and exc.table in store.names() else ""
+                exc = exc.error
+            code, status, message = _status(exc, path, timeout_s)
+            if status == 408:
+                admission.metrics.rejected_total.labels("body_timeout").inc()
+            return b"", code, message
+        finally:
+            admission.release(slot, held + reading)
+            state.metrics.observe_request(path, "GRPC", table, status, time.perf_counter() - start)
+            if status >= 400 and (status == 408 or held >= _TRIM_AFTER_BYTES):
+                # The message's buffers, freed by gRPC and us, back to the system (glibc keeps them).
+                body = b""
+                await anyio.to_thread.run_sync(trim_free_memory)
+            if trace is not None:
+                code = grpc.StatusCode[grpc_code_for(status)] if status >= 400 else grpc.StatusCode.OK
+                attributes = {"rpc.grpc.status_code": code.value[0], tracing.TABLE: table}
+                tracing.end_request(trace, None, attributes, status >= 500)
 
     async def _read(self, context: grpc.aio.ServicerContext, timeout_s: float) -> Any:
         """The call's message, or TimeoutError once ``timeout_s`` has passed (its read cancelled).
@@ -372,26 +400,26 @@ class InferenceServicer:
             raise BusyError("the tables are not ready")
         return store
 
-    def _check_read(self, context: grpc.aio.ServicerContext) -> None:
+    def _check_read(self, metadata: Iterable[tuple[str, str | bytes]]) -> None:
         if self.settings.read_api_key is None:  # every call may read (check_read_access's first rule)
             return
         authorization = None
-        for key, value in context.invocation_metadata() or ():
+        for key, value in metadata:
             if key == "authorization":
                 authorization = value if isinstance(value, str) else value.decode("latin-1")
                 break
         check_read_access(self.settings, authorization)
 
-    async def _server_live(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+    async def _server_live(self, body: bytes) -> tuple[Any, str]:
         return pb.ServerLiveResponse(live=True), ""
 
-    async def _server_ready(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+    async def _server_ready(self, body: bytes) -> tuple[Any, str]:
         return pb.ServerReadyResponse(ready=getattr(self.app.state, "store", None) is not None), ""
 
-    async def _server_metadata(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+    async def _server_metadata(self, body: bytes) -> tuple[Any, str]:
         return pb.ServerMetadataResponse(**SERVER_METADATA), ""
 
-    async def _model_ready(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+    async def _model_ready(self, body: bytes) -> tuple[Any, str]:
         request = pb.ModelReadyRequest.FromString(body)
         try:
             served_version(self._store(), request.name, request.version)
@@ -399,7 +427,7 @@ class InferenceServicer:
             return pb.ModelReadyResponse(ready=False), ""
         return pb.ModelReadyResponse(ready=True), request.name
 
-    async def _model_metadata(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+    async def _model_metadata(self, body: bytes) -> tuple[Any, str]:
         request = pb.ModelMetadataRequest.FromString(body)
         store = self._store()
         served = served_version(store, request.name, request.version)
@@ -412,14 +440,14 @@ class InferenceServicer:
                 getattr(response, kind).add(**tensor)
         return response, request.name
 
-    async def _model_config(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+    async def _model_config(self, body: bytes) -> tuple[Any, str]:
         request = pb.ModelConfigRequest.FromString(body)
         store = self._store()
         served_version(store, request.name, request.version)
         config = model_config(request.name, store.table(request.name).config.embedding_dim)
         return pb.ModelConfigResponse(config=json_format.ParseDict(config, ModelConfig())), request.name
 
-    async def _model_statistics(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+    async def _model_statistics(self, body: bytes) -> tuple[Any, str]:
         request = pb.ModelStatisticsRequest.FromString(body)
         store = self._store()
         if request.name:
@@ -430,14 +458,14 @@ class InferenceServicer:
         response = json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
         return response, request.name
 
-    async def _repository_index(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+    async def _repository_index(self, body: bytes) -> tuple[Any, str]:
         pb.RepositoryIndexRequest.FromString(body)  # every table is ready: the filter changes nothing
         response = pb.RepositoryIndexResponse()
         for entry in repository_index(self._store()):
             response.models.add(**entry)
         return response, ""
 
-    async def _model_infer(self, body: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+    async def _model_infer(self, body: bytes) -> tuple[Any, str]:
         store, metrics = self._store(), self.app.state.metrics
         max_ids = self.settings.max_ids_per_request
 
@@ -472,6 +500,15 @@ class _Expiry:
         self.task.cancel()
 
 
+class CallRefused(Exception):
+    """A call refused by its engine for what only the transport sees (a compressed message, a malformed
+    frame of the message): its gRPC code, the HTTP status it is counted under, and its message."""
+
+    def __init__(self, code: grpc.StatusCode, status: int, message: str) -> None:
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
 class _TableError(Exception):
     """An inference of table ``table`` failed with ``error`` (its metrics carry the table's label)."""
 
@@ -480,11 +517,11 @@ class _TableError(Exception):
         self.table, self.error = table, error
 
 
-def _trace_carrier(context: grpc.aio.ServicerContext) -> dict[str, str]:
+def _trace_carrier(metadata: Iterable[tuple[str, str | bytes]]) -> dict[str, str]:
     """The W3C trace headers among a call's metadata."""
     return {
         key: value if isinstance(value, str) else value.decode("latin-1")
-        for key, value in context.invocation_metadata() or ()
+        for key, value in metadata
         if key in (tracing.TRACEPARENT, tracing.TRACESTATE)
     }
 
@@ -495,6 +532,8 @@ def _status(exc: Exception, path: str, timeout_s: float) -> tuple[grpc.StatusCod
     if isinstance(exc, TimeoutError):
         message = f"the request message did not arrive within body_timeout_s={timeout_s:g}"
         return grpc.StatusCode.DEADLINE_EXCEEDED, 408, message
+    if isinstance(exc, CallRefused):
+        return exc.code, exc.status, str(exc)[:_MAX_MESSAGE_CHARS]
     if isinstance(exc, RobezError):
         status = status_for(exc)
         message = str(exc)
@@ -519,7 +558,7 @@ def receive_limit(settings: Settings) -> int:
     return min(settings.max_body_bytes + _RECEIVE_HEADROOM_BYTES, _MAX_MESSAGE_BYTES)
 
 
-async def start_grpc(app: FastAPI, settings: Settings) -> tuple[grpc.aio.Server, int]:
+async def start_grpc(app: FastAPI, settings: Settings) -> tuple[Any, int]:
     """Start this worker's gRPC server on ``settings.host:settings.grpc_port`` (SO_REUSEPORT); returns it
     and the port bound (the one asked for, or the one the OS chose for 0). Raises if it cannot bind."""
     assert settings.grpc_port is not None
@@ -556,7 +595,7 @@ async def start_grpc(app: FastAPI, settings: Settings) -> tuple[grpc.aio.Server,
     return server, port
 
 
-async def stop_grpc(server: grpc.aio.Server, grace_s: float = _GRACE_S) -> None:
+async def stop_grpc(server: Any, grace_s: float = _GRACE_S) -> None:
     """Stop taking calls and give the calls under way ``grace_s`` seconds to finish (the server's
     ``shutdown_grace_s``), then cancel them."""
     await server.stop(grace_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,20 +16,24 @@ from service.config import Settings
 from service.faults import Faults
 from service.store import TableStore
 
+# GRPC_ENGINE_UNDER_TEST=frames runs every in-process gRPC test on the frames engine (ROBEZ_* variables are
+# cleared for each test, so the switch has a name of its own).
+GRPC_ENGINE_UNDER_TEST = os.environ.get("GRPC_ENGINE_UNDER_TEST")
+
 SMALL_TABLE = {"num_embeddings": 1000, "embedding_dim": 8, "memory_size": 4096, "chunk_size": 4}
 
 
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
     """Settings isolated from the environment and from /dev/shm; demo table on unless overridden."""
     values: dict[str, Any] = {"shm_dir": tmp_path / "shm", "threads_per_worker": 1, **overrides}
+    if GRPC_ENGINE_UNDER_TEST is not None:
+        values.setdefault("grpc_engine", GRPC_ENGINE_UNDER_TEST)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]
 
 
 @pytest.fixture(autouse=True)
 def _no_robez_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """A developer's ROBEZ_* variables must not change what the tests see."""
-    import os
-
     for name in list(os.environ):
         if name.startswith("ROBEZ_"):
             monkeypatch.delenv(name)

@@ -5,6 +5,7 @@ wait for readiness, and stopped by its pid (group), always. The one helper every
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import ssl
 from collections.abc import Iterator
@@ -16,6 +17,12 @@ from loadtest.server import worker_pids
 __all__ = ["RobezServer", "free_port", "serve", "worker_pids"]
 
 START_TIMEOUT_S = 180.0
+# GRPC_ENGINE_UNDER_TEST=frames: servers started here serve gRPC on the frames engine (as conftest's).
+_ENGINE = (
+    {"ROBEZ_GRPC_ENGINE": os.environ["GRPC_ENGINE_UNDER_TEST"]}
+    if "GRPC_ENGINE_UNDER_TEST" in os.environ
+    else {}
+)
 
 
 class RobezServer(RobezProcess):
@@ -43,7 +50,7 @@ class RobezServer(RobezProcess):
     ) -> None:
         super().__init__(
             args,
-            {"ROBEZ_THREADS_PER_WORKER": "1", **env},
+            {"ROBEZ_THREADS_PER_WORKER": "1", **_ENGINE, **env},
             log_path=log_path,
             program=program,
             cwd=cwd,

@@ -66,6 +66,15 @@ def test_grpc_workers_get_grpc_settings_unless_set(monkeypatch: pytest.MonkeyPat
     assert "GRPC_EXPERIMENTS" not in _environment_for_workers(settings, tmp_path)
 
 
+def test_the_grpc_engine_option_reaches_the_workers(tmp_path: Path) -> None:
+    for args, engine in (([], "grpcio"), (["--grpc-engine", "frames"], "frames")):
+        settings = _settings_from(_parser().parse_args(["serve", "--grpc-port", "0", *args]))
+        assert settings.grpc_engine == engine
+        assert _environment_for_workers(settings, tmp_path)["ROBEZ_GRPC_ENGINE"] == engine
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--grpc-engine", "h2"])
+
+
 def test_threads_per_worker_default_shares_the_cpus() -> None:
     assert Settings(workers=1).kernel_threads() == usable_cpus()
     assert Settings(workers=usable_cpus() * 4).kernel_threads() == 1
