@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: setup test lint typecheck pytest bench bench-quick serve cluster loadtest quality clean \
-	container-test container-clean k8s-test compat-test
+	container-test container-clean k8s-test compat-test grpc-frames-test
 
 setup: $(STAMP)
 
@@ -78,6 +78,14 @@ clean:
 # which replays the requests they send (tests/service/test_oip_triton.py).
 compat-test: $(STAMP)
 	devtools/compat/run.sh
+
+# The gRPC, OIP, TLS and tracing suites once more with every test server on the opt-in frames engine
+# (ROBEZ_GRPC_ENGINE=frames, docs/api.md); `make test` runs the engine's own tests and these on grpcio.
+grpc-frames-test: $(STAMP)
+	GRPC_ENGINE_UNDER_TEST=frames $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal \
+		tests/service/test_grpc.py tests/service/test_grpc_limits.py tests/service/test_grpc_engine.py \
+		tests/service/test_grpc_frames.py tests/service/test_oip.py tests/service/test_oip_triton.py \
+		tests/service/test_tls.py tests/service/test_tracing.py tests/service/test_config.py
 
 k8s-test: $(STAMP)
 	PYTHONPATH=deploy $(BIN)/python -m k8s_test --state $(CONTAINER_STATE) $(ARGS)
