@@ -73,6 +73,7 @@ from benchmarks.service.grpc_servers import (
     infer_message,
 )
 from loadtest.server import tree_pids
+from service.grpc.engine import grpc_timeout_s  # the product engine's, as the prototype's calls use it
 
 INFER = b"/inference.GRPCInferenceService/ModelInfer"
 ECHO = b"/bench/Echo"
@@ -287,16 +288,6 @@ _PROTOCOL_ERROR, _FRAME_SIZE_ERROR = 1, 6
 
 
 _MAX_STREAMS = 100  # concurrent streams per connection (robez's grpc.max_concurrent_streams)
-_TIMEOUT_UNITS = {72: 3600.0, 77: 60.0, 83: 1.0, 109: 1e-3, 117: 1e-6, 110: 1e-9}  # H M S m u n
-
-
-def grpc_timeout_s(value: bytes) -> float | None:
-    """A ``grpc-timeout`` value (at most 8 digits and a unit) in seconds; None when malformed."""
-    unit = _TIMEOUT_UNITS.get(value[-1]) if value else None
-    digits = value[:-1]
-    if unit is None or not digits.isdigit() or len(digits) > 8:
-        return None
-    return int(digits) * unit
 
 
 def frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
