@@ -16,7 +16,7 @@ Binary format (little-endian, no framing beyond one header):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -466,6 +466,13 @@ def lookup_json(table: str, result: LookupResult, total_seconds: float) -> dict[
 def rows_bytes(rows: np.ndarray | Tensor) -> bytes:
     """float32 (n, d) -> little-endian row-major bytes."""
     return np.ascontiguousarray(_array(rows), dtype=_ROWS_DTYPE).tobytes()
+
+
+def multi_rows_binary(rows: Sequence[np.ndarray | Tensor]) -> tuple[str, bytes]:
+    """A binary multi-table rows answer: the ``X-Robez-Shapes`` value (``n,d;...``) and the body (each
+    table's rows in that order)."""
+    shapes = ";".join(f"{int(r.shape[0])},{int(r.shape[1])}" for r in rows)
+    return shapes, b"".join(rows_bytes(r) for r in rows)
 
 
 def _array(rows: np.ndarray | Tensor) -> np.ndarray:

@@ -23,8 +23,8 @@ from ..codec import (
     json_bytes,
     lookup_json,
     lookup_timing,
+    multi_rows_binary,
     parse_tables_header,
-    rows_bytes,
     rows_view,
     split_ids,
 )
@@ -63,7 +63,8 @@ _VERSION = VERSION_HEADER.lower().encode()
 _BINARY_RESPONSE = {"content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}
 
 
-def _observe(metrics: Metrics, table: str, result: LookupResult) -> None:
+def observe_lookup(metrics: Metrics, table: str, result: LookupResult) -> None:
+    """A lookup's stages in its table's histograms (``/v1/lookup`` and a push's lookup part)."""
     stages = metrics.stages(table)
     stages.hash_seconds.observe(result.hash_seconds)
     stages.lookup_seconds.observe(result.lookup_seconds)
@@ -101,7 +102,7 @@ async def lookup_one(request: Request, name: str) -> Response:
 
         result = await compute(request, work, inline=len(body) <= INLINE_MAX_BODY_BYTES)
     set_table_label(request, name)
-    _observe(state.metrics, name, result)
+    observe_lookup(state.metrics, name, result)
     total = time.perf_counter() - start
     response_headers = [
         (b"server-timing", lookup_server_timing(result.hash_seconds, result.lookup_seconds, total)),
@@ -154,7 +155,7 @@ async def lookup_several(request: Request, _: str = "") -> Response:
 
     results = await compute(request, work, inline=small)
     for name, result in zip(names, results, strict=True):
-        _observe(metrics, name, result)
+        observe_lookup(metrics, name, result)
     total = time.perf_counter() - start
     hash_seconds = sum(result.hash_seconds for result in results)
     lookup_seconds = sum(result.lookup_seconds for result in results)
@@ -162,11 +163,10 @@ async def lookup_several(request: Request, _: str = "") -> Response:
         (b"server-timing", lookup_server_timing(hash_seconds, lookup_seconds, total)),
     ]
     if wants_binary(request):
-        shapes = ";".join(f"{int(r.rows.shape[0])},{int(r.rows.shape[1])}" for r in results)
+        shapes, rows = multi_rows_binary([r.rows for r in results])
         versions = ",".join(str(result.version) for result in results)
         response_headers.append((_SHAPES, shapes.encode("latin-1")))
         response_headers.append((_VERSION, versions.encode("latin-1")))
-        rows = b"".join(rows_bytes(r.rows) for r in results)
         return RawResponse(rows, _OCTET_STREAM, response_headers)
     payload = {
         "results": [

@@ -27,7 +27,7 @@ from ..codec import (
     json_bytes,
     lookup_json,
     milliseconds,
-    rows_bytes,
+    multi_rows_binary,
     split_lookup_part,
     update_json,
 )
@@ -36,6 +36,7 @@ from ..metrics import Metrics, server_timing
 from ..store import LookupRequestItem, LookupResult, TableStore, UpdatePart
 from ..store.writes import WritePath
 from .deps import body_doc, compute, is_binary, raw_headers, read_body, wants_binary
+from .lookup import observe_lookup
 from .update import IDEMPOTENCY_HEADER, REPLICA_HEADER
 
 router = APIRouter(prefix="/v1", tags=["update"])
@@ -138,9 +139,7 @@ async def apply_update_many(request: Request, lr: float | None = None) -> Respon
             "lookup": sum(result.lookup_seconds for result in read_back),
         }
         for item, part in zip(lookups, read_back, strict=True):
-            stages = metrics.stages(item.table)
-            stages.hash_seconds.observe(part.hash_seconds)
-            stages.lookup_seconds.observe(part.lookup_seconds)
+            observe_lookup(metrics, item.table, part)
     if written.stages is None:
         for name, result in zip(names, results, strict=True):
             stages = metrics.stages(name)
@@ -166,11 +165,11 @@ async def apply_update_many(request: Request, lr: float | None = None) -> Respon
     if written.replica is not None:  # tells clients that a resent Idempotency-Key is applied once here
         response_headers.append((_REPLICA, written.replica.encode("latin-1")))
     if read_back and wants_binary(request, headers):  # the rows as POST /v1/lookup answers them
-        shapes = ";".join(f"{int(r.rows.shape[0])},{int(r.rows.shape[1])}" for r in read_back)
+        shapes, rows = multi_rows_binary([r.rows for r in read_back])
         response_headers.append((_SHAPES, shapes.encode("latin-1")))
         versions = ",".join(str(result.version) for result in read_back)
         response_headers.append((_LOOKUP_VERSION, versions.encode("latin-1")))
-        return RawResponse(b"".join(rows_bytes(r.rows) for r in read_back), _OCTET_STREAM, response_headers)
+        return RawResponse(rows, _OCTET_STREAM, response_headers)
     payload: dict[str, object] = {
         "results": [
             update_json(name, result, result.hash_seconds + result.apply_seconds)
