@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -15,6 +15,9 @@ from service.app import create_app
 from service.config import Settings
 from service.faults import Faults
 from service.store import TableStore
+
+if TYPE_CHECKING:  # threaded_server imports make_settings from here
+    from .threaded_server import ThreadedServer
 
 # GRPC_ENGINE_UNDER_TEST=frames runs every in-process gRPC test on the frames engine (ROBEZ_* variables are
 # cleared for each test, so the switch has a name of its own).
@@ -55,6 +58,23 @@ def client_factory(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
     yield start
     for client in reversed(clients):
         client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def grpc_server(tmp_path: Path) -> Iterator[Callable[..., tuple[ThreadedServer, str]]]:
+    """In-process apps serving gRPC on a port the OS picks: (server, its gRPC address)."""
+    from .threaded_server import app_server
+
+    servers: list[ThreadedServer] = []
+
+    def start(**settings: object) -> tuple[ThreadedServer, str]:
+        server = app_server(tmp_path / str(len(servers)), grpc_port=0, **settings)
+        servers.append(server)
+        return server, f"127.0.0.1:{server.server.config.loaded_app.app.state.grpc_port}"  # type: ignore[union-attr]
+
+    yield start
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import itertools
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -26,26 +26,23 @@ from tritonclient.grpc import service_pb2 as pb
 from service.grpc import frames
 from service.grpc.engine import grpc_timeout_s, percent_encoded
 
-from .threaded_server import ThreadedServer, app_server
+from .threaded_server import ThreadedServer
 
 SERVICE = "/inference.GRPCInferenceService/"
 INFER = SERVICE + "ModelInfer"
 
 
 @pytest.fixture
-def serve(tmp_path: Path) -> Iterator[Callable[..., tuple[ThreadedServer, str]]]:
-    """In-process apps serving gRPC (the frames engine unless told) on a port the OS picks."""
-    servers: list[ThreadedServer] = []
+def serve(
+    grpc_server: Callable[..., tuple[ThreadedServer, str]],
+) -> Callable[..., tuple[ThreadedServer, str]]:
+    """``grpc_server`` (conftest.py) on the frames engine unless told."""
 
     def start(**settings: object) -> tuple[ThreadedServer, str]:
         settings.setdefault("grpc_engine", "frames")
-        server = app_server(tmp_path / str(len(servers)), grpc_port=0, **settings)
-        servers.append(server)
-        return server, f"127.0.0.1:{server.server.config.loaded_app.app.state.grpc_port}"  # type: ignore[union-attr]
+        return grpc_server(**settings)
 
-    yield start
-    for server in servers:
-        server.stop()
+    return start
 
 
 class Raw:

@@ -10,7 +10,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import grpc
 import h2.config
@@ -25,7 +24,7 @@ from loadtest.server import tree_rss_bytes
 from service.grpc.wire import decode_int64s, parse_request
 
 from .subprocess_server import RobezServer, free_port
-from .threaded_server import ThreadedServer, app_server
+from .threaded_server import ThreadedServer
 
 MiB = 1 << 20
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -34,21 +33,6 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 def _rss_mib(pid: int) -> float:
     """Resident memory of ``pid`` and its descendants (the server's process tree), in MiB."""
     return tree_rss_bytes(pid) / MiB
-
-
-@pytest.fixture
-def grpc_server(tmp_path: Path) -> Iterator[Callable[..., tuple[ThreadedServer, str]]]:
-    """In-process apps serving gRPC on a port the OS picks: (server, its gRPC address)."""
-    servers: list[ThreadedServer] = []
-
-    def start(**settings: object) -> tuple[ThreadedServer, str]:
-        server = app_server(tmp_path / str(len(servers)), grpc_port=0, **settings)
-        servers.append(server)
-        return server, f"127.0.0.1:{server.server.config.loaded_app.app.state.grpc_port}"  # type: ignore[union-attr]
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
