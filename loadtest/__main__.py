@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"ids per binary lookup, 1..{MAX_BATCH_SIZE} (default: 1,64,512,4096,32768; quick: 1,4096)",
     )  # fmt: skip
     sweep.add_argument("--feature-batch", type=int, default=SweepConfig.feature_batch,
-                       help="batch of the pooled / multi / update / mix runs")  # fmt: skip
+                       help="batch of the pooled / multi / update / mix / step runs")  # fmt: skip
     sweep.add_argument("--bag-size", type=int, default=SweepConfig.bag_size, help="ids per bag (pooled)")
     sweep.add_argument("--distribution", choices=("uniform", "zipf"), default="uniform")
     sweep.add_argument("--zipf-exponent", type=float, default=SweepConfig.zipf_exponent)
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument(
         "--features-every-count", action="store_true",
-        help="run pooled / multi / update / mix against every worker count (default: the first only)",
+        help="run pooled / multi / update / mix / step against every worker count (default: the first only)",
     )  # fmt: skip
     sweep.add_argument(
         "--open-loop", type=_float_list, default=SweepConfig.open_loop_fractions, metavar="FRACTIONS",

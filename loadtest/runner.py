@@ -308,7 +308,9 @@ class _Recorder:
         if template.kind not in ("healthz", "peer", "floor", "grpc"):
             timing = parse_server_timing(response.headers.get("server-timing"))
             result.hash_ms.append(timing.get("hash", math.nan))
-            result.lookup_ms.append(timing.get("lookup", timing.get("apply", math.nan)))
+            # a push's apply (a training step's too: its "lookup" is the lookup part's gather)
+            stage = ("apply", "lookup") if template.kind == "update" else ("lookup", "apply")
+            result.lookup_ms.append(timing.get(stage[0], timing.get(stage[1], math.nan)))
             result.server_total_ms.append(timing.get("total", math.nan))
 
 

@@ -13,6 +13,10 @@ Scenarios (``SCENARIOS``):
 - ``multi``    POST /v1/lookup, the batch split over several tables in one request (a DLRM request).
 - ``update``   POST /v1/tables/{t}/update, binary: n int64 ids then n x d float32 gradients.
 - ``mix``      95% binary lookups, 5% binary updates of the same batch size (exactly 1 in 20).
+- ``step``     one training step in one request (a DLRM trainer's, ``RemoteEmbeddingBagCollection``'s):
+               POST /v1/update, binary, the batch's gradients split over several tables (as ``multi``
+               splits its ids) with a lookup part holding the next batch's ids over the same tables,
+               answered with their rows after the push is applied.
 - ``oip``      POST /v2/models/{t}/infer (Open Inference Protocol v2), binary tensor data both ways.
 - ``grpc``     the same inference over gRPC (``GRPCInferenceService/ModelInfer``, raw_input_contents and
                raw_output_contents), sent with the ``grpc`` transport to ``ScenarioContext.grpc_target``.
@@ -43,6 +47,7 @@ SCENARIOS: tuple[str, ...] = (
     "multi",
     "update",
     "mix",
+    "step",
     "oip",
     "grpc",
     "floor",
@@ -96,9 +101,10 @@ class RequestTemplate:
     request: PreparedRequest
     # "lookup" | "update" | "healthz"; no Server-Timing read: "peer" (Redis), "floor" (/rows), "grpc"
     kind: str
-    ids: int
+    ids: int  # a step's: the pushed ids (its lookup part's ids are its rows)
     rows: int
-    response: str  # "binary" | "json" | "multi" | "status" | "oip" | "grpc" | "rows" (bytes of rows only)
+    # "binary" | "json" | "multi" | "status" | "oip" | "grpc" | "rows" (bytes of rows only) | "step"
+    response: str
 
 
 def build_requests(
@@ -118,8 +124,8 @@ def build_requests(
         return [RequestTemplate(prepare_request(context.target, "GET", path), "healthz", 0, 0, "status")]
     sampler = make_sampler(context.distribution, context.num_ids, context.zipf_exponent, seed)
     rng = np.random.default_rng(seed + 1)
-    writes = scenario in ("update", "mix", PEER_UPDATE)
-    per_body_bytes = batch_size * 8 * (1 + (context.embedding_dim if writes else 0))
+    writes = scenario in ("update", "mix", "step", PEER_UPDATE)
+    per_body_bytes = batch_size * 8 * (1 + (context.embedding_dim if writes else 0) + (scenario == "step"))
     pool_size = max(2, min(_POOL_MAX, _POOL_BYTES // max(1, per_body_bytes)))
     if scenario == "mix":
         pool_size = _MIX_PERIOD
@@ -144,6 +150,8 @@ def build_requests(
             templates.append(_redis_get(context, ids))
         elif scenario == PEER_UPDATE:
             templates.append(_redis_set(context, ids, rng))
+        elif scenario == "step":
+            templates.append(_training_step(context, ids, sampler.sample(batch_size), rng))
         else:  # update, or the one update in every mix period
             templates.append(_binary_update(context, ids, rng))
     if scenario == "mix":
@@ -215,6 +223,52 @@ def _binary_update(context: ScenarioContext, ids: np.ndarray, rng: np.random.Gen
     body = ids.astype("<i8").tobytes() + grads.tobytes()
     request = prepare_request(context.target, "POST", _table_path(context.table, "update"), body, headers)
     return RequestTemplate(request, "update", ids.size, 0, "status")
+
+
+def _tables_header(tables: tuple[str, ...], parts: list[np.ndarray]) -> str:
+    return ",".join(f"{table}={part.size}" for table, part in zip(tables, parts, strict=True))
+
+
+def _training_step(
+    context: ScenarioContext, ids: np.ndarray, next_ids: np.ndarray, rng: np.random.Generator
+) -> RequestTemplate:
+    """``POST /v1/update``, binary: this batch's gradients over ``tables`` and the next batch's lookup."""
+    dim = context.embedding_dim
+    pushed = np.array_split(ids, len(context.tables))
+    looked_up = np.array_split(next_ids, len(context.tables))
+    body = bytearray()
+    for part in pushed:
+        grads = (rng.standard_normal((part.size, dim)) * _GRAD_SCALE).astype("<f4")
+        body += part.astype("<i8").tobytes() + grads.tobytes()
+    for part in looked_up:
+        body += part.astype("<i8").tobytes()
+    headers = {
+        "Content-Type": OCTET_STREAM,
+        "Accept": OCTET_STREAM,
+        "X-Robez-Tables": _tables_header(context.tables, pushed),
+        "X-Robez-Shapes": ";".join(f"{part.size},{dim}" for part in pushed),
+        "X-Robez-Lookup": _tables_header(context.tables, looked_up),
+        **_auth(context),
+    }
+    request = prepare_request(context.target, "POST", "/v1/update", bytes(body), headers)
+    return RequestTemplate(request, "update", ids.size, next_ids.size, "step")
+
+
+def _check_step(template: RequestTemplate, response: Response, embedding_dim: int) -> str | None:
+    expected = template.rows * embedding_dim * 4
+    if len(response.body) != expected:
+        return f"step answer {len(response.body)} bytes, expected {expected} (the lookup part's rows)"
+    shapes = response.headers.get("x-robez-shapes", "").replace(" ", "").split(";")
+    try:
+        rows = sum(int(shape.split(",")[0]) for shape in shapes if shape.endswith(f",{embedding_dim}"))
+    except ValueError:
+        return f"X-Robez-Shapes {shapes!r} is not m,d;m,d;..."
+    parts = len(dict(template.request.headers)["X-Robez-Lookup"].split(","))
+    if rows != template.rows or len(shapes) != parts:
+        return f"X-Robez-Shapes {shapes!r}: {rows} rows of d {embedding_dim}, expected {template.rows}"
+    if not response.headers.get("x-robez-lookup-version"):
+        return "no X-Robez-Lookup-Version: the lookup part was not answered"
+    return None
 
 
 OIP_HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -318,6 +372,8 @@ def check_response(template: RequestTemplate, response: Response, embedding_dim:
         return _check_oip(template, response, embedding_dim)
     if template.response == "grpc":
         return _check_grpc(template, response, embedding_dim)
+    if template.response == "step":
+        return _check_step(template, response, embedding_dim)
     if template.response == "binary":
         expected = template.rows * embedding_dim * 4
         if len(response.body) != expected:

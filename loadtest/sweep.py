@@ -52,7 +52,7 @@ from .transport import GRPC, RESP, Target, resp_command
 REFERENCE_BATCH = 4096  # the binary-lookup target batch
 # Binary batches the framework floor also answers with the lookup's bytes (1 worker, next to the lookup).
 ROWS_FLOOR_BATCHES: tuple[int, ...] = (512, REFERENCE_BATCH)
-FEATURE_SCENARIOS: tuple[str, ...] = ("pooled", "multi", "update", "mix")
+FEATURE_SCENARIOS: tuple[str, ...] = ("pooled", "multi", "update", "mix", "step")
 SMALL_UPDATE_BATCH = 8  # a gradient push of one user's handful of rows
 PEER_MAX_BATCH = 4096  # MGET batches measured against Redis (its replies grow 256 bytes per row)
 _PEER_FILL_CHUNK = 16384  # rows per MSET while filling Redis
@@ -364,6 +364,7 @@ class Sweep:
                 "multi": f"multi-table lookup over {len(multi_tables)} table(s)",
                 "update": "gradient push (binary)",
                 "mix": "mix: 95% lookups / 5% updates",
+                "step": f"training step: push + next lookup over {len(multi_tables)} table(s)",
             }
 
             def feature_runs() -> None:

@@ -86,6 +86,44 @@ def test_update_body_is_ids_then_gradients() -> None:
     assert template.kind == "update" and template.rows == 0
 
 
+def _step_parts(template: RequestTemplate, counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A step body's pushed ids (gradients checked on the way) and its lookup part's ids."""
+    body, offset, pushed = _body(template), 0, []
+    for count in counts:
+        pushed.append(np.frombuffer(body, dtype="<i8", count=count, offset=offset))
+        grads = np.frombuffer(body, dtype="<f4", count=count * DIM, offset=offset + count * 8)
+        assert np.isfinite(grads).all() and np.abs(grads).max() < 0.01
+        offset += count * (8 + DIM * 4)
+    return np.concatenate(pushed), np.frombuffer(body, dtype="<i8", offset=offset)
+
+
+def test_step_is_a_multi_table_push_with_the_next_batch_as_its_lookup_part() -> None:
+    templates = build_requests("step", 10, CONTEXT, seed=7)
+    fresh = 0
+    for template in templates:
+        headers = _headers(template)
+        assert template.request.path == "/v1/update" and template.kind == "update"
+        assert headers["X-Robez-Tables"] == "t=4,u=3,v=3" == headers["X-Robez-Lookup"]
+        assert headers["X-Robez-Shapes"] == f"4,{DIM};3,{DIM};3,{DIM}"
+        pushed, next_ids = _step_parts(template, (4, 3, 3))
+        assert pushed.size == next_ids.size == 10 == template.ids == template.rows
+        assert min(pushed.min(), next_ids.min()) >= 0
+        assert max(pushed.max(), next_ids.max()) < CONTEXT.num_ids
+        fresh += not np.array_equal(pushed, next_ids)
+    assert fresh  # the next batch is drawn afresh, not the pushed batch again
+
+
+def test_check_step_response() -> None:
+    (template, *_) = build_requests("step", 5, CONTEXT, seed=0)
+    headers = {"x-robez-shapes": f"2,{DIM};2,{DIM};1,{DIM}", "x-robez-lookup-version": "3,1,1"}
+    assert check_response(template, Response(200, headers, bytes(5 * DIM * 4)), DIM) is None
+    assert check_response(template, Response(200, headers, bytes(4 * DIM * 4)), DIM) is not None
+    unanswered = {"x-robez-shapes": headers["x-robez-shapes"]}
+    assert check_response(template, Response(200, unanswered, bytes(5 * DIM * 4)), DIM) is not None
+    two_parts = {**headers, "x-robez-shapes": f"3,{DIM};2,{DIM}"}
+    assert check_response(template, Response(200, two_parts, bytes(5 * DIM * 4)), DIM) is not None
+
+
 def test_mix_is_exactly_one_update_in_twenty() -> None:
     templates = build_requests("mix", 32, CONTEXT, seed=6)
     kinds = [t.kind for t in templates]

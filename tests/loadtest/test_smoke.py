@@ -22,7 +22,7 @@ def test_quick_run_against_a_real_server(tmp_path: Path) -> None:
         "--cpus",
         "1",
         "--scenarios",
-        "healthz,json,binary,update,mix",
+        "healthz,json,binary,update,mix,step",
         "--batch-sizes",
         "1,64",
     ]
@@ -52,6 +52,7 @@ def test_quick_run_against_a_real_server(tmp_path: Path) -> None:
     scenarios = {(row["scenario"], row["batch_size"], row["mode"]) for row in http}
     expected = {("healthz", "1", "closed"), ("json", "1", "closed"), ("binary", "1", "closed")}
     expected |= {("binary", "64", "closed"), ("update", "16", "closed"), ("mix", "16", "closed")}
+    expected |= {("step", "16", "closed")}
     expected |= {("binary", "64", "open")}
     assert expected <= scenarios
     for row in http:
