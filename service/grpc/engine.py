@@ -35,7 +35,7 @@ from robez_core.errors import InvalidInputError
 from ..config import Settings
 from ..errors import PayloadTooLargeError
 from .frames import CANCEL, NO_ERROR, RST_STREAM, FrameConnection, Stream, frame
-from .headers import never_indexed
+from .headers import MAX_HEADER_LIST, never_indexed
 from .server import SERVICE, CallRefused, InferenceServicer
 
 logger = logging.getLogger("robez.grpc")
@@ -85,6 +85,13 @@ def _trailers(code: grpc.StatusCode, message: str) -> bytes:
     return never_indexed(
         [(b"grpc-status", str(code.value[0]).encode()), (b"grpc-message", percent_encoded(message))]
     )
+
+
+_HEADERS_TOO_LARGE = trailers_only(
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    f"the call's headers are over the limit of {MAX_HEADER_LIST} bytes (SETTINGS_MAX_HEADER_LIST_SIZE: "
+    "name + value + 32 bytes a field)",
+)
 
 
 class _Call:
@@ -208,6 +215,13 @@ class GrpcConnection(FrameConnection):
             self._fail(call, InvalidInputError("the request message is cut short"))
             return
         self._deliver(call)
+
+    def header_list_refused(self, sid: int, ended: bool) -> None:
+        """A call's metadata over the limit: that call alone is answered (Trailers-Only RESOURCE_EXHAUSTED
+        naming the limit), the connection's other calls go on."""
+        self.send_headers(sid, _HEADERS_TOO_LARGE, end_stream=True)
+        if not ended:
+            self.out.append(_rst(sid, NO_ERROR))
 
     def stream_reset(self, stream: Stream) -> None:
         call: _Call | None = stream.app

@@ -21,10 +21,13 @@ What a hostile peer meets (each a connection error, GOAWAY with the code, unless
   error FLOW_CONTROL_ERROR); a WINDOW_UPDATE of 0 (PROTOCOL_ERROR) or past 2^31-1 (FLOW_CONTROL_ERROR);
 - header blocks: at most ``MAX_HEADER_BLOCK`` bytes in ``MAX_BLOCK_FRAMES`` frames, nothing between them but
   their CONTINUATION (the CONTINUATION flood: ENHANCE_YOUR_CALM); HPACK's table bounded by our
-  HEADER_TABLE_SIZE and the decoded list by MAX_HEADER_LIST_SIZE, a bad block COMPRESSION_ERROR;
-- floods: RST_STREAM (rapid reset, CVE-2023-44487), PING and SETTINGS frames from the peer, and frames
-  that change nothing (empty DATA, PRIORITY, unknown types), each at most ``FLOOD_LIMITS`` per
-  ``FLOOD_WINDOW_S`` (ENHANCE_YOUR_CALM);
+  HEADER_TABLE_SIZE, a bad block COMPRESSION_ERROR; a list over MAX_HEADER_LIST_SIZE (16 KiB) is still
+  decoded in full, so that HPACK's dynamic table stays in step, and its stream alone is answered
+  (``header_list_refused``); decoding stops past ``HARD_HEADER_LIST`` (64 KiB), where the table can no
+  longer be kept in step: that is a connection error COMPRESSION_ERROR;
+- floods: RST_STREAM (rapid reset, CVE-2023-44487), PING and SETTINGS frames from the peer, header lists
+  over the limit, and frames that change nothing (empty DATA, PRIORITY, unknown types), each at most
+  ``FLOOD_LIMITS`` per ``FLOOD_WINDOW_S`` (ENHANCE_YOUR_CALM);
 - time: the preface and SETTINGS within ``preface_timeout_s`` of opening (else closed), and a connection
   with no stream open for ``idle_timeout_s``, or with answers held back for a peer that sent nothing for
   that long (dead, or never opening its windows), is sent GOAWAY NO_ERROR and closed;
@@ -44,7 +47,14 @@ from typing import Any
 
 from hpack import HPACKError
 
-from .headers import HEADER_TABLE_SIZE, MAX_HEADER_LIST, CachingDecoder, malformed
+from .headers import (
+    HARD_HEADER_LIST,
+    HEADER_TABLE_SIZE,
+    MAX_HEADER_LIST,
+    TOO_LARGE,
+    CachingDecoder,
+    never_indexed,
+)
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HEAD = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
@@ -63,13 +73,14 @@ DEFAULT_WINDOW = 65535  # RFC 9113's initial windows, the connection's and (our 
 INITIAL_WINDOW = DEFAULT_WINDOW
 MAX_FRAME = 16384  # what we take (our SETTINGS_MAX_FRAME_SIZE stays the default)
 MAX_CONCURRENT_STREAMS = 100  # as grpc.aio's setting today, Envoy's and nginx's defaults
-MAX_HEADER_BLOCK = 16384  # compressed, across HEADERS and its CONTINUATION frames
+MAX_HEADER_BLOCK = HARD_HEADER_LIST  # compressed, across HEADERS and its CONTINUATION frames
 MAX_BLOCK_FRAMES = 32  # HEADERS and CONTINUATION frames of one header block (empty ones are a flood too)
 SETTINGS_ACK_S = 10.0
 FLOOD_WINDOW_S = 1.0
 # frames from the peer per FLOOD_WINDOW_S: resets of streams (rapid reset), PINGs, SETTINGS
 NO_OP = -1  # frames that change nothing: empty DATA without END_STREAM, PRIORITY, unknown types
-FLOOD_LIMITS = {RST_STREAM: 200, PING: 50, SETTINGS: 50, NO_OP: 200}
+BIG_LIST = -2  # header lists over MAX_HEADER_LIST (each decoded in full: up to HARD_HEADER_LIST)
+FLOOD_LIMITS = {RST_STREAM: 200, PING: 50, SETTINGS: 50, NO_OP: 200, BIG_LIST: 10}
 _JOINED_BYTES = 4096  # answers' data up to this is joined into the one write; larger, written as is
 WRITE_HIGH_BYTES = 256 * 1024  # the transport's buffer past which the connection stops reading
 
@@ -92,6 +103,7 @@ _OPENING = frame(SETTINGS, 0, 0, _SERVER_SETTINGS) + frame(
 
 
 _SETTINGS_ACK = frame(SETTINGS, ACK, 0)
+_STATUS_431 = never_indexed([(b":status", b"431")])  # Request Header Fields Too Large (RFC 6585, 9113 10.5.1)
 
 
 class ConnectionError_(Exception):
@@ -254,6 +266,13 @@ class FrameConnection(asyncio.Protocol):
 
     def stream_reset(self, stream: Stream) -> None:
         """The stream is gone before its answer ended (the peer reset it, or the connection closed)."""
+
+    def header_list_refused(self, sid: int, ended: bool) -> None:
+        """A new stream's header list was over ``MAX_HEADER_LIST``: the stream is never opened; this answers
+        it (HTTP 431 here; ``ended``: the request came with END_STREAM, else the rest is not wanted)."""
+        self.send_headers(sid, _STATUS_431, end_stream=True)
+        if not ended:
+            self.out.append(frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big")))
 
     # -- what the layer above sends -----------------------------------------------------------------------
 
@@ -568,8 +587,7 @@ class FrameConnection(asyncio.Protocol):
             self.block_sid, self.block = 0, bytearray()
             try:
                 if first & 0x100:  # trailers: rare, not cached
-                    headers = self.decoder.decode_raw(block)
-                    problem = malformed(headers, trailers=True)
+                    headers, problem = self.decoder.decode_checked(block, trailers=True)
                 else:
                     headers, problem = self.decoder.decode_request(block)
             except HPACKError as exc:
@@ -580,11 +598,17 @@ class FrameConnection(asyncio.Protocol):
         self, sid: int, flags: int, headers: list[tuple[bytes, bytes]], problem: str | None
     ) -> None:
         """A decoded header block: a new stream's request, or trailers (flag 0x100); ``problem``: what is
-        malformed in it (a stream error PROTOCOL_ERROR, RFC 9113 8.1.1, after the state's own checks)."""
+        malformed in it (a stream error PROTOCOL_ERROR, RFC 9113 8.1.1, after the state's own checks), or
+        ``TOO_LARGE``: the stream alone is answered (``header_list_refused``; trailers: reset
+        ENHANCE_YOUR_CALM), the connection and HPACK's table go on."""
+        if problem is TOO_LARGE:
+            self._flood(BIG_LIST)
         if flags & 0x100:  # on a stream already open
             stream = self.streams[sid]
             if stream.ended:
                 self.reset(sid, STREAM_CLOSED, notify=True)
+            elif problem is TOO_LARGE:
+                self.reset(sid, ENHANCE_YOUR_CALM, notify=True)
             elif not flags & END_STREAM or problem is not None:
                 self.reset(sid, PROTOCOL_ERROR, notify=True)  # trailers: must end the stream, well formed
             else:
@@ -593,6 +617,9 @@ class FrameConnection(asyncio.Protocol):
             return
         if self.draining or len(self.streams) >= MAX_CONCURRENT_STREAMS:
             self.out.append(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
+            return
+        if problem is TOO_LARGE:
+            self.header_list_refused(sid, bool(flags & END_STREAM))
             return
         if problem is not None:
             self.out.append(frame(RST_STREAM, 0, sid, PROTOCOL_ERROR.to_bytes(4, "big")))

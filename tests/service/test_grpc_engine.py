@@ -248,6 +248,35 @@ def test_a_call_is_checked_from_its_headers(serve: Callable[..., tuple[ThreadedS
         assert pb.ModelInferResponse.FromString(answer).model_name == "demo"
 
 
+def test_a_call_whose_headers_are_over_the_limit_is_refused_alone(
+    serve: Callable[..., tuple[ThreadedServer, str]],
+) -> None:
+    """Metadata over 16 KiB: that call gets Trailers-Only RESOURCE_EXHAUSTED naming the limit; the call under
+    way on the same connection is answered, and so is a grpcio client's next call (before: the connection
+    was closed with COMPRESSION_ERROR, every call on it lost)."""
+    _, address = serve()
+    raw = Raw(address)
+    try:
+        under_way = raw.open()
+        big = raw.open(extra=[("x-token", "t" * 17000)], end=True)
+        raw.until(raw.ended(big))
+        (only,) = raw.headers(big)
+        assert only[b"grpc-status"] == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]).encode()
+        assert b"16384" in only[b"grpc-message"]
+        raw.send(under_way, _message(_ids_request([1])), end=True)
+        raw.until(raw.ended(under_way))
+        assert raw.headers(under_way)[-1][b"grpc-status"] == b"0"
+        assert not [e for e in raw.events if isinstance(e, h2.events.ConnectionTerminated)]
+    finally:
+        raw.close()
+    with grpc.insecure_channel(address) as channel:
+        infer = channel.unary_unary(INFER)
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(_ids_request([1]).SerializeToString(), timeout=30, metadata=[("x-token", "t" * 17000)])
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert pb.ModelInferResponse.FromString(infer(_ids_request([1]).SerializeToString(), timeout=30))
+
+
 def test_the_declared_length_is_refused_before_the_message(
     serve: Callable[..., tuple[ThreadedServer, str]],
 ) -> None:

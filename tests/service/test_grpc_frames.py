@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hpack import Encoder
+from hpack import Decoder, Encoder
 
 from service.grpc import frames as h2f
 from service.grpc.frames import (
@@ -342,7 +342,7 @@ def test_answers_wait_for_the_peers_windows(peer: Peer) -> None:
 
 @pytest.mark.parametrize(
     ("size", "count"),
-    [(5000, 4), (0, h2f.MAX_BLOCK_FRAMES)],  # bytes past the bound; empty frames
+    [(16000, 5), (0, h2f.MAX_BLOCK_FRAMES)],  # bytes past the bound (64 KiB); empty frames
 )
 def test_continuation_floods_are_cut(peer: Peer, size: int, count: int) -> None:
     peer.start()
@@ -389,14 +389,61 @@ def test_bad_header_blocks_are_compression_errors(peer: Peer, block: bytes) -> N
 
 
 def test_a_small_block_cannot_decode_into_a_huge_list(peer: Peer) -> None:
-    """HPACK bomb: one 4000-byte header indexed once, then referenced over and over by one byte each."""
+    """HPACK bomb: one 4000-byte header indexed once, then referenced over and over by one byte each. Past
+    HARD_HEADER_LIST (64 KiB) decoded the connection goes: decoding stops there."""
     peer.start()
     peer.send(peer.headers(1, extra=[("x-bomb", "b" * 3900)]))
     peer.frames()
-    bomb = peer.encoder.encode([*REQUEST, *([("x-bomb", "b" * 3900)] * 8)])
+    bomb = peer.encoder.encode([*REQUEST, *([("x-bomb", "b" * 3900)] * 17)])
     assert len(bomb) < 100
     peer.send(frame(HEADERS, END_HEADERS, 3, bomb))
     assert peer.goaway() == COMPRESSION_ERROR
+
+
+def test_a_header_list_over_the_limit_refuses_its_stream_alone(peer: Peer) -> None:
+    """Over MAX_HEADER_LIST (16 KiB): that stream alone is answered (431, the rest of it not wanted), never
+    opened; the other streams and HPACK's table go on (the refused block inserted a header that the next
+    block refers to). Over the limit as a small HPACK bomb, or in CONTINUATION frames, the same."""
+    peer.start()
+    peer.send(peer.headers(1))
+    peer.frames()
+    big = peer.encoder.encode([*REQUEST, ("x-indexed", "i" * 100), ("x-big", "b" * 17000)])
+    peer.send(frame(HEADERS, 0, 3, big[:16000]), frame(CONTINUATION, END_HEADERS, 3, big[16000:]))
+    written = peer.frames()
+    assert [(kind, flags, sid) for kind, flags, sid, _ in written] == [
+        (HEADERS, END_HEADERS | END_STREAM, 3),
+        (RST_STREAM, 0, 3),
+    ]
+    assert Decoder().decode(written[0][3]) == [(":status", "431")]
+    assert 3 not in peer.connection.opened and not peer.transport.closed
+    bomb = peer.encoder.encode([*REQUEST, ("x-indexed", "i" * 100), *([("x-bomb", "b" * 3900)] * 5)])
+    peer.send(frame(HEADERS, END_HEADERS | END_STREAM, 5, bomb))  # under 100 bytes, over 16 KiB decoded
+    assert [(kind, sid) for kind, _, sid, _ in peer.frames()] == [(HEADERS, 5)]  # it ended: no reset
+    peer.send(peer.headers(7, end_stream=True, extra=[("x-indexed", "i" * 100)]))
+    assert (b"x-indexed", b"i" * 100) in peer.connection.opened[7]
+    peer.send(frame(DATA, END_STREAM, 1, b"x"), frame(DATA, 0, 3, b"dropped"))
+    assert peer.connection.data == {1: b"x"} and peer.connection.ended == [7, 1]
+    assert peer.goaway() is None
+
+
+def test_header_lists_over_the_limit_are_bounded_per_second(peer: Peer) -> None:
+    """Each costs a full decode: at most FLOOD_LIMITS[BIG_LIST] a second, then ENHANCE_YOUR_CALM."""
+    peer.start()
+    limit = h2f.FLOOD_LIMITS[h2f.BIG_LIST]
+    blocks = [peer.headers(2 * n + 1, end_stream=True, extra=[("x-big", "b" * 17000)]) for n in range(limit)]
+    peer.send(*blocks)
+    assert peer.goaway() is None
+    peer.send(peer.headers(2 * limit + 1, end_stream=True, extra=[("x-big", "b" * 17000)]))
+    assert peer.goaway() == ENHANCE_YOUR_CALM
+
+
+def test_trailers_over_the_limit_reset_their_stream(peer: Peer) -> None:
+    peer.start()
+    peer.send(peer.headers(1), peer.headers(3))
+    peer.frames()
+    peer.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, peer.encoder.encode([("x-big", "b" * 17000)])))
+    assert peer.resets() == {1: ENHANCE_YOUR_CALM} and peer.connection.resets == [1]
+    assert 3 in peer.connection.streams and not peer.transport.closed
 
 
 @pytest.mark.parametrize(
