@@ -31,6 +31,8 @@ What a hostile peer meets (each a connection error, GOAWAY with the code, unless
 - time: the preface and SETTINGS within ``preface_timeout_s`` of opening (else closed), and a connection
   with no stream open for ``idle_timeout_s``, or with answers held back for a peer that sent nothing for
   that long (dead, or never opening its windows), is sent GOAWAY NO_ERROR and closed;
+- keepalive (``keepalive.py``, grpcio's defaults): a silent peer with calls open is PINGed and, unanswered,
+  aborted; the peer's PINGs are answered and policed (GOAWAY ENHANCE_YOUR_CALM ``too_many_pings``);
 - write back-pressure: while the transport's buffer is over its high mark, the connection stops reading
   and the layer above starts no call (``writable``): a peer that reads nothing holds at most the buffer
   and the answers of the calls already under way, and is cut off after a bound;
@@ -55,6 +57,7 @@ from .headers import (
     CachingDecoder,
     never_indexed,
 )
+from .keepalive import TOO_MANY_PINGS, Keepalive, PingPolicy
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HEAD = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
@@ -107,11 +110,12 @@ _STATUS_431 = never_indexed([(b":status", b"431")])  # Request Header Fields Too
 
 
 class ConnectionError_(Exception):
-    """A connection error: GOAWAY with ``code``, then the connection closed."""
+    """A connection error: GOAWAY with ``code`` (and ``debug`` data), then the connection closed."""
 
-    def __init__(self, code: int, why: str) -> None:
+    def __init__(self, code: int, why: str, debug: bytes = b"") -> None:
         super().__init__(why)
         self.code = code
+        self.debug = debug
 
 
 class Stream:
@@ -132,9 +136,20 @@ class Stream:
 class FrameConnection(asyncio.Protocol):
     """An HTTP/2 server connection (module docstring). Subclasses implement the ``stream_*`` hooks."""
 
-    def __init__(self, preface_timeout_s: float | None = None, idle_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        preface_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        keepalive: Keepalive | None = None,
+    ) -> None:
         self.preface_timeout_s = preface_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.keepalive = keepalive if keepalive is not None else Keepalive()
+        self.pings = PingPolicy(self.keepalive)  # the peer's PINGs, policed
+        self.keepalive_timer: asyncio.TimerHandle | None = None
+        self.watchdog: asyncio.TimerHandle | None = None  # our PING's answer awaited
+        self.ping_out: bytes | None = None  # our PING's payload while unanswered
+        self.ping_sent = 0.0  # loop.time() it went
         self.preface_timer: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0  # loop.time() when the last stream closed (or the connection opened)
@@ -183,10 +198,17 @@ class FrameConnection(asyncio.Protocol):
             self.preface_timer = self.loop.call_later(self.preface_timeout_s, self._preface_expired)
         if self.idle_timeout_s is not None:
             self.idle_timer = self.loop.call_later(self.idle_timeout_s, self._idle_check)
+        self.keepalive_timer = self.loop.call_later(self.keepalive.time_s, self._keepalive_check)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        for timer in (self.settings_timer, self.preface_timer, self.idle_timer):
+        for timer in (
+            self.settings_timer,
+            self.preface_timer,
+            self.idle_timer,
+            self.keepalive_timer,
+            self.watchdog,
+        ):
             if timer is not None:
                 timer.cancel()
         for sid in list(self.streams):
@@ -249,7 +271,7 @@ class FrameConnection(asyncio.Protocol):
         try:
             self._frames(data)
         except ConnectionError_ as exc:
-            self.goaway(exc.code, close=True)
+            self.goaway(exc.code, close=True, debug=exc.debug)
             return
         self.flush()
 
@@ -289,6 +311,7 @@ class FrameConnection(asyncio.Protocol):
 
     def send_headers(self, sid: int, block: bytes, end_stream: bool = False) -> None:
         """A header block (at most the peer's frame size: ours are small constant blocks)."""
+        self.pings.reset()
         self.out.append(frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), sid, block))
         if end_stream:
             self._close_stream(sid, reset=False)
@@ -305,6 +328,7 @@ class FrameConnection(asyncio.Protocol):
             self.send_window -= size
             stream.window -= size
             if size:
+                self.pings.reset()
                 self.out.append(HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, sid) + prefix)
                 self.out.append(data)
                 self.out_bytes += len(data) if len(data) > _JOINED_BYTES else 0
@@ -327,15 +351,16 @@ class FrameConnection(asyncio.Protocol):
         stream.opened = True
         taken = INITIAL_WINDOW - stream.recv_window
         if taken and not stream.ended:
+            self.pings.reset()
             stream.recv_window += taken
             self.out.append(frame(WINDOW_UPDATE, 0, stream.sid, taken.to_bytes(4, "big")))
 
-    def goaway(self, code: int, close: bool) -> None:
-        """GOAWAY with the last stream id taken; ``close``: then the connection closes."""
+    def goaway(self, code: int, close: bool, debug: bytes = b"") -> None:
+        """GOAWAY with the last stream id taken (and ``debug`` data); ``close``: then closed."""
         if self.closed:
             return
         self.draining = True
-        self.out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code)))
+        self.out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code) + debug))
         self.flush()
         if close:
             self.closed = True
@@ -505,9 +530,50 @@ class FrameConnection(asyncio.Protocol):
             raise ConnectionError_(PROTOCOL_ERROR, "PING on a stream")
         if len(payload) != 8:
             raise ConnectionError_(FRAME_SIZE_ERROR, "PING not 8 bytes")
-        if not flags & ACK:
-            self._flood(PING)
-            self.out.append(frame(PING, ACK, 0, payload))
+        if flags & ACK:
+            if payload == self.ping_out:  # our keepalive PING answered
+                self.ping_out = None
+                if self.watchdog is not None:
+                    self.watchdog.cancel()
+                    self.watchdog = None
+            return
+        self._flood(PING)
+        self.out.append(frame(PING, ACK, 0, payload))  # answered even when it is one too many, as grpcio
+        if self.pings.received(time.monotonic(), bool(self.streams)):
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "too many PINGs without data", TOO_MANY_PINGS)
+
+    def _keepalive_check(self) -> None:
+        """PING a peer that sent nothing for ``keepalive.time_s`` (with calls open, or always if
+        ``permit_without_calls``), then watch for its answer (``_keepalive_expired``)."""
+        assert self.loop is not None
+        self.keepalive_timer = None
+        if self.closed:
+            return
+        keepalive, now = self.keepalive, self.loop.time()
+        quiet = now - self.last_read
+        wait = keepalive.time_s - quiet if quiet < keepalive.time_s else keepalive.time_s
+        if (
+            quiet >= keepalive.time_s
+            and self.ping_out is None
+            and (self.streams or keepalive.permit_without_calls)
+        ):
+            self.ping_out, self.ping_sent = struct.pack(">d", now), now
+            self.out.append(frame(PING, 0, 0, self.ping_out))
+            self.flush()
+            self.watchdog = self.loop.call_later(keepalive.timeout_s, self._keepalive_expired)
+        self.keepalive_timer = self.loop.call_later(max(wait, 0.01), self._keepalive_check)
+
+    def _keepalive_expired(self) -> None:
+        """No answer to our PING within ``keepalive.timeout_s``: unless anything else came from the peer
+        since (alive, only slow), it is taken for dead and the connection aborted (its buffer dropped)."""
+        self.watchdog = None
+        if self.closed or self.ping_out is None:
+            return
+        self.ping_out = None
+        if self.last_read > self.ping_sent:
+            return
+        self.closed = True
+        self.transport.abort()  # type: ignore[union-attr]
 
     def _window_update(self, sid: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -640,6 +706,7 @@ class FrameConnection(asyncio.Protocol):
         # the connection's window is credited as data arrives: each stream's bounds what it holds
         self.recv_taken += length
         if self.recv_taken >= CONNECTION_WINDOW // 4:
+            self.pings.reset()
             self.out.append(frame(WINDOW_UPDATE, 0, 0, self.recv_taken.to_bytes(4, "big")))
             self.recv_window += self.recv_taken
             self.recv_taken = 0
@@ -669,6 +736,7 @@ class FrameConnection(asyncio.Protocol):
             stream.taken += length
             if stream.taken >= INITIAL_WINDOW // 2:
                 stream.recv_window += stream.taken
+                self.pings.reset()
                 self.out.append(frame(WINDOW_UPDATE, 0, sid, stream.taken.to_bytes(4, "big")))
                 stream.taken = 0
 
@@ -682,6 +750,7 @@ class FrameConnection(asyncio.Protocol):
                     break
                 head, prefix = prefix[:room], prefix[room:]
                 rest = room - len(head)
+                self.pings.reset()
                 self.out.append(HEAD.pack(room >> 16, room & 0xFFFF, DATA, 0, sid) + head)
                 if rest:
                     self.out.append(data[:rest])

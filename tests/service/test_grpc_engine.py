@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
@@ -275,6 +276,31 @@ def test_a_call_whose_headers_are_over_the_limit_is_refused_alone(
             infer(_ids_request([1]).SerializeToString(), timeout=30, metadata=[("x-token", "t" * 17000)])
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert pb.ModelInferResponse.FromString(infer(_ids_request([1]).SerializeToString(), timeout=30))
+
+
+@pytest.mark.parametrize("engine", ["frames", "grpcio"])
+def test_pings_are_policed_alike_on_both_engines(
+    serve: Callable[..., tuple[ThreadedServer, str]], engine: str
+) -> None:
+    """``grpc_max_ping_strikes`` on either engine: a client PINGing an idle connection is answered (the
+    PING one too many as well), then past its strikes sent GOAWAY ENHANCE_YOUR_CALM "too_many_pings"."""
+    _, address = serve(grpc_engine=engine, grpc_max_ping_strikes=1)
+    raw = Raw(address)
+    try:
+        for n in range(3):
+            raw.h2.ping(n.to_bytes(8, "big"))
+            raw.flush()
+            raw.until(lambda events, n=n: len([e for e in events if _ping_or_end(e)]) > n, seconds=5)
+        acks = [e for e in raw.events if isinstance(e, h2.events.PingAckReceived)]
+        (end,) = [e for e in raw.events if isinstance(e, h2.events.ConnectionTerminated)]
+        assert len(acks) == 3 and end.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        assert end.additional_data == b"too_many_pings"
+    finally:
+        raw.close()
+
+
+def _ping_or_end(event: h2.events.Event) -> bool:
+    return isinstance(event, h2.events.PingAckReceived | h2.events.ConnectionTerminated)
 
 
 def test_the_declared_length_is_refused_before_the_message(
