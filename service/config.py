@@ -102,10 +102,10 @@ class Settings(BaseSettings):
         "([api.md](api.md#the-same-protocol-over-grpc---grpc-port)); none: off",
     )
     grpc_engine: Literal["grpcio", "frames"] = Field(
-        default="grpcio",
+        default="frames",
         json_schema_extra=_LISTEN,
-        description="what serves the gRPC port: grpcio (grpc.aio), or frames (robez's own HTTP/2 frames, "
-        "service/grpc/frames.py; not yet the default: docs/benchmarks/grpc-floor-2026-11-28.md)",
+        description="what serves the gRPC port: frames (robez's own HTTP/2 frames, service/grpc/frames.py: "
+        "docs/benchmarks/grpc-frames-engine-2026-11-28.md), or grpcio (grpc.aio)",
     )
     grpc_idle_timeout_s: float = Field(
         default=300.0,

@@ -1,6 +1,6 @@
 """The frames engine's gRPC layer (``service/grpc/engine.py``) on a real in-process app: grpcio's client for
 what a client sees, a raw HTTP/2 client (``h2``) for what only the frames show (Trailers-Only, windows not
-opened, resets). The whole gRPC suite runs on this engine with ``GRPC_ENGINE_UNDER_TEST=frames``."""
+opened, resets). The whole gRPC suite runs on this engine, the default (on grpcio: ``make grpcio-test``)."""
 
 from __future__ import annotations
 
