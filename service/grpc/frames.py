@@ -79,6 +79,7 @@ MAX_CONCURRENT_STREAMS = 100  # as grpc.aio's setting today, Envoy's and nginx's
 MAX_HEADER_BLOCK = HARD_HEADER_LIST  # compressed, across HEADERS and its CONTINUATION frames
 MAX_BLOCK_FRAMES = 32  # HEADERS and CONTINUATION frames of one header block (empty ones are a flood too)
 SETTINGS_ACK_S = 10.0
+CLOSE_GRACE_S = 5.0  # a closing connection's buffer must be taken within this, else it is aborted
 FLOOD_WINDOW_S = 1.0
 # frames from the peer per FLOOD_WINDOW_S: resets of streams (rapid reset), PINGs, SETTINGS
 NO_OP = -1  # frames that change nothing: empty DATA without END_STREAM, PRIORITY, unknown types
@@ -363,8 +364,18 @@ class FrameConnection(asyncio.Protocol):
         self.out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code) + debug))
         self.flush()
         if close:
-            self.closed = True
-            self.transport.close()  # type: ignore[union-attr]
+            self.close()
+
+    def close(self) -> None:
+        """Closed once what is buffered is written; a peer that takes none of it for ``CLOSE_GRACE_S`` is
+        cut off (aborted), so that a closed connection never lingers on a peer that reads nothing."""
+        self.closed = True
+        self.transport.close()  # type: ignore[union-attr]
+        self.loop.call_later(CLOSE_GRACE_S, self._abort_unless_gone)  # type: ignore[union-attr]
+
+    def _abort_unless_gone(self) -> None:
+        if self.done is not None and not self.done.done():
+            self.transport.abort()  # type: ignore[union-attr]
 
     async def drain(self, deadline: float) -> None:
         """GOAWAY NO_ERROR, then wait until the streams under way are done (or ``deadline``, a
@@ -375,8 +386,7 @@ class FrameConnection(asyncio.Protocol):
         while self.streams and self.loop.time() < deadline and not self.closed:
             await asyncio.sleep(min(0.01, max(deadline - self.loop.time(), 0)))
         if not self.closed:
-            self.closed = True
-            self.transport.close()  # type: ignore[union-attr]
+            self.close()
         if self.done is not None:
             await asyncio.wait_for(asyncio.shield(self.done), timeout=1.0)
 
@@ -495,8 +505,7 @@ class FrameConnection(asyncio.Protocol):
         """No preface and SETTINGS within ``preface_timeout_s`` of opening (a slow or idle opener)."""
         self.preface_timer = None
         if not self.settings_seen and not self.closed:
-            self.closed = True
-            self.transport.close()  # type: ignore[union-attr]
+            self.close()
 
     def _idle_check(self) -> None:
         """GOAWAY NO_ERROR and close once no stream was open for ``idle_timeout_s``."""

@@ -573,9 +573,14 @@ def test_a_connection_must_open_in_time_and_is_closed_once_idle(loop: asyncio.Ab
     assert prompt.goaway() == NO_ERROR
 
 
-def test_answers_held_for_a_silent_peer_are_dropped_in_time(loop: asyncio.AbstractEventLoop) -> None:
+def test_answers_held_for_a_silent_peer_are_dropped_in_time(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A peer whose windows stay shut and that sends nothing more: its held answer goes with the connection
-    after ``idle_timeout_s``; a peer that keeps sending (here PINGs) keeps it."""
+    after ``idle_timeout_s``, and if it does not even read our GOAWAY, the connection is aborted after
+    ``CLOSE_GRACE_S`` (else its close would wait on it for ever); a peer that keeps sending (here PINGs)
+    keeps it."""
+    monkeypatch.setattr(h2f, "CLOSE_GRACE_S", 0.05)
     unpoliced = Keepalive(max_ping_strikes=0)
     silent = Peer(loop, idle_timeout_s=0.1)
     talking = Peer(loop, idle_timeout_s=0.1, keepalive=unpoliced)
@@ -590,6 +595,8 @@ def test_answers_held_for_a_silent_peer_are_dropped_in_time(loop: asyncio.Abstra
         talking.send(frame(PING, 0, 0, n.to_bytes(8, "big")))
     assert silent.goaway() == NO_ERROR
     assert not talking.transport.closed and talking.connection.pending
+    loop.run_until_complete(asyncio.sleep(0.06))
+    assert silent.transport.aborted  # it read nothing, not even the GOAWAY
 
 
 @pytest.mark.parametrize(
