@@ -30,7 +30,8 @@ What a hostile peer meets (each a connection error, GOAWAY with the code, unless
   ``FLOOD_LIMITS`` per ``FLOOD_WINDOW_S`` (ENHANCE_YOUR_CALM);
 - time: the preface and SETTINGS within ``preface_timeout_s`` of opening (else closed), and a connection
   with no stream open for ``idle_timeout_s``, or with answers held back for a peer that sent nothing for
-  that long (dead, or never opening its windows), is sent GOAWAY NO_ERROR and closed;
+  that long (dead, or never opening its windows), is sent GOAWAY NO_ERROR and closed; a closing connection
+  whose peer takes nothing of what is left to write for ``CLOSE_GRACE_S`` is aborted;
 - keepalive (``keepalive.py``, grpcio's defaults): a silent peer with calls open is PINGed and, unanswered,
   aborted; the peer's PINGs are answered and policed (GOAWAY ENHANCE_YOUR_CALM ``too_many_pings``);
 - write back-pressure: while the transport's buffer is over its high mark, the connection stops reading
