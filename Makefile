@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: setup test lint typecheck pytest bench bench-quick serve cluster loadtest quality clean \
-	container-test container-clean k8s-test compat-test grpc-frames-test
+	container-test container-clean k8s-test compat-test grpcio-test
 
 setup: $(STAMP)
 
@@ -79,10 +79,10 @@ clean:
 compat-test: $(STAMP)
 	devtools/compat/run.sh
 
-# The gRPC, OIP, TLS and tracing suites once more with every test server on the opt-in frames engine
-# (ROBEZ_GRPC_ENGINE=frames, docs/api.md); `make test` runs the engine's own tests and these on grpcio.
-grpc-frames-test: $(STAMP)
-	GRPC_ENGINE_UNDER_TEST=frames $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal \
+# The gRPC, OIP, TLS and tracing suites once more with every test server on grpcio, the engine that is not
+# the default (ROBEZ_GRPC_ENGINE=grpcio, docs/api.md); `make test` runs them on the default, frames.
+grpcio-test: $(STAMP)
+	GRPC_ENGINE_UNDER_TEST=grpcio $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal \
 		tests/service/test_grpc.py tests/service/test_grpc_limits.py tests/service/test_grpc_engine.py \
 		tests/service/test_grpc_frames.py tests/service/test_oip.py tests/service/test_oip_triton.py \
 		tests/service/test_tls.py tests/service/test_tracing.py tests/service/test_config.py

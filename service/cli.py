@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         "--grpc-engine",
         dest="grpc_engine",
         choices=("grpcio", "frames"),
-        help="what serves --grpc-port: grpcio (default) or frames, robez's own HTTP/2 (ROBEZ_GRPC_ENGINE)",
+        help="what serves --grpc-port: frames, robez's own HTTP/2 (default), or grpcio (ROBEZ_GRPC_ENGINE)",
     )
     serve.add_argument(
         "--workers",

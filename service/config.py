@@ -102,10 +102,10 @@ class Settings(BaseSettings):
         "([api.md](api.md#the-same-protocol-over-grpc---grpc-port)); none: off",
     )
     grpc_engine: Literal["grpcio", "frames"] = Field(
-        default="grpcio",
+        default="frames",
         json_schema_extra=_LISTEN,
-        description="what serves the gRPC port: grpcio (grpc.aio), or frames (robez's own HTTP/2 frames, "
-        "service/grpc/frames.py; not yet the default: docs/benchmarks/grpc-floor-2026-11-28.md)",
+        description="what serves the gRPC port: frames (robez's own HTTP/2 frames, service/grpc/frames.py: "
+        "docs/benchmarks/grpc-frames-engine-2026-11-28.md), or grpcio (grpc.aio)",
     )
     grpc_idle_timeout_s: float = Field(
         default=300.0,
@@ -114,6 +114,40 @@ class Settings(BaseSettings):
         description="frames engine: a gRPC connection with no call open for this long, or holding answers "
         "for a peer that sent nothing for this long, is sent GOAWAY and closed (clients reconnect); its "
         "HTTP/2 preface must come within header_timeout_s",
+    )
+    grpc_keepalive_time_s: float = Field(
+        default=7200.0,
+        gt=0,
+        json_schema_extra=_LISTEN,
+        description="gRPC keepalive (both engines; grpcio's defaults, docs/api.md): a connection with a call "
+        "open (any, with grpc_keepalive_permit_without_calls) from which nothing came for this long is "
+        "sent a PING",
+    )
+    grpc_keepalive_timeout_s: float = Field(
+        default=20.0,
+        gt=0,
+        json_schema_extra=_LISTEN,
+        description="no answer to the keepalive PING within this: the connection is closed (a dead peer)",
+    )
+    grpc_keepalive_permit_without_calls: bool = Field(
+        default=False,
+        json_schema_extra=_LISTEN,
+        description="keepalive PINGs on connections without calls too, both ways: ours are sent, and a "
+        "client's are held to grpc_min_ping_interval_s (off: to one per two hours)",
+    )
+    grpc_min_ping_interval_s: float = Field(
+        default=300.0,
+        ge=0,
+        json_schema_extra=_LISTEN,
+        description="a client's PING sooner than this after its last, with no data of ours between, is a "
+        "strike (grpc's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS)",
+    )
+    grpc_max_ping_strikes: int = Field(
+        default=2,
+        ge=0,
+        json_schema_extra=_LISTEN,
+        description="past this many strikes the connection is sent GOAWAY ENHANCE_YOUR_CALM "
+        '"too_many_pings" and closed; 0: no limit',
     )
     # HTTPS on the port (uvicorn's TLS); a client CA makes client certificates required.
     tls_cert: Path | None = Field(

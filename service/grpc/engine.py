@@ -14,9 +14,8 @@ engines share (read key, room for the message, admission, handler, metrics, trac
 - the answer: HEADERS, one DATA (held back by the peer's windows), trailers ``grpc-status: 0``; errors as
   Trailers-Only with ``grpc-status`` and a percent-encoded ``grpc-message`` (at most 1024 characters).
 
-Left before it can be the default (issue 38): an h2spec conformance run; server keepalive PINGs (dead peers
-are found by ``grpc_idle_timeout_s`` only); a header list over 16 KiB ends the connection (COMPRESSION_ERROR)
-where a 431 on the stream would spare its other calls; perf_analyzer and kserve's clients run against it.
+A call whose headers are over 16 KiB is answered alone (Trailers-Only RESOURCE_EXHAUSTED naming the limit),
+the connection's other calls go on (``header_list_refused``).
 """
 
 from __future__ import annotations
@@ -35,7 +34,8 @@ from robez_core.errors import InvalidInputError
 from ..config import Settings
 from ..errors import PayloadTooLargeError
 from .frames import CANCEL, NO_ERROR, RST_STREAM, FrameConnection, Stream, frame
-from .headers import never_indexed
+from .headers import MAX_HEADER_LIST, never_indexed
+from .keepalive import Keepalive
 from .server import SERVICE, CallRefused, InferenceServicer
 
 logger = logging.getLogger("robez.grpc")
@@ -87,6 +87,13 @@ def _trailers(code: grpc.StatusCode, message: str) -> bytes:
     )
 
 
+_HEADERS_TOO_LARGE = trailers_only(
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    f"the call's headers are over the limit of {MAX_HEADER_LIST} bytes (SETTINGS_MAX_HEADER_LIST_SIZE: "
+    "name + value + 32 bytes a field)",
+)
+
+
 class _Call:
     """One call's state: its message as it arrives, the reader waiting for it, its task and timers."""
 
@@ -107,7 +114,7 @@ class GrpcConnection(FrameConnection):
     """One client connection of the frames engine (module docstring)."""
 
     def __init__(self, engine: FramesServer) -> None:
-        super().__init__(engine.preface_timeout_s, engine.idle_timeout_s)
+        super().__init__(engine.preface_timeout_s, engine.idle_timeout_s, engine.keepalive)
         self.engine = engine
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -208,6 +215,13 @@ class GrpcConnection(FrameConnection):
             self._fail(call, InvalidInputError("the request message is cut short"))
             return
         self._deliver(call)
+
+    def header_list_refused(self, sid: int, ended: bool) -> None:
+        """A call's metadata over the limit: that call alone is answered (Trailers-Only RESOURCE_EXHAUSTED
+        naming the limit), the connection's other calls go on."""
+        self.send_headers(sid, _HEADERS_TOO_LARGE, end_stream=True)
+        if not ended:
+            self.out.append(_rst(sid, NO_ERROR))
 
     def stream_reset(self, stream: Stream) -> None:
         call: _Call | None = stream.app
@@ -351,6 +365,7 @@ class FramesServer:
         self.body_timeout_s = settings.body_timeout_s  # also how long a peer may read none of our answers
         self.preface_timeout_s = settings.header_timeout_s  # as HTTP's first request headers
         self.idle_timeout_s = settings.grpc_idle_timeout_s
+        self.keepalive = keepalive_of(settings)
         self.methods = {
             _PREFIX + name.encode(): (name, handler, read_key)
             for name, (handler, read_key) in servicer.methods().items()
@@ -372,6 +387,16 @@ class FramesServer:
         )
         if self.server is not None:
             await self.server.wait_closed()
+
+
+def keepalive_of(settings: Settings) -> Keepalive:
+    return Keepalive(
+        time_s=settings.grpc_keepalive_time_s,
+        timeout_s=settings.grpc_keepalive_timeout_s,
+        permit_without_calls=settings.grpc_keepalive_permit_without_calls,
+        min_ping_interval_s=settings.grpc_min_ping_interval_s,
+        max_ping_strikes=settings.grpc_max_ping_strikes,
+    )
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:

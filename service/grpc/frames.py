@@ -21,13 +21,19 @@ What a hostile peer meets (each a connection error, GOAWAY with the code, unless
   error FLOW_CONTROL_ERROR); a WINDOW_UPDATE of 0 (PROTOCOL_ERROR) or past 2^31-1 (FLOW_CONTROL_ERROR);
 - header blocks: at most ``MAX_HEADER_BLOCK`` bytes in ``MAX_BLOCK_FRAMES`` frames, nothing between them but
   their CONTINUATION (the CONTINUATION flood: ENHANCE_YOUR_CALM); HPACK's table bounded by our
-  HEADER_TABLE_SIZE and the decoded list by MAX_HEADER_LIST_SIZE, a bad block COMPRESSION_ERROR;
-- floods: RST_STREAM (rapid reset, CVE-2023-44487), PING and SETTINGS frames from the peer, and frames
-  that change nothing (empty DATA, PRIORITY, unknown types), each at most ``FLOOD_LIMITS`` per
-  ``FLOOD_WINDOW_S`` (ENHANCE_YOUR_CALM);
+  HEADER_TABLE_SIZE, a bad block COMPRESSION_ERROR; a list over MAX_HEADER_LIST_SIZE (16 KiB) is still
+  decoded in full, so that HPACK's dynamic table stays in step, and its stream alone is answered
+  (``header_list_refused``); decoding stops past ``HARD_HEADER_LIST`` (64 KiB), where the table can no
+  longer be kept in step: that is a connection error COMPRESSION_ERROR;
+- floods: RST_STREAM (rapid reset, CVE-2023-44487), PING and SETTINGS frames from the peer, header lists
+  over the limit, and frames that change nothing (empty DATA, PRIORITY, unknown types), each at most
+  ``FLOOD_LIMITS`` per ``FLOOD_WINDOW_S`` (ENHANCE_YOUR_CALM);
 - time: the preface and SETTINGS within ``preface_timeout_s`` of opening (else closed), and a connection
   with no stream open for ``idle_timeout_s``, or with answers held back for a peer that sent nothing for
-  that long (dead, or never opening its windows), is sent GOAWAY NO_ERROR and closed;
+  that long (dead, or never opening its windows), is sent GOAWAY NO_ERROR and closed; a closing connection
+  whose peer takes nothing of what is left to write for ``CLOSE_GRACE_S`` is aborted;
+- keepalive (``keepalive.py``, grpcio's defaults): a silent peer with calls open is PINGed and, unanswered,
+  aborted; the peer's PINGs are answered and policed (GOAWAY ENHANCE_YOUR_CALM ``too_many_pings``);
 - write back-pressure: while the transport's buffer is over its high mark, the connection stops reading
   and the layer above starts no call (``writable``): a peer that reads nothing holds at most the buffer
   and the answers of the calls already under way, and is cut off after a bound;
@@ -44,7 +50,15 @@ from typing import Any
 
 from hpack import HPACKError
 
-from .headers import HEADER_TABLE_SIZE, MAX_HEADER_LIST, CachingDecoder, malformed
+from .headers import (
+    HARD_HEADER_LIST,
+    HEADER_TABLE_SIZE,
+    MAX_HEADER_LIST,
+    TOO_LARGE,
+    CachingDecoder,
+    never_indexed,
+)
+from .keepalive import TOO_MANY_PINGS, Keepalive, PingPolicy
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HEAD = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
@@ -63,13 +77,15 @@ DEFAULT_WINDOW = 65535  # RFC 9113's initial windows, the connection's and (our 
 INITIAL_WINDOW = DEFAULT_WINDOW
 MAX_FRAME = 16384  # what we take (our SETTINGS_MAX_FRAME_SIZE stays the default)
 MAX_CONCURRENT_STREAMS = 100  # as grpc.aio's setting today, Envoy's and nginx's defaults
-MAX_HEADER_BLOCK = 16384  # compressed, across HEADERS and its CONTINUATION frames
+MAX_HEADER_BLOCK = HARD_HEADER_LIST  # compressed, across HEADERS and its CONTINUATION frames
 MAX_BLOCK_FRAMES = 32  # HEADERS and CONTINUATION frames of one header block (empty ones are a flood too)
 SETTINGS_ACK_S = 10.0
+CLOSE_GRACE_S = 5.0  # a closing connection's buffer must be taken within this, else it is aborted
 FLOOD_WINDOW_S = 1.0
 # frames from the peer per FLOOD_WINDOW_S: resets of streams (rapid reset), PINGs, SETTINGS
 NO_OP = -1  # frames that change nothing: empty DATA without END_STREAM, PRIORITY, unknown types
-FLOOD_LIMITS = {RST_STREAM: 200, PING: 50, SETTINGS: 50, NO_OP: 200}
+BIG_LIST = -2  # header lists over MAX_HEADER_LIST (each decoded in full: up to HARD_HEADER_LIST)
+FLOOD_LIMITS = {RST_STREAM: 200, PING: 50, SETTINGS: 50, NO_OP: 200, BIG_LIST: 10}
 _JOINED_BYTES = 4096  # answers' data up to this is joined into the one write; larger, written as is
 WRITE_HIGH_BYTES = 256 * 1024  # the transport's buffer past which the connection stops reading
 
@@ -92,14 +108,16 @@ _OPENING = frame(SETTINGS, 0, 0, _SERVER_SETTINGS) + frame(
 
 
 _SETTINGS_ACK = frame(SETTINGS, ACK, 0)
+_STATUS_431 = never_indexed([(b":status", b"431")])  # Request Header Fields Too Large (RFC 6585, 9113 10.5.1)
 
 
 class ConnectionError_(Exception):
-    """A connection error: GOAWAY with ``code``, then the connection closed."""
+    """A connection error: GOAWAY with ``code`` (and ``debug`` data), then the connection closed."""
 
-    def __init__(self, code: int, why: str) -> None:
+    def __init__(self, code: int, why: str, debug: bytes = b"") -> None:
         super().__init__(why)
         self.code = code
+        self.debug = debug
 
 
 class Stream:
@@ -120,9 +138,20 @@ class Stream:
 class FrameConnection(asyncio.Protocol):
     """An HTTP/2 server connection (module docstring). Subclasses implement the ``stream_*`` hooks."""
 
-    def __init__(self, preface_timeout_s: float | None = None, idle_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        preface_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        keepalive: Keepalive | None = None,
+    ) -> None:
         self.preface_timeout_s = preface_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.keepalive = keepalive if keepalive is not None else Keepalive()
+        self.pings = PingPolicy(self.keepalive)  # the peer's PINGs, policed
+        self.keepalive_timer: asyncio.TimerHandle | None = None
+        self.watchdog: asyncio.TimerHandle | None = None  # our PING's answer awaited
+        self.ping_out: bytes | None = None  # our PING's payload while unanswered
+        self.ping_sent = 0.0  # loop.time() it went
         self.preface_timer: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0  # loop.time() when the last stream closed (or the connection opened)
@@ -171,10 +200,17 @@ class FrameConnection(asyncio.Protocol):
             self.preface_timer = self.loop.call_later(self.preface_timeout_s, self._preface_expired)
         if self.idle_timeout_s is not None:
             self.idle_timer = self.loop.call_later(self.idle_timeout_s, self._idle_check)
+        self.keepalive_timer = self.loop.call_later(self.keepalive.time_s, self._keepalive_check)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        for timer in (self.settings_timer, self.preface_timer, self.idle_timer):
+        for timer in (
+            self.settings_timer,
+            self.preface_timer,
+            self.idle_timer,
+            self.keepalive_timer,
+            self.watchdog,
+        ):
             if timer is not None:
                 timer.cancel()
         for sid in list(self.streams):
@@ -237,7 +273,7 @@ class FrameConnection(asyncio.Protocol):
         try:
             self._frames(data)
         except ConnectionError_ as exc:
-            self.goaway(exc.code, close=True)
+            self.goaway(exc.code, close=True, debug=exc.debug)
             return
         self.flush()
 
@@ -255,6 +291,13 @@ class FrameConnection(asyncio.Protocol):
     def stream_reset(self, stream: Stream) -> None:
         """The stream is gone before its answer ended (the peer reset it, or the connection closed)."""
 
+    def header_list_refused(self, sid: int, ended: bool) -> None:
+        """A new stream's header list was over ``MAX_HEADER_LIST``: the stream is never opened; this answers
+        it (HTTP 431 here; ``ended``: the request came with END_STREAM, else the rest is not wanted)."""
+        self.send_headers(sid, _STATUS_431, end_stream=True)
+        if not ended:
+            self.out.append(frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big")))
+
     # -- what the layer above sends -----------------------------------------------------------------------
 
     def flush(self) -> None:
@@ -270,6 +313,7 @@ class FrameConnection(asyncio.Protocol):
 
     def send_headers(self, sid: int, block: bytes, end_stream: bool = False) -> None:
         """A header block (at most the peer's frame size: ours are small constant blocks)."""
+        self.pings.reset()
         self.out.append(frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), sid, block))
         if end_stream:
             self._close_stream(sid, reset=False)
@@ -286,6 +330,7 @@ class FrameConnection(asyncio.Protocol):
             self.send_window -= size
             stream.window -= size
             if size:
+                self.pings.reset()
                 self.out.append(HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, sid) + prefix)
                 self.out.append(data)
                 self.out_bytes += len(data) if len(data) > _JOINED_BYTES else 0
@@ -308,19 +353,30 @@ class FrameConnection(asyncio.Protocol):
         stream.opened = True
         taken = INITIAL_WINDOW - stream.recv_window
         if taken and not stream.ended:
+            self.pings.reset()
             stream.recv_window += taken
             self.out.append(frame(WINDOW_UPDATE, 0, stream.sid, taken.to_bytes(4, "big")))
 
-    def goaway(self, code: int, close: bool) -> None:
-        """GOAWAY with the last stream id taken; ``close``: then the connection closes."""
+    def goaway(self, code: int, close: bool, debug: bytes = b"") -> None:
+        """GOAWAY with the last stream id taken (and ``debug`` data); ``close``: then closed."""
         if self.closed:
             return
         self.draining = True
-        self.out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code)))
+        self.out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code) + debug))
         self.flush()
         if close:
-            self.closed = True
-            self.transport.close()  # type: ignore[union-attr]
+            self.close()
+
+    def close(self) -> None:
+        """Closed once what is buffered is written; a peer that takes none of it for ``CLOSE_GRACE_S`` is
+        cut off (aborted), so that a closed connection never lingers on a peer that reads nothing."""
+        self.closed = True
+        self.transport.close()  # type: ignore[union-attr]
+        self.loop.call_later(CLOSE_GRACE_S, self._abort_unless_gone)  # type: ignore[union-attr]
+
+    def _abort_unless_gone(self) -> None:
+        if self.done is not None and not self.done.done():
+            self.transport.abort()  # type: ignore[union-attr]
 
     async def drain(self, deadline: float) -> None:
         """GOAWAY NO_ERROR, then wait until the streams under way are done (or ``deadline``, a
@@ -331,8 +387,7 @@ class FrameConnection(asyncio.Protocol):
         while self.streams and self.loop.time() < deadline and not self.closed:
             await asyncio.sleep(min(0.01, max(deadline - self.loop.time(), 0)))
         if not self.closed:
-            self.closed = True
-            self.transport.close()  # type: ignore[union-attr]
+            self.close()
         if self.done is not None:
             await asyncio.wait_for(asyncio.shield(self.done), timeout=1.0)
 
@@ -451,8 +506,7 @@ class FrameConnection(asyncio.Protocol):
         """No preface and SETTINGS within ``preface_timeout_s`` of opening (a slow or idle opener)."""
         self.preface_timer = None
         if not self.settings_seen and not self.closed:
-            self.closed = True
-            self.transport.close()  # type: ignore[union-attr]
+            self.close()
 
     def _idle_check(self) -> None:
         """GOAWAY NO_ERROR and close once no stream was open for ``idle_timeout_s``."""
@@ -486,9 +540,50 @@ class FrameConnection(asyncio.Protocol):
             raise ConnectionError_(PROTOCOL_ERROR, "PING on a stream")
         if len(payload) != 8:
             raise ConnectionError_(FRAME_SIZE_ERROR, "PING not 8 bytes")
-        if not flags & ACK:
-            self._flood(PING)
-            self.out.append(frame(PING, ACK, 0, payload))
+        if flags & ACK:
+            if payload == self.ping_out:  # our keepalive PING answered
+                self.ping_out = None
+                if self.watchdog is not None:
+                    self.watchdog.cancel()
+                    self.watchdog = None
+            return
+        self._flood(PING)
+        self.out.append(frame(PING, ACK, 0, payload))  # answered even when it is one too many, as grpcio
+        if self.pings.received(time.monotonic(), bool(self.streams)):
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "too many PINGs without data", TOO_MANY_PINGS)
+
+    def _keepalive_check(self) -> None:
+        """PING a peer that sent nothing for ``keepalive.time_s`` (with calls open, or always if
+        ``permit_without_calls``), then watch for its answer (``_keepalive_expired``)."""
+        assert self.loop is not None
+        self.keepalive_timer = None
+        if self.closed:
+            return
+        keepalive, now = self.keepalive, self.loop.time()
+        quiet = now - self.last_read
+        wait = keepalive.time_s - quiet if quiet < keepalive.time_s else keepalive.time_s
+        if (
+            quiet >= keepalive.time_s
+            and self.ping_out is None
+            and (self.streams or keepalive.permit_without_calls)
+        ):
+            self.ping_out, self.ping_sent = struct.pack(">d", now), now
+            self.out.append(frame(PING, 0, 0, self.ping_out))
+            self.flush()
+            self.watchdog = self.loop.call_later(keepalive.timeout_s, self._keepalive_expired)
+        self.keepalive_timer = self.loop.call_later(max(wait, 0.01), self._keepalive_check)
+
+    def _keepalive_expired(self) -> None:
+        """No answer to our PING within ``keepalive.timeout_s``: unless anything else came from the peer
+        since (alive, only slow), it is taken for dead and the connection aborted (its buffer dropped)."""
+        self.watchdog = None
+        if self.closed or self.ping_out is None:
+            return
+        self.ping_out = None
+        if self.last_read > self.ping_sent:
+            return
+        self.closed = True
+        self.transport.abort()  # type: ignore[union-attr]
 
     def _window_update(self, sid: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -568,8 +663,7 @@ class FrameConnection(asyncio.Protocol):
             self.block_sid, self.block = 0, bytearray()
             try:
                 if first & 0x100:  # trailers: rare, not cached
-                    headers = self.decoder.decode_raw(block)
-                    problem = malformed(headers, trailers=True)
+                    headers, problem = self.decoder.decode_checked(block, trailers=True)
                 else:
                     headers, problem = self.decoder.decode_request(block)
             except HPACKError as exc:
@@ -580,11 +674,17 @@ class FrameConnection(asyncio.Protocol):
         self, sid: int, flags: int, headers: list[tuple[bytes, bytes]], problem: str | None
     ) -> None:
         """A decoded header block: a new stream's request, or trailers (flag 0x100); ``problem``: what is
-        malformed in it (a stream error PROTOCOL_ERROR, RFC 9113 8.1.1, after the state's own checks)."""
+        malformed in it (a stream error PROTOCOL_ERROR, RFC 9113 8.1.1, after the state's own checks), or
+        ``TOO_LARGE``: the stream alone is answered (``header_list_refused``; trailers: reset
+        ENHANCE_YOUR_CALM), the connection and HPACK's table go on."""
+        if problem is TOO_LARGE:
+            self._flood(BIG_LIST)
         if flags & 0x100:  # on a stream already open
             stream = self.streams[sid]
             if stream.ended:
                 self.reset(sid, STREAM_CLOSED, notify=True)
+            elif problem is TOO_LARGE:
+                self.reset(sid, ENHANCE_YOUR_CALM, notify=True)
             elif not flags & END_STREAM or problem is not None:
                 self.reset(sid, PROTOCOL_ERROR, notify=True)  # trailers: must end the stream, well formed
             else:
@@ -593,6 +693,9 @@ class FrameConnection(asyncio.Protocol):
             return
         if self.draining or len(self.streams) >= MAX_CONCURRENT_STREAMS:
             self.out.append(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
+            return
+        if problem is TOO_LARGE:
+            self.header_list_refused(sid, bool(flags & END_STREAM))
             return
         if problem is not None:
             self.out.append(frame(RST_STREAM, 0, sid, PROTOCOL_ERROR.to_bytes(4, "big")))
@@ -613,6 +716,7 @@ class FrameConnection(asyncio.Protocol):
         # the connection's window is credited as data arrives: each stream's bounds what it holds
         self.recv_taken += length
         if self.recv_taken >= CONNECTION_WINDOW // 4:
+            self.pings.reset()
             self.out.append(frame(WINDOW_UPDATE, 0, 0, self.recv_taken.to_bytes(4, "big")))
             self.recv_window += self.recv_taken
             self.recv_taken = 0
@@ -642,6 +746,7 @@ class FrameConnection(asyncio.Protocol):
             stream.taken += length
             if stream.taken >= INITIAL_WINDOW // 2:
                 stream.recv_window += stream.taken
+                self.pings.reset()
                 self.out.append(frame(WINDOW_UPDATE, 0, sid, stream.taken.to_bytes(4, "big")))
                 stream.taken = 0
 
@@ -655,6 +760,7 @@ class FrameConnection(asyncio.Protocol):
                     break
                 head, prefix = prefix[:room], prefix[room:]
                 rest = room - len(head)
+                self.pings.reset()
                 self.out.append(HEAD.pack(room >> 16, room & 0xFFFF, DATA, 0, sid) + head)
                 if rest:
                     self.out.append(data[:rest])

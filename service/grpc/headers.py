@@ -9,7 +9,12 @@ from typing import cast
 from hpack import Decoder, NeverIndexedHeaderTuple
 from hpack import Encoder as _Encoder
 
-MAX_HEADER_LIST = 16384  # decoded (RFC 7541's sizes: name + value + 32 a field)
+MAX_HEADER_LIST = 16384  # decoded (RFC 7541's sizes: name + value + 32 a field): our SETTINGS, a call's bound
+# A list over MAX_HEADER_LIST is still decoded up to this (HPACK's dynamic table stays in step, the stream
+# alone is refused); past it the connection goes (COMPRESSION_ERROR). Every field counts at least 32 bytes,
+# so this also bounds the work of decoding a block (an HPACK bomb of one-byte references stops after a few).
+HARD_HEADER_LIST = 4 * MAX_HEADER_LIST
+TOO_LARGE = f"a header list over {MAX_HEADER_LIST} bytes (SETTINGS_MAX_HEADER_LIST_SIZE)"
 HEADER_TABLE_SIZE = 4096  # our SETTINGS_HEADER_TABLE_SIZE (the default): the peer's encoder stays within
 
 
@@ -32,7 +37,7 @@ class CachingDecoder(Decoder):
     the dynamic table (its indices shift), so it empties the cache."""
 
     def __init__(self) -> None:
-        super().__init__(max_header_list_size=MAX_HEADER_LIST)
+        super().__init__(max_header_list_size=HARD_HEADER_LIST)
         self.max_allowed_table_size = HEADER_TABLE_SIZE
         self.cache: dict[bytes, tuple[list[tuple[bytes, bytes]], str | None]] = {}
 
@@ -40,15 +45,22 @@ class CachingDecoder(Decoder):
         """A header block's list, names and values as bytes (what ``decode(raw=True)`` gives)."""
         return cast(list[tuple[bytes, bytes]], self.decode(data, raw=True))
 
+    def decode_checked(self, data: bytes, trailers: bool) -> tuple[list[tuple[bytes, bytes]], str | None]:
+        """A header list and what is wrong with it (None: nothing): ``TOO_LARGE`` (that very object) for a
+        list over ``MAX_HEADER_LIST``, else what is malformed in it."""
+        headers = self.decode_raw(data)
+        if sum(len(name) + len(value) for name, value in headers) + 32 * len(headers) > MAX_HEADER_LIST:
+            return headers, TOO_LARGE
+        return headers, malformed(headers, trailers)
+
     def decode_request(self, data: bytes) -> tuple[list[tuple[bytes, bytes]], str | None]:
-        """A request's header list (names and values as bytes) and what is malformed in it (None: nothing),
-        both kept for a block of indexed fields only."""
+        """A request's header list (names and values as bytes) and what is wrong with it (None: nothing,
+        ``decode_checked``), both kept for a block of indexed fields only."""
         key = bytes(data)
         known = self.cache.get(key)
         if known is not None:
             return known
-        headers = self.decode_raw(key)
-        result = (headers, malformed(headers, trailers=False))
+        result = self.decode_checked(key, trailers=False)
         if only_indexed(key):
             if len(self.cache) >= 64:
                 self.cache.clear()

@@ -570,6 +570,12 @@ async def start_grpc(app: FastAPI, settings: Settings) -> tuple[Any, int]:
             ("grpc.http2.bdp_probe", 0),
             ("grpc.http2.lookahead_bytes", _LOOKAHEAD_BYTES),
             ("grpc.max_concurrent_streams", _MAX_CONCURRENT_STREAMS),
+            # keepalive: grpcio's defaults unless configured, the frames engine's too (keepalive.py)
+            ("grpc.keepalive_time_ms", round(settings.grpc_keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", round(settings.grpc_keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", int(settings.grpc_keepalive_permit_without_calls)),
+            ("grpc.http2.min_ping_interval_without_data_ms", round(settings.grpc_min_ping_interval_s * 1000)),
+            ("grpc.http2.max_ping_strikes", settings.grpc_max_ping_strikes),
         ]
     )
     server.add_generic_rpc_handlers((InferenceServicer(app).handler(),))

@@ -19,7 +19,7 @@ from service.store import TableStore
 if TYPE_CHECKING:  # threaded_server imports make_settings from here
     from .threaded_server import ThreadedServer
 
-# GRPC_ENGINE_UNDER_TEST=frames runs every in-process gRPC test on the frames engine (ROBEZ_* variables are
+# GRPC_ENGINE_UNDER_TEST=grpcio runs every in-process gRPC test on that engine, not the default (ROBEZ_* are
 # cleared for each test, so the switch has a name of its own).
 GRPC_ENGINE_UNDER_TEST = os.environ.get("GRPC_ENGINE_UNDER_TEST")
 

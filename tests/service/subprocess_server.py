@@ -17,7 +17,7 @@ from loadtest.server import worker_pids
 __all__ = ["RobezServer", "free_port", "serve", "worker_pids"]
 
 START_TIMEOUT_S = 180.0
-# GRPC_ENGINE_UNDER_TEST=frames: servers started here serve gRPC on the frames engine (as conftest's).
+# GRPC_ENGINE_UNDER_TEST=grpcio: servers started here serve gRPC on that engine (as conftest's).
 _ENGINE = (
     {"ROBEZ_GRPC_ENGINE": os.environ["GRPC_ENGINE_UNDER_TEST"]}
     if "GRPC_ENGINE_UNDER_TEST" in os.environ

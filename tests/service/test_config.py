@@ -67,7 +67,7 @@ def test_grpc_workers_get_grpc_settings_unless_set(monkeypatch: pytest.MonkeyPat
 
 
 def test_the_grpc_engine_option_reaches_the_workers(tmp_path: Path) -> None:
-    for args, engine in (([], "grpcio"), (["--grpc-engine", "frames"], "frames")):
+    for args, engine in (([], "frames"), (["--grpc-engine", "grpcio"], "grpcio")):
         settings = _settings_from(_parser().parse_args(["serve", "--grpc-port", "0", *args]))
         assert settings.grpc_engine == engine
         assert _environment_for_workers(settings, tmp_path)["ROBEZ_GRPC_ENGINE"] == engine

@@ -1,6 +1,6 @@
 """The frames engine's gRPC layer (``service/grpc/engine.py``) on a real in-process app: grpcio's client for
 what a client sees, a raw HTTP/2 client (``h2``) for what only the frames show (Trailers-Only, windows not
-opened, resets). The whole gRPC suite runs on this engine with ``GRPC_ENGINE_UNDER_TEST=frames``."""
+opened, resets). The whole gRPC suite runs on this engine, the default (on grpcio: ``make grpcio-test``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
@@ -246,6 +247,60 @@ def test_a_call_is_checked_from_its_headers(serve: Callable[..., tuple[ThreadedS
             metadata=[("authorization", "Bearer " + "k" * 32)],
         )
         assert pb.ModelInferResponse.FromString(answer).model_name == "demo"
+
+
+def test_a_call_whose_headers_are_over_the_limit_is_refused_alone(
+    serve: Callable[..., tuple[ThreadedServer, str]],
+) -> None:
+    """Metadata over 16 KiB: that call gets Trailers-Only RESOURCE_EXHAUSTED naming the limit; the call under
+    way on the same connection is answered, and so is a grpcio client's next call (before: the connection
+    was closed with COMPRESSION_ERROR, every call on it lost)."""
+    _, address = serve()
+    raw = Raw(address)
+    try:
+        under_way = raw.open()
+        big = raw.open(extra=[("x-token", "t" * 17000)], end=True)
+        raw.until(raw.ended(big))
+        (only,) = raw.headers(big)
+        assert only[b"grpc-status"] == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]).encode()
+        assert b"16384" in only[b"grpc-message"]
+        raw.send(under_way, _message(_ids_request([1])), end=True)
+        raw.until(raw.ended(under_way))
+        assert raw.headers(under_way)[-1][b"grpc-status"] == b"0"
+        assert not [e for e in raw.events if isinstance(e, h2.events.ConnectionTerminated)]
+    finally:
+        raw.close()
+    with grpc.insecure_channel(address) as channel:
+        infer = channel.unary_unary(INFER)
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(_ids_request([1]).SerializeToString(), timeout=30, metadata=[("x-token", "t" * 17000)])
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert pb.ModelInferResponse.FromString(infer(_ids_request([1]).SerializeToString(), timeout=30))
+
+
+@pytest.mark.parametrize("engine", ["frames", "grpcio"])
+def test_pings_are_policed_alike_on_both_engines(
+    serve: Callable[..., tuple[ThreadedServer, str]], engine: str
+) -> None:
+    """``grpc_max_ping_strikes`` on either engine: a client PINGing an idle connection is answered (the
+    PING one too many as well), then past its strikes sent GOAWAY ENHANCE_YOUR_CALM "too_many_pings"."""
+    _, address = serve(grpc_engine=engine, grpc_max_ping_strikes=1)
+    raw = Raw(address)
+    try:
+        for n in range(3):
+            raw.h2.ping(n.to_bytes(8, "big"))
+            raw.flush()
+            raw.until(lambda events, n=n: len([e for e in events if _ping_or_end(e)]) > n, seconds=5)
+        acks = [e for e in raw.events if isinstance(e, h2.events.PingAckReceived)]
+        (end,) = [e for e in raw.events if isinstance(e, h2.events.ConnectionTerminated)]
+        assert len(acks) == 3 and end.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        assert end.additional_data == b"too_many_pings"
+    finally:
+        raw.close()
+
+
+def _ping_or_end(event: h2.events.Event) -> bool:
+    return isinstance(event, h2.events.PingAckReceived | h2.events.ConnectionTerminated)
 
 
 def test_the_declared_length_is_refused_before_the_message(

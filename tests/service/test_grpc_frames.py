@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hpack import Encoder
+from hpack import Decoder, Encoder
 
 from service.grpc import frames as h2f
 from service.grpc.frames import (
@@ -39,6 +39,7 @@ from service.grpc.frames import (
     Stream,
     frame,
 )
+from service.grpc.keepalive import Keepalive
 
 REQUEST = [
     (":method", "POST"),
@@ -56,6 +57,7 @@ class Transport(asyncio.Transport):
         super().__init__()
         self.written = bytearray()
         self.closed = False
+        self.aborted = False
         self.reading = True
 
     def write(self, data: Any) -> None:
@@ -63,6 +65,9 @@ class Transport(asyncio.Transport):
 
     def close(self) -> None:
         self.closed = True
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
 
     def is_closing(self) -> bool:
         return self.closed
@@ -83,8 +88,13 @@ class Transport(asyncio.Transport):
 class Recorder(FrameConnection):
     """Streams stay open until the test answers them; every hook recorded."""
 
-    def __init__(self, preface_timeout_s: float | None = None, idle_timeout_s: float | None = None) -> None:
-        super().__init__(preface_timeout_s, idle_timeout_s)
+    def __init__(
+        self,
+        preface_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        keepalive: Keepalive | None = None,
+    ) -> None:
+        super().__init__(preface_timeout_s, idle_timeout_s, keepalive)
         self.opened: dict[int, list[tuple[bytes, bytes]]] = {}
         self.data: dict[int, bytes] = {}
         self.ended: list[int] = []
@@ -106,7 +116,7 @@ class Recorder(FrameConnection):
 class Peer:
     """The client side: an HPACK encoder, the connection under test, and its frames read back."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, **timeouts: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, **timeouts: Any) -> None:
         self.loop = loop
         self.encoder = Encoder()
         self.connection = Recorder(**timeouts)
@@ -143,12 +153,15 @@ class Peer:
         return out
 
     def goaway(self) -> int | None:
-        """The error code of the GOAWAY written (None: none), asserting the connection closed after it."""
-        codes = [struct.unpack(">II", payload)[1] for kind, _, _, payload in self.frames() if kind == GOAWAY]
-        if not codes:
+        """The error code of the GOAWAY written (None: none), asserting the connection closed after it; its
+        debug data in ``self.debug``."""
+        goaways = [payload for kind, _, _, payload in self.frames() if kind == GOAWAY]
+        if not goaways:
             return None
         assert self.transport.closed
-        return codes[-1]
+        self.debug = goaways[-1][8:]
+        code: int = struct.unpack_from(">II", goaways[-1])[1]
+        return code
 
     def resets(self) -> dict[int, int]:
         return {sid: int.from_bytes(p, "big") for kind, _, sid, p in self.frames() if kind == RST_STREAM}
@@ -342,7 +355,7 @@ def test_answers_wait_for_the_peers_windows(peer: Peer) -> None:
 
 @pytest.mark.parametrize(
     ("size", "count"),
-    [(5000, 4), (0, h2f.MAX_BLOCK_FRAMES)],  # bytes past the bound; empty frames
+    [(16000, 5), (0, h2f.MAX_BLOCK_FRAMES)],  # bytes past the bound (64 KiB); empty frames
 )
 def test_continuation_floods_are_cut(peer: Peer, size: int, count: int) -> None:
     peer.start()
@@ -389,14 +402,61 @@ def test_bad_header_blocks_are_compression_errors(peer: Peer, block: bytes) -> N
 
 
 def test_a_small_block_cannot_decode_into_a_huge_list(peer: Peer) -> None:
-    """HPACK bomb: one 4000-byte header indexed once, then referenced over and over by one byte each."""
+    """HPACK bomb: one 4000-byte header indexed once, then referenced over and over by one byte each. Past
+    HARD_HEADER_LIST (64 KiB) decoded the connection goes: decoding stops there."""
     peer.start()
     peer.send(peer.headers(1, extra=[("x-bomb", "b" * 3900)]))
     peer.frames()
-    bomb = peer.encoder.encode([*REQUEST, *([("x-bomb", "b" * 3900)] * 8)])
+    bomb = peer.encoder.encode([*REQUEST, *([("x-bomb", "b" * 3900)] * 17)])
     assert len(bomb) < 100
     peer.send(frame(HEADERS, END_HEADERS, 3, bomb))
     assert peer.goaway() == COMPRESSION_ERROR
+
+
+def test_a_header_list_over_the_limit_refuses_its_stream_alone(peer: Peer) -> None:
+    """Over MAX_HEADER_LIST (16 KiB): that stream alone is answered (431, the rest of it not wanted), never
+    opened; the other streams and HPACK's table go on (the refused block inserted a header that the next
+    block refers to). Over the limit as a small HPACK bomb, or in CONTINUATION frames, the same."""
+    peer.start()
+    peer.send(peer.headers(1))
+    peer.frames()
+    big = peer.encoder.encode([*REQUEST, ("x-indexed", "i" * 100), ("x-big", "b" * 17000)])
+    peer.send(frame(HEADERS, 0, 3, big[:16000]), frame(CONTINUATION, END_HEADERS, 3, big[16000:]))
+    written = peer.frames()
+    assert [(kind, flags, sid) for kind, flags, sid, _ in written] == [
+        (HEADERS, END_HEADERS | END_STREAM, 3),
+        (RST_STREAM, 0, 3),
+    ]
+    assert Decoder().decode(written[0][3]) == [(":status", "431")]
+    assert 3 not in peer.connection.opened and not peer.transport.closed
+    bomb = peer.encoder.encode([*REQUEST, ("x-indexed", "i" * 100), *([("x-bomb", "b" * 3900)] * 5)])
+    peer.send(frame(HEADERS, END_HEADERS | END_STREAM, 5, bomb))  # under 100 bytes, over 16 KiB decoded
+    assert [(kind, sid) for kind, _, sid, _ in peer.frames()] == [(HEADERS, 5)]  # it ended: no reset
+    peer.send(peer.headers(7, end_stream=True, extra=[("x-indexed", "i" * 100)]))
+    assert (b"x-indexed", b"i" * 100) in peer.connection.opened[7]
+    peer.send(frame(DATA, END_STREAM, 1, b"x"), frame(DATA, 0, 3, b"dropped"))
+    assert peer.connection.data == {1: b"x"} and peer.connection.ended == [7, 1]
+    assert peer.goaway() is None
+
+
+def test_header_lists_over_the_limit_are_bounded_per_second(peer: Peer) -> None:
+    """Each costs a full decode: at most FLOOD_LIMITS[BIG_LIST] a second, then ENHANCE_YOUR_CALM."""
+    peer.start()
+    limit = h2f.FLOOD_LIMITS[h2f.BIG_LIST]
+    blocks = [peer.headers(2 * n + 1, end_stream=True, extra=[("x-big", "b" * 17000)]) for n in range(limit)]
+    peer.send(*blocks)
+    assert peer.goaway() is None
+    peer.send(peer.headers(2 * limit + 1, end_stream=True, extra=[("x-big", "b" * 17000)]))
+    assert peer.goaway() == ENHANCE_YOUR_CALM
+
+
+def test_trailers_over_the_limit_reset_their_stream(peer: Peer) -> None:
+    peer.start()
+    peer.send(peer.headers(1), peer.headers(3))
+    peer.frames()
+    peer.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, peer.encoder.encode([("x-big", "b" * 17000)])))
+    assert peer.resets() == {1: ENHANCE_YOUR_CALM} and peer.connection.resets == [1]
+    assert 3 in peer.connection.streams and not peer.transport.closed
 
 
 @pytest.mark.parametrize(
@@ -406,7 +466,9 @@ def test_a_small_block_cannot_decode_into_a_huge_list(peer: Peer) -> None:
         (lambda n: frame(SETTINGS, 0, 0), h2f.FLOOD_LIMITS[SETTINGS] - 1),  # start() sent one
     ],
 )
-def test_control_frame_floods_are_cut(peer: Peer, make: Any, limit: int) -> None:
+def test_control_frame_floods_are_cut(loop: asyncio.AbstractEventLoop, make: Any, limit: int) -> None:
+    """The bound on every peer, whatever its PING policy (here none: ``max_ping_strikes=0``)."""
+    peer = Peer(loop, keepalive=Keepalive(max_ping_strikes=0))
     peer.start()
     peer.send(*(make(n) for n in range(limit)))
     assert peer.goaway() is None
@@ -511,10 +573,17 @@ def test_a_connection_must_open_in_time_and_is_closed_once_idle(loop: asyncio.Ab
     assert prompt.goaway() == NO_ERROR
 
 
-def test_answers_held_for_a_silent_peer_are_dropped_in_time(loop: asyncio.AbstractEventLoop) -> None:
+def test_answers_held_for_a_silent_peer_are_dropped_in_time(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A peer whose windows stay shut and that sends nothing more: its held answer goes with the connection
-    after ``idle_timeout_s``; a peer that keeps sending (here PINGs) keeps it."""
-    silent, talking = Peer(loop, idle_timeout_s=0.1), Peer(loop, idle_timeout_s=0.1)
+    after ``idle_timeout_s``, and if it does not even read our GOAWAY, the connection is aborted after
+    ``CLOSE_GRACE_S`` (else its close would wait on it for ever); a peer that keeps sending (here PINGs)
+    keeps it."""
+    monkeypatch.setattr(h2f, "CLOSE_GRACE_S", 0.05)
+    unpoliced = Keepalive(max_ping_strikes=0)
+    silent = Peer(loop, idle_timeout_s=0.1)
+    talking = Peer(loop, idle_timeout_s=0.1, keepalive=unpoliced)
     for peer in (silent, talking):
         peer.start()
         peer.send(peer.headers(1, end_stream=True))
@@ -526,6 +595,8 @@ def test_answers_held_for_a_silent_peer_are_dropped_in_time(loop: asyncio.Abstra
         talking.send(frame(PING, 0, 0, n.to_bytes(8, "big")))
     assert silent.goaway() == NO_ERROR
     assert not talking.transport.closed and talking.connection.pending
+    loop.run_until_complete(asyncio.sleep(0.06))
+    assert silent.transport.aborted  # it read nothing, not even the GOAWAY
 
 
 @pytest.mark.parametrize(
@@ -560,3 +631,75 @@ def test_malformed_trailers_reset_the_stream(peer: Peer) -> None:
     peer.frames()
     peer.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, peer.encoder.encode([(":path", "/x")])))
     assert peer.resets() == {1: PROTOCOL_ERROR} and peer.connection.resets == [1]
+
+
+def test_pings_are_answered_and_policed_as_grpcio_does(loop: asyncio.AbstractEventLoop) -> None:
+    """Every PING gets its ACK (the same 8 bytes). Without a call open, a second PING within 2 hours is a
+    strike; the third strike (max_ping_strikes 2) is GOAWAY ENHANCE_YOUR_CALM "too_many_pings" (grpcio
+    1.85's server, to the frame: tests/service/test_grpc_engine.py)."""
+    idle = Peer(loop)
+    idle.start()
+    idle.frames()
+    for n in range(3):
+        idle.send(frame(PING, 0, 0, n.to_bytes(8, "big")))
+        assert idle.frames() == [(PING, ACK, 0, n.to_bytes(8, "big"))]
+    idle.send(frame(PING, 0, 0, bytes(8)))  # answered all the same (as grpcio does), then GOAWAY
+    assert [kind for kind, *_ in idle.frames()] == [PING, GOAWAY]
+    idle.read = 0
+    assert idle.goaway() == ENHANCE_YOUR_CALM and idle.debug == b"too_many_pings"
+
+
+def test_pings_with_calls_open_keep_to_the_interval_or_follow_our_data(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """With a call open the interval is ``min_ping_interval_s``; whatever the server sends (HEADERS, DATA,
+    WINDOW_UPDATE) makes the next PING welcome, as a grpc client's BDP pings follow the server's data."""
+    peer = Peer(loop, keepalive=Keepalive(min_ping_interval_s=0.05))
+    peer.start()
+    peer.send(peer.headers(1), peer.headers(3))
+    for _ in range(4):  # spaced past the interval: no strike
+        peer.send(frame(PING, 0, 0, bytes(8)))
+        loop.run_until_complete(asyncio.sleep(0.06))
+    for sid in (1, 3):  # two quick ones answered by data of ours each: no strike either
+        peer.send(frame(PING, 0, 0, bytes(8)), frame(PING, 0, 0, bytes(8)))
+        peer.connection.send_headers(sid, b"\x88", end_stream=True)
+        peer.connection.flush()
+    peer.send(peer.headers(5), *(frame(PING, 0, 0, bytes(8)) for _ in range(3)))  # two strikes
+    assert peer.goaway() is None
+    peer.send(frame(PING, 0, 0, bytes(8)))
+    assert peer.goaway() == ENHANCE_YOUR_CALM
+
+
+def test_a_silent_peer_with_a_call_open_is_pinged_and_dropped_without_an_answer(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """After ``time_s`` of silence with a call open: our PING; its ACK keeps the connection, nothing back
+    within ``timeout_s`` aborts it. Without a call (``permit_without_calls`` off) nobody is pinged."""
+    keepalive = Keepalive(time_s=0.05, timeout_s=0.3)
+    dead, alive, idle = (Peer(loop, keepalive=keepalive) for _ in range(3))
+    for peer in (dead, alive, idle):
+        peer.start()
+    for peer in (dead, alive):
+        peer.send(peer.headers(1))
+        peer.frames()
+    idle.frames()
+    seen: dict[Peer, list[tuple[int, int, int, bytes]]] = {dead: [], alive: [], idle: []}
+
+    def until(condition: Any) -> None:
+        for _ in range(200):  # 2 s at most
+            if condition():
+                return
+            loop.run_until_complete(asyncio.sleep(0.01))
+            for peer, frames in seen.items():
+                frames += peer.frames()
+
+    until(lambda: seen[dead] and seen[alive])
+    (ping,) = seen[alive]
+    assert ping[:3] == (PING, 0, 0) and [f[:2] for f in seen[dead]] == [(PING, 0)]
+    alive.send(frame(PING, ACK, 0, ping[3]))
+    until(lambda: dead.transport.aborted)
+    assert dead.transport.aborted and not alive.transport.closed
+    until(lambda: len(seen[alive]) > 1)
+    assert [f[:2] for f in seen[alive]] == [(PING, 0)] * 2  # pinged again once quiet again
+    assert seen[idle] == [] and not idle.transport.closed
+    assert alive.connection.pings.strikes == 0  # our PINGs and their ACKs are no strikes
