@@ -117,7 +117,10 @@ class RemoteEmbeddingBagCollection(nn.Module):
     trains the rest of the model).
 
     Trained without ``prefetch`` and with blocking pushes, the server's array ends bit for bit where the
-    local collection's would (same batches, same robez optimizer step, tables made by ``create_tables``).
+    local collection's would (same batches, same robez optimizer step, tables made by ``create_tables``),
+    for batches whose keys come in the collection's order: the push goes table by table in that order,
+    while the local step adds a location's gradients in the order of the keys given (other orders pool
+    the same, but train a few last bits apart where features collide in the array).
 
     Args:
         client: a ``RobezClient`` or the server's URL (``api_key``, ``verify`` as for ``RobezClient``).
