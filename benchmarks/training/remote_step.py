@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -71,7 +72,8 @@ def measure(steps: int, warmup: int, mode: str = "two") -> dict[str, Any]:
                     collection.reset_stats()
                     if not one:
                         timings.clear()
-                    start = time.perf_counter()
+                    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    start, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
                     pooled = collection(keys=batch.keys, values=batch.values, lengths=batch.lengths)
                     # one request a step: the forward waited for the request the last backward sent (its
                     # timing noted by the request thread before its answer was handed over)
@@ -81,6 +83,11 @@ def measure(steps: int, warmup: int, mode: str = "two") -> dict[str, Any]:
                         collection.prefetch(keys=after.keys, values=after.values, lengths=after.lengths)
                     pooled.values().backward(grad)
                     wall = (time.perf_counter() - start) * 1e3
+                    cpus = {
+                        "trainer thread CPU": (time.thread_time() - cpu) * 1e3,
+                        "trainer process CPU (+ request thread)": (time.process_time() - process) * 1e3,
+                        "trainer page faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+                    }
                     stats = collection.reset_stats()
                     if index < warmup:
                         continue
@@ -93,6 +100,7 @@ def measure(steps: int, warmup: int, mode: str = "two") -> dict[str, Any]:
                             "server apply": waited.get("apply", 0.0),
                             "server lookup part": waited.get("lookup_hash", 0.0) + waited.get("lookup", 0.0),
                             "rest of the wait": stats.pull_wait_ms - waited.get("total", 0.0),
+                            **cpus,
                         }
                         for name, value in figures.items():
                             rows.setdefault(name, []).append(value)
@@ -112,6 +120,7 @@ def measure(steps: int, warmup: int, mode: str = "two") -> dict[str, Any]:
                         + stats.push_wait_ms
                         - pull.get("total", 0.0)
                         - push.get("total", 0.0),
+                        **cpus,
                     }
                     for name, value in figures.items():
                         rows.setdefault(name, []).append(value)

@@ -66,6 +66,7 @@ from .collection import (
     collection_first_bad_id,
     collection_lookup,
     collection_scatter_grad,
+    distinct_by_table,
 )
 from .runtime import PREFETCH_READ_MIN_BYTES, PREFETCH_WRITE_MIN_BYTES, compile_target, set_kernel_threads
 from .runtime import hash_setup as _hash_setup
@@ -84,6 +85,7 @@ __all__ = [
     "collection_lookup",
     "collection_scatter_grad",
     "compile_target",
+    "distinct_by_table",
     "fits_int32_offsets",
     "gather",
     "lookup",

@@ -1847,3 +1847,58 @@ def _collection_scatter_kernel(
                         min(chunk_size, embedding_dim - start),
                         divisor,
                     )
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _distinct_by_table_kernel(
+    ids, feature_starts, feature_tables, feature_limits, num_tables, keys, tags, bits
+):
+    """Every table's distinct ids in one pass over a batch's ids (feature f's are
+    ``ids[feature_starts[f]:feature_starts[f + 1]]``, read by table ``feature_tables[f]``), by linear
+    probing of (table, id) in ``keys`` / ``tags`` (2**bits slots, at least twice the ids; tags all 0 on
+    entry, and again on return). Returns (distinct ids grouped by table, each table's in order of first
+    appearance; each id's index into them; where each table's start (T + 1,); the index of the first id
+    outside its feature's ``[0, feature_limits[f])``, or -1)."""
+    n = ids.shape[0]
+    mask = keys.shape[0] - 1
+    shift = np.uint64(64 - bits)
+    counts = np.zeros(num_tables, dtype=np.int64)
+    firsts = np.empty(n, dtype=np.int64)  # where each distinct (table, id) sits in keys / tags
+    inverse = np.empty(n, dtype=np.int64)  # first: the tag (table << 40 | index in table + 1)
+    bad = -1
+    found = 0
+    for f in range(feature_tables.shape[0]):
+        table = feature_tables[f]
+        salt = np.uint64(table) * np.uint64(0xC2B2AE3D27D4EB4F)
+        for i in range(feature_starts[f], feature_starts[f + 1]):
+            ident = ids[i]
+            if bad < 0 and (ident < 0 or ident >= feature_limits[f]):
+                bad = i
+            slot = np.int64(((np.uint64(ident) ^ salt) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
+            while True:
+                tag = tags[slot]
+                if tag == 0:
+                    counts[table] += 1
+                    tag = (table << 40) | counts[table]
+                    keys[slot] = ident
+                    tags[slot] = tag
+                    firsts[found] = slot
+                    found += 1
+                    break
+                if keys[slot] == ident and (tag >> 40) == table:
+                    break
+                slot = (slot + 1) & mask
+            inverse[i] = tag
+    starts = np.zeros(num_tables + 1, dtype=np.int64)
+    for t in range(num_tables):
+        starts[t + 1] = starts[t] + counts[t]
+    distinct = np.empty(found, dtype=np.int64)
+    for k in range(found):
+        slot = firsts[k]
+        tag = tags[slot]
+        distinct[starts[tag >> 40] + (tag & 0xFFFFFFFFFF) - 1] = keys[slot]
+        tags[slot] = 0
+    for i in range(n):
+        tag = inverse[i]
+        inverse[i] = starts[tag >> 40] + (tag & 0xFFFFFFFFFF) - 1
+    return distinct, inverse, starts, bad

@@ -11,6 +11,7 @@ collection). Re-exported by ``robez_core.kernels``; tests: tests/core/test_colle
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from ._jit import (
     _collection_first_bad_id,
     _collection_forward_kernel,
     _collection_scatter_kernel,
+    _distinct_by_table_kernel,
     _row_chunk_sources,
 )
 from .runtime import (
@@ -43,6 +45,7 @@ __all__ = [
     "collection_first_bad_id",
     "collection_lookup",
     "collection_scatter_grad",
+    "distinct_by_table",
 ]
 
 
@@ -355,3 +358,44 @@ def coalesce_chunk_rows(
         coverage,
     )
     return torch.from_numpy(locations), torch.from_numpy(values)
+
+
+_probe_tables = threading.local()  # per thread: the last (keys, tags), tags left all 0 by each call
+_KEPT_PROBE_BITS = 20  # up to 2**20 slots (16 MiB, batches of 512k ids) kept between calls
+
+
+def distinct_by_table(
+    ids: torch.Tensor, feature_starts: Sequence[int], feature_tables: np.ndarray, feature_limits: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+    """Every table's distinct ids of a batch in one compiled pass (a remote collection's pull).
+
+    Feature f's ids are ``ids[feature_starts[f]:feature_starts[f + 1]]`` (int64), read by table
+    ``feature_tables[f]`` (int64 (F,), in ``[0, T)`` with T = its max + 1). Returns ``distinct`` int64 (U,):
+    table t's distinct ids are ``distinct[starts[t]:starts[t + 1]]``, in order of first appearance;
+    ``inverse`` int64 (N,): each id's index into ``distinct``; ``starts`` (T + 1 ints); the index of the
+    first id outside its feature's ``[0, feature_limits[f])``, or -1 (it is still counted: ids a table
+    does not hold are the server's to refuse). One hash of (table, id) per id: no sort, no int64 range
+    arithmetic, so any ids and table sizes (``torch.unique`` per table gives the same sets, sorted).
+    """
+    ids_np = _ids_np(ids)
+    bounds = np.asarray(feature_starts, dtype=np.int64)
+    tables = np.ascontiguousarray(feature_tables, dtype=np.int64)
+    limits = np.ascontiguousarray(feature_limits, dtype=np.int64)
+    if bounds.shape != (tables.shape[0] + 1,) or limits.shape != tables.shape:
+        raise InvalidInputError("give F + 1 feature starts and F tables and limits")
+    if bounds[0] != 0 or bounds[-1] != ids_np.shape[0] or np.any(bounds[1:] < bounds[:-1]):
+        raise InvalidInputError("feature starts must start at 0, be non-decreasing and end at len(ids)")
+    if tables.shape[0] and int(tables.min()) < 0:
+        raise InvalidInputError("feature tables must be >= 0")
+    num_tables = int(tables.max()) + 1 if tables.shape[0] else 0
+    bits = max(4, int(2 * ids_np.shape[0]).bit_length())  # 2**bits slots: at least twice the ids
+    scratch = getattr(_probe_tables, "last", None)
+    if scratch is None or scratch[0].shape[0] != 1 << bits:
+        scratch = (np.empty(1 << bits, dtype=np.int64), np.zeros(1 << bits, dtype=np.int64))
+        if bits <= _KEPT_PROBE_BITS:  # kept for this thread's next batch (one size: the last)
+            _probe_tables.last = scratch
+    keys, tags = scratch
+    distinct, inverse, starts, bad = _distinct_by_table_kernel(
+        ids_np, bounds, tables, limits, num_tables, keys, tags, bits
+    )
+    return torch.from_numpy(distinct), torch.from_numpy(inverse), starts.tolist(), int(bad)

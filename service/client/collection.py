@@ -11,9 +11,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -28,6 +29,7 @@ from robez_core.collection import (
 )
 from robez_core.config import DEFAULT_INIT_SCALE, OptimizerConfig
 from robez_core.hashing import DEFAULT_SEED
+from robez_core.kernels import distinct_by_table
 
 from .base import TLSVerify
 from .sync_client import RobezClient
@@ -47,16 +49,30 @@ class _Feature:
 
 @dataclass
 class _Batch:
-    """One parsed jagged batch: per feature (collection order) its ids and bag offsets (B + 1,)."""
+    """One parsed jagged batch in the collection's feature order (a table's features are adjacent in it,
+    tables in order): every feature's ids one after the other, and what its pull and push need."""
 
-    bounds: Tensor
     batch_size: int
-    ids: dict[str, Tensor]  # feature -> int64 (N_f,)
-    offsets: dict[str, Tensor]  # feature -> int64 (B + 1,)
+    ids: Tensor
+    """int64 (N,): the ids, feature by feature in the collection's order (the input's values where the
+    keys came in that order)"""
+    bounds: Tensor
+    """int64 (F * B + 1,): bag ``f * B + b`` (feature f, sample b) is ``ids[bounds[i]:bounds[i + 1]]``"""
+    lookups: dict[str, Tensor]
+    """server table (in order) -> its distinct ids (U_t,) in order of first appearance: the pull"""
+    inverse: Tensor
+    """int64 (N,): each id's row in the pull's rows of every table one after the other (U,)"""
+    starts: list[int]
+    """F + 1: feature f's ids are ``ids[starts[f]:starts[f + 1]]``"""
     single: bool = False
-    """Every bag holds one id (Criteo's features): each id's gradient is its bag's column slice."""
-    unique: dict[str, tuple[Tensor, dict[str, Tensor]]] = field(default_factory=dict)
-    """server table -> (its distinct ids (U_t,), feature -> each id's index into them (N_f,))"""
+    """Every bag holds one id (Criteo's features): each id's gradient is its bag's."""
+
+
+def _take(values: Tensor, ranges: list[tuple[int, int]]) -> Tensor:
+    """``values`` ' rows in ``ranges``, one after the other (a view for one range)."""
+    if len(ranges) == 1:
+        return values[ranges[0][0] : ranges[0][1]]
+    return torch.cat([values[start:stop] for start, stop in ranges])
 
 
 @dataclass
@@ -101,7 +117,10 @@ class RemoteEmbeddingBagCollection(nn.Module):
     trains the rest of the model).
 
     Trained without ``prefetch`` and with blocking pushes, the server's array ends bit for bit where the
-    local collection's would (same batches, same robez optimizer step, tables made by ``create_tables``).
+    local collection's would (same batches, same robez optimizer step, tables made by ``create_tables``),
+    for batches whose keys come in the collection's order: the push goes table by table in that order,
+    while the local step adds a location's gradients in the order of the keys given (other orders pool
+    the same, but train a few last bits apart where features collide in the array).
 
     Args:
         client: a ``RobezClient`` or the server's URL (``api_key``, ``verify`` as for ``RobezClient``).
@@ -189,6 +208,17 @@ class RemoteEmbeddingBagCollection(nn.Module):
                     table.num_embeddings,
                 )
         self.feature_names = list(self._features)
+        features = list(self._features.values())
+        self._width = sum(feature.dim for feature in features)
+        self._table_features: dict[str, list[int]] = {}  # server table -> its features' indices
+        for index, feature in enumerate(features):
+            self._table_features.setdefault(feature.table, []).append(index)
+        table_index = {table: index for index, table in enumerate(self._table_features)}
+        self._tables = np.array([table_index[feature.table] for feature in features], dtype=np.int64)
+        self._limits = np.array([feature.num_embeddings for feature in features], dtype=np.int64)
+        self._mean = torch.tensor([feature.mean for feature in features])
+        dims = {feature.dim for feature in features}
+        self._dim = dims.pop() if len(dims) == 1 else None  # one dim: one pooling op for every feature
         self.lr = lr
         self.max_pending_pushes = max_pending_pushes
         self.validate_ids = validate_ids
@@ -267,11 +297,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
             batch = self._batch(*inputs)
             future = self._pull_soon(batch)
         rows = self._wait(future, "pull_wait_ms")
-        pooled = (
-            torch.cat([self._pool(batch, rows, feature) for feature in self._features.values()], dim=1)
-            if batch.batch_size
-            else torch.zeros(0, sum(f.dim for f in self._features.values()))
-        )
+        pooled = self._pool(batch, rows)
         if torch.is_grad_enabled():
             self._forwards_to_push += 1
             anchor = torch.empty(0, requires_grad=True)
@@ -346,33 +372,58 @@ class RemoteEmbeddingBagCollection(nn.Module):
         self._prefetched = None
         return batch, future
 
-    def _pool(self, batch: _Batch, rows: dict[str, Tensor], feature: _Feature) -> Tensor:
-        """(B, d) of one feature, pooled as the local collection's kernel does: each bag's rows added in
-        order from zero, a mean bag then times float32(1 / length)."""
-        table_rows = rows[feature.table]
-        if table_rows.shape[0] == 0:
-            return torch.zeros(batch.batch_size, feature.dim)
-        _, inverse = batch.unique[feature.table]
-        offsets = batch.offsets[feature.name]
-        pooled = F.embedding_bag(
-            inverse[feature.name], table_rows, offsets, mode="sum", include_last_offset=True
-        )
-        if feature.mean:  # torch's "mean" divides; the kernel multiplies by the float32 reciprocal
-            counts = (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)
-            pooled = pooled * (1.0 / counts).unsqueeze(1)
-        return pooled
+    def _pool(self, batch: _Batch, rows: dict[str, Tensor]) -> Tensor:
+        """(B, sum of dims), pooled as the local collection's kernel does: each bag's rows added in order
+        from zero, a mean bag then times float32(1 / length). Features of one dim: one op for all bags,
+        taken sample by sample (bag ``b * F + f``), so that its (B * F, d) output is the (B, F * d) one."""
+        size, count, total = batch.batch_size, len(self._features), batch.ids.numel()
+        if size == 0:
+            return torch.zeros(0, self._width)
+        if self._dim is not None:
+            weight = torch.cat([rows[table] for table in batch.lookups])
+            if batch.single:
+                index, offsets = batch.inverse.view(count, size).t().reshape(-1), torch.arange(total + 1)
+            else:
+                lengths = batch.bounds.diff().view(count, size).t().reshape(-1)
+                offsets = torch.zeros(count * size + 1, dtype=torch.int64)
+                torch.cumsum(lengths, 0, out=offsets[1:])
+                firsts = batch.bounds[:-1].view(count, size).t().reshape(-1)  # each bag's first id
+                moves = torch.repeat_interleave(firsts - offsets[:-1], lengths, output_size=total)
+                index = batch.inverse[moves + torch.arange(total)]
+            pooled = F.embedding_bag(index, weight, offsets, mode="sum", include_last_offset=True)
+            if not batch.single and bool(self._mean.any()):  # one id a bag: times 1 is the same bits
+                scale = 1.0 / lengths.clamp(min=1).to(torch.float32)
+                pooled *= torch.where(self._mean.repeat(size), scale, 1.0).unsqueeze(1)
+            return pooled.view(size, count * self._dim)
+        columns: list[Tensor] = []
+        first_row, row = {}, 0
+        for table in batch.lookups:
+            first_row[table], row = row, row + rows[table].shape[0]
+        for position, feature in enumerate(self._features.values()):
+            table_rows = rows[feature.table]
+            if table_rows.shape[0] == 0:
+                columns.append(torch.zeros(size, feature.dim))
+                continue
+            start, stop = batch.starts[position], batch.starts[position + 1]
+            offsets = batch.bounds[position * size : (position + 1) * size + 1] - start
+            inverse = batch.inverse[start:stop] - first_row[feature.table]
+            pooled = F.embedding_bag(inverse, table_rows, offsets, mode="sum", include_last_offset=True)
+            if feature.mean:  # torch's "mean" divides; the kernel multiplies by the float32 reciprocal
+                counts = (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)
+                pooled = pooled * (1.0 / counts).unsqueeze(1)
+            columns.append(pooled)
+        return torch.cat(columns, dim=1)
 
     # ------------------------------------------------------------------ requests (the worker thread)
 
     def _pull(self, batch: _Batch) -> dict[str, Tensor]:
-        rows = self.client.lookup_many({table: unique for table, (unique, _) in batch.unique.items()})
+        rows = self.client.lookup_many(batch.lookups)
         self._count(self.client.last_timing)
         return rows
 
     def _push_and_pull(self, updates: _Updates, batch: _Batch) -> dict[str, Tensor]:
         """One request: the push, then the rows of ``batch`` (read after it: ``update_and_lookup``)."""
-        lookups = {table: unique for table, (unique, _) in batch.unique.items()}
-        versions, rows = self.client.update_and_lookup(updates, lookups, lr=self.lr)
+        versions, rows = self.client.update_and_lookup(updates, batch.lookups, lr=self.lr)
         self.versions.update(versions)
         self._count(self.client.last_timing)
         return rows
@@ -381,24 +432,23 @@ class RemoteEmbeddingBagCollection(nn.Module):
         """Every feature's per-id gradients (its bag's gradient, over its length for a mean bag), in the
         collection's feature order, the features of one table concatenated: one ``update_many`` (with
         the next batch's pull where one waits for it, or is to come: ``push_with_next_pull``)."""
-        grad_output = grad_output.contiguous()
-        parts: dict[str, tuple[list[Tensor], list[Tensor]]] = {}
-        column = 0
-        for feature in self._features.values():
-            grad_pooled = grad_output[:, column : column + feature.dim]
-            column += feature.dim
-            if batch.single:  # a view: the encoder copies it once into the body (x / 1 is x for mean)
-                grads = grad_pooled
+        grads = self._per_id_gradients(batch, grad_output.contiguous())
+        updates = {}
+        for table, members in self._table_features.items():
+            ranges: list[tuple[int, int]] = []  # the table's ids in the batch: its features, runs joined
+            for index in members:
+                start, stop = batch.starts[index], batch.starts[index + 1]
+                if ranges and ranges[-1][1] == start:
+                    ranges[-1] = (ranges[-1][0], stop)
+                else:
+                    ranges.append((start, stop))
+            if isinstance(grads, Tensor):
+                table_grads = _take(grads, ranges)
             else:
-                offsets = batch.offsets[feature.name]
-                grads = per_id_gradients(grad_pooled, offsets, "mean" if feature.mean else "sum")
-            ids_list, grads_list = parts.setdefault(feature.table, ([], []))
-            ids_list.append(batch.ids[feature.name])
-            grads_list.append(grads)
-        updates = {
-            table: (torch.cat(ids) if len(ids) > 1 else ids[0], torch.cat(g) if len(g) > 1 else g[0])
-            for table, (ids, g) in parts.items()
-        }
+                table_grads = (
+                    grads[members[0]] if len(members) == 1 else torch.cat([grads[i] for i in members])
+                )
+            updates[table] = (_take(batch.ids, ranges), table_grads)
         self._forwards_to_push = max(0, self._forwards_to_push - 1)
         self._send_held()  # a push still held (two backwards in a row): sent first, in order
         if self._prefetched is not None and self._prefetched[2] is None:
@@ -411,6 +461,30 @@ class RemoteEmbeddingBagCollection(nn.Module):
             self._held = updates  # sent by the next forward or prefetch, with its pull
             return
         self._send_push(updates)
+
+    def _per_id_gradients(self, batch: _Batch, grad_output: Tensor) -> Tensor | list[Tensor]:
+        """Each id's gradient (its bag's, over its length for a mean bag, as ``per_id_gradients``): one
+        (N, d) tensor in the batch's id order for features of one dim in bags of several ids (one
+        gather), else one per feature (for bags of one id, a column view: the encoder gathers it once
+        into the body, and x / 1 is x for mean)."""
+        size, count, total = batch.batch_size, len(self._features), batch.ids.numel()
+        if batch.single or self._dim is None:
+            pieces, column = [], 0
+            for index, feature in enumerate(self._features.values()):
+                grad_pooled = grad_output[:, column : column + feature.dim]
+                column += feature.dim
+                if not batch.single:
+                    offsets = batch.bounds[index * size : (index + 1) * size + 1] - batch.starts[index]
+                    grad_pooled = per_id_gradients(grad_pooled, offsets, "mean" if feature.mean else "sum")
+                pieces.append(grad_pooled)
+            return pieces
+        lengths = batch.bounds.diff()
+        bag = torch.repeat_interleave(torch.arange(count * size), lengths, output_size=total)
+        grads = grad_output.view(size * count, self._dim)[(bag % size) * count + bag // size]
+        if bool(self._mean.any()):  # x / 1 is x: a sum bag's ids keep their bag's gradient
+            divisor = torch.where(self._mean.repeat_interleave(size), lengths.to(torch.float32), 1.0)
+            grads = grads / divisor[bag].unsqueeze(1)
+        return grads
 
     def _send_held(self) -> None:
         """Send a held push on its own (``flush``, or another push before a pull came)."""
@@ -532,37 +606,31 @@ class RemoteEmbeddingBagCollection(nn.Module):
         if len(set(key_list)) != len(key_list) or len(key_list) != len(self._features):
             missing = sorted(set(self._features) - set(key_list))
             raise ValueError(f"the input must give every feature once: keys {key_list}, missing {missing}")
-        batch_size = (bounds.numel() - 1) // len(key_list)
-        batch = _Batch(
-            bounds, batch_size, {}, {}, single=bool(torch.equal(bounds, torch.arange(bounds.numel())))
-        )
-        for index, key in enumerate(key_list):
-            start, stop = int(bounds[index * batch_size]), int(bounds[(index + 1) * batch_size])
-            feature_ids = ids[start:stop]
-            if self.validate_ids and feature_ids.numel():
-                low, high = int(feature_ids.min()), int(feature_ids.max())
-                if low < 0 or high >= self._features[key].num_embeddings:
-                    bad = low if low < 0 else high
-                    raise ValueError(
-                        f"feature {key!r}: id {bad} is outside [0, {self._features[key].num_embeddings})"
-                    )
-            batch.ids[key] = feature_ids
-            batch.offsets[key] = bounds[index * batch_size : (index + 1) * batch_size + 1] - start
-        by_table: dict[str, list[str]] = {}
-        for feature in self._features.values():
-            by_table.setdefault(feature.table, []).append(feature.name)
-        for table, names in by_table.items():
-            together = (
-                torch.cat([batch.ids[name] for name in names]) if len(names) > 1 else batch.ids[names[0]]
+        count = len(key_list)
+        size = (bounds.numel() - 1) // count
+        starts = bounds[torch.arange(count + 1) * size].tolist()
+        if key_list != self.feature_names:  # into the collection's order
+            order = [key_list.index(name) for name in self.feature_names]
+            ids = torch.cat([ids[starts[key] : starts[key + 1]] for key in order])
+            bag_lengths = bounds.diff().view(count, size)[order].reshape(-1)
+            bounds = torch.zeros_like(bounds)
+            torch.cumsum(bag_lengths, 0, out=bounds[1:])
+            starts = bounds[torch.arange(count + 1) * size].tolist()
+        total = ids.numel()
+        # every table's distinct ids, in one pass (and the first id outside its feature's range)
+        distinct, inverse, table_starts, bad = distinct_by_table(ids, starts, self._tables, self._limits)
+        if bad >= 0 and self.validate_ids:
+            index = next(f for f in range(count) if starts[f] <= bad < starts[f + 1])
+            feature = self._features[self.feature_names[index]]
+            raise ValueError(
+                f"feature {feature.name!r}: id {int(ids[bad])} is outside [0, {feature.num_embeddings})"
             )
-            unique, inverse = torch.unique(together, return_inverse=True)
-            per_feature, start = {}, 0
-            for name in names:
-                count = batch.ids[name].numel()
-                per_feature[name] = inverse[start : start + count]
-                start += count
-            batch.unique[table] = (unique, per_feature)
-        return batch
+        lookups = {
+            table: distinct[table_starts[index] : table_starts[index + 1]]
+            for index, table in enumerate(self._table_features)
+        }
+        single = total == count * size and bool(torch.equal(bounds, torch.arange(bounds.numel())))
+        return _Batch(size, ids, bounds, lookups, inverse, starts, single)
 
     def extra_repr(self) -> str:
         return (

@@ -479,3 +479,46 @@ def test_per_id_gradients_of_one_id_bags_are_the_bags_gradients_copied(pooling):
     # bags of 0 and 2 ids (same total count) take the general path: no shortcut on the id count alone
     uneven = torch.tensor([0, 0, 2, 3, 4, 5, 6])
     assert torch.equal(per_id_gradients(grad, uneven, "sum")[:2], grad[1].expand(2, 4))
+
+
+@pytest.mark.parametrize("size", [0, 7, 3000])
+def test_distinct_by_table_is_each_table_s_unique_ids_in_one_pass(size):
+    """A remote collection's pull: per table (features 0 and 2 share table 1, apart), the distinct ids in
+    order of first appearance, each id's index into them, and the first id out of its feature's range;
+    the kernel's probe table is left empty, so a second batch (other ids) is right too."""
+    generator = torch.Generator().manual_seed(size)
+    tables = torch.tensor([1, 0, 1, 2]).numpy()
+    limits = torch.tensor([50, 1 << 62, 60, 3]).numpy()
+    for _ in range(2):
+        lengths = torch.randint(0, 2 * size + 1, (4,), generator=generator)
+        ids = torch.cat([(torch.rand(int(n), generator=generator) ** 3 * lim).long() for n, lim in zip(
+            lengths.tolist(), [50, 1 << 40, 60, 3], strict=True)])  # fmt: skip
+        starts = [0, *torch.cumsum(lengths, 0).tolist()]
+        distinct, inverse, table_starts, bad = kernels.distinct_by_table(ids, starts, tables, limits)
+        assert bad == -1 and torch.equal(distinct[inverse], ids) and table_starts[-1] == distinct.numel()
+        for table in range(3):
+            mine = distinct[table_starts[table] : table_starts[table + 1]]
+            features = [f for f in range(4) if tables[f] == table]
+            theirs = torch.cat([ids[starts[f] : starts[f + 1]] for f in features])
+            first_seen = list(dict.fromkeys(theirs.tolist()))
+            assert mine.tolist() == first_seen  # no duplicates, every id, first appearance first
+            for f in features:  # each id points into its own table's part
+                part = inverse[starts[f] : starts[f + 1]]
+                assert bool(((part >= table_starts[table]) & (part < table_starts[table + 1])).all())
+    if size:  # an id past feature 2's range (60) and one below 0: the first is named, both still counted
+        ids[starts[2]], ids[starts[3]] = 60, -1
+        distinct, inverse, _, bad = kernels.distinct_by_table(ids, starts, tables, limits)
+        assert bad == starts[2] and torch.equal(distinct[inverse], ids)
+
+
+def test_distinct_by_table_refuses_bad_arguments():
+    ids = torch.arange(4)
+    tables, limits = torch.tensor([0, 1]).numpy(), torch.tensor([9, 9]).numpy()
+    with pytest.raises(InvalidInputError, match="int64"):
+        kernels.distinct_by_table(ids.int(), [0, 2, 4], tables, limits)
+    with pytest.raises(InvalidInputError, match="F \\+ 1"):
+        kernels.distinct_by_table(ids, [0, 4], tables, limits)
+    with pytest.raises(InvalidInputError, match="end at len"):
+        kernels.distinct_by_table(ids, [0, 2, 3], tables, limits)
+    with pytest.raises(InvalidInputError, match=">= 0"):
+        kernels.distinct_by_table(ids, [0, 2, 4], torch.tensor([0, -1]).numpy(), limits)
