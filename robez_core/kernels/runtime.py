@@ -41,19 +41,24 @@ PREFETCH_READ_MIN_BYTES = 4 << 20
 PREFETCH_WRITE_MIN_BYTES = 1 << 20
 
 
+_numba_threads_started = False
+
+
 def _start_numba_threads() -> None:
-    """Start numba's thread pool now, keeping torch's thread count.
+    """Start numba's thread pool (once, at the first kernel call), keeping torch's thread count.
 
     Both use the process's OpenMP runtime, and numba's first start resets its thread count to every core:
     a ``torch.set_num_threads(1)`` made before the first kernel call would silently become ``cpu_count``.
+    Not at import: GNU OpenMP cannot be forked once its pool runs (the child's first parallel region
+    aborts the process), and ``robez serve --workers N`` forks its workers from a process that imported
+    the kernels; each worker starts a pool of its own.
     """
+    global _numba_threads_started
     torch_threads = torch.get_num_threads()
     numba.get_num_threads()  # starts the threading layer
     if torch.get_num_threads() != torch_threads:
         torch.set_num_threads(torch_threads)
-
-
-_start_numba_threads()
+    _numba_threads_started = True
 
 
 def _target_features() -> set[str]:
@@ -81,6 +86,8 @@ def compile_target() -> dict[str, str]:
 
 def set_kernel_threads() -> int:
     """Make numba use ``torch.get_num_threads()`` threads (capped at numba's pool); returns the count."""
+    if not _numba_threads_started:
+        _start_numba_threads()
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)

@@ -31,7 +31,13 @@ MAX_FRESH_CONNECTIONS = 400
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RobezServer]:
-    env = {"ROBEZ_SHM_DIR": str(tmp_path / "shm"), "ROBEZ_LOG_LEVEL": "warning"}
+    # Two kernel threads a worker: the workers are forks of a process that imported the kernels, and each
+    # runs numba's OpenMP pool of its own (the warm-up's parallel lookup at start, the lookups below).
+    env = {
+        "ROBEZ_SHM_DIR": str(tmp_path / "shm"),
+        "ROBEZ_LOG_LEVEL": "warning",
+        "ROBEZ_THREADS_PER_WORKER": "2",
+    }
     server = RobezServer(tmp_path / "server.log", ["--workers", "2"], env)
     try:
         server.start()
