@@ -97,6 +97,7 @@ class Table:
         self.weight: Tensor = weight.detach()
         self.state: dict[str, Tensor] = dict(state)
         self._small: SmallPath | None = None
+        self._hash_spec: kernels.TableHash | None = None
 
     def _small_path(self) -> SmallPath:
         small = self._small
@@ -209,11 +210,14 @@ class Table:
 
     def hash_spec(self) -> kernels.TableHash:
         """How ``hash`` hashes this table's ids, for a kernel that hashes several tables in one call
-        (``kernels.coalesce_table_pushes``)."""
-        c = self.config
-        return kernels.TableHash.of(
-            c.hash, self.random_numbers, c.memory_size, c.chunk_size, c.embedding_dim, c.val_offset
-        )
+        (``kernels.coalesce_table_pushes``); worked out once (the config and constants do not change)."""
+        spec = self._hash_spec
+        if spec is None:
+            c = self.config
+            spec = self._hash_spec = kernels.TableHash.of(
+                c.hash, self.random_numbers, c.memory_size, c.chunk_size, c.embedding_dim, c.val_offset
+            )
+        return spec
 
     def gather(self, offsets: Tensor) -> Tensor:
         """Rows at chunk ``offsets`` int64 (N, C): float32 (N, d)."""

@@ -388,6 +388,29 @@ class TableHash:
         return cls(wrap_int64(val_offset), num_chunks, mode, constants, range_size)
 
 
+def _joined(arrays: Sequence[np.ndarray], dtype: type) -> np.ndarray:
+    """The values of ``arrays`` one after the other, flat and read-only: a view when they already lie so
+    in memory, each C-contiguous right after the one before (a decoded push's tables:
+    ``service.codec.decode_multi_update_binary``), else a copy. The view spans exactly their bytes, so it
+    reads nothing else, and is valid while they all live (it keeps only the first alive): the caller
+    holds them for as long as it uses it."""
+    joined: np.ndarray
+    first = arrays[0]
+    address = first.ctypes.data
+    for array in arrays:
+        if array.dtype != dtype or not array.flags.c_contiguous or array.ctypes.data != address:
+            joined = np.concatenate([np.ravel(array) for array in arrays]).astype(dtype, copy=False)
+            break
+        address += array.nbytes
+    else:
+        size = sum(array.size for array in arrays)
+        joined = np.lib.stride_tricks.as_strided(
+            first.reshape(-1), (size,), (first.itemsize,), writeable=False
+        )
+    joined.flags.writeable = False  # one compiled signature either way
+    return joined
+
+
 def coalesce_table_pushes(
     hashes: Sequence[TableHash],
     ids: Sequence[np.ndarray],
@@ -417,8 +440,8 @@ def coalesce_table_pushes(
             raise InvalidInputError("offsets must have ceil(d / chunk_size) columns")
     if id_bounds[-1] == 0:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
-    ids_np = np.concatenate(ids) if count > 1 else np.ascontiguousarray(ids[0])
-    grads = np.concatenate([rows.reshape(-1) for rows in grad_rows]) if count > 1 else grad_rows[0].ravel()
+    ids_np = _joined(ids, np.int64)
+    grads = _joined(grad_rows, np.float32)
     dense, values_dense, coverage = _coalesce_scratch(memory_size, int(grads.shape[0]))
     locations, values, status = _coalesce_tables_kernel(
         ids_np,

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from robez_core import InvalidInputError, OptimizerConfig, Table, TableConfig, kernels
 from robez_core.collection import prepare_shared_step
 from robez_core.kernels import _jit
+from robez_core.kernels import collection as kernels_collection
 from robez_core.optim import PreparedStep
 
 OPTIMIZERS = [
@@ -178,3 +179,27 @@ def test_sorted_chunk_starts_takes_the_packed_sort_on_a_push_s_keys() -> None:
     sorted_keys, order = _jit._sorted_chunk_starts(keys)
     assert np.array_equal(order, np.argsort(keys, kind="stable"))
     assert np.array_equal(sorted_keys, np.sort(keys))
+
+
+def test_tables_that_lie_one_after_the_other_are_read_where_they_lie() -> None:
+    """A decoded push's tables are views of one ids and one gradients array
+    (``service.codec.decode_multi_update_binary``): joined without a copy, the same bits as copies."""
+    ids, grads = a_push(2, 100)
+    all_ids = torch.cat(ids)
+    all_grads = torch.cat([g.reshape(-1) for g in grads])
+    id_views, grad_views, at, values_at = [], [], 0, 0
+    for table_grads in grads:
+        rows, dim = table_grads.shape
+        id_views.append(all_ids[at : at + rows].numpy())
+        grad_views.append(all_grads[values_at : values_at + rows * dim].numpy().reshape(rows, dim))
+        at, values_at = at + rows, values_at + rows * dim
+    joined = kernels_collection._joined(grad_views, np.float32)
+    assert np.shares_memory(joined, all_grads.numpy()) and joined.tobytes() == all_grads.numpy().tobytes()
+    copied = kernels_collection._joined([g.numpy() for g in grads], np.float32)
+    assert not np.shares_memory(copied, all_grads.numpy()) and copied.tobytes() == joined.tobytes()
+    tables = shared_tables(OPTIMIZERS[1], 200_000)
+    specs = [table.hash_spec() for table in tables]
+    in_place = kernels.coalesce_table_pushes(specs, id_views, grad_views, CHUNK, 200_000)
+    old = per_table_step(tables, ids, grads, 0.05)
+    assert in_place[0].numpy().tobytes() == old.locations.numpy().tobytes()
+    assert in_place[1].numpy().tobytes() == old.values.numpy().tobytes()
