@@ -564,16 +564,20 @@ def prepare_shared_step(
             k: v.data_ptr() for k, v in first.state.items()
         }:
             raise InvalidInputError("the tables of one step must share one array, optimizer and state")
-    offsets = []
     for table, table_ids, table_grads in zip(tables, ids, grads, strict=True):
-        table.validate_grads(table_ids, table_grads)
-        offsets.append(table.hash(table_ids))
+        table.validate_grads(table_ids, table_grads, finite=False)  # the values: in the kernel below
     step_lr = first.optimizer.lr if lr is None else float(lr)
     if not (step_lr > 0 and math.isfinite(step_lr)):
         raise InvalidInputError(f"lr must be a positive finite number, got {lr!r}")
     if step_lr > first.optimizer.max_lr:
         raise InvalidInputError(f"lr {step_lr:g} is over the tables' max_lr={first.optimizer.max_lr:g}")
-    locations, values = kernels.coalesce_chunk_rows(
-        offsets, list(grads), first.config.chunk_size, first.config.memory_size
+    # Every table hashed, its gradients checked finite and all coalesced in one compiled call: the bits
+    # of each table's ``hash`` then ``coalesce_chunk_rows`` of them all.
+    locations, values = kernels.coalesce_table_pushes(
+        [table.hash_spec() for table in tables],
+        [table_ids.numpy() for table_ids in ids],
+        [table_grads.detach().numpy() for table_grads in grads],
+        first.config.chunk_size,
+        first.config.memory_size,
     )
     return PreparedStep(locations, values, step_lr)

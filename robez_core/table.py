@@ -97,6 +97,7 @@ class Table:
         self.weight: Tensor = weight.detach()
         self.state: dict[str, Tensor] = dict(state)
         self._small: SmallPath | None = None
+        self._hash_spec: kernels.TableHash | None = None
 
     def _small_path(self) -> SmallPath:
         small = self._small
@@ -132,12 +133,14 @@ class Table:
         if ids.layout != torch.strided:
             raise InvalidInputError(f"ids must be a dense tensor, got layout {ids.layout}")
 
-    def validate_grads(self, ids: Tensor, grads: Tensor) -> None:
-        """Raise ``InvalidInputError`` unless ``grads`` is finite float32 (len(ids), d) on the CPU."""
+    def validate_grads(self, ids: Tensor, grads: Tensor, *, finite: bool = True) -> None:
+        """Raise ``InvalidInputError`` unless ``grads`` is finite float32 (len(ids), d) on the CPU.
+        ``finite=False``: everything but the values (for a caller whose kernel checks them as it reads
+        them: ``kernels.coalesce_table_pushes``)."""
         self.validate_ids(ids)
-        self._validate_grad_rows(grads, ids.shape[0])
+        self._validate_grad_rows(grads, ids.shape[0], finite)
 
-    def _validate_grad_rows(self, grads: Tensor, num_rows: int) -> None:
+    def _validate_grad_rows(self, grads: Tensor, num_rows: int, finite: bool = True) -> None:
         d = self.config.embedding_dim
         if not isinstance(grads, Tensor):
             raise InvalidInputError(f"grads must be a torch.Tensor, got {type(grads).__name__}")
@@ -152,7 +155,7 @@ class Table:
             raise InvalidInputError(f"grads must be a dense tensor, got layout {grads.layout}")
         # numpy's check costs ~1 us on a small batch, torch's ~6 us; on a (2048, 16) batch 12 us, torch's
         # 80 us (a collection's push checks 26 of them: docs/benchmarks/dlrm-*.md)
-        if not bool(np.isfinite(grads.detach().numpy()).all()):
+        if finite and not bool(np.isfinite(grads.detach().numpy()).all()):
             raise InvalidInputError("grads contain NaN or Inf")
 
     def _validate_offsets(self, offsets: Tensor) -> None:
@@ -204,6 +207,17 @@ class Table:
             c.val_offset,
             c.hash,
         )
+
+    def hash_spec(self) -> kernels.TableHash:
+        """How ``hash`` hashes this table's ids, for a kernel that hashes several tables in one call
+        (``kernels.coalesce_table_pushes``); worked out once (the config and constants do not change)."""
+        spec = self._hash_spec
+        if spec is None:
+            c = self.config
+            spec = self._hash_spec = kernels.TableHash.of(
+                c.hash, self.random_numbers, c.memory_size, c.chunk_size, c.embedding_dim, c.val_offset
+            )
+        return spec
 
     def gather(self, offsets: Tensor) -> Tensor:
         """Rows at chunk ``offsets`` int64 (N, C): float32 (N, d)."""

@@ -61,7 +61,9 @@ from ._jit import (
 from ._jit import OPTIMIZER_CODES as OPTIMIZER_CODES
 from .collection import (
     FeatureLayout,
+    TableHash,
     coalesce_chunk_rows,
+    coalesce_table_pushes,
     collection_coalesce_grad,
     collection_first_bad_id,
     collection_lookup,
@@ -74,12 +76,14 @@ from .runtime import wrap_int64 as _wrap_int64
 
 __all__ = [
     "FeatureLayout",
+    "TableHash",
     "adagrad_step",
     "adam_step",
     "checked_step",
     "chunk_offsets",
     "coalesce_chunk_rows",
     "coalesce_grad",
+    "coalesce_table_pushes",
     "collection_coalesce_grad",
     "collection_first_bad_id",
     "collection_lookup",

@@ -134,6 +134,15 @@ _RADIX_BUCKETS = 1 << _RADIX_BITS
 # Up to this many keys an insertion sort beats the radix passes, whose bucket counts alone are 2 x 2048
 # values to clear and sum (docs/benchmarks/kernel-constants.md#_insertion_sort_max_keys).
 _INSERTION_SORT_MAX_KEYS = 64
+# The coalesce sorts each chunk start packed with its position (one uint64 per chunk, one array moved per
+# pass) on the start's bits only, in as few passes of at most this many bits as the largest start needs
+# (two for m < 2**26: a DLRM push's 53k chunks sorted in 0.24 ms, against 0.46 ms for three passes of
+# 11 bits over separate keys and positions), and then reads the starts in order instead of at random
+# (docs/benchmarks/dlrm-apply-2026-11-28.md).
+_SORT_DIGIT_BITS = 13
+# The sorted coalesce reads each chunk's gradient at a random place of the (N, d) rows: it prefetches
+# the one this many chunks ahead (docs/benchmarks/dlrm-apply-2026-11-28.md).
+_COALESCE_PREFETCH_AHEAD = 16
 
 
 def _renamed(py_func: Callable[..., Any], suffix: str, constants: dict[str, Any] | None = None) -> Any:
@@ -1151,20 +1160,82 @@ def _radix_argsort(keys):
     return order
 
 
+@njit(inline="always", cache=True, nogil=True, error_model="numpy")
+def _bit_length(value):
+    """Bits of a non-negative int64 (0 for 0)."""
+    bits = 0
+    x = np.uint64(value)
+    while x > np.uint64(0):
+        x >>= np.uint64(1)
+        bits += 1
+    return bits
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sorted_chunk_starts(keys):
+    """``(keys[order], order)`` with ``order`` the stable argsort of non-negative int64 ``keys``
+    (``_radix_argsort``'s, bit for bit): each key packed with its position into one uint64 and LSD
+    radix-sorted on the key's bits only (``_SORT_DIGIT_BITS`` a pass), positions already in order, so
+    ties keep it. Keys too wide to pack with their positions, and a few keys, take ``_radix_argsort``."""
+    n = keys.shape[0]
+    if n <= _INSERTION_SORT_MAX_KEYS or _bit_length(n - 1) + _bit_length(keys.max()) > 64:
+        order = _radix_argsort(keys)
+        sorted_keys = np.empty(n, dtype=np.int64)
+        for k in range(n):
+            sorted_keys[k] = keys[order[k]]
+        return sorted_keys, order
+    index_bits = _bit_length(n - 1)
+    key_bits = _bit_length(keys.max())
+    shift = np.uint64(index_bits)
+    packed = np.empty(n, dtype=np.uint64)
+    for i in range(n):
+        packed[i] = (np.uint64(keys[i]) << shift) | np.uint64(i)
+    spare = np.empty(n, dtype=np.uint64)
+    passes = (key_bits + _SORT_DIGIT_BITS - 1) // _SORT_DIGIT_BITS
+    digit_bits = (key_bits + passes - 1) // passes if passes else 1
+    counts = np.empty(1 << digit_bits, dtype=np.int64)
+    mask = np.uint64((1 << digit_bits) - 1)
+    for _ in range(passes):
+        counts[:] = 0
+        for i in range(n):
+            counts[(packed[i] >> shift) & mask] += 1
+        total = 0
+        for b in range(counts.shape[0]):
+            count = counts[b]
+            counts[b] = total
+            total += count
+        for i in range(n):
+            value = packed[i]
+            bucket = (value >> shift) & mask
+            position = counts[bucket]
+            counts[bucket] = position + 1
+            spare[position] = value
+        packed, spare = spare, packed
+        shift += np.uint64(digit_bits)
+    index_mask = (np.uint64(1) << np.uint64(index_bits)) - np.uint64(1)
+    sorted_keys = np.empty(n, dtype=np.int64)
+    order = np.empty(n, dtype=np.int64)
+    for k in range(n):
+        value = packed[k]
+        sorted_keys[k] = np.int64(value >> np.uint64(index_bits))
+        order[k] = np.int64(value & index_mask)
+    return sorted_keys, order
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def _coalesce_sorted_kernel(grad_rows, offsets, embedding_dim, chunk_size):
     # Sort chunk starts; overlapping or touching chunks merge into runs that cover a contiguous range,
     # so the output is the union of those ranges, each filled from a small zeroed segment.
     num_chunks = offsets.shape[1]
     flat_offsets = offsets.reshape(-1)
-    order = _radix_argsort(flat_offsets)
+    starts, order = _sorted_chunk_starts(flat_offsets)
     grads = grad_rows.reshape(-1)
+    count = order.shape[0]
     total = 0
     run_end = np.int64(-1)
-    for k in range(order.shape[0]):
-        idx = order[k]
-        length = min(chunk_size, embedding_dim - (idx % num_chunks) * chunk_size)
-        dst = flat_offsets[idx]
+    for k in range(count):
+        length = min(chunk_size, embedding_dim - (order[k] % num_chunks) * chunk_size)
+        dst = starts[k]
         end = dst + length
         if dst > run_end:
             total += length
@@ -1178,12 +1249,17 @@ def _coalesce_sorted_kernel(grad_rows, offsets, embedding_dim, chunk_size):
     run_start = np.int64(0)
     run_end = np.int64(-1)
     filled = 0
-    for k in range(order.shape[0]):
+    for k in range(count):
+        if k + _COALESCE_PREFETCH_AHEAD < count:
+            ahead = order[k + _COALESCE_PREFETCH_AHEAD]
+            _prefetch_read(
+                grads, np.uint64((ahead // num_chunks) * embedding_dim + (ahead % num_chunks) * chunk_size)
+            )
         idx = order[k]
         n = idx // num_chunks
         start = (idx % num_chunks) * chunk_size
         length = min(chunk_size, embedding_dim - start)
-        dst = flat_offsets[idx]
+        dst = starts[k]
         end = dst + length
         if dst > run_end:
             base = filled
@@ -1723,12 +1799,12 @@ def _coalesce_chunks_kernel(
                 values[k] = values_dense[i]
                 k += 1
         return locations, values
-    order = _radix_argsort(keys)
+    starts, order = _sorted_chunk_starts(keys)
     total = 0
     run_end = np.int64(-1)
     for k in range(num):
         idx = order[k]
-        dst = keys[idx]
+        dst = starts[k]
         end = dst + lengths[idx]
         if dst > run_end:
             total += lengths[idx]
@@ -1743,8 +1819,10 @@ def _coalesce_chunks_kernel(
     run_end = np.int64(-1)
     filled = 0
     for k in range(num):
+        if k + _COALESCE_PREFETCH_AHEAD < num:
+            _prefetch_read(grads, np.uint64(sources[order[k + _COALESCE_PREFETCH_AHEAD]]))
         idx = order[k]
-        dst = keys[idx]
+        dst = starts[k]
         end = dst + lengths[idx]
         if dst > run_end:
             base = filled
@@ -1757,6 +1835,90 @@ def _coalesce_chunks_kernel(
             run_end = end
         _add_divided(values, base + (dst - run_start), grads, sources[idx], lengths[idx], divisors[idx])
     return locations, values
+
+
+# A server's push of several tables over one array, hashed, checked and coalesced in one call (the
+# service's ``prepare_shared_step``): the statuses it returns besides the step.
+TABLES_OK = 0
+TABLES_NON_FINITE = 1  # a gradient is NaN or infinite
+TABLES_OUT_OF_RANGE = 2  # a chunk start lies past m - Z (a table's own Z smaller than the step's)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _coalesce_tables_kernel(
+    ids,
+    id_bounds,
+    val_offsets,
+    num_chunks,
+    modes,
+    constants,
+    range_sizes,
+    table_dims,
+    grads,
+    chunk_size,
+    memory_size,
+    dense,
+    values_dense,
+    coverage,
+):
+    """Table t's ids ``ids[id_bounds[t]:id_bounds[t + 1]]`` hashed with its ``val_offsets[t]``,
+    ``num_chunks[t]``, hash ``modes[t]``, ``constants[t]`` and ``range_sizes[t]`` exactly as
+    ``_chunk_offsets_kernel`` hashes them (the same blocks of ``_HASH_BLOCK`` ids from the table's first),
+    every table's (N_t, d_t) rows laid out one after the other in ``grads``, then coalesced by
+    ``_coalesce_chunks_kernel`` (chunk size ``chunk_size``): the same bits as hashing each table and
+    coalescing the concatenation (``coalesce_chunk_rows``). Returns (locations, values, status):
+    ``TABLES_OK``, or, with empty arrays, ``TABLES_NON_FINITE`` when a gradient is NaN or infinite (checked
+    first) or ``TABLES_OUT_OF_RANGE`` when a chunk start lies past ``memory_size - chunk_size``."""
+    bits = grads.view(np.uint32)
+    exponent = np.uint32(0x7F800000)
+    non_finite = np.uint32(0)
+    for i in range(bits.shape[0]):  # all exponent bits set: NaN or infinity (an OR, so it vectorises)
+        non_finite |= np.uint32((bits[i] & exponent) == exponent)
+    if non_finite:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), TABLES_NON_FINITE
+    num_tables = table_dims.shape[0]
+    table_rows = np.empty(num_tables, dtype=np.int64)
+    chunk_bounds = np.empty(num_tables + 1, dtype=np.int64)
+    chunk_bounds[0] = 0
+    for t in range(num_tables):
+        table_rows[t] = id_bounds[t + 1] - id_bounds[t]
+        chunk_bounds[t + 1] = chunk_bounds[t] + table_rows[t] * num_chunks[t]
+    keys = np.empty(chunk_bounds[num_tables], dtype=np.int64)
+    scratch = np.empty((4, _HASH_BLOCK), dtype=np.uint64)
+    for t in range(num_tables):
+        table_ids = ids[id_bounds[t] : id_bounds[t + 1]]
+        table_keys = keys[chunk_bounds[t] : chunk_bounds[t + 1]]
+        for begin in range(0, table_rows[t], _HASH_BLOCK):
+            _hash_block(
+                table_ids,
+                begin,
+                min(_HASH_BLOCK, table_rows[t] - begin),
+                val_offsets[t],
+                num_chunks[t],
+                modes[t],
+                constants[t],
+                range_sizes[t],
+                scratch,
+                table_keys,
+                begin * num_chunks[t],
+            )
+    limit = memory_size - chunk_size
+    for k in range(keys.shape[0]):
+        if keys[k] > limit:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), TABLES_OUT_OF_RANGE
+    sources, lengths = _row_chunk_sources(table_rows, table_dims, chunk_size)
+    locations, values = _coalesce_chunks_kernel(
+        grads,
+        keys,
+        sources,
+        lengths,
+        np.ones(keys.shape[0], dtype=np.float32),
+        memory_size,
+        dense,
+        values_dense,
+        coverage,
+    )
+    return locations, values, TABLES_OK
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

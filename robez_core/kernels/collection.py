@@ -4,8 +4,9 @@ A collection's batch is jagged and key-major, like a torchrec ``KeyedJaggedTenso
 each, bag ``f * B + b`` holding ``ids[bag_bounds[g]:bag_bounds[g + 1]]``. ``FeatureLayout`` gives each
 feature its dim, ``val_offset``, pooling and output columns; ``collection_lookup`` pools every feature in
 one compiled call (``_jit._collection_forward_kernel``), ``collection_coalesce_grad`` and
-``collection_scatter_grad`` are its sparse and dense backward, one call each, and ``coalesce_chunk_rows``
-coalesces several tables' row gradients into one update of their array (a server's step of a
+``collection_scatter_grad`` are its sparse and dense backward, one call each, ``coalesce_chunk_rows``
+coalesces several tables' row gradients into one update of their array, and ``coalesce_table_pushes``
+does the same from the tables' ids, hashing and checking them in the same call (a server's step of a
 collection). Re-exported by ``robez_core.kernels``; tests: tests/core/test_collection.py.
 """
 
@@ -22,7 +23,10 @@ from .. import buffers
 from ..errors import ConfigError, InvalidInputError
 from ._jit import (
     _DENSE_COALESCE_FACTOR,
+    TABLES_NON_FINITE,
+    TABLES_OUT_OF_RANGE,
     _coalesce_chunks_kernel,
+    _coalesce_tables_kernel,
     _collection_coalesce_kernel,
     _collection_first_bad_id,
     _collection_forward_kernel,
@@ -41,6 +45,7 @@ from .runtime import (
 __all__ = [
     "FeatureLayout",
     "coalesce_chunk_rows",
+    "coalesce_table_pushes",
     "collection_coalesce_grad",
     "collection_first_bad_id",
     "collection_lookup",
@@ -399,3 +404,107 @@ def distinct_by_table(
         ids_np, bounds, tables, limits, num_tables, keys, tags, bits
     )
     return torch.from_numpy(distinct), torch.from_numpy(inverse), starts.tolist(), int(bad)
+
+
+@dataclass(frozen=True)
+class TableHash:
+    """How one table of a shared array hashes its ids (``coalesce_table_pushes``): its ``val_offset``,
+    chunks per id, hash mode, constants (numpy int64 (11,)) and hash range, as ``hash_setup`` gives them."""
+
+    val_offset: int
+    num_chunks: int
+    mode: int
+    constants: np.ndarray
+    range_size: int
+
+    @classmethod
+    def of(
+        cls,
+        hash: str,
+        random_numbers: torch.Tensor,
+        memory_size: int,
+        chunk_size: int,
+        embedding_dim: int,
+        val_offset: int,
+    ) -> TableHash:
+        mode, constants, range_size = hash_setup(hash, random_numbers, memory_size, chunk_size, embedding_dim)
+        num_chunks = -(-embedding_dim // chunk_size)
+        return cls(wrap_int64(val_offset), num_chunks, mode, constants, range_size)
+
+
+def _joined(arrays: Sequence[np.ndarray], dtype: type) -> np.ndarray:
+    """The values of ``arrays`` one after the other, flat and read-only: a view when they already lie so
+    in memory, each C-contiguous right after the one before (a decoded push's tables:
+    ``service.codec.decode_multi_update_binary``), else a copy. The view spans exactly their bytes, so it
+    reads nothing else, and is valid while they all live (it keeps only the first alive): the caller
+    holds them for as long as it uses it."""
+    joined: np.ndarray
+    first = arrays[0]
+    address = first.ctypes.data
+    for array in arrays:
+        if array.dtype != dtype or not array.flags.c_contiguous or array.ctypes.data != address:
+            joined = np.concatenate([np.ravel(array) for array in arrays]).astype(dtype, copy=False)
+            break
+        address += array.nbytes
+    else:
+        size = sum(array.size for array in arrays)
+        joined = np.lib.stride_tricks.as_strided(
+            first.reshape(-1), (size,), (first.itemsize,), writeable=False
+        )
+    joined.flags.writeable = False  # one compiled signature either way
+    return joined
+
+
+def coalesce_table_pushes(
+    hashes: Sequence[TableHash],
+    ids: Sequence[np.ndarray],
+    grad_rows: Sequence[np.ndarray],
+    chunk_size: int,
+    memory_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``coalesce_chunk_rows`` of every table's hashed ids, the tables hashed in the same compiled call:
+    table t's int64 (N_t,) ``ids[t]`` hashed as its ``hashes[t]`` says (the bits of ``chunk_offsets``)
+    and its float32 (N_t, d_t) ``grad_rows[t]`` coalesced with every other table's, in order, into one
+    update of their array. The caller has checked each table's arrays' dtypes and shapes; this checks
+    the gradients are finite (``InvalidInputError`` "grads contain NaN or Inf", as
+    ``Table.validate_grads``) and, as ``coalesce_chunk_rows``, that each table's chunks are ceil(d_t / Z)
+    and lie in the array. One call where hashing the tables one by one and checking their gradients
+    with numpy cost ~1 ms of a 26-table push (docs/benchmarks/dlrm-apply-2026-11-28.md)."""
+    if not len(hashes) == len(ids) == len(grad_rows) or not hashes:
+        raise InvalidInputError("give one hash, ids and grad_rows per table (at least one table)")
+    count = len(hashes)
+    id_bounds = np.zeros(count + 1, dtype=np.int64)
+    table_dims = np.empty(count, dtype=np.int64)
+    num_chunks = np.empty(count, dtype=np.int64)
+    for t, (table, rows) in enumerate(zip(hashes, grad_rows, strict=True)):
+        id_bounds[t + 1] = id_bounds[t] + rows.shape[0]
+        table_dims[t] = rows.shape[1]
+        num_chunks[t] = table.num_chunks
+        if table.num_chunks != -(-rows.shape[1] // chunk_size):
+            raise InvalidInputError("offsets must have ceil(d / chunk_size) columns")
+    if id_bounds[-1] == 0:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
+    ids_np = _joined(ids, np.int64)
+    grads = _joined(grad_rows, np.float32)
+    dense, values_dense, coverage = _coalesce_scratch(memory_size, int(grads.shape[0]))
+    locations, values, status = _coalesce_tables_kernel(
+        ids_np,
+        id_bounds,
+        np.array([table.val_offset for table in hashes], dtype=np.int64),
+        num_chunks,
+        np.array([table.mode for table in hashes], dtype=np.int64),
+        np.stack([table.constants for table in hashes]),
+        np.array([table.range_size for table in hashes], dtype=np.int64),
+        table_dims,
+        grads,
+        chunk_size,
+        memory_size,
+        dense,
+        values_dense,
+        coverage,
+    )
+    if status == TABLES_NON_FINITE:
+        raise InvalidInputError("grads contain NaN or Inf")
+    if status == TABLES_OUT_OF_RANGE:
+        raise InvalidInputError(f"offsets must lie in [0, {memory_size - chunk_size}]")
+    return torch.from_numpy(locations), torch.from_numpy(values)
