@@ -3,6 +3,11 @@ each (~2 s of CPU for torch's and the service's imports): for tests whose script
 kill -9s itself at a fault point (a dying worker or pusher). Each script still runs in its own process
 (a fork, as ``robez serve``'s workers are forks of its fork server), with its own argv, environment,
 stdout and stderr; what the helper process imported is all it shares with it.
+
+Scripts must run numba's kernels at one thread (their serial copies): importing ``robez_core.kernels``
+starts numba's OpenMP pool in the helper, and a fork's first parallel region then aborts ("fork() called
+from a process already using GNU OpenMP"); a script that needs several kernel threads (test_warmup.py's)
+stays a fresh ``python -c``.
 """
 
 from __future__ import annotations
