@@ -16,6 +16,8 @@ from service.config import Settings
 from service.faults import Faults
 from service.store import TableStore
 
+from .forked import ForkedPython
+
 if TYPE_CHECKING:  # threaded_server imports make_settings from here
     from .threaded_server import ThreadedServer
 
@@ -40,6 +42,16 @@ def _no_robez_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("ROBEZ_"):
             monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session")
+def forked_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkedPython]:
+    """Scripts run as forks of one process that imported robez (``forked.py``): one per test process."""
+    forks = ForkedPython(tmp_path_factory.mktemp("forked"))
+    try:
+        yield forks
+    finally:
+        forks.close()
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """End to end: ``examples/online_training_collection.py`` against a real ``robez serve`` subprocess: the
-held-out loss falls, every step costs two requests, and each table's version counts one push a step."""
+held-out loss falls, every step costs two requests, and each table's version counts one push a step.
+Both runs share one server (the example's ``--reset`` recreates its tables: fresh embeddings, version 0)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from .test_online_training import ROBEZ, clean_env
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def server_url(tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp_path = tmp_path_factory.mktemp("collection-example")
     (tmp_path / "shm").mkdir()
     server = RobezServer(
         tmp_path / "server.log",
@@ -41,7 +43,7 @@ def test_collection_example_trains_through_two_requests_a_step(server_url: str, 
     steps = 60
     command = [
         sys.executable, str(REPO / "examples" / "online_training_collection.py"),
-        "--url", server_url, "--steps", str(steps), "--features", "4", "--batch-size", "256",
+        "--url", server_url, "--steps", str(steps), "--features", "4", "--batch-size", "256", "--reset",
         *(["--prefetch"] if prefetch else []),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO)

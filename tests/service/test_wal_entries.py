@@ -4,10 +4,7 @@ a kill -9 in the middle of a multi-table push leaves all of it or none."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,6 +15,8 @@ from robez_core.table import Table
 from service.faults import FAULT_FILE_VARIABLE, GROUP_APPENDED, UPDATE_APPENDED
 from service.log.entry import EntryGroup, UpdateRecord, apply_record
 from service.wal import LOG_FILE, LOG_HEADER_SIZE, WalJournal, scan_log
+
+from .forked import ForkedPython
 
 CONFIG_A = TableConfig(num_embeddings=100, embedding_dim=8, memory_size=1024, chunk_size=4)
 CONFIG_B = TableConfig(num_embeddings=50, embedding_dim=4, memory_size=512, chunk_size=2, seed=3)
@@ -139,18 +138,13 @@ _PUSHER = textwrap.dedent(
 )
 
 
-def _kill_in_the_middle(tmp_path: Path, point: str) -> tuple[int, int]:
-    """Run a store on a real data directory that acknowledges one two-table push and dies (SIGKILL) at
-    ``point`` of the next; returns the versions of "a" and "b" a restart loads."""
+def _kill_in_the_middle(tmp_path: Path, forks: ForkedPython, point: str) -> tuple[int, int]:
+    """Run a store on a real data directory (a process of its own: a fork, ``forked.py``) that
+    acknowledges one two-table push and dies (SIGKILL) at ``point`` of the next; returns the versions of
+    "a" and "b" a restart loads."""
     data_dir, fault = tmp_path / "data", tmp_path / "die-now"
-    env = {**os.environ, FAULT_FILE_VARIABLE: str(fault)}
-    done = subprocess.run(
-        [sys.executable, "-c", _PUSHER, str(data_dir), str(tmp_path / "shm"), str(fault), point],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    argv = [str(data_dir), str(tmp_path / "shm"), str(fault), point]
+    done = forks.run(_PUSHER, argv, env={FAULT_FILE_VARIABLE: str(fault)}, timeout_s=120)
     assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
     assert "survived" not in done.stdout and not fault.exists()
     journal = WalJournal(data_dir)
@@ -160,10 +154,14 @@ def _kill_in_the_middle(tmp_path: Path, point: str) -> tuple[int, int]:
     return loaded_a[1], loaded_b[1]
 
 
-def test_kill_9_after_the_first_part_is_logged_keeps_none_of_the_push(tmp_path: Path) -> None:
-    assert _kill_in_the_middle(tmp_path, GROUP_APPENDED) == (1, 1)
+def test_kill_9_after_the_first_part_is_logged_keeps_none_of_the_push(
+    tmp_path: Path, forked_python: ForkedPython
+) -> None:
+    assert _kill_in_the_middle(tmp_path, forked_python, GROUP_APPENDED) == (1, 1)
 
 
-def test_kill_9_after_every_part_is_logged_keeps_all_of_the_push(tmp_path: Path) -> None:
+def test_kill_9_after_every_part_is_logged_keeps_all_of_the_push(
+    tmp_path: Path, forked_python: ForkedPython
+) -> None:
     # update:appended: every part logged, half of the first applied, then SIGKILL before any bump.
-    assert _kill_in_the_middle(tmp_path, UPDATE_APPENDED) == (2, 2)
+    assert _kill_in_the_middle(tmp_path, forked_python, UPDATE_APPENDED) == (2, 2)

@@ -176,7 +176,13 @@ def test_uploads_run_beside_pushes_and_leave_one_snapshot(nats_cluster: NatsClus
             seed += 1
         wait_uploaded([b], max(copied_by_b()))
         wait_no_upload_running([b])
-        time.sleep(1.0)  # the last upload's purge of the previous object's chunks
+        # The last upload's purge of the previous object's chunks: one object's chunks left (bounded wait).
+        deadline = time.monotonic() + 30
+        while True:
+            stream_bytes, chunks, object_bytes = obj_stream(nats_cluster)
+            if chunks == -(-object_bytes // (1 << 20)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
 
         # Pushes were acknowledged while uploads ran, none slower than 3 s.
         slowest = max(seconds for _, seconds, _ in acked)
@@ -196,7 +202,6 @@ def test_uploads_run_beside_pushes_and_leave_one_snapshot(nats_cluster: NatsClus
         assert len(versions) == len(set(versions)) >= 4, uploads
         assert uploads["ua"] and uploads["ub"], uploads
         # One snapshot's bytes in the Object Store, after uploads by both replicas.
-        stream_bytes, chunks, object_bytes = obj_stream(nats_cluster)
         assert object_bytes > 3 * CONFIG["memory_size"] * 4
         assert stream_bytes <= 1.2 * object_bytes, (stream_bytes, object_bytes)
         assert chunks == -(-object_bytes // (1 << 20))

@@ -1,9 +1,10 @@
 """kill -9 a worker in the middle of a load or a delete, at each point where it has changed something.
 
-The dying worker is a real process (``python -c``) attached to the test's shared directory and data
-directory, with the fault file naming the point (service/faults.py): it SIGKILLs itself there, holding
-the table's update lock and the registry lock, which the kernel releases. The test process is the
-surviving worker. Checked at each point:
+The dying worker is a real process (a script run in a fork of a process that imported robez once,
+``tests/service/forked.py``) attached to the test's shared directory and data directory, with the fault
+file naming the point (service/faults.py): it SIGKILLs itself there, holding the table's update lock and
+the registry lock, which the kernel releases. The test process is the surviving worker. Checked at each
+point:
 
 - what a restart of the whole server right after the kill serves (``WalJournal.load`` on a copy of the
   data directory, as ``robez serve`` does at start-up): the load or delete happened or not (it was never
@@ -22,8 +23,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from service.wal import LOG_FILE, META_FILE, WalJournal
 from service.wal.files import lock_data_dir
 
 from ..conftest import make_settings
+from ..forked import ForkedPython
 from ..subprocess_server import RobezServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -114,10 +114,11 @@ class Worker:
     journal: WalJournal
     directory: SharedDirectory
     store: TableStore
+    forks: ForkedPython  # where the dying worker runs
 
 
 @pytest.fixture
-def worker(tmp_path: Path) -> Iterator[Worker]:
+def worker(tmp_path: Path, forked_python: ForkedPython) -> Iterator[Worker]:
     """The surviving worker, over a data directory; snapshot policies off, so only the test snapshots."""
     settings = make_settings(
         tmp_path,
@@ -132,7 +133,7 @@ def worker(tmp_path: Path) -> Iterator[Worker]:
     directory = TableStore.prepare(settings, journal)
     store = TableStore(directory, settings, journal)
     try:
-        yield Worker(settings, journal, directory, store)
+        yield Worker(settings, journal, directory, store, forked_python)
     finally:
         store.close()
         journal.close()
@@ -189,10 +190,8 @@ def _kill_worker_at(point: str, worker: Worker, tmp_path: Path, checkpoint: str)
     fault = tmp_path / "fault"
     fault.write_text(point)
     data_dir = str(worker.settings.data_dir or "-")
-    command = [sys.executable, "-c", _WORKER, str(worker.directory.path), data_dir]
-    dead = subprocess.run(
-        [*command, str(fault), checkpoint], capture_output=True, text=True, timeout=CHILD_SECONDS
-    )
+    argv = [str(worker.directory.path), data_dir, str(fault), checkpoint]
+    dead = worker.forks.run(_WORKER, argv, timeout_s=CHILD_SECONDS)
     assert dead.returncode == -signal.SIGKILL, dead.stderr[-3000:]
     assert not fault.exists()
 
@@ -346,7 +345,7 @@ def test_a_worker_killed_in_the_middle_of_a_restore_in_place(
 
 
 def test_a_restore_in_place_killed_half_way_without_a_data_directory_is_refused_until_restored(
-    tmp_path: Path,
+    tmp_path: Path, forked_python: ForkedPython
 ) -> None:
     """Without a data directory (a replica) nothing can rebuild a torn array: lookups, updates and
     checksums answer 503 (``BusyError``), never the torn rows, until a restore writes it whole again
@@ -356,7 +355,7 @@ def test_a_restore_in_place_killed_half_way_without_a_data_directory_is_refused_
     directory = TableStore.prepare(settings, journal)
     store = TableStore(directory, settings, journal)
     try:
-        worker = Worker(settings, cast(WalJournal, journal), directory, store)
+        worker = Worker(settings, cast(WalJournal, journal), directory, store, forked_python)
         _start(worker)
         loaded, checkpoint = _loaded(tmp_path)
         _kill_worker_at("restore:overwriting", worker, tmp_path, f"in-place:{checkpoint}")
