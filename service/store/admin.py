@@ -199,6 +199,13 @@ class TableAdmin:
                 f"share_array_with={source_name!r}: memory_size must be the shared array's "
                 f"{source_config.memory_size}, got {spec.config.memory_size}"
             )
+        if spec.config.chunk_size != source_config.chunk_size:
+            # one Z an array: a shared push is coalesced into chunks of one length (as the local
+            # collection's one chunk_size); another Z would refuse every push that spans the two tables
+            raise ConfigError(
+                f"share_array_with={source_name!r}: chunk_size must be the shared array's "
+                f"{source_config.chunk_size}, got {spec.config.chunk_size}"
+            )
         if spec.optimizer != OptimizerConfig.from_dict(source["optimizer"]):
             raise ConfigError(
                 f"share_array_with={source_name!r}: the optimizer must be the shared array's "

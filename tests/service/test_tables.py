@@ -97,6 +97,8 @@ def test_create_errors_change_nothing(client_factory) -> None:
         ({"name": "ok", "config": SMALL_TABLE, "share_array_with": "missing"}, 404),
         ({"name": "ok", "config": {**SMALL_TABLE, "memory_size": 2048}, "share_array_with": "t"}, 422),
         ({"name": "ok", "config": SMALL_TABLE, "optimizer": {"name": "adam"}, "share_array_with": "t"}, 422),
+        # one Z an array: a shared push's chunks are cut by it (as the local collection's one chunk_size)
+        ({"name": "ok", "config": {**SMALL_TABLE, "chunk_size": 8}, "share_array_with": "t"}, 422),
         ({"name": "ok", "config": {**SMALL_TABLE, "memory_size": 8193}}, 422),  # over max_memory_size
         ({"name": "ok", "config": {**SMALL_TABLE, "embedding_dim": 17}}, 422),  # over max_embedding_dim
         ({"name": "ok"}, 422),
