@@ -4,10 +4,9 @@ kill -9s itself at a fault point (a dying worker or pusher). Each script still r
 (a fork, as ``robez serve``'s workers are forks of its fork server), with its own argv, environment,
 stdout and stderr; what the helper process imported is all it shares with it.
 
-Scripts must run numba's kernels at one thread (their serial copies): importing ``robez_core.kernels``
-starts numba's OpenMP pool in the helper, and a fork's first parallel region then aborts ("fork() called
-from a process already using GNU OpenMP"); a script that needs several kernel threads (test_warmup.py's)
-stays a fresh ``python -c``.
+The helper runs no kernel, so numba's OpenMP pool is not running when it forks (the pool starts at the
+first kernel call, ``robez_core/kernels/runtime.py``: GNU OpenMP aborts a fork's first parallel region
+once it runs in the parent); each script starts a pool of its own if it needs one.
 """
 
 from __future__ import annotations
