@@ -35,6 +35,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from benchmarks.service.oip_transports import INFER, REPORT_DIR, Server
 from loadtest.server import tree_pids
+from robez_core import hostinfo
 from service.grpc.frames import (
     ACK,
     CONTINUATION,
@@ -55,22 +56,15 @@ PATH = INFER
 
 
 def _machine() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.processor(),
-    )
     return (
-        f"{model}, {os.cpu_count()} CPUs (lscpu: 1 thread per core); server: 1 worker, 1 kernel thread; "
+        f"{hostinfo.cpu_model()}, {os.cpu_count()} CPUs (lscpu: 1 thread per core); "
+        "server: 1 worker, 1 kernel thread; "
         f"Python {platform.python_version()}; {dt.datetime.now():%Y-%m-%d %H:%M}"
     )
 
 
 def _load() -> str:
-    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return " ".join(f"{value:.2f}" for value in hostinfo.load_average())
 
 
 def _message(ids: int) -> bytes:

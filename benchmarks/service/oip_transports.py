@@ -38,6 +38,7 @@ import orjson
 from tritonclient.grpc import service_pb2 as pb
 
 from loadtest.server import tree_pids
+from robez_core import hostinfo
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_DIR = ROOT / "docs" / "benchmarks"
@@ -291,22 +292,15 @@ def full_collection() -> tuple[int, float, float]:
 
 
 def _machine() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.processor(),
-    )
     return (
-        f"{model}, {os.cpu_count()} CPUs; server: 1 worker, 1 kernel thread, one synchronous caller; "
+        f"{hostinfo.cpu_model()}, {os.cpu_count()} CPUs; "
+        "server: 1 worker, 1 kernel thread, one synchronous caller; "
         f"Python {platform.python_version()}; {dt.datetime.now():%Y-%m-%d %H:%M}"
     )
 
 
 def _load() -> str:
-    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return " ".join(f"{value:.2f}" for value in hostinfo.load_average())
 
 
 def _figures(values: dict[str, float]) -> str:
