@@ -30,16 +30,8 @@ TEST_WORKERS ?= 3
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
-# The whole suite: lint, types, tests. This is what .ci/run calls. While mypy runs on one core, the other
-# fills numba's disk cache with the demo kind's kernels (`python -m service.warmup`, ~16 s of CPU from an
-# empty cache), so a fresh clone's first servers and test processes load them instead of each compiling
-# them again (docs/benchmarks/suite-2026-11-27.md, ninth session).
-test: lint
-	@$(BIN)/python -m service.warmup > .warmup.log 2>&1 & warm=$$!; \
-	$(MAKE) --no-print-directory typecheck; typed=$$?; \
-	wait $$warm || echo "numba's cache warm-up failed (tests compile on first use): .warmup.log"; \
-	exit $$typed
-	$(MAKE) --no-print-directory pytest
+# The whole suite: lint, types, tests. This is what .ci/run calls.
+test: lint typecheck pytest
 
 # The paper's CPU benchmark tables, side by side (full nn.Embedding, reference ROBE-Z, fused ROBE-Z).
 # Every other benchmark, and the report each writes: benchmarks/README.md.
