@@ -32,12 +32,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from devtools.natscluster import NatsCluster
 from loadtest.profile import py_spy_path
 from loadtest.server import tree_cpu_seconds
 from robez_core import hostinfo
 
-from .replicas import BenchServer, percentile, timed_updates
+from .replicas import BenchServer, percentile, replicated_pair, timed_updates
 
 ROWS = 256
 _RATE_HZ = 250
@@ -177,27 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = ", ".join(f"{value:.2f}" for value in os.getloadavg())
     began = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix=".robez-bench-profile-", dir=args.dir))
-    cluster = NatsCluster(workdir / "nats", size=3)
-    servers: list[BenchServer] = []
     runs = {}
     try:
-        cluster.start()
-        cluster.wait_for_jetstream()
-        nats_args = ["--nats", ",".join(cluster.urls)]
-        servers = [
-            BenchServer(name, workdir, [*nats_args, "--replica-name", name], cluster.robez_env())
-            for name in "ab"
-        ]
-        for server in servers:
-            server.wait_ready()
-        timed_updates(servers[0].url, 1, 40, ROWS)  # kernels loaded, connections open
-        for writers, pushes in ((8, args.pushes), (1, args.single)):
-            print(f"{writers} writers ...", file=sys.stderr)
-            runs[writers] = _run(servers, writers, pushes, py_spy, workdir)
+        with replicated_pair(workdir, ROWS, warm_pushes=40) as (_, servers):
+            for writers, pushes in ((8, args.pushes), (1, args.single)):
+                print(f"{writers} writers ...", file=sys.stderr)
+                runs[writers] = _run(servers, writers, pushes, py_spy, workdir)
     finally:
-        for server in servers:
-            server.stop()
-        cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     load_after = ", ".join(f"{value:.2f}" for value in os.getloadavg())
 

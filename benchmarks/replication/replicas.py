@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +83,32 @@ class BenchServer(RobezProcess):
 
     def stop(self, timeout_s: float = 20.0) -> None:
         super().stop(timeout_s)
+
+
+@contextlib.contextmanager
+def replicated_pair(
+    workdir: Path, rows: int, warm_pushes: int, secure: bool = True
+) -> Iterator[tuple[NatsCluster, list[BenchServer]]]:
+    """A 3-node NATS cluster (TLS and logins unless not ``secure``) and replicas A and B on it, ready, A's
+    kernels loaded and connections open by ``warm_pushes`` pushes of ``rows`` ids; all stopped after."""
+    cluster = NatsCluster(workdir / "nats", size=3, secure=secure)
+    servers: list[BenchServer] = []
+    try:
+        cluster.start()
+        cluster.wait_for_jetstream()
+        nats_args = ["--nats", ",".join(cluster.urls)]
+        servers = [
+            BenchServer(name, workdir, [*nats_args, "--replica-name", name], cluster.robez_env())
+            for name in "ab"
+        ]
+        for server in servers:
+            server.wait_ready()
+        timed_updates(servers[0].url, 1, warm_pushes, rows)
+        yield cluster, servers
+    finally:
+        for server in servers:
+            server.stop()
+        cluster.stop()
 
 
 def push_body(rng: np.random.Generator, rows: int) -> tuple[bytes, dict[str, str]]:

@@ -37,7 +37,7 @@ from devtools.natscluster import NatsCluster
 from loadtest.server import tree_cpu_seconds
 from robez_core import hostinfo
 
-from .replicas import DIM, BenchServer, percentile, timed_updates
+from .replicas import DIM, percentile, replicated_pair, timed_updates
 
 _RECORD = 16 * 1024  # TLS's largest record
 _HOPS = 5  # publish to the leader, two routes, deliveries to A and to B
@@ -94,19 +94,7 @@ def _aead_costs(rows: int, repeat: int = 300) -> list[tuple[str, float, float]]:
 
 def _end_to_end(secure: bool, workdir: Path, pushes: int, rows: int) -> dict[int, dict[str, float]]:
     """{writers: {"p50_ms", "per_s", "cpu_<process>_ms"...}} for one cluster and replicas A, B."""
-    cluster = NatsCluster(workdir / "nats", size=3, secure=secure)
-    servers: list[BenchServer] = []
-    try:
-        cluster.start()
-        cluster.wait_for_jetstream()
-        nats_args = ["--nats", ",".join(cluster.urls)]
-        servers = [
-            BenchServer(name, workdir, [*nats_args, "--replica-name", name], cluster.robez_env())
-            for name in "ab"
-        ]
-        for server in servers:
-            server.wait_ready()
-        timed_updates(servers[0].url, 1, 20, rows)  # kernels loaded, connections open
+    with replicated_pair(workdir, rows, warm_pushes=20, secure=secure) as (cluster, servers):
         processes = {"A": servers[0].pid, "B": servers[1].pid}
         for node in cluster.nodes:
             assert node.process is not None
@@ -121,10 +109,6 @@ def _end_to_end(secure: bool, workdir: Path, pushes: int, rows: int) -> dict[int
                 row[f"cpu {name}"] = (after[name] - before[name]) / len(latencies) * 1e3
             figures[writers] = row
         return figures
-    finally:
-        for server in servers:
-            server.stop()
-        cluster.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
