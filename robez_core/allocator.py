@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 from dataclasses import dataclass
 
@@ -59,7 +60,11 @@ class MallocTuning:
                 raise ConfigError(f"{name} must be in [0, {MAX_KEEP_MB}], got {value}")
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """glibc, looked up once per process: ``find_library`` runs ``ldconfig -p`` in a child process, which
+    a worker's trim after each refused message paid again (~5 ms, and a child that shares the worker's
+    pages, so the process tree read 480 MiB more while it ran)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     name = ctypes.util.find_library("c") or "libc.so.6"
