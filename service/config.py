@@ -115,6 +115,14 @@ class Settings(BaseSettings):
         "for a peer that sent nothing for this long, is sent GOAWAY and closed (clients reconnect); its "
         "HTTP/2 preface must come within header_timeout_s",
     )
+    grpc_max_unread_answer_bytes: int = Field(
+        default=256 * MiB,
+        ge=1,
+        json_schema_extra=_LISTEN,
+        description="frames engine: answers one gRPC connection's peer has not taken yet (held back by its "
+        "windows, or unread); one more past this is refused, RESOURCE_EXHAUSTED naming it (all of them "
+        "count against max_body_bytes_held too)",
+    )
     grpc_keepalive_time_s: float = Field(
         default=7200.0,
         gt=0,

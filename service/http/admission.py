@@ -5,7 +5,7 @@ requests a connection answers itself) both ask one ``Admission`` per worker:
 
 - a body is at most ``body_limit(its content type)`` (413), and the worker holds at most
   ``max_body_bytes_held`` of bodies at once, counted from their arrival until their answer (503 +
-  Retry-After);
+  Retry-After), with the gRPC answers its clients have not taken yet (``hold_answers``);
 - a request takes one of ``max_in_flight`` slots until it is answered, unless it is a probe or a scrape
   (``UNLIMITED_PATHS``); none free: 503 + Retry-After;
 - a lookup waiting for a table version (``X-Robez-Min-Version``, service/consistency.py) gives its slot
@@ -199,6 +199,12 @@ class Admission:
         self.held_bytes += size
         return True
 
+    def hold_answers(self, change: int) -> None:
+        """Count ``change`` more (or, negative, fewer) bytes of answers a client has not taken yet among the
+        bytes held. An answer is checked (``over_held``) before it is sent; what it holds then is counted
+        whatever the room, as it is in the process already."""
+        self.held_bytes += change
+
     def wait_begins(self) -> bool:
         """An admitted request (holding an in-flight slot) starts waiting for a table version: its slot is
         given back and it counts as a waiter, if fewer than ``max_waiting`` wait; else nothing changes and
@@ -236,7 +242,7 @@ class Admission:
         headers = {"Retry-After": str(self.limits.retry_after_s)}
         if close:
             headers["Connection"] = "close"
-        return error_response(503, self._bodies_held_message(), "BusyError", headers)
+        return error_response(503, self.bodies_held_message(), "BusyError", headers)
 
     def refuse_saturated(self) -> Response:
         self.metrics.rejected_total.labels("saturated").inc()
@@ -257,12 +263,12 @@ class Admission:
             return BusyError(self._saturated_message())
         if self.over_held(size):
             self.metrics.rejected_total.labels("bodies_held").inc()
-            return BusyError(self._bodies_held_message())
+            return BusyError(self.bodies_held_message())
         return None
 
-    def _bodies_held_message(self) -> str:
+    def bodies_held_message(self) -> str:
         return (
-            f"server busy: this worker holds {self.held_bytes} bytes of request bodies "
+            f"server busy: this worker holds {self.held_bytes} bytes of request bodies and unread answers "
             f"(max_body_bytes_held={self.limits.max_held_bytes})"
         )
 

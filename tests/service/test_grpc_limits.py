@@ -5,16 +5,19 @@ refused call, error messages that never quote a client's megabyte."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from urllib.parse import unquote
 
 import grpc
 import h2.config
 import h2.connection
 import h2.events
+import h2.settings
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
@@ -37,7 +40,8 @@ def _rss_mib(pid: int) -> float:
 
 @pytest.fixture(scope="module")
 def hostile_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RobezServer, str]]:
-    """One worker with room for two 24 MiB messages held at once and a 1.5 s body timeout."""
+    """One worker with room for two 24 MiB messages held at once, a 1.5 s body timeout and 24 MiB of
+    answers held for a gRPC connection's peer."""
     tmp_path = tmp_path_factory.mktemp("grpc-limits")
     port = free_port()
     env = {
@@ -46,6 +50,7 @@ def hostile_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[R
         "ROBEZ_MAX_BODY_BYTES_HELD": str(52 * MiB),
         "ROBEZ_BODY_TIMEOUT_S": "1.5",
         "ROBEZ_MAX_IDS_PER_REQUEST": str(1 << 16),
+        "ROBEZ_GRPC_MAX_UNREAD_ANSWER_BYTES": str(24 * MiB),
     }
     server = RobezServer(tmp_path / "server.log", ["--grpc-port", str(port)], env)
     server.start()
@@ -180,6 +185,151 @@ def test_stalled_partial_messages_are_bounded_and_cut(hostile_target: tuple[Robe
     with grpc.insecure_channel(address) as channel:  # and the worker still serves
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         assert stub.ModelReady(pb.ModelReadyRequest(name="demo"), timeout=30).ready
+
+
+def _unread_answers(
+    address: str, calls: int, ids: int, seconds: float, *, window: int, read: bool = True, ended: int = 0
+) -> dict[int, tuple[str, str]]:
+    """``calls`` ModelInfer calls of ``ids`` ids each on one HTTP/2 connection whose peer takes no answer:
+    its stream windows at ``window`` (0: no answer's data may come), reading only HEADERS (``read``), or
+    reading nothing once its calls are sent (its windows as large as HTTP/2 allows). Returns each ended
+    call's (grpc-status, grpc-message) after ``seconds``, or once ``ended`` calls (if > 0) have ended."""
+    request = pb.ModelInferRequest(model_name="demo")
+    request.inputs.add(name="ids", datatype="INT64", shape=[ids])
+    request.raw_input_contents.append(np.arange(ids, dtype=np.int64).tobytes())
+    message = request.SerializeToString()
+    body = b"\x00" + struct.pack(">I", len(message)) + message
+    host, port = address.split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.settimeout(0.05)
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    connection.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+    if window > 65535:
+        connection.increment_flow_control_window(window - 65535)
+    sock.sendall(connection.data_to_send())
+    time.sleep(0.2)  # the server's SETTINGS and connection window, read once
+    connection.receive_data(sock.recv(1 << 16))
+    sent: dict[int, int] = {}
+    for _ in range(calls):
+        stream = connection.get_next_available_stream_id()
+        connection.send_headers(
+            stream,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", INFER),
+                (":authority", address),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ],
+        )
+        sent[stream] = 0
+    statuses: dict[int, tuple[str, str]] = {}
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline and len(statuses) < (ended or calls + 1):
+            for stream in sent:
+                while sent[stream] < len(body):
+                    size = min(
+                        connection.local_flow_control_window(stream),
+                        connection.max_outbound_frame_size,
+                        len(body) - sent[stream],
+                    )
+                    if size <= 0:
+                        break
+                    connection.send_data(stream, body[sent[stream] : sent[stream] + size])
+                    sent[stream] += size
+                    if sent[stream] == len(body):
+                        connection.end_stream(stream)
+            if outgoing := connection.data_to_send():
+                sock.sendall(outgoing)
+            if not read and all(done == len(body) for done in sent.values()):
+                time.sleep(0.05)
+                continue
+            try:
+                incoming = sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            if not incoming:
+                break
+            for event in connection.receive_data(incoming):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    headers = {bytes(k).decode(): bytes(v).decode() for k, v in event.headers}
+                    if "grpc-status" in headers:
+                        statuses[event.stream_id] = (headers["grpc-status"], headers.get("grpc-message", ""))
+    finally:
+        sock.close()
+    return statuses
+
+
+def test_answers_a_peer_does_not_take_are_bounded(hostile_target: tuple[RobezServer, str]) -> None:
+    """One peer with its windows at 0 sends 16 calls of 65,536 ids (16 MiB answers) and takes no
+    answer's data: the worker holds answers for it up to ``grpc_max_unread_answer_bytes`` (24 MiB here)
+    and within its room for bodies, and refuses the rest, RESOURCE_EXHAUSTED naming the limit; its memory
+    does not grow with the calls (before: every answer held, 256 MiB, until the connection's idle timeout;
+    40 calls of 262,144 ids at the defaults grew a worker by 2.7 GB)."""
+    server, address = hostile_target
+    assert server.process is not None
+    pid = server.process.pid
+    before = _rss_mib(pid)
+    peak = [before]
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.wait(0.05):
+            peak.append(_rss_mib(pid))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        statuses = _unread_answers(address, calls=16, ids=65536, seconds=20, window=0, ended=12)
+    finally:
+        sampling.set()
+        sampler.join()
+    # RESOURCE_EXHAUSTED, or DEADLINE_EXCEEDED for a call that found no room to read its message in time
+    assert sum(code != "0" for code, _ in statuses.values()) >= 12, statuses
+    refused = [message for code, message in statuses.values() if code == "8"]
+    assert refused
+    # its connection's bound, or the worker's room when the room holds messages in read too
+    limits = ("grpc_max_unread_answer_bytes=25165824", "max_body_bytes_held=54525952")
+    assert all(any(limit in unquote(message) for limit in limits) for message in refused), refused[:2]
+    # grpcio keeps copies of an answer it is sending (its slices): ~6x what the room counts
+    bound = 130 if os.environ.get("GRPC_ENGINE_UNDER_TEST", "frames") == "frames" else 500
+    assert max(peak) - before < bound, f"peak {max(peak) - before:.0f} MiB over the start"
+    with grpc.insecure_channel(address) as channel:  # and the worker still serves
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ModelReady(pb.ModelReadyRequest(name="demo"), timeout=30).ready
+
+
+def test_answers_held_leave_the_worker_room_when_taken_or_dropped(
+    grpc_server: Callable[..., tuple[ThreadedServer, str]],
+) -> None:
+    """The accounting behind the bound, in process: answers a peer that reads nothing holds are counted
+    in the worker's room for bodies (its further answers refused), and given back when its connection
+    goes; a client that takes its answers leaves nothing counted."""
+    server, address = grpc_server(grpc_max_unread_answer_bytes=4 * MiB)
+    admission = server.app.state.admission
+    _unread_answers(address, calls=24, ids=4096, seconds=3, window=(1 << 31) - 1, read=False)
+    deadline = time.monotonic() + 10
+    while admission.held_bytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert admission.held_bytes == 0
+    if server.app.state.settings.grpc_engine == "frames":  # grpcio has no bound of its own per connection
+        refused = admission.metrics.rejected_total.labels("answers_held")._value.get()
+        assert refused >= 8  # 24 answers of 1 MiB, at most ~5 MiB held past what the kernel took
+    options = [("grpc.max_receive_message_length", -1)]
+    with grpc.insecure_channel(address, options=options) as channel:
+        call = channel.unary_unary(INFER)
+        request = pb.ModelInferRequest(model_name="demo")
+        request.inputs.add(name="ids", datatype="INT64", shape=[1024])
+        request.raw_input_contents.append(np.arange(1024, dtype=np.int64).tobytes())
+        futures = [call.future(request.SerializeToString(), timeout=30) for _ in range(8)]  # 2 MiB at most
+        assert all(len(future.result()) > 1024 * 64 * 4 for future in futures)
+    deadline = time.monotonic() + 5
+    while admission.held_bytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert admission.held_bytes == 0
 
 
 def test_no_message_is_read_before_the_read_key(
