@@ -23,6 +23,7 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from benchmarks.service.grpc_unread_answers import unread_answers
 from loadtest.server import tree_rss_bytes
 from service.grpc.wire import decode_int64s, parse_request
 
@@ -187,82 +188,6 @@ def test_stalled_partial_messages_are_bounded_and_cut(hostile_target: tuple[Robe
         assert stub.ModelReady(pb.ModelReadyRequest(name="demo"), timeout=30).ready
 
 
-def _unread_answers(
-    address: str, calls: int, ids: int, seconds: float, *, window: int, read: bool = True, ended: int = 0
-) -> dict[int, tuple[str, str]]:
-    """``calls`` ModelInfer calls of ``ids`` ids each on one HTTP/2 connection whose peer takes no answer:
-    its stream windows at ``window`` (0: no answer's data may come), reading only HEADERS (``read``), or
-    reading nothing once its calls are sent (its windows as large as HTTP/2 allows). Returns each ended
-    call's (grpc-status, grpc-message) after ``seconds``, or once ``ended`` calls (if > 0) have ended."""
-    request = pb.ModelInferRequest(model_name="demo")
-    request.inputs.add(name="ids", datatype="INT64", shape=[ids])
-    request.raw_input_contents.append(np.arange(ids, dtype=np.int64).tobytes())
-    message = request.SerializeToString()
-    body = b"\x00" + struct.pack(">I", len(message)) + message
-    host, port = address.split(":")
-    sock = socket.create_connection((host, int(port)))
-    sock.settimeout(0.05)
-    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    connection.initiate_connection()
-    connection.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
-    if window > 65535:
-        connection.increment_flow_control_window(window - 65535)
-    sock.sendall(connection.data_to_send())
-    time.sleep(0.2)  # the server's SETTINGS and connection window, read once
-    connection.receive_data(sock.recv(1 << 16))
-    sent: dict[int, int] = {}
-    for _ in range(calls):
-        stream = connection.get_next_available_stream_id()
-        connection.send_headers(
-            stream,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", INFER),
-                (":authority", address),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ],
-        )
-        sent[stream] = 0
-    statuses: dict[int, tuple[str, str]] = {}
-    deadline = time.monotonic() + seconds
-    try:
-        while time.monotonic() < deadline and len(statuses) < (ended or calls + 1):
-            for stream in sent:
-                while sent[stream] < len(body):
-                    size = min(
-                        connection.local_flow_control_window(stream),
-                        connection.max_outbound_frame_size,
-                        len(body) - sent[stream],
-                    )
-                    if size <= 0:
-                        break
-                    connection.send_data(stream, body[sent[stream] : sent[stream] + size])
-                    sent[stream] += size
-                    if sent[stream] == len(body):
-                        connection.end_stream(stream)
-            if outgoing := connection.data_to_send():
-                sock.sendall(outgoing)
-            if not read and all(done == len(body) for done in sent.values()):
-                time.sleep(0.05)
-                continue
-            try:
-                incoming = sock.recv(1 << 16)
-            except TimeoutError:
-                continue
-            if not incoming:
-                break
-            for event in connection.receive_data(incoming):
-                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                    headers = {bytes(k).decode(): bytes(v).decode() for k, v in event.headers}
-                    if "grpc-status" in headers:
-                        statuses[event.stream_id] = (headers["grpc-status"], headers.get("grpc-message", ""))
-    finally:
-        sock.close()
-    return statuses
-
-
 def test_answers_a_peer_does_not_take_are_bounded(hostile_target: tuple[RobezServer, str]) -> None:
     """One peer with its windows at 0 sends 16 calls of 65,536 ids (16 MiB answers) and takes no
     answer's data: the worker holds answers for it up to ``grpc_max_unread_answer_bytes`` (24 MiB here)
@@ -283,7 +208,7 @@ def test_answers_a_peer_does_not_take_are_bounded(hostile_target: tuple[RobezSer
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        statuses = _unread_answers(address, calls=16, ids=65536, seconds=20, window=0, ended=12)
+        statuses = unread_answers(address, calls=16, ids=65536, seconds=20, window=0, ended=12)
     finally:
         sampling.set()
         sampler.join()
@@ -310,7 +235,7 @@ def test_answers_held_leave_the_worker_room_when_taken_or_dropped(
     goes; a client that takes its answers leaves nothing counted."""
     server, address = grpc_server(grpc_max_unread_answer_bytes=4 * MiB)
     admission = server.app.state.admission
-    _unread_answers(address, calls=24, ids=4096, seconds=3, window=(1 << 31) - 1, read=False)
+    unread_answers(address, calls=24, ids=4096, seconds=3, window=(1 << 31) - 1, read=False)
     deadline = time.monotonic() + 10
     while admission.held_bytes and time.monotonic() < deadline:
         time.sleep(0.05)
