@@ -1178,14 +1178,14 @@ def _sorted_chunk_starts(keys):
     radix-sorted on the key's bits only (``_SORT_DIGIT_BITS`` a pass), positions already in order, so
     ties keep it. Keys too wide to pack with their positions, and a few keys, take ``_radix_argsort``."""
     n = keys.shape[0]
-    if n <= _INSERTION_SORT_MAX_KEYS or _bit_length(n - 1) + _bit_length(keys.max()) > 64:
+    index_bits = _bit_length(n - 1)
+    key_bits = _bit_length(keys.max()) if n > _INSERTION_SORT_MAX_KEYS else 0
+    if n <= _INSERTION_SORT_MAX_KEYS or index_bits + key_bits > 64:
         order = _radix_argsort(keys)
         sorted_keys = np.empty(n, dtype=np.int64)
         for k in range(n):
             sorted_keys[k] = keys[order[k]]
         return sorted_keys, order
-    index_bits = _bit_length(n - 1)
-    key_bits = _bit_length(keys.max())
     shift = np.uint64(index_bits)
     packed = np.empty(n, dtype=np.uint64)
     for i in range(n):
