@@ -1,0 +1,181 @@
+"""HTTP answers a client does not take: the bytes of its responses still in its connection's transport
+buffer count against the worker's room for bodies (``max_body_bytes_held``) until taken, and a large
+answer that finds no room is answered 503 instead (protocol.py, admission.py). Before, a client that read
+no answer held it in full: 200 connections with one lookup of 262,144 ids each grew a worker by 4.3 GB."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from loadtest.server import tree_rss_bytes
+from service.app import create_app
+from service.http.protocol import uvicorn_options
+
+from ..conftest import make_settings
+from ..subprocess_server import serve
+from ..threaded_server import ThreadedServer
+
+MiB = 1 << 20
+LOOKUP = "/v1/tables/demo/lookup"
+OCTET = {"content-type": "application/octet-stream"}
+
+
+def _lookup_request(ids: int) -> bytes:
+    body = np.arange(ids, dtype="<i8").tobytes()
+    head = (
+        f"POST {LOOKUP} HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _unread(port: int, connections: int, ids: int) -> list[socket.socket]:
+    """``connections`` connections that each send one lookup of ``ids`` ids and read nothing yet (a receive
+    buffer of 4 KiB: the kernel takes little of an answer for them)."""
+    request = _lookup_request(ids)
+    sockets = []
+    for _ in range(connections):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(request)
+        sockets.append(sock)
+    return sockets
+
+
+def _status(sock: socket.socket) -> tuple[int, bytes]:
+    """The status of the one response on ``sock`` and its body's first bytes, the rest read and dropped."""
+    sock.settimeout(30)
+    head = bytearray()
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(1 << 16)
+        assert chunk, f"connection closed mid-response: {bytes(head[:200])!r}"
+        head += chunk
+    head, _, body = bytes(head).partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length: *(\d+)", head)
+    assert length is not None, head
+    left = int(length.group(1)) - len(body)
+    first = body[:300]
+    while left > 0:
+        chunk = sock.recv(1 << 20)
+        assert chunk, "connection closed mid-body"
+        first = first or chunk[:300]
+        left -= len(chunk)
+    return int(head.split(b" ", 2)[1]), first
+
+
+@pytest.mark.slow
+def test_answers_clients_do_not_read_are_bounded(tmp_path: Path) -> None:
+    """24 connections each ask for a 16 MiB answer and read nothing, against a room of 64 MiB: the worker
+    holds what fits in the room and answers the rest 503 (the bodies-held message and Retry-After), so its
+    memory stays within the room and two answers in the making, not 24 answers (384 MiB); all are answered
+    once the clients read, and the worker still serves."""
+    with serve(tmp_path, max_body_bytes_held=str(64 * MiB), max_ids_per_request=str(1 << 16)) as server:
+        assert server.process is not None
+        pid = server.process.pid
+        before = tree_rss_bytes(pid) / MiB
+        sockets = _unread(server.port, 24, 1 << 16)
+        try:
+            peak = before
+            settled = 0  # samples in a row with no growth: the worker has answered every request
+            deadline = time.monotonic() + 20
+            while settled < 10 and time.monotonic() < deadline:
+                time.sleep(0.05)
+                rss = tree_rss_bytes(pid) / MiB
+                settled = settled + 1 if rss <= peak else 0
+                peak = max(peak, rss)
+            statuses = [_status(sock) for sock in sockets]
+        finally:
+            for sock in sockets:
+                sock.close()
+        # the room (64), two 16 MiB answers being made and the allocator's slack (110 here; before: 398)
+        assert peak - before < 64 + 32 + 64, f"peak {peak - before:.0f} MiB over the start"
+        codes = [code for code, _ in statuses]
+        assert set(codes) == {200, 503} and codes.count(503) >= 12, codes
+        refused = [body for code, body in statuses if code == 503]
+        assert all(b"max_body_bytes_held=67108864" in body for body in refused), refused[0]
+        assert server.metric("robez_rejected_total", reason="bodies_held") == codes.count(503)
+        ids = np.arange(4, dtype="<i8").tobytes()
+        assert httpx.post(f"{server.url}{LOOKUP}", content=ids, headers=OCTET).status_code == 200
+
+
+@pytest.fixture
+def robez_http(tmp_path: Path) -> Iterator[Callable[[int], ThreadedServer]]:
+    """The app in process behind robez serve's own HTTP protocol (which counts unread answers), with a
+    room of the given size for bodies and answers."""
+    servers: list[ThreadedServer] = []
+
+    def start(room: int) -> ThreadedServer:
+        settings = make_settings(
+            tmp_path, max_body_bytes=MiB, max_body_bytes_held=room, max_ids_per_request=1 << 16
+        )
+        servers.append(ThreadedServer(create_app(settings), **uvicorn_options(settings)))
+        return servers[-1]
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _held_bytes_settle(server: ThreadedServer, timeout_s: float = 10) -> int:
+    admission = server.app.state.admission
+    deadline = time.monotonic() + timeout_s
+    while admission.held_bytes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return int(admission.held_bytes)
+
+
+def test_unread_answers_hold_the_room_until_their_clients_go(
+    robez_http: Callable[[int], ThreadedServer],
+) -> None:
+    """8 connections that read none of their 16 MiB answers (65,536 ids): what the kernel did not take of
+    them (it takes a few MiB) is held in the worker's room of 32 MiB, so the answers that find none are
+    refused 503; all of it is given back when the clients go."""
+    server = robez_http(32 * MiB)
+    admission = server.app.state.admission
+    rejected = admission.metrics.rejected_total.labels("bodies_held")
+    sockets = _unread(int(server.address.split(":")[1]), 8, 1 << 16)
+    try:
+        deadline = time.monotonic() + 10
+        while rejected._value.get() < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rejected._value.get() >= 4, admission.held_bytes
+        assert 0 < admission.held_bytes <= 32 * MiB + 16 * MiB
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert _held_bytes_settle(server) == 0
+
+
+def test_clients_that_read_are_never_refused(robez_http: Callable[[int], ThreadedServer]) -> None:
+    """8 keep-alive clients each fetching 20 answers of 1 MiB against a room of 32 MiB, which their 160 MiB
+    of answers would fill were what they took not given back: every answer 200, nothing held after."""
+    server = robez_http(32 * MiB)
+    body = np.arange(4096, dtype="<i8").tobytes()
+    codes: list[int] = []
+
+    def client() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            for _ in range(20):
+                response = http.post(LOOKUP, content=body, headers=OCTET)
+                codes.append(response.status_code)
+                assert response.status_code != 200 or len(response.content) == 4096 * 64 * 4
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert codes == [200] * 160, sorted(set(codes))
+    assert _held_bytes_settle(server) == 0
