@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 import numpy as np
@@ -34,13 +35,19 @@ from benchmarks.service.oip_transports import REPORT_DIR, Server
 from robez_core import hostinfo
 
 
-def send_unread(port: int, connections: int, ids: int) -> list[socket.socket]:
-    """``connections`` connections that have each sent one lookup of ``ids`` ids and read nothing yet."""
+def lookup_request(ids: int) -> bytes:
+    """An HTTP/1.1 binary lookup of ``ids`` ids of the demo table, as it goes on the wire."""
     body = np.arange(ids, dtype="<i8").tobytes()
-    request = (
+    return (
         "POST /v1/tables/demo/lookup HTTP/1.1\r\nHost: bench\r\nContent-Type: application/octet-stream\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
+
+
+def send_unread(port: int, connections: int, ids: int) -> list[socket.socket]:
+    """``connections`` connections that have each sent one lookup of ``ids`` ids and read nothing yet (a
+    receive buffer of 4 KiB: the kernel takes little of an answer for them)."""
+    request = lookup_request(ids)
     sockets = []
     for _ in range(connections):
         sock = socket.socket()
@@ -51,26 +58,32 @@ def send_unread(port: int, connections: int, ids: int) -> list[socket.socket]:
     return sockets
 
 
+def read_answer(stream: BinaryIO) -> tuple[int, bytes]:
+    """The status of the next response on ``stream`` (a socket's file, so pipelined responses stay for
+    the next call) and its body's first 300 bytes, the rest read and dropped."""
+    status = int(stream.readline().split(b" ", 2)[1])
+    length = 0
+    while (line := stream.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    first = stream.read(min(length, 300))
+    left = length - len(first)
+    while left > 0:
+        chunk = stream.read(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError("closed mid-body")
+        left -= len(chunk)
+    return status, first
+
+
 def read_status(sock: socket.socket, timeout_s: float = 120) -> str:
-    """The status of the one response on ``sock`` (its body read and dropped), or why there is none."""
+    """The status of the one response on ``sock``, or why there is none."""
     sock.settimeout(timeout_s)
-    data = bytearray()
     try:
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                return "closed"
-            data += chunk
-        head, _, body = bytes(data).partition(b"\r\n\r\n")
-        length = re.search(rb"(?im)^content-length: *(\d+)", head)
-        left = (int(length.group(1)) if length else 0) - len(body)
-        while left > 0:
-            chunk = sock.recv(1 << 20)
-            if not chunk:
-                return "cut"
-            left -= len(chunk)
-        return head.split(b" ", 2)[1].decode()
-    except OSError as exc:
+        with sock.makefile("rb") as stream:
+            return str(read_answer(stream)[0])
+    except (OSError, ValueError, IndexError) as exc:  # no answer, or not a whole one
         return type(exc).__name__
 
 
@@ -81,6 +94,7 @@ class Row:
     pss_peak: float
     rss_peak: float
     statuses: str  # status: count, once the clients read
+    rejected: str  # robez_rejected_total by reason: why the 503s
     read_s: float
     serves_after: bool
 
@@ -111,12 +125,16 @@ def measure(source: Path, connections: int, ids: int, seconds: float) -> Row:
             headers={"content-type": "application/octet-stream"},
             timeout=60,
         )
+        scrape = httpx.get(f"{server.url}/metrics", timeout=60).text
+        rejected = re.findall(r'^robez_rejected_total\{reason="(\w+)"\} ([0-9.e+]+)$', scrape, re.M)
         return Row(
             _revision(source),
             pss0,
             max(p for p, _ in peaks),
             max(r for _, r in peaks),
             ", ".join(f"{status}: {count}" for status, count in sorted(statuses.items())),
+            ", ".join(f"{reason}: {float(count):.0f}" for reason, count in rejected if float(count))
+            or "none",
             read_s,
             answer.status_code == 200,
         )
@@ -166,14 +184,14 @@ def main() -> None:
         "process tree is sampled every 0.25 s; then each reads its answer (statuses below).",
         "",
         "| checkout | PSS before MiB | PSS peak MiB | growth MiB | RSS peak MiB | statuses once read | "
-        "read s | serves after |",
-        "|---|---|---|---|---|---|---|---|",
+        "503s by reason | read s | serves after |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row.source} | {row.pss_before:.0f} | {row.pss_peak:.0f} | "
             f"**{row.pss_peak - row.pss_before:.0f}** | {row.rss_peak:.0f} | {row.statuses} | "
-            f"{row.read_s:.1f} | {row.serves_after} |"
+            f"{row.rejected} | {row.read_s:.1f} | {row.serves_after} |"
         )
     text = "\n".join(lines) + "\n"
     out = args.out or REPORT_DIR / f"http-unread-answers-{date}.md"

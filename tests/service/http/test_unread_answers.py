@@ -5,7 +5,6 @@ no answer held it in full: 200 connections with one lookup of 262,144 ids each g
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import time
@@ -16,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
+from benchmarks.service.http_unread_answers import lookup_request, read_answer, send_unread
 from loadtest.server import tree_rss_bytes
 from service.app import create_app
 from service.http.protocol import uvicorn_options
@@ -29,61 +29,24 @@ LOOKUP = "/v1/tables/demo/lookup"
 OCTET = {"content-type": "application/octet-stream"}
 
 
-def _lookup_request(ids: int) -> bytes:
-    body = np.arange(ids, dtype="<i8").tobytes()
-    head = (
-        f"POST {LOOKUP} HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-def _unread(port: int, connections: int, ids: int) -> list[socket.socket]:
-    """``connections`` connections that each send one lookup of ``ids`` ids and read nothing yet (a receive
-    buffer of 4 KiB: the kernel takes little of an answer for them)."""
-    request = _lookup_request(ids)
-    sockets = []
-    for _ in range(connections):
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", port))
-        sock.sendall(request)
-        sockets.append(sock)
-    return sockets
-
-
-def _status(sock: socket.socket) -> tuple[int, bytes]:
-    """The status of the one response on ``sock`` and its body's first bytes, the rest read and dropped."""
+def _read(sock: socket.socket) -> tuple[int, bytes]:
+    """``read_answer`` of the one response on ``sock``."""
     sock.settimeout(30)
-    head = bytearray()
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(1 << 16)
-        assert chunk, f"connection closed mid-response: {bytes(head[:200])!r}"
-        head += chunk
-    head, _, body = bytes(head).partition(b"\r\n\r\n")
-    length = re.search(rb"(?im)^content-length: *(\d+)", head)
-    assert length is not None, head
-    left = int(length.group(1)) - len(body)
-    first = body[:300]
-    while left > 0:
-        chunk = sock.recv(1 << 20)
-        assert chunk, "connection closed mid-body"
-        first = first or chunk[:300]
-        left -= len(chunk)
-    return int(head.split(b" ", 2)[1]), first
+    with sock.makefile("rb") as stream:
+        return read_answer(stream)
 
 
 @pytest.mark.slow
 def test_answers_clients_do_not_read_are_bounded(tmp_path: Path) -> None:
     """24 connections each ask for a 16 MiB answer and read nothing, against a room of 64 MiB: the worker
-    holds what fits in the room and answers the rest 503 (the bodies-held message and Retry-After), so its
+    holds what fits in the room and answers the rest 503 (the bodies-held message), so its
     memory stays within the room and two answers in the making, not 24 answers (384 MiB); all are answered
     once the clients read, and the worker still serves."""
     with serve(tmp_path, max_body_bytes_held=str(64 * MiB), max_ids_per_request=str(1 << 16)) as server:
         assert server.process is not None
         pid = server.process.pid
         before = tree_rss_bytes(pid) / MiB
-        sockets = _unread(server.port, 24, 1 << 16)
+        sockets = send_unread(server.port, 24, 1 << 16)
         try:
             peak = before
             settled = 0  # samples in a row with no growth: the worker has answered every request
@@ -93,7 +56,7 @@ def test_answers_clients_do_not_read_are_bounded(tmp_path: Path) -> None:
                 rss = tree_rss_bytes(pid) / MiB
                 settled = settled + 1 if rss <= peak else 0
                 peak = max(peak, rss)
-            statuses = [_status(sock) for sock in sockets]
+            statuses = [_read(sock) for sock in sockets]
         finally:
             for sock in sockets:
                 sock.close()
@@ -145,7 +108,7 @@ def test_unread_answers_hold_the_room_until_their_clients_go(
     server = robez_http(32 * MiB)
     admission = server.app.state.admission
     rejected = admission.metrics.rejected_total.labels("bodies_held")
-    sockets = _unread(int(server.address.split(":")[1]), 8, 1 << 16)
+    sockets = send_unread(int(server.address.split(":")[1]), 8, 1 << 16)
     try:
         deadline = time.monotonic() + 10
         while rejected._value.get() < 4 and time.monotonic() < deadline:
@@ -160,7 +123,8 @@ def test_unread_answers_hold_the_room_until_their_clients_go(
 
 def test_clients_that_read_are_never_refused(robez_http: Callable[[int], ThreadedServer]) -> None:
     """8 keep-alive clients each fetching 20 answers of 1 MiB against a room of 32 MiB, which their 160 MiB
-    of answers would fill were what they took not given back: every answer 200, nothing held after."""
+    of answers would fill were what they took not given back, then 6 pipelined on one connection: every
+    answer 200, nothing held after."""
     server = robez_http(32 * MiB)
     body = np.arange(4096, dtype="<i8").tobytes()
     codes: list[int] = []
@@ -178,4 +142,9 @@ def test_clients_that_read_are_never_refused(robez_http: Callable[[int], Threade
     for thread in threads:
         thread.join()
     assert codes == [200] * 160, sorted(set(codes))
+    with socket.create_connection(("127.0.0.1", int(server.address.split(":")[1]))) as sock:
+        sock.settimeout(30)
+        sock.sendall(lookup_request(4096) * 6)  # pipelined: each answer after the one before
+        with sock.makefile("rb") as stream:
+            assert [read_answer(stream)[0] for _ in range(6)] == [200] * 6
     assert _held_bytes_settle(server) == 0
