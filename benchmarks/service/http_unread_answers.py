@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import socket
+import ssl
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -44,15 +45,19 @@ def lookup_request(ids: int) -> bytes:
     ).encode() + body
 
 
-def send_unread(port: int, connections: int, ids: int) -> list[socket.socket]:
-    """``connections`` connections that have each sent one lookup of ``ids`` ids and read nothing yet (a
-    receive buffer of 4 KiB: the kernel takes little of an answer for them)."""
+def send_unread(
+    port: int, connections: int, ids: int, tls: ssl.SSLContext | None = None
+) -> list[socket.socket]:
+    """``connections`` connections (over TLS with ``tls``) that have each sent one lookup of ``ids`` ids
+    and read nothing yet (a receive buffer of 4 KiB: the kernel takes little of an answer for them)."""
     request = lookup_request(ids)
     sockets = []
     for _ in range(connections):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", port))
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname="127.0.0.1")
         sock.sendall(request)
         sockets.append(sock)
     return sockets

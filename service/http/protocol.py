@@ -14,8 +14,9 @@
 - the bytes of its responses a client has not taken yet (the transport's write buffer) count against the
   worker's room for bodies (``max_body_bytes_held``, the ``Admission``'s) until it takes them: counted
   after each response, on each read and every ``_ANSWERS_RECOUNT_S`` while any are held, given back when
-  the connection goes (``count_answers``); a large answer that finds no room is refused 503 where every
-  response starts (``admission.AnswerStatus.send``).
+  the connection goes (``count_answers``; over TLS, writes go to the transport in pieces so that it can
+  see them: ``PiecewiseWrites``); a large answer that finds no room is refused 503 where every response
+  starts (``admission.AnswerStatus.send``).
 
 A stalled request *body* is the business of ``middleware.RequestBodyMiddleware`` (``body_timeout_s``).
 
@@ -67,6 +68,8 @@ LIFESPAN_METRICS_KEY = "robez_metrics"
 LIFESPAN_ADMISSION_KEY = "robez_admission"
 # How soon answers a client took (without sending a byte) leave the worker's room, as gRPC's.
 _ANSWERS_RECOUNT_S = 0.05
+# Over TLS, larger writes are handed to the transport in pieces of this size (``PiecewiseWrites``).
+_TLS_PIECE_BYTES = 256 * 1024
 # A TLS connection being closed waits this long for the peer's close_notify (asyncio's default: 30 s).
 _TLS_CLOSE_S = 2.0
 # The ServerState attribute that holds a worker's HeaderSweep (one per uvicorn server, shared by its
@@ -126,6 +129,28 @@ class HeaderSweep:
             self.watch()
 
 
+class PiecewiseWrites:
+    """A TLS transport whose large writes are handed on in pieces of ``_TLS_PIECE_BYTES``. uvloop's TLS
+    transport encrypts what it is given and passes it to the socket's own transport while that one is
+    not full; its write buffer size (what ``count_answers`` counts) leaves out what it passed on. Given a
+    whole answer at once, it passes all of it on, uncounted; given pieces, it stops passing them once
+    the socket's transport is full, and keeps the rest where its size counts."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if view.nbytes <= _TLS_PIECE_BYTES:
+            self._transport.write(data)
+            return
+        for start in range(0, view.nbytes, _TLS_PIECE_BYTES):
+            self._transport.write(view[start : start + _TLS_PIECE_BYTES])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class RobezHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header timeout and a cap on connections (module docstring)."""
 
@@ -165,6 +190,8 @@ class RobezHttpProtocol(HttpToolsProtocol):
         self._answers_timer: asyncio.TimerHandle | None = None  # counts them again while any are held
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if self._admission is not None and transport.get_extra_info("ssl_object") is not None:
+            transport = PiecewiseWrites(transport)  # type: ignore[assignment]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
             self._count_closed("max_connections")
@@ -319,9 +346,8 @@ class RobezHttpProtocol(HttpToolsProtocol):
         write buffer: what the kernel did not take) in the worker's room for bodies, what it took given
         back; counted again every ``_ANSWERS_RECOUNT_S`` while any are held, as a client takes them without
         a word. Before, a client that read no answer held each in full until it left: 200 connections
-        with one lookup of 262,144 ids each grew a worker by 4.3 GB. Over TLS the write buffer uvloop
-        reports leaves out what it already encrypted into the socket's own transport (out of reach from
-        here): about one answer per connection goes uncounted."""
+        with one lookup of 262,144 ids each grew a worker by 4.3 GB. Over TLS, what uvloop's transport
+        passed on to the socket's own is not seen: at most a piece or two (``PiecewiseWrites``)."""
         admission = self._admission
         if admission is None:
             return

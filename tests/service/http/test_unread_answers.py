@@ -6,14 +6,17 @@ no answer held it in full: 200 connections with one lookup of 262,144 ids each g
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+import trustme
 
 from benchmarks.service.http_unread_answers import lookup_request, read_answer, send_unread
 from loadtest.server import tree_rss_bytes
@@ -77,16 +80,24 @@ def test_answers_clients_do_not_read_are_bounded(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def robez_http(tmp_path: Path) -> Iterator[Callable[[int], ThreadedServer]]:
+def robez_http(tmp_path: Path) -> Iterator[Callable[..., ThreadedServer]]:
     """The app in process behind robez serve's own HTTP protocol (which counts unread answers), with a
-    room of the given size for bodies and answers."""
+    room of the given size for bodies and answers; ``tls``: over TLS, its certificate signed by
+    ``tls``'s CA (trusted by the client contexts ``ca.configure_trust`` makes)."""
     servers: list[ThreadedServer] = []
 
-    def start(room: int) -> ThreadedServer:
+    def start(room: int, tls: trustme.CA | None = None) -> ThreadedServer:
+        options: dict[str, Any] = {}
+        if tls is not None:
+            pem = tmp_path / "server.pem"
+            tls.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
+            options = {"tls_cert": pem, "tls_key": pem}
         settings = make_settings(
-            tmp_path, max_body_bytes=MiB, max_body_bytes_held=room, max_ids_per_request=1 << 16
+            tmp_path, max_body_bytes=MiB, max_body_bytes_held=room, max_ids_per_request=1 << 16, **options
         )
-        servers.append(ThreadedServer(create_app(settings), **uvicorn_options(settings)))
+        if tls is not None:
+            options = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
+        servers.append(ThreadedServer(create_app(settings), **options, **uvicorn_options(settings)))
         return servers[-1]
 
     try:
@@ -104,16 +115,23 @@ def _held_bytes_settle(server: ThreadedServer, timeout_s: float = 10) -> int:
     return int(admission.held_bytes)
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
 def test_unread_answers_hold_the_room_until_their_clients_go(
-    robez_http: Callable[[int], ThreadedServer],
+    robez_http: Callable[..., ThreadedServer], tls: bool
 ) -> None:
     """8 connections that read none of their 16 MiB answers (65,536 ids): what the kernel did not take of
     them (it takes a few MiB) is held in the worker's room of 32 MiB, so the answers that find none are
-    refused 503; all of it is given back when the clients go."""
-    server = robez_http(32 * MiB)
+    refused 503; all of it is given back when the clients go. Over TLS too (before ``PiecewiseWrites``,
+    uvloop's TLS transport passed each answer whole to the socket's, where it was not counted)."""
+    ca = trustme.CA() if tls else None
+    server = robez_http(32 * MiB, ca)
+    context = None
+    if ca is not None:
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
     admission = server.app.state.admission
     rejected = admission.metrics.rejected_total.labels("bodies_held")
-    sockets = send_unread(int(server.address.split(":")[1]), 8, 1 << 16)
+    sockets = send_unread(int(server.address.split(":")[1]), 8, 1 << 16, context)
     try:
         deadline = time.monotonic() + 10
         while rejected._value.get() < 4 and time.monotonic() < deadline:
@@ -126,7 +144,7 @@ def test_unread_answers_hold_the_room_until_their_clients_go(
     assert _held_bytes_settle(server) == 0
 
 
-def test_clients_that_read_are_never_refused(robez_http: Callable[[int], ThreadedServer]) -> None:
+def test_clients_that_read_are_never_refused(robez_http: Callable[..., ThreadedServer]) -> None:
     """8 keep-alive clients each fetching 20 answers of 1 MiB against a room of 32 MiB, which their 160 MiB
     of answers would fill were what they took not given back, then 6 pipelined on one connection: every
     answer 200, nothing held after."""
