@@ -33,7 +33,7 @@ from .http.admission import Admission
 from .http.direct import LIFESPAN_DIRECT_KEY, DirectAnswers
 from .http.fastpath import FastPathMiddleware, FastRoutes
 from .http.middleware import InFlightLimitMiddleware, RequestBodyMiddleware, RequestMetricsMiddleware
-from .http.protocol import LIFESPAN_METRICS_KEY
+from .http.protocol import LIFESPAN_ADMISSION_KEY, LIFESPAN_METRICS_KEY
 from .log.journal import Journal, NullJournal
 from .logfilters import drop_tls_eof_notice, limit_client_input_logs
 from .metrics import Metrics
@@ -125,7 +125,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
                     grpc_server, app.state.grpc_port = await start_grpc(app, settings)
             # uvicorn hands the lifespan state to each connection (service/http/protocol.py counts there and
             # answers hot routes directly).
-            state: dict[str, Any] = {LIFESPAN_METRICS_KEY: app.state.metrics}
+            state: dict[str, Any] = {
+                LIFESPAN_METRICS_KEY: app.state.metrics,
+                LIFESPAN_ADMISSION_KEY: app.state.admission,
+            }
             if settings.direct_answers:
                 state[LIFESPAN_DIRECT_KEY] = app.state.direct
             freeze_startup_objects()

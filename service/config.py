@@ -285,8 +285,9 @@ class Settings(BaseSettings):
         default=1 * GiB,
         ge=1,
         json_schema_extra=_LIMITS,
-        description="request bodies one worker holds at once (counted as they arrive, until answered); "
-        "over: 503 + Retry-After",
+        description="request bodies one worker holds at once (counted as they arrive, until answered), "
+        "with the answers its clients have not read yet; over: 503 + Retry-After (an answer over 256 KiB "
+        "that finds no room: 503 instead)",
     )
     max_in_flight: int = Field(
         default=64,

@@ -5,7 +5,12 @@ requests a connection answers itself) both ask one ``Admission`` per worker:
 
 - a body is at most ``body_limit(its content type)`` (413), and the worker holds at most
   ``max_body_bytes_held`` of bodies at once, counted from their arrival until their answer (503 +
-  Retry-After), with the gRPC answers its clients have not taken yet (``hold_answers``);
+  Retry-After), with the answers its clients have not taken yet (``hold_answers``: an HTTP connection's
+  unread response bytes, ``protocol.py``; gRPC's, ``service/grpc/``);
+- an answer over ``ANSWER_CHECKED_BYTES`` that finds no room is answered with that 503 instead, and
+  dropped (``answer_refusal``, at its response start: ``AnswerStatus.send``), so clients that read no
+  answers cannot make a worker hold more than its room of them; smaller answers always go (sending them
+  is how their memory goes soonest);
 - a request takes one of ``max_in_flight`` slots until it is answered, unless it is a probe or a scrape
   (``UNLIMITED_PATHS``); none free: 503 + Retry-After;
 - a lookup waiting for a table version (``X-Robez-Min-Version``, service/consistency.py) gives its slot
@@ -25,6 +30,7 @@ leave the rest to the stack, so a refusal always comes from one place.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +58,12 @@ UNLIMITED_PATHS = frozenset(
         "/inference.GRPCInferenceService/ServerReady",
     }
 )
+# Answers larger than this are checked for room before they start (``Admission.answer_refusal``), as
+# gRPC's grpcio answers are (service/grpc/server.py).
+ANSWER_CHECKED_BYTES = 256 * 1024
+# The scope key under which a connection that counts its unread answers (protocol.py) hands each request
+# the function that counts them again (``RobezHttpProtocol.count_answers``).
+UNREAD_ANSWERS_KEY = "robez.count_answers"
 # nginx's status for "the client closed the connection before the server answered"; never sent.
 CLIENT_CLOSED_REQUEST = 499
 
@@ -93,12 +105,19 @@ class AnswerStatus:
     response starts with (or set ``status`` when a response is written another way); ``final`` gives it,
     or, with no response started, 499 when the app returned (its client went away) and 500 when it raised
     (the handler for ``Exception`` answers 500). With tracing on, the request's span starts here (a child
-    of its ``traceparent``) and ``Admission.finish`` ends it."""
+    of its ``traceparent``) and ``Admission.finish`` ends it.
 
-    __slots__ = ("_send", "start", "status", "trace")
+    ``send`` is also where every response of the stack and of the direct answers starts, so it is where an
+    answer too large for the worker's room is refused (``Admission.answer_refusal``): the 503 goes instead,
+    and the answer's body is dropped."""
 
-    def __init__(self, send: Send, scope: Scope) -> None:
+    __slots__ = ("_admission", "_dropping", "_send", "_unread", "start", "status", "trace")
+
+    def __init__(self, send: Send, scope: Scope, admission: Admission) -> None:
         self._send = send
+        self._admission = admission
+        self._unread: Callable[[], None] | None = scope.get(UNREAD_ANSWERS_KEY)
+        self._dropping = False  # the answer was refused: its body goes nowhere
         self.status: int | None = None
         self.start = time.perf_counter()
         self.trace: Any = None
@@ -110,14 +129,35 @@ class AnswerStatus:
             )
 
     async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
+        kind = message["type"]
+        if kind == "http.response.start":
+            refusal = self._admission.answer_refusal(_content_length(message), self._unread)
+            if refusal is not None:
+                self._dropping = True
+                self.status = refusal.status_code
+                await self._send(
+                    {"type": kind, "status": refusal.status_code, "headers": refusal.raw_headers}
+                )
+                await self._send({"type": "http.response.body", "body": refusal.body})
+                return
             self.status = int(message["status"])
+        elif self._dropping and kind == "http.response.body":
+            return
         await self._send(message)
 
     def final(self, raised: bool) -> int:
         if self.status is not None:
             return self.status
         return 500 if raised else CLIENT_CLOSED_REQUEST
+
+
+def _content_length(start: Message) -> int:
+    """The Content-Length of a response start (0 without one: a stream, bounded by uvicorn's flow
+    control as it goes)."""
+    for name, value in start.get("headers", ()):
+        if name == b"content-length":
+            return int(value)
+    return 0
 
 
 def endpoint(scope: Scope) -> str:
@@ -204,6 +244,19 @@ class Admission:
         bytes held. An answer is checked (``over_held``) before it is sent; what it holds then is counted
         whatever the room, as it is in the process already."""
         self.held_bytes += change
+
+    def answer_refusal(self, size: int, count_unread: Callable[[], None] | None = None) -> Response | None:
+        """The 503 an HTTP answer of ``size`` bytes is refused with, as bodies that find no room are (counted
+        ``bodies_held``), or None when it may go: answers up to ``ANSWER_CHECKED_BYTES`` always may.
+        ``count_unread`` first counts again what its connection's client has not taken yet (its earlier
+        answers): a client that reads nothing cannot hold more than the room through one connection."""
+        if size <= ANSWER_CHECKED_BYTES:
+            return None
+        if count_unread is not None:
+            count_unread()
+        if not self.over_held(size):
+            return None
+        return self.refuse_bodies_held(close=False)
 
     def wait_begins(self) -> bool:
         """An admitted request (holding an in-flight slot) starts waiting for a table version: its slot is

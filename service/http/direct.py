@@ -99,7 +99,7 @@ class DirectAnswers:
         an unexpected error answered 500. ``write(response)`` may write a response itself, as ``send``
         would (True), or leave it to ``send``."""
         admission = self.admission
-        answer = AnswerStatus(send, scope)
+        answer = AnswerStatus(send, scope, admission)
         scope["app"] = self.app
         raised = True
         slot = admission.admit(scope["path"], size)

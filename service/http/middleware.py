@@ -277,7 +277,7 @@ class RequestMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        answer = AnswerStatus(send, scope)
+        answer = AnswerStatus(send, scope, self.admission)
         raised = True
         try:
             await self.app(scope, receive, answer.send)

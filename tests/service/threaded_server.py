@@ -19,11 +19,13 @@ from .conftest import make_settings
 
 class ThreadedServer:
     """``app`` served on 127.0.0.1 at a free port until ``stop``; ``address`` is host:port, ``url`` its
-    http:// form."""
+    http:// form. ``options``: more ``uvicorn.Config`` arguments (``protocol.uvicorn_options(settings)``:
+    robez serve's own HTTP protocol)."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, **options: Any) -> None:
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **options)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
