@@ -86,6 +86,9 @@ def unread_answers(
             ],
         )
         sent[stream] = 0
+    # Every call's headers in one write before any message: the server starts them all at once, before
+    # any answer is ready (else calls opened after the first answers are held wait for the peer to read).
+    sock.sendall(connection.data_to_send())
     statuses: dict[int, tuple[str, str]] = {}
     deadline = time.monotonic() + seconds
     try:
