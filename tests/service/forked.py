@@ -1,6 +1,7 @@
 """Python scripts run as forks of one process that imported robez already, instead of a fresh ``python -c``
 each (~2 s of CPU for torch's and the service's imports): for tests whose script is a real process that
-kill -9s itself at a fault point (a dying worker or pusher). Each script still runs in its own process
+kill -9s itself at a fault point (a dying worker or pusher), or one that has run no kernel yet (what the
+start-up's warm-up compiles). Each script still runs in its own process
 (a fork, as ``robez serve``'s workers are forks of its fork server), with its own argv, environment,
 stdout and stderr; what the helper process imported is all it shares with it.
 
