@@ -130,8 +130,14 @@ class ReplicaServer(RobezProcess):
         return int(response.json()["version"])
 
     def wait_version(self, table: str, version: int, timeout_s: float = 30.0) -> None:
+        """Until this replica has ``table`` at ``version`` or later; a table it has not made yet (404: its
+        creation not applied here yet) is waited for too."""
         deadline = time.monotonic() + timeout_s
-        while self.version(table) < version:
+        while True:
+            response = self.http.get(f"{self.url}/v1/tables/{table}")
+            assert response.status_code in (200, 404), response.text
+            if response.status_code == 200 and int(response.json()["version"]) >= version:
+                return
             assert time.monotonic() < deadline, f"{self.name} stuck below version {version}:\n{self.log()}"
             time.sleep(0.05)
 
