@@ -107,8 +107,10 @@ def test_no_chunk_outlives_its_object(single_nats: NatsCluster, tmp_path: Path) 
             # Not newer than the stored one: not uploaded at all.
             assert not await log.put_snapshot(entry, Snapshot(5, _file(tmp_path, "again", 1)))
 
-            log.faults = Faults(snapshot_chunk_delay_s=0.5)  # a slow upload
-            upload = asyncio.create_task(log.put_snapshot(entry, Snapshot(9, _file(tmp_path, "slow", 6))))
+            # A slow upload, cancelled once 2 of its chunks are in: 20 chunks, so that the cancel lands
+            # before its end however late a loaded machine polls (6 ended before the cancel once, load 4.5).
+            log.faults = Faults(snapshot_chunk_delay_s=0.5)
+            upload = asyncio.create_task(log.put_snapshot(entry, Snapshot(9, _file(tmp_path, "slow", 20))))
             deadline = asyncio.get_running_loop().time() + 10
             while sum((await _chunk_messages(log)).values()) < 5:  # the slow upload sent 2 chunks
                 assert asyncio.get_running_loop().time() < deadline
