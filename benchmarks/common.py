@@ -18,6 +18,17 @@ EMULATED_AVX2_CPU = "znver2"
 EMULATION_MARK = "ROBEZ_BENCH_EMULATED"
 
 
+def append_report(out: Path, title: str, section: str) -> None:
+    """Add ``section`` to the report ``out`` (created under the heading ``title`` if it is new): a
+    benchmark run again the same day adds its run below the earlier ones."""
+    if out.exists():
+        out.write_text(out.read_text() + "\n" + section)
+    else:
+        out.write_text(f"# {title}\n\n" + section)
+    print(section)
+    print(f"written to {out}")
+
+
 def avx2_emulation_env() -> dict[str, str]:
     """Environment that makes this process's compiled code target an AVX2-only CPU on a bigger host.
 

@@ -34,6 +34,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from benchmarks.common import append_report
 from benchmarks.service.grpc_frames_soak import _memory_mib
 from benchmarks.service.oip_transports import INFER, REPORT_DIR, Server
 from robez_core import hostinfo
@@ -237,14 +238,11 @@ def main() -> None:
             f"**{row.pss_peak - row.pss_before:.0f}** | {row.rss_peak:.0f} | "
             f"{row.refused} ({row.codes}) | {row.seconds:.1f} | {row.serves_after} |"
         )
-    text = "\n".join(lines) + "\n"
-    out = args.out or REPORT_DIR / f"grpc-unread-answers-{date}.md"
-    if out.exists():
-        out.write_text(out.read_text() + "\n" + text)
-    else:
-        out.write_text(f"# gRPC answers a client does not take ({date})\n\n" + text)
-    print(text)
-    print(f"written to {out}")
+    append_report(
+        args.out or REPORT_DIR / f"grpc-unread-answers-{date}.md",
+        f"gRPC answers a client does not take ({date})",
+        "\n".join(lines) + "\n",
+    )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import BinaryIO
 import httpx
 import numpy as np
 
+from benchmarks.common import append_report
 from benchmarks.service.grpc_frames_soak import _memory_mib
 from benchmarks.service.grpc_unread_answers import _revision
 from benchmarks.service.oip_transports import REPORT_DIR, Server
@@ -198,14 +199,11 @@ def main() -> None:
             f"**{row.pss_peak - row.pss_before:.0f}** | {row.rss_peak:.0f} | {row.statuses} | "
             f"{row.rejected} | {row.read_s:.1f} | {row.serves_after} |"
         )
-    text = "\n".join(lines) + "\n"
-    out = args.out or REPORT_DIR / f"http-unread-answers-{date}.md"
-    if out.exists():
-        out.write_text(out.read_text() + "\n" + text)
-    else:
-        out.write_text(f"# HTTP answers clients do not read ({date})\n\n" + text)
-    print(text)
-    print(f"written to {out}")
+    append_report(
+        args.out or REPORT_DIR / f"http-unread-answers-{date}.md",
+        f"HTTP answers clients do not read ({date})",
+        "\n".join(lines) + "\n",
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ refused call, error messages that never quote a client's megabyte."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -37,6 +38,25 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 def _rss_mib(pid: int) -> float:
     """Resident memory of ``pid`` and its descendants (the server's process tree), in MiB."""
     return tree_rss_bytes(pid) / MiB
+
+
+@contextlib.contextmanager
+def _peak_rss(pid: int) -> Iterator[list[float]]:
+    """The process tree's resident memory (MiB), sampled every 50 ms while the block runs."""
+    peak = [_rss_mib(pid)]
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.wait(0.05):
+            peak.append(_rss_mib(pid))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        sampling.set()
+        sampler.join()
 
 
 @pytest.fixture(scope="module")
@@ -162,20 +182,8 @@ def test_stalled_partial_messages_are_bounded_and_cut(hostile_target: tuple[Robe
     assert server.process is not None
     pid = server.process.pid
     before = _rss_mib(pid)
-    peak = [before]
-    sampling = threading.Event()
-
-    def sample() -> None:
-        while not sampling.wait(0.05):
-            peak.append(_rss_mib(pid))
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    with _peak_rss(pid) as peak:
         accepted, closed = _stall(address, streams=8, declared=20 * MiB, send=16 * MiB, seconds=8)
-    finally:
-        sampling.set()
-        sampler.join()
     assert closed == 8, "every stalled call is ended by the server"
     # Two messages in read at once (52 MiB of room, 25 MiB each); a call whose turn comes at the end of
     # its body timeout lets a little more in before it is cut (before: all 128 MiB, kept).
@@ -198,20 +206,8 @@ def test_answers_a_peer_does_not_take_are_bounded(hostile_target: tuple[RobezSer
     assert server.process is not None
     pid = server.process.pid
     before = _rss_mib(pid)
-    peak = [before]
-    sampling = threading.Event()
-
-    def sample() -> None:
-        while not sampling.wait(0.05):
-            peak.append(_rss_mib(pid))
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    with _peak_rss(pid) as peak:
         statuses = unread_answers(address, calls=16, ids=65536, seconds=20, window=0, ended=12)
-    finally:
-        sampling.set()
-        sampler.join()
     # RESOURCE_EXHAUSTED, or DEADLINE_EXCEEDED for a call that found no room to read its message in time
     assert sum(code != "0" for code, _ in statuses.values()) >= 12, statuses
     refused = [message for code, message in statuses.values() if code == "8"]
