@@ -7,6 +7,7 @@ installed, prints it too, so it cannot live here.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,6 +17,15 @@ DEFAULT_OUTPUT_DIR = REPO / "docs" / "benchmarks"
 EMULATED_AVX2_CPU = "znver2"
 # Set in the environment of a benchmark re-run under the emulation (numba and torch read it at import).
 EMULATION_MARK = "ROBEZ_BENCH_EMULATED"
+
+
+def checkout_revision(source: Path) -> str:
+    """``<short hash> <subject>`` of a checkout's HEAD (cut to 90 characters), or its path outside git: which
+    code a row of a report ran."""
+    found = subprocess.run(
+        ["git", "-C", str(source), "log", "-1", "--format=%h %s"], capture_output=True, text=True, check=False
+    )
+    return found.stdout.strip()[:90] or str(source)
 
 
 def append_report(out: Path, title: str, section: str) -> None:

@@ -75,7 +75,7 @@ def _message(ids: int) -> bytes:
     return b"\0" + len(body).to_bytes(4, "big") + body
 
 
-def _memory_mib(root: int) -> tuple[float, float, int]:
+def memory_mib(root: int) -> tuple[float, float, int]:
     """PSS and RSS of the server's process tree (smaps_rollup), MiB, and its open sockets."""
     pss = rss = sockets = 0
     for pid in tree_pids(root):
@@ -280,7 +280,7 @@ async def soak(server: Server, seconds: float, stats: Stats) -> None:
 
     async def sample(until: float) -> None:
         while time.monotonic() < until:
-            stats.memory[stats.phase].append(_memory_mib(server.process.pid))
+            stats.memory[stats.phase].append(memory_mib(server.process.pid))
             await asyncio.sleep(1.0)
 
     await sample(time.monotonic() + 5)

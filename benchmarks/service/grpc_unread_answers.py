@@ -19,7 +19,6 @@ import os
 import platform
 import socket
 import struct
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,8 +33,8 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from benchmarks.common import append_report
-from benchmarks.service.grpc_frames_soak import _memory_mib
+from benchmarks.common import append_report, checkout_revision
+from benchmarks.service.grpc_frames_soak import memory_mib
 from benchmarks.service.oip_transports import INFER, REPORT_DIR, Server
 from robez_core import hostinfo
 
@@ -130,13 +129,6 @@ def unread_answers(
     return statuses
 
 
-def _revision(source: Path) -> str:
-    found = subprocess.run(
-        ["git", "-C", str(source), "log", "-1", "--format=%h %s"], capture_output=True, text=True, check=False
-    )
-    return found.stdout.strip()[:90] or str(source)
-
-
 @dataclass
 class Row:
     source: str
@@ -154,14 +146,14 @@ def measure(source: Path, engine: str, calls: int, ids: int, seconds: float) -> 
     server = Server({"ROBEZ_GRPC_ENGINE": engine}, cwd=source)
     try:
         pid = server.process.pid
-        pss0, rss0, _ = _memory_mib(pid)
+        pss0, rss0, _ = memory_mib(pid)
         peaks = [(pss0, rss0)]
         last = [0.0]
 
         def sample() -> None:
             if time.monotonic() - last[0] >= 0.25:
                 last[0] = time.monotonic()
-                pss, rss, _ = _memory_mib(pid)
+                pss, rss, _ = memory_mib(pid)
                 peaks.append((pss, rss))
 
         started = time.monotonic()
@@ -173,7 +165,7 @@ def measure(source: Path, engine: str, calls: int, ids: int, seconds: float) -> 
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             ready = stub.ModelReady(pb.ModelReadyRequest(name="demo"), timeout=60).ready
         return Row(
-            _revision(source),
+            checkout_revision(source),
             engine,
             pss0,
             max(p for p, _ in peaks),

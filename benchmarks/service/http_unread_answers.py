@@ -30,9 +30,8 @@ from typing import BinaryIO
 import httpx
 import numpy as np
 
-from benchmarks.common import append_report
-from benchmarks.service.grpc_frames_soak import _memory_mib
-from benchmarks.service.grpc_unread_answers import _revision
+from benchmarks.common import append_report, checkout_revision
+from benchmarks.service.grpc_frames_soak import memory_mib
 from benchmarks.service.oip_transports import REPORT_DIR, Server
 from robez_core import hostinfo
 
@@ -109,13 +108,13 @@ def measure(source: Path, connections: int, ids: int, seconds: float) -> Row:
     server = Server(cwd=source)
     try:
         pid = server.process.pid
-        pss0, rss0, _ = _memory_mib(pid)
+        pss0, rss0, _ = memory_mib(pid)
         peaks = [(pss0, rss0)]
         sockets = send_unread(server.port, connections, ids)
         try:
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
-                pss, rss, _ = _memory_mib(pid)
+                pss, rss, _ = memory_mib(pid)
                 peaks.append((pss, rss))
                 time.sleep(0.25)
             started = time.monotonic()
@@ -134,7 +133,7 @@ def measure(source: Path, connections: int, ids: int, seconds: float) -> Row:
         scrape = httpx.get(f"{server.url}/metrics", timeout=60).text
         rejected = re.findall(r'^robez_rejected_total\{reason="(\w+)"\} ([0-9.e+]+)$', scrape, re.M)
         return Row(
-            _revision(source),
+            checkout_revision(source),
             pss0,
             max(p for p, _ in peaks),
             max(r for _, r in peaks),
