@@ -17,7 +17,7 @@ engines share (read key, room for the message, admission, handler, metrics, trac
   reads nothing) are held in the worker's room for bodies (``max_body_bytes_held``, the admission's) until
   it takes them; an answer is refused (RESOURCE_EXHAUSTED naming the limit, the answer dropped) when its
   connection holds answers already and would hold more than ``grpc_max_unread_answer_bytes`` of them, or
-  when the worker has no room for it (answers over ``WRITE_HIGH_BYTES`` to a peer that took everything
+  when the worker has no room for it (answers over ``ANSWER_CHECKED_BYTES`` to a peer that took everything
   are checked too; smaller ones go: sending them is how their memory goes soonest). Before, one peer with
   its windows at 0 held every answer of its up to 100 calls: 40 calls of 262,144 ids grew a worker by
   2.7 GB.
@@ -41,8 +41,8 @@ from robez_core.errors import InvalidInputError
 
 from ..config import Settings
 from ..errors import PayloadTooLargeError
-from ..http.admission import Admission
-from .frames import CANCEL, NO_ERROR, RST_STREAM, WRITE_HIGH_BYTES, FrameConnection, Stream, frame
+from ..http.admission import ANSWER_CHECKED_BYTES, Admission
+from .frames import CANCEL, NO_ERROR, RST_STREAM, FrameConnection, Stream, frame
 from .headers import MAX_HEADER_LIST, never_indexed
 from .keepalive import Keepalive
 from .server import SERVICE, CallRefused, InferenceServicer
@@ -306,8 +306,8 @@ class GrpcConnection(FrameConnection):
         backlog = self._backlog()
         if backlog != self.answers_held:
             self._count_answers(backlog)
-        if not backlog and size <= WRITE_HIGH_BYTES:
-            return None  # the common case: a peer that took everything, a small answer
+        if not backlog and size <= ANSWER_CHECKED_BYTES:
+            return None  # the common case, as ``Admission.answer_fits``: a small answer, nothing behind
         limit = self.engine.max_unread_answer_bytes
         admission = self.engine.admission
         if backlog and backlog + size > limit:
@@ -316,7 +316,7 @@ class GrpcConnection(FrameConnection):
                 f"the client has not taken {backlog} bytes of answers on this connection; one more of {size} "
                 f"bytes would be over the limit grpc_max_unread_answer_bytes={limit}"
             )
-        if admission.over_held(size):
+        if not admission.answer_fits(size, behind=bool(backlog)):
             admission.metrics.rejected_total.labels("bodies_held").inc()
             return admission.bodies_held_message()
         return None

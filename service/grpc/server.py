@@ -50,7 +50,7 @@ from ..auth import check_read_access
 from ..codec import rows_view
 from ..config import Settings
 from ..errors import grpc_code_for, status_for
-from ..http.admission import CLIENT_CLOSED_REQUEST, Admission
+from ..http.admission import ANSWER_CHECKED_BYTES, CLIENT_CLOSED_REQUEST, Admission
 from ..oip import (
     EMBEDDINGS,
     PLATFORM,
@@ -232,10 +232,6 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-# grpcio: answers larger than this count against the worker's room for bodies until their call is done.
-_ANSWER_CHECKED_BYTES = 256 * 1024
-
-
 class InferenceServicer:
     """The served methods of ``GRPCInferenceService`` over the app's store, admission and settings."""
 
@@ -286,15 +282,15 @@ class InferenceServicer:
             response, code, message = await self.run(
                 name, handler, read_key, context.invocation_metadata() or (), read
             )
-            if code is grpc.StatusCode.OK and len(response) > _ANSWER_CHECKED_BYTES:
+            if code is grpc.StatusCode.OK and len(response) > ANSWER_CHECKED_BYTES:
                 # Held in the worker's room until gRPC is done with the call (its message taken by the
                 # peer's windows): a peer that takes no answer cannot make the worker hold more than that.
                 admission = self.app.state.admission
-                if admission.over_held(len(response)):
+                size = len(response)
+                if not admission.answer_fits(size):
                     admission.metrics.rejected_total.labels("bodies_held").inc()
                     code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, admission.bodies_held_message()
                 else:
-                    size = len(response)
                     admission.hold_answers(size)
                     context.add_done_callback(lambda _: admission.hold_answers(-size))
             if code is not grpc.StatusCode.OK:

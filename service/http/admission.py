@@ -58,8 +58,8 @@ UNLIMITED_PATHS = frozenset(
         "/inference.GRPCInferenceService/ServerReady",
     }
 )
-# Answers larger than this are checked for room before they start (``Admission.answer_refusal``), as
-# gRPC's grpcio answers are (service/grpc/server.py).
+# Answers larger than this are checked for room before they start (``Admission.answer_fits``): HTTP's and
+# both gRPC engines' (service/grpc/).
 ANSWER_CHECKED_BYTES = 256 * 1024
 # The scope key under which a connection that counts its unread answers (protocol.py) hands each request
 # the function that counts them again (``RobezHttpProtocol.count_answers``).
@@ -245,6 +245,12 @@ class Admission:
         whatever the room, as it is in the process already."""
         self.held_bytes += change
 
+    def answer_fits(self, size: int, behind: bool = False) -> bool:
+        """Whether an answer of ``size`` bytes may go now: one up to ``ANSWER_CHECKED_BYTES`` to a client
+        that took its earlier answers always may (sending it is how its memory goes soonest); a larger one,
+        or any to a client ``behind`` with them, only if the worker has room for it."""
+        return not (behind or size > ANSWER_CHECKED_BYTES) or not self.over_held(size)
+
     def answer_refusal(self, size: int, count_unread: Callable[[], None] | None = None) -> Response | None:
         """The 503 an HTTP answer of ``size`` bytes is refused with, as bodies that find no room are (counted
         ``bodies_held``), or None when it may go: answers up to ``ANSWER_CHECKED_BYTES`` always may.
@@ -254,7 +260,7 @@ class Admission:
             return None
         if count_unread is not None:
             count_unread()
-        if not self.over_held(size):
+        if self.answer_fits(size):
             return None
         return self.refuse_bodies_held(close=False)
 
