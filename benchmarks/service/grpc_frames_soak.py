@@ -91,6 +91,20 @@ def memory_mib(root: int) -> tuple[float, float, int]:
     return pss / 1024, rss / 1024, sockets
 
 
+class TreeMemoryPeak:
+    """PSS and RSS (MiB) of the process tree of ``pid`` at the start and at their highest of every
+    ``sample``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.pss_before, rss, _ = memory_mib(pid)
+        self.pss_peak, self.rss_peak = self.pss_before, rss
+
+    def sample(self) -> None:
+        pss, rss, _ = memory_mib(self.pid)
+        self.pss_peak, self.rss_peak = max(self.pss_peak, pss), max(self.rss_peak, rss)
+
+
 class Stats:
     def __init__(self) -> None:
         self.events: Counter[str] = Counter()  # what the server did to the attackers

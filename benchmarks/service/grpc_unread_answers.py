@@ -34,7 +34,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from benchmarks.common import append_report, checkout_revision
-from benchmarks.service.grpc_frames_soak import memory_mib
+from benchmarks.service.grpc_frames_soak import TreeMemoryPeak
 from benchmarks.service.oip_transports import INFER, REPORT_DIR, Server
 from robez_core import hostinfo
 
@@ -145,16 +145,13 @@ class Row:
 def measure(source: Path, engine: str, calls: int, ids: int, seconds: float) -> Row:
     server = Server({"ROBEZ_GRPC_ENGINE": engine}, cwd=source)
     try:
-        pid = server.process.pid
-        pss0, rss0, _ = memory_mib(pid)
-        peaks = [(pss0, rss0)]
+        memory = TreeMemoryPeak(server.process.pid)
         last = [0.0]
 
         def sample() -> None:
             if time.monotonic() - last[0] >= 0.25:
                 last[0] = time.monotonic()
-                pss, rss, _ = memory_mib(pid)
-                peaks.append((pss, rss))
+                memory.sample()
 
         started = time.monotonic()
         address = f"127.0.0.1:{server.grpc_port}"
@@ -167,9 +164,9 @@ def measure(source: Path, engine: str, calls: int, ids: int, seconds: float) -> 
         return Row(
             checkout_revision(source),
             engine,
-            pss0,
-            max(p for p, _ in peaks),
-            max(r for _, r in peaks),
+            memory.pss_before,
+            memory.pss_peak,
+            memory.rss_peak,
             sum(code != "0" for code in codes),
             ", ".join(f"{code}: {codes.count(code)}" for code in sorted(set(codes))) or "none",
             took,

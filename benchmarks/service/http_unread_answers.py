@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 
 from benchmarks.common import append_report, checkout_revision
-from benchmarks.service.grpc_frames_soak import memory_mib
+from benchmarks.service.grpc_frames_soak import TreeMemoryPeak
 from benchmarks.service.oip_transports import REPORT_DIR, Server
 from robez_core import hostinfo
 
@@ -107,15 +107,12 @@ class Row:
 def measure(source: Path, connections: int, ids: int, seconds: float) -> Row:
     server = Server(cwd=source)
     try:
-        pid = server.process.pid
-        pss0, rss0, _ = memory_mib(pid)
-        peaks = [(pss0, rss0)]
+        memory = TreeMemoryPeak(server.process.pid)
         sockets = send_unread(server.port, connections, ids)
         try:
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
-                pss, rss, _ = memory_mib(pid)
-                peaks.append((pss, rss))
+                memory.sample()
                 time.sleep(0.25)
             started = time.monotonic()
             statuses = Counter(read_status(sock) for sock in sockets)
@@ -134,9 +131,9 @@ def measure(source: Path, connections: int, ids: int, seconds: float) -> Row:
         rejected = re.findall(r'^robez_rejected_total\{reason="(\w+)"\} ([0-9.e+]+)$', scrape, re.M)
         return Row(
             checkout_revision(source),
-            pss0,
-            max(p for p, _ in peaks),
-            max(r for _, r in peaks),
+            memory.pss_before,
+            memory.pss_peak,
+            memory.rss_peak,
             ", ".join(f"{status}: {count}" for status, count in sorted(statuses.items())),
             ", ".join(f"{reason}: {float(count):.0f}" for reason, count in rejected if float(count))
             or "none",
